@@ -1,0 +1,35 @@
+# The CPU wheel of torch lies on this machine's disk; pinning it here keeps pip
+# from pulling the multi-GB CUDA build that a bare `torch` requirement would.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup run generate test test-all bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test,bench]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+run: setup
+	$(VENV)/bin/hybridserve serve
+
+generate: setup
+	$(VENV)/bin/hybridserve generate --prompt "The joint prefix cache" --max-tokens 32
+
+test: setup
+	$(PY) -m pytest -q
+
+test-all: setup
+	$(PY) -m pytest -q -m "slow or not slow"
+
+bench: setup
+	$(VENV)/bin/hybridserve bench all
+
+clean:
+	rm -rf $(VENV) build *.egg-info

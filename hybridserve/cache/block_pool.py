@@ -1,0 +1,395 @@
+"""Content-addressed paged KV blocks: bookkeeping only (no tensors).
+
+A :class:`BlockPool` tracks, for each physical KV block id, a reference count
+and an optional content hash.  Full, computed blocks are *registered* under a
+chained 128-bit hash of their token prefix (plus extra keys such as a
+per-request cache salt) so that later requests with the same prefix can share
+them.  Blocks whose reference count drops to zero go to an LRU free list but
+keep their hash: they stay matchable until :meth:`BlockPool.allocate` reclaims
+them, which evicts the hash.
+
+The physical KV tensors live elsewhere; this module is pure Python so the cache
+policy can be unit-tested and replayed on traces.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from collections import Counter, OrderedDict
+from typing import NamedTuple, Sequence
+
+import xxhash
+
+BlockHash = bytes
+"""A 16-byte chained content hash of one full KV block (and its whole prefix)."""
+
+_ROOT_TAG = b"\x00hybridserve-root"
+_PARENT_TAG = b"\x01"
+
+
+# --------------------------------------------------------------------- hashing
+
+
+def _encode_key(key: object, out: bytearray) -> None:
+    """Append an unambiguous, type-tagged, length-prefixed encoding of ``key``."""
+    if key is None:
+        out += b"N"
+    elif isinstance(key, bool):
+        out += b"T" if key else b"F"
+    elif isinstance(key, int):
+        raw = str(key).encode("ascii")
+        out += b"I" + struct.pack("<Q", len(raw)) + raw
+    elif isinstance(key, str):
+        raw = key.encode("utf-8")
+        out += b"S" + struct.pack("<Q", len(raw)) + raw
+    elif isinstance(key, (bytes, bytearray)):
+        out += b"B" + struct.pack("<Q", len(key)) + bytes(key)
+    elif isinstance(key, tuple):
+        out += b"U" + struct.pack("<Q", len(key))
+        for item in key:
+            _encode_key(item, out)
+    else:
+        raise TypeError(f"unsupported extra key type: {type(key).__name__}")
+
+
+def encode_extra_keys(extra_keys: tuple) -> bytes:
+    """Canonical byte encoding of ``extra_keys`` (so ``("ab",) != ("a", "b")``).
+
+    Supported element types: ``None``, ``bool``, ``int``, ``str``, ``bytes`` and
+    nested tuples of those.
+    """
+    out = bytearray()
+    _encode_key(tuple(extra_keys), out)
+    return bytes(out)
+
+
+def _encode_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian int64, prefixed by their count."""
+    arr = array("q", token_ids)  # raises OverflowError outside int64
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return struct.pack("<Q", len(arr)) + arr.tobytes()
+
+
+def hash_block(
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()
+) -> BlockHash:
+    """Chained 128-bit hash of one block given its parent block's hash.
+
+    ``parent`` is ``None`` for the first block of a sequence.  Equal parents,
+    tokens and extra keys give equal hashes; any difference (including the
+    cache salt in ``extra_keys``) gives a different hash with overwhelming
+    probability.
+    """
+    h = xxhash.xxh3_128()
+    if parent is None:
+        h.update(_ROOT_TAG)
+    else:
+        if len(parent) != 16:
+            raise ValueError(f"parent hash must be 16 bytes, got {len(parent)}")
+        h.update(_PARENT_TAG + parent)
+    h.update(_encode_tokens(token_ids))
+    h.update(encode_extra_keys(extra_keys))
+    return h.digest()
+
+
+def block_hashes_for(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: tuple = (),
+    start: list[BlockHash] | None = None,
+) -> list[BlockHash]:
+    """Hashes of every *full* block of ``token_ids`` (a trailing partial block gets none).
+
+    ``start`` holds already-computed hashes of a prefix of those blocks (e.g. from
+    the previous scheduling step); only the remaining blocks are hashed.  The
+    returned list is a new list; ``start`` is not modified.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    num_full = len(token_ids) // block_size
+    hashes: list[BlockHash] = list(start) if start else []
+    if len(hashes) > num_full:
+        raise ValueError(
+            f"start has {len(hashes)} hashes but token_ids has only {num_full} full blocks"
+        )
+    parent = hashes[-1] if hashes else None
+    for i in range(len(hashes), num_full):
+        block = token_ids[i * block_size : (i + 1) * block_size]
+        parent = hash_block(parent, block, extra_keys)
+        hashes.append(parent)
+    return hashes
+
+
+# ------------------------------------------------------------------ block pool
+
+
+class BlockPoolStats(NamedTuple):
+    """Snapshot of :class:`BlockPool` occupancy and counters."""
+
+    total: int
+    used: int
+    free: int
+    cached_free: int
+    evictions: int
+    hash_entries: int
+    touched: int
+    registered: int
+
+
+class BlockPool:
+    """Reference-counted, content-addressed pool of ``num_blocks`` KV block ids.
+
+    Invariants (checked by :meth:`check_integrity`):
+
+    * a block is in the LRU free list iff its ``ref_count`` is 0;
+    * ``block_hash[b] == h`` iff the hash index maps ``h -> b`` (one block per
+      hash; a second block with the same content simply stays unhashed);
+    * free blocks that still hold a hash are *cached*: they count as free
+      (reclaimable) and are matchable until reallocated.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        """Create a pool whose blocks ``0 .. num_blocks-1`` are all free."""
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self._num_blocks = num_blocks
+        self._ref_count: list[int] = [0] * num_blocks
+        self._block_hash: list[BlockHash | None] = [None] * num_blocks
+        # LRU order: first = least recently freed (evicted first), last = MRU.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._index: dict[BlockHash, int] = {}
+        self._num_cached_free = 0
+        self.num_evictions = 0
+        self.num_touched = 0
+        self.num_registered = 0
+        self.num_duplicate_registrations = 0
+
+    # -------------------------------------------------------------- properties
+
+    @property
+    def num_blocks(self) -> int:
+        """Total number of blocks."""
+        return self._num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ``ref_count == 0`` (including cached ones: they are reclaimable)."""
+        return len(self._free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a hash (matchable until reallocated)."""
+        return self._num_cached_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks with ``ref_count > 0``."""
+        return self._num_blocks - len(self._free)
+
+    def ref_count(self, block_id: int) -> int:
+        """Current reference count of ``block_id``."""
+        return self._ref_count[self._check_id(block_id)]
+
+    def block_hash(self, block_id: int) -> BlockHash | None:
+        """Hash held by ``block_id`` (``None`` if unregistered or evicted)."""
+        return self._block_hash[self._check_id(block_id)]
+
+    # ------------------------------------------------------------- allocation
+
+    def can_allocate(self, n: int) -> bool:
+        """Whether ``n`` blocks can be allocated now (cached free blocks included)."""
+        return 0 <= n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` fresh blocks (``ref_count`` 1), oldest-freed first; all or nothing.
+
+        A reclaimed block that still held a hash is evicted from the hash index.
+        Raises ``RuntimeError`` if fewer than ``n`` blocks are free.
+        """
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
+        if n > len(self._free):
+            raise RuntimeError(f"out of KV blocks: requested {n}, free {len(self._free)}")
+        out: list[int] = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            if self._block_hash[block_id] is not None:
+                self._num_cached_free -= 1
+                self._drop_hash(block_id)
+                self.num_evictions += 1
+            self._ref_count[block_id] = 1
+            out.append(block_id)
+        return out
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference on each block (a prefix-cache hit or a fork).
+
+        A free cached block leaves the free list (O(1)).  Touching a free block
+        that holds no hash is a bug (its content is meaningless) and raises.
+        """
+        for block_id in block_ids:
+            self._check_id(block_id)
+            if self._ref_count[block_id] == 0 and self._block_hash[block_id] is None:
+                raise ValueError(f"touch of free, uncached block {block_id}")
+        for block_id in block_ids:
+            if self._ref_count[block_id] == 0:
+                del self._free[block_id]
+                if self._block_hash[block_id] is not None:
+                    self._num_cached_free -= 1
+            self._ref_count[block_id] += 1
+            self.num_touched += 1
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference on each block; blocks reaching 0 go to the MRU end.
+
+        Freed blocks keep their hash and stay matchable until reallocated.
+        Callers should pass a request's blocks in *reverse* order (tail blocks
+        first): the free list is LRU, so the deepest, least shareable blocks are
+        then evicted before the request's shared prefix.  Dropping a reference
+        that does not exist raises ``ValueError`` (nothing is changed).
+        """
+        for block_id, count in Counter(block_ids).items():
+            self._check_id(block_id)
+            if self._ref_count[block_id] < count:
+                raise ValueError(f"double free of block {block_id}")
+        for block_id in block_ids:
+            self._ref_count[block_id] -= 1
+            if self._ref_count[block_id] == 0:
+                self._free[block_id] = None
+                if self._block_hash[block_id] is not None:
+                    self._num_cached_free += 1
+
+    # ----------------------------------------------------------- hash index
+
+    def register(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Make a full, computed, in-use block matchable under ``block_hash``.
+
+        Returns ``True`` if the block now holds the hash.  If another block
+        already holds it, the index keeps pointing to that one and this block
+        stays unhashed (returns ``False``).  Re-registering the same hash on the
+        same block is a no-op (``True``); registering a *different* hash on a
+        hashed block, or registering a free block, raises ``ValueError``.
+        """
+        self._check_id(block_id)
+        if self._ref_count[block_id] == 0:
+            raise ValueError(f"register of free block {block_id}")
+        current = self._block_hash[block_id]
+        if current is not None:
+            if current != block_hash:
+                raise ValueError(f"block {block_id} already holds a different hash")
+            return True
+        if block_hash in self._index:
+            self.num_duplicate_registrations += 1
+            return False
+        self._block_hash[block_id] = block_hash
+        self._index[block_hash] = block_id
+        self.num_registered += 1
+        return True
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        """Block currently holding ``block_hash`` (in use or free-cached), else ``None``."""
+        return self._index.get(block_hash)
+
+    def longest_cached_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """Block ids for the longest run of leading ``hashes`` that are all present.
+
+        Nothing is changed; call :meth:`touch` on (a prefix of) the result to
+        take references.
+        """
+        out: list[int] = []
+        for block_hash in hashes:
+            block_id = self._index.get(block_hash)
+            if block_id is None:
+                break
+            out.append(block_id)
+        return out
+
+    def evict_all_cached(self) -> int:
+        """Drop the hashes of all free blocks; returns how many were dropped.
+
+        Blocks in use keep their hashes.  O(number of free blocks).
+        """
+        dropped = 0
+        for block_id in self._free:
+            if self._block_hash[block_id] is not None:
+                self._drop_hash(block_id)
+                dropped += 1
+        self._num_cached_free = 0
+        return dropped
+
+    def reset_prefix_cache(self) -> int:
+        """Alias of :meth:`evict_all_cached`."""
+        return self.evict_all_cached()
+
+    # --------------------------------------------------------- diagnostics
+
+    def stats(self) -> BlockPoolStats:
+        """Current occupancy and counters."""
+        return BlockPoolStats(
+            total=self._num_blocks,
+            used=self.num_used_blocks,
+            free=self.num_free_blocks,
+            cached_free=self._num_cached_free,
+            evictions=self.num_evictions,
+            hash_entries=len(self._index),
+            touched=self.num_touched,
+            registered=self.num_registered,
+        )
+
+    def check_integrity(self) -> None:
+        """Verify every invariant; raises ``AssertionError`` on any inconsistency."""
+        assert len(self._ref_count) == self._num_blocks
+        assert len(self._block_hash) == self._num_blocks
+        cached_free = 0
+        hashed = 0
+        for block_id in range(self._num_blocks):
+            ref = self._ref_count[block_id]
+            in_free = block_id in self._free
+            assert ref >= 0, f"block {block_id} has negative ref_count {ref}"
+            assert in_free == (ref == 0), (
+                f"block {block_id}: ref_count {ref} but in_free_list={in_free}"
+            )
+            block_hash = self._block_hash[block_id]
+            if block_hash is not None:
+                hashed += 1
+                assert self._index.get(block_hash) == block_id, (
+                    f"block {block_id} holds a hash the index maps elsewhere"
+                )
+                cached_free += in_free
+        for block_hash, block_id in self._index.items():
+            assert 0 <= block_id < self._num_blocks, f"index maps to bad id {block_id}"
+            assert self._block_hash[block_id] == block_hash, (
+                f"index entry for block {block_id} disagrees with the block"
+            )
+        assert hashed == len(self._index), "hash index size != hashed blocks"
+        assert all(0 <= b < self._num_blocks for b in self._free), "bad id in free list"
+        assert cached_free == self._num_cached_free, (
+            f"cached-free counter {self._num_cached_free} != actual {cached_free}"
+        )
+        assert self.num_used_blocks + self.num_free_blocks == self._num_blocks
+
+    # -------------------------------------------------------------- helpers
+
+    def _check_id(self, block_id: int) -> int:
+        """Validate a block id and return it."""
+        if not 0 <= block_id < self._num_blocks:
+            raise IndexError(f"block id {block_id} out of range [0, {self._num_blocks})")
+        return block_id
+
+    def _drop_hash(self, block_id: int) -> None:
+        """Remove ``block_id``'s hash from the block and the index."""
+        block_hash = self._block_hash[block_id]
+        assert block_hash is not None
+        del self._index[block_hash]
+        self._block_hash[block_id] = None
+
+    def __repr__(self) -> str:
+        """Short summary for debugging."""
+        s = self.stats()
+        return (
+            f"BlockPool(total={s.total}, used={s.used}, free={s.free}, "
+            f"cached_free={s.cached_free}, evictions={s.evictions})"
+        )

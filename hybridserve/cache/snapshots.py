@@ -1,0 +1,367 @@
+"""GDN state snapshot slots: bookkeeping only (no tensors).
+
+Each slot of a :class:`SnapshotPool` stands for one physical copy (held
+elsewhere) of the conv + recurrent state of every Gated DeltaNet layer at one
+token boundary.  A published slot is keyed by the :data:`BlockHash` of the KV
+block that ends at that boundary, which identifies the exact token prefix and
+cache salt.  Together with the KV blocks up to that hash it forms a joint
+prefix-cache hit.
+
+Protocol: :meth:`SnapshotPool.reserve` -> the caller copies the state into the
+physical slot -> :meth:`SnapshotPool.publish` or :meth:`SnapshotPool.abort`.
+A reservation exposes nothing until it is published.  Slots being restored are
+pinned (:meth:`SnapshotPool.pin`) and are never evicted while pinned.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from typing import Callable, NamedTuple
+
+from hybridserve.cache.block_pool import BlockHash
+
+EvictCallback = Callable[[BlockHash, int], None]
+"""Called as ``on_evict(key, slot)`` when :meth:`SnapshotPool.reserve` evicts a slot."""
+
+
+class ReserveStatus(enum.Enum):
+    """Outcome of :meth:`SnapshotPool.reserve`."""
+
+    RESERVED = "reserved"
+    """A slot was reserved; copy the state into it, then publish or abort."""
+    DUPLICATE = "duplicate"
+    """The key is already published (its LRU position is refreshed) or in flight."""
+    SKIPPED = "skipped"
+    """No free slot and nothing evictable: a soft miss, not an error."""
+
+
+class Reservation(NamedTuple):
+    """Handle returned by :meth:`SnapshotPool.reserve`.
+
+    ``slot`` is set only for ``RESERVED``.  ``evicted_key`` is the key whose
+    published slot was evicted to make room (``None`` if none).  ``ticket`` is a
+    unique id that lets the pool reject stale handles.
+    """
+
+    status: ReserveStatus
+    slot: int | None
+    key: BlockHash
+    num_tokens: int
+    evicted_key: BlockHash | None = None
+    ticket: int = 0
+
+
+class SnapshotPoolStats(NamedTuple):
+    """Snapshot of :class:`SnapshotPool` occupancy and counters."""
+
+    slots: int
+    published: int
+    reserved: int
+    pinned: int
+    published_total: int
+    evicted_total: int
+    skipped_total: int
+    aborted_total: int
+    duplicate_total: int
+
+
+class _State(enum.Enum):
+    """Lifecycle state of one slot."""
+
+    FREE = 0
+    RESERVED = 1
+    PUBLISHED = 2
+
+
+class SnapshotPool:
+    """Bounded LRU pool of ``num_slots`` GDN state snapshot slots.
+
+    Every slot is exactly one of free / reserved / published.  Published,
+    unpinned slots sit in an LRU list (O(1) touch and eviction).  A pinned slot
+    leaves the LRU list and re-enters it as most-recently-used when its last pin
+    is dropped (being restored counts as a use).
+    """
+
+    def __init__(self, num_slots: int, on_evict: EvictCallback | None = None) -> None:
+        """Create ``num_slots`` free slots; ``on_evict(key, slot)`` hears capacity evictions."""
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self._num_slots = num_slots
+        self._on_evict = on_evict
+        self._state: list[_State] = [_State.FREE] * num_slots
+        self._key: list[BlockHash | None] = [None] * num_slots
+        self._num_tokens: list[int] = [0] * num_slots
+        self._ticket: list[int] = [0] * num_slots
+        self._pins: list[int] = [0] * num_slots
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_slots))
+        self._reserved: dict[BlockHash, int] = {}
+        self._published: dict[BlockHash, int] = {}
+        # Published, unpinned slots: first = least recently used.
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._num_pinned = 0
+        self._next_ticket = 1
+        self.published_total = 0
+        self.evicted_total = 0
+        self.skipped_total = 0
+        self.aborted_total = 0
+        self.duplicate_total = 0
+
+    # -------------------------------------------------------------- properties
+
+    @property
+    def num_slots(self) -> int:
+        """Total number of slots."""
+        return self._num_slots
+
+    @property
+    def num_free_slots(self) -> int:
+        """Slots neither reserved nor published."""
+        return len(self._free)
+
+    @property
+    def num_published(self) -> int:
+        """Slots currently published (resident, matchable)."""
+        return len(self._published)
+
+    @property
+    def num_reserved(self) -> int:
+        """Slots reserved and not yet published or aborted."""
+        return len(self._reserved)
+
+    @property
+    def num_pinned(self) -> int:
+        """Published slots with at least one pin."""
+        return self._num_pinned
+
+    # ----------------------------------------------------------------- lookup
+
+    def lookup(self, key: BlockHash) -> int | None:
+        """Published slot for ``key``, else ``None`` (no LRU change)."""
+        return self._published.get(key)
+
+    def touch(self, key: BlockHash) -> None:
+        """Mark ``key``'s published slot most-recently-used (no-op if absent or pinned)."""
+        slot = self._published.get(key)
+        if slot is not None and slot in self._lru:
+            self._lru.move_to_end(slot)
+
+    def key_of(self, slot: int) -> BlockHash:
+        """Key of a reserved or published slot (raises for a free slot)."""
+        self._check_held(slot)
+        key = self._key[slot]
+        assert key is not None
+        return key
+
+    def num_tokens_of(self, slot: int) -> int:
+        """Token boundary of a reserved or published slot (raises for a free slot)."""
+        self._check_held(slot)
+        return self._num_tokens[slot]
+
+    def pin_count(self, slot: int) -> int:
+        """Number of pins on ``slot``."""
+        self._check_slot(slot)
+        return self._pins[slot]
+
+    # --------------------------------------------------------------- pinning
+
+    def pin(self, slot: int) -> None:
+        """Pin a published slot (e.g. while it is being restored); pins nest."""
+        self._check_slot(slot)
+        if self._state[slot] is not _State.PUBLISHED:
+            raise ValueError(f"only published slots can be pinned (slot {slot})")
+        if self._pins[slot] == 0:
+            del self._lru[slot]
+            self._num_pinned += 1
+        self._pins[slot] += 1
+
+    def unpin(self, slot: int) -> None:
+        """Drop one pin; the last unpin makes the slot evictable again, as MRU."""
+        self._check_slot(slot)
+        if self._pins[slot] == 0:
+            raise ValueError(f"unpin of unpinned slot {slot}")
+        self._pins[slot] -= 1
+        if self._pins[slot] == 0:
+            self._lru[slot] = None
+            self._num_pinned -= 1
+
+    # --------------------------------------------------------------- protocol
+
+    def reserve(self, key: BlockHash, num_tokens: int) -> Reservation:
+        """Reserve a slot for the state at ``num_tokens`` tokens, keyed by ``key``.
+
+        DUPLICATE if ``key`` is published (refreshes its LRU position) or
+        already in flight; otherwise take a free slot, else evict the
+        least-recently-used unpinned published slot (reported in
+        ``evicted_key`` and to ``on_evict``), else SKIPPED.
+        """
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        if key in self._published or key in self._reserved:
+            self.touch(key)
+            self.duplicate_total += 1
+            return Reservation(ReserveStatus.DUPLICATE, None, key, num_tokens)
+        evicted_key: BlockHash | None = None
+        if self._free:
+            slot, _ = self._free.popitem(last=False)
+        elif self._lru:
+            slot = next(iter(self._lru))
+            evicted_key = self._key[slot]
+            self._unpublish(slot)
+            del self._free[slot]
+            self.evicted_total += 1
+        else:
+            self.skipped_total += 1
+            return Reservation(ReserveStatus.SKIPPED, None, key, num_tokens)
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        self._state[slot] = _State.RESERVED
+        self._key[slot] = key
+        self._num_tokens[slot] = num_tokens
+        self._ticket[slot] = ticket
+        self._reserved[key] = slot
+        if evicted_key is not None and self._on_evict is not None:
+            self._on_evict(evicted_key, slot)
+        return Reservation(ReserveStatus.RESERVED, slot, key, num_tokens, evicted_key, ticket)
+
+    def publish(self, res: Reservation) -> None:
+        """Make a reserved slot visible under its key as most-recently-used.
+
+        Raises ``ValueError`` for a non-RESERVED handle, or one that is stale
+        (already published, aborted, or superseded).
+        """
+        slot = self._check_live(res, "publish")
+        key = res.key
+        del self._reserved[key]
+        self._state[slot] = _State.PUBLISHED
+        self._published[key] = slot
+        self._lru[slot] = None
+        self.published_total += 1
+
+    def abort(self, res: Reservation) -> None:
+        """Return a reserved slot to the free list; nothing was ever exposed.
+
+        A no-op for DUPLICATE and SKIPPED handles; a stale RESERVED handle raises.
+        """
+        if res.status is not ReserveStatus.RESERVED:
+            return
+        slot = self._check_live(res, "abort")
+        del self._reserved[res.key]
+        self._release(slot)
+        self.aborted_total += 1
+
+    # -------------------------------------------------------------- eviction
+
+    def evict(self, key: BlockHash) -> bool:
+        """Drop ``key``'s published slot; ``False`` if absent or pinned."""
+        slot = self._published.get(key)
+        if slot is None or self._pins[slot] > 0:
+            return False
+        self._unpublish(slot)
+        self.evicted_total += 1
+        return True
+
+    def clear(self) -> int:
+        """Drop all unpinned published slots; returns how many (not counted as evictions)."""
+        slots = list(self._lru)
+        for slot in slots:
+            self._unpublish(slot)
+        return len(slots)
+
+    # ----------------------------------------------------------- diagnostics
+
+    def stats(self) -> SnapshotPoolStats:
+        """Current occupancy and counters."""
+        return SnapshotPoolStats(
+            slots=self._num_slots,
+            published=len(self._published),
+            reserved=len(self._reserved),
+            pinned=self._num_pinned,
+            published_total=self.published_total,
+            evicted_total=self.evicted_total,
+            skipped_total=self.skipped_total,
+            aborted_total=self.aborted_total,
+            duplicate_total=self.duplicate_total,
+        )
+
+    def check_integrity(self) -> None:
+        """Verify every invariant; raises ``AssertionError`` on any inconsistency."""
+        counts = {state: 0 for state in _State}
+        pinned = 0
+        for slot in range(self._num_slots):
+            state = self._state[slot]
+            counts[state] += 1
+            key = self._key[slot]
+            assert (slot in self._free) == (state is _State.FREE), f"slot {slot} free list"
+            assert self._pins[slot] >= 0, f"slot {slot} has negative pins"
+            if self._pins[slot]:
+                assert state is _State.PUBLISHED, f"pin on non-published slot {slot}"
+                pinned += 1
+            if state is _State.FREE:
+                assert key is None, f"free slot {slot} holds a key"
+                continue
+            assert key is not None, f"held slot {slot} has no key"
+            index = self._reserved if state is _State.RESERVED else self._published
+            assert index.get(key) == slot, f"slot {slot} missing from its key index"
+            in_lru = slot in self._lru
+            evictable = state is _State.PUBLISHED and self._pins[slot] == 0
+            assert in_lru == evictable, f"slot {slot}: in_lru={in_lru}, evictable={evictable}"
+        assert counts[_State.FREE] == len(self._free)
+        assert counts[_State.RESERVED] == len(self._reserved)
+        assert counts[_State.PUBLISHED] == len(self._published)
+        assert not (self._reserved.keys() & self._published.keys()), "key both reserved and published"
+        assert len(self._lru) == len(self._published) - pinned
+        assert pinned == self._num_pinned, f"pinned counter {self._num_pinned} != {pinned}"
+        assert sum(counts.values()) == self._num_slots
+
+    # --------------------------------------------------------------- helpers
+
+    def _check_slot(self, slot: int) -> None:
+        """Validate a slot index."""
+        if not 0 <= slot < self._num_slots:
+            raise IndexError(f"slot {slot} out of range [0, {self._num_slots})")
+
+    def _check_held(self, slot: int) -> None:
+        """Validate that ``slot`` is reserved or published."""
+        self._check_slot(slot)
+        if self._state[slot] is _State.FREE:
+            raise ValueError(f"slot {slot} is free")
+
+    def _check_live(self, res: Reservation, op: str) -> int:
+        """Return the slot of a still-live RESERVED handle, else raise ``ValueError``."""
+        if res.status is not ReserveStatus.RESERVED or res.slot is None:
+            raise ValueError(f"cannot {op} a {res.status.name} reservation")
+        slot = res.slot
+        self._check_slot(slot)
+        live = (
+            self._state[slot] is _State.RESERVED
+            and self._key[slot] == res.key
+            and self._ticket[slot] == res.ticket
+        )
+        if not live:
+            raise ValueError(f"cannot {op}: reservation for slot {slot} is not live")
+        return slot
+
+    def _unpublish(self, slot: int) -> None:
+        """Remove an unpinned published slot from the index and free it."""
+        key = self._key[slot]
+        assert key is not None and self._pins[slot] == 0
+        del self._published[key]
+        del self._lru[slot]
+        self._release(slot)
+
+    def _release(self, slot: int) -> None:
+        """Reset a slot's fields and put it on the free list."""
+        self._state[slot] = _State.FREE
+        self._key[slot] = None
+        self._num_tokens[slot] = 0
+        self._ticket[slot] = 0
+        self._free[slot] = None
+
+    def __repr__(self) -> str:
+        """Short summary for debugging."""
+        s = self.stats()
+        return (
+            f"SnapshotPool(slots={s.slots}, published={s.published}, "
+            f"reserved={s.reserved}, pinned={s.pinned}, free={self.num_free_slots})"
+        )

@@ -1,0 +1,50 @@
+"""Physical GDN state storage: live per-request slots and prefix-cache snapshot slots share one layout.
+
+Per GDN layer and slot: conv window [conv_dim, kernel - 1] (model dtype) and recurrent state
+[Hv, Dk, Dv] (float32, as accumulation in low precision drifts). Layer is the leading dim so a
+whole slot (every layer) moves with one indexed copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridserve.config import ModelConfig
+
+
+class GDNStateTensors:
+    """Conv + recurrent state tensors for `num_slots` slots across every GDN layer."""
+
+    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device,
+                 zero_fill: bool = True) -> None:
+        layers = len(config.gdn_layer_ids)
+        alloc = torch.zeros if zero_fill else torch.empty
+        self.num_slots = num_slots
+        self.conv = alloc((layers, num_slots, config.gdn_conv_dim, config.linear_conv_kernel_dim - 1),
+                          dtype=dtype, device=device)
+        self.recurrent = alloc((layers, num_slots, config.linear_num_value_heads,
+                                config.linear_key_head_dim, config.linear_value_head_dim),
+                               dtype=torch.float32, device=device)
+
+    @staticmethod
+    def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
+        """Bytes one slot (all GDN layers, conv + recurrent) occupies."""
+        layers = len(config.gdn_layer_ids)
+        conv = config.gdn_conv_dim * (config.linear_conv_kernel_dim - 1) * torch.empty((), dtype=dtype).element_size()
+        recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+        return layers * (conv + recurrent)
+
+    def reset(self, slot: int) -> None:
+        """Zero a slot: the state of an empty prefix."""
+        self.conv[:, slot].zero_()
+        self.recurrent[:, slot].zero_()
+
+    def copy_slot(self, dst_slot: int, src: "GDNStateTensors", src_slot: int) -> None:
+        """Copy every layer's state of `src[src_slot]` into `self[dst_slot]`."""
+        self.conv[:, dst_slot].copy_(src.conv[:, src_slot])
+        self.recurrent[:, dst_slot].copy_(src.recurrent[:, src_slot])
+
+    def write_layer(self, layer: int, slot: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Store one layer's state of one slot."""
+        self.conv[layer, slot].copy_(conv)
+        self.recurrent[layer, slot].copy_(recurrent)

@@ -1,0 +1,204 @@
+"""Configuration dataclasses, validated once at construction.
+
+`ModelConfig` describes the Qwen3.5 text decoder (read from a Hugging Face `config.json`,
+text-only or multimodal layout); `CacheConfig` sizes the KV pool and the GDN snapshot pool;
+`SchedulerConfig` bounds batching. Every invalid value raises `ValueError` naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Qwen3.5 hybrid text decoder (names follow the Hugging Face config)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    layer_types: tuple[str, ...]
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.25
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
+            "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_conv_kernel_dim", "max_position_embeddings",
+        ):
+            _require(getattr(self, name) >= 1, f"model config: {name} must be >= 1, got {getattr(self, name)}")
+        _require(len(self.layer_types) == self.num_hidden_layers,
+                 f"model config: layer_types has {len(self.layer_types)} entries, "
+                 f"num_hidden_layers is {self.num_hidden_layers}")
+        bad = set(self.layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION}
+        _require(not bad, f"model config: unknown layer types {sorted(bad)}")
+        _require(self.num_attention_heads % self.num_key_value_heads == 0,
+                 "model config: num_attention_heads must be a multiple of num_key_value_heads")
+        _require(self.linear_num_value_heads % self.linear_num_key_heads == 0,
+                 "model config: linear_num_value_heads must be a multiple of linear_num_key_heads")
+        _require(self.hidden_act == "silu", f"model config: hidden_act {self.hidden_act!r} is not supported")
+        _require(0.0 < self.partial_rotary_factor <= 1.0, "model config: partial_rotary_factor must be in (0, 1]")
+        _require(self.rotary_dim % 2 == 0 and self.rotary_dim > 0,
+                 f"model config: rotary dim {self.rotary_dim} must be a positive even number")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Number of leading head dimensions that get rotary embedding."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+    @property
+    def gdn_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
+
+    @property
+    def gdn_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def gdn_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def gdn_conv_dim(self) -> int:
+        """Channels of the depthwise causal conv (q, k and v concatenated)."""
+        return 2 * self.gdn_key_dim + self.gdn_value_dim
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face `config.json` dict (text-only or multimodal with `text_config`)."""
+        model_type = raw.get("model_type")
+        _require(model_type in SUPPORTED_MODEL_TYPES,
+                 f"unsupported model_type {model_type!r}; expected one of {SUPPORTED_MODEL_TYPES}")
+        text = dict(raw.get("text_config") or raw) if model_type == "qwen3_5" else dict(raw)
+        num_layers = int(text["num_hidden_layers"])
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            interval = int(text.get("full_attention_interval", 4))
+            layer_types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(num_layers)]
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        _require(rope_type == "default", f"rope_type {rope_type!r} is not supported (only 'default')")
+        eos = text.get("eos_token_id", raw.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        hidden = int(text["hidden_size"])
+        heads = int(text["num_attention_heads"])
+        tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        return cls(
+            vocab_size=int(text["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(text["intermediate_size"]),
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(text.get("num_key_value_heads", heads)),
+            head_dim=int(text.get("head_dim") or hidden // heads),
+            linear_num_key_heads=int(text["linear_num_key_heads"]),
+            linear_num_value_heads=int(text["linear_num_value_heads"]),
+            linear_key_head_dim=int(text["linear_key_head_dim"]),
+            linear_value_head_dim=int(text["linear_value_head_dim"]),
+            layer_types=tuple(layer_types),
+            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
+            partial_rotary_factor=float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))),
+            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(tie),
+            attention_bias=bool(text.get("attention_bias", False)),
+            hidden_act=str(text.get("hidden_act", "silu")),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")),
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Sizes of the paged KV pool and the GDN snapshot pool (the joint prefix cache)."""
+
+    block_size: int = 16
+    kv_cache_mib: float = 256.0
+    prefix_cache_mib: float = 1024.0
+    snapshot_interval: int = 256
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _require(self.kv_cache_mib > 0, f"kv_cache_mib must be > 0, got {self.kv_cache_mib}")
+        _require(self.prefix_cache_mib >= 0, f"prefix_cache_mib must be >= 0, got {self.prefix_cache_mib}")
+        _require(self.snapshot_interval >= 1 and self.snapshot_interval % self.block_size == 0,
+                 f"snapshot_interval ({self.snapshot_interval}) must be a positive multiple of "
+                 f"block_size ({self.block_size})")
+
+    @property
+    def prefix_cache_enabled(self) -> bool:
+        return self.prefix_cache_mib > 0
+
+    @property
+    def gdn_chunk_size(self) -> int:
+        """Chunk length of the chunked gated-delta prefill; divides the snapshot interval so that
+        every snapshot boundary is a chunk end (capture then needs no extra forward pieces)."""
+        return math.gcd(64, self.snapshot_interval)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits."""
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_waiting_requests: int = 1024
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= 1,
+                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        _require(self.max_model_len is None or self.max_model_len >= 2,
+                 f"max_model_len must be >= 2, got {self.max_model_len}")
+        _require(self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, resolved: model path (None = built-in), device, dtype, pools."""
+
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+                 f"dtype must be one of auto/float32/bfloat16/float16, got {self.dtype!r}")

@@ -1,0 +1,349 @@
+"""The synchronous engine: request intake and validation, the step loop, outputs and stats.
+
+One `step()` = schedule -> runner.execute -> apply | revert -> sample -> stop checks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import NamedTuple
+
+import torch
+
+from hybridserve.cache.block_pool import BlockPool
+from hybridserve.cache.snapshots import SnapshotPool
+from hybridserve.cache.state_slots import StateSlotPool
+from hybridserve.cache.state_tensors import GDNStateTensors
+from hybridserve.config import EngineConfig, ModelConfig
+from hybridserve.engine.request import Request, RequestStatus
+from hybridserve.engine.runner import ModelRunner
+from hybridserve.engine.sampling import sample
+from hybridserve.engine.scheduler import Scheduler, SchedulerOutput, blocks_for
+from hybridserve.layers.attention import PagedKVCache
+from hybridserve.models.builtin import BUILTIN_MODEL_CONFIG, builtin_tokenizer, init_builtin_weights
+from hybridserve.models.loader import load_weights, read_model_config
+from hybridserve.models.qwen3_5 import Qwen3_5ForCausalLM
+from hybridserve.models.tokenizer import Tokenizer
+from hybridserve.sampling_params import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+MIB = 1 << 20
+MAX_FAILED_STEPS = 3  # a request in this many consecutive failed forwards is finished with "error"
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `max_waiting_requests`; retry later."""
+
+
+class PrefixCacheReport(NamedTuple):
+    """Joint prefix cache statistics (`LLM.prefix_cache_stats()`)."""
+
+    queries: int
+    query_tokens: int
+    hits: int
+    hit_tokens: int
+    kv_only_misses: int
+    snapshot_only_misses: int
+    snapshots_published: int
+    snapshots_evicted: int
+    snapshots_skipped: int
+    snapshots_aborted: int
+    resident_snapshots: int
+    resident_snapshot_bytes: int
+    snapshot_slots: int
+    bytes_per_snapshot: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: float32 on CPU (bf16 matmul is ~100x slower there), bfloat16 on accelerators."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return getattr(torch, name)
+
+
+class LLMEngine:
+    """Owns tokenizer, model runner and scheduler; not thread-safe (drive it from one thread)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_config, self.tokenizer = self._load_model_config_and_tokenizer()
+        model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = model_len
+        cache = config.cache
+        self.bytes_per_snapshot = GDNStateTensors.bytes_per_slot(self.model_config, self.dtype)
+        self.num_kv_blocks = self._num_kv_blocks()
+        self.num_snapshot_slots = self._num_snapshot_slots()
+        chunk = cache.gdn_chunk_size if cache.prefix_cache_enabled else 64
+        model = Qwen3_5ForCausalLM(self.model_config, chunk_size=chunk, max_positions=model_len)
+        self._load_weights(model)
+        self.runner = ModelRunner(model.to(self.device).eval(), num_kv_blocks=self.num_kv_blocks,
+                                  block_size=cache.block_size, num_state_slots=config.scheduler.max_num_seqs,
+                                  num_snapshot_slots=self.num_snapshot_slots, dtype=self.dtype, device=self.device)
+        snapshots = SnapshotPool(self.num_snapshot_slots) if self.num_snapshot_slots else None
+        self.scheduler = Scheduler(cache, config.scheduler, BlockPool(self.num_kv_blocks),
+                                   StateSlotPool(config.scheduler.max_num_seqs), snapshots)
+        self.requests: dict[str, Request] = {}
+        self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        logger.info("hybridserve engine: %s", self.describe())
+
+    # -- construction -------------------------------------------------------------------------
+    def _load_model_config_and_tokenizer(self) -> tuple[ModelConfig, Tokenizer]:
+        if self.config.model is None:
+            return BUILTIN_MODEL_CONFIG, builtin_tokenizer()
+        model_config = read_model_config(self.config.model)
+        tokenizer = Tokenizer.from_model_dir(self.config.model).with_extra_eos_token_ids(model_config.eos_token_ids)
+        return model_config, tokenizer
+
+    def _load_weights(self, model: Qwen3_5ForCausalLM) -> None:
+        model.to(self.dtype)
+        if self.config.model is None:
+            init_builtin_weights(model, seed=self.config.seed)
+        else:
+            load_weights(model, self.config.model, self.model_config)
+
+    def _num_kv_blocks(self) -> int:
+        cfg, cache = self.model_config, self.config.cache
+        per_block = cache.block_size * PagedKVCache.bytes_per_token(
+            len(cfg.attention_layer_ids), cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+        blocks = int(cache.kv_cache_mib * MIB // per_block)
+        if blocks < 1:
+            raise ValueError(f"kv_cache_mib={cache.kv_cache_mib} holds no KV block ({per_block} bytes each)")
+        return blocks
+
+    def _num_snapshot_slots(self) -> int:
+        cache = self.config.cache
+        if not cache.prefix_cache_enabled:
+            return 0
+        slots = int(cache.prefix_cache_mib * MIB // self.bytes_per_snapshot)
+        if slots < 1:
+            raise ValueError(f"prefix_cache_mib={cache.prefix_cache_mib} is smaller than one GDN snapshot "
+                             f"({self.bytes_per_snapshot} bytes for this model); use 0 to disable the prefix cache")
+        return slots
+
+    def describe(self) -> str:
+        """One line with the resolved sizes (printed at start-up)."""
+        cache = self.config.cache
+        return (f"device={self.device} dtype={str(self.dtype).removeprefix('torch.')} "
+                f"max_model_len={self.max_model_len} kv_blocks={self.num_kv_blocks}x{cache.block_size} tokens "
+                f"state_slots={self.config.scheduler.max_num_seqs} snapshot_slots={self.num_snapshot_slots} "
+                f"bytes_per_snapshot={self.bytes_per_snapshot} snapshot_interval={cache.snapshot_interval}")
+
+    # -- requests -----------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     cache_salt: str | None = None) -> Request:
+        """Validate and tokenize without queueing anything (raises ValueError on bad input)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        params.validate()
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError("cache_salt must be a string")
+        text, token_ids = self._tokenize(prompt)
+        self._check_lengths(len(token_ids), params)
+        request = Request(request_id, text, token_ids, params, self.config.cache.block_size, cache_salt)
+        request.generator = (torch.Generator(device=self.device).manual_seed(params.seed)
+                             if params.seed is not None else self._generator)
+        return request
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> None:
+        """Validate and queue a request. ValueError on bad input; QueueFullError when saturated."""
+        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting_requests:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting; try again later")
+        self.enqueue(self.make_request(request_id, prompt, params, cache_salt))
+
+    def enqueue(self, request: Request) -> None:
+        """Queue a request built by `make_request`."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+        vocab = self.model_config.vocab_size
+        for token in prompt:
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+                raise ValueError(f"token id {token!r} is outside the vocabulary [0, {vocab})")
+        return None, list(prompt)
+
+    def _check_lengths(self, num_prompt: int, params: SamplingParams) -> None:
+        if num_prompt == 0:
+            raise ValueError("prompt is empty after tokenization")
+        if num_prompt >= self.max_model_len:
+            raise ValueError(f"prompt has {num_prompt} tokens, but the maximum context length is "
+                             f"{self.max_model_len} tokens (prompt plus at least one generated token)")
+        if num_prompt + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
+                             f"context length of {self.max_model_len} tokens")
+        needed = blocks_for(num_prompt + params.max_tokens, self.config.cache.block_size)
+        if needed > self.num_kv_blocks:
+            raise ValueError(f"request needs {needed} KV blocks but the KV pool has only {self.num_kv_blocks}; "
+                             f"raise kv_cache_mib or lower max_tokens")
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free everything it holds; unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is not None and not request.is_finished:
+            self.scheduler.finish(request, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_waiting_requests(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running_requests(self) -> int:
+        return len(self.scheduler.running)
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns outputs of requests that got a new token or finished."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        try:
+            result = self.runner.execute(scheduled)
+        except Exception:  # noqa: BLE001 - revert, keep serving, and fail only repeat offenders
+            logger.exception("forward failed; step reverted")
+            return self._after_failed_step(scheduled)
+        self.scheduler.apply(scheduled, result.failed_snapshot_slots)
+        sampled = sample(result.logits, result.requests)
+        now = time.monotonic()
+        outputs = []
+        for request, token, logprobs in zip(result.requests, sampled.token_ids, sampled.logprobs):
+            request.append_token(token)
+            if request.logprobs is not None and logprobs is not None:
+                request.logprobs.append(logprobs)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self._check_stop(request)
+            outputs.append(self._output(request))
+        return outputs
+
+    def _after_failed_step(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+        self.scheduler.revert(scheduled)
+        outputs = []
+        for chunk in scheduled.chunks:
+            request = chunk.request
+            if request.failed_steps >= MAX_FAILED_STEPS and not request.is_finished:
+                self._finish(request, "error")
+                outputs.append(self._output(request))
+        return outputs
+
+    def _check_stop(self, request: Request) -> None:
+        params, token = request.params, request.output_token_ids[-1]
+        enough = request.num_output_tokens >= params.min_tokens
+        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+        request.output_text = text
+        if enough and not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+            return self._finish(request, "stop")
+        if enough and token in params.stop_token_ids:
+            return self._finish(request, "stop", token)
+        if enough and params.stop:
+            hit = _find_stop(text, params.stop)
+            if hit is not None:
+                index, stop = hit
+                request.output_text = text[: index + len(stop)] if params.include_stop_str_in_output else text[:index]
+                return self._finish(request, "stop", stop)
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return self._finish(request, "length")
+        return None
+
+    def _finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
+        self.scheduler.finish(request, reason)
+        request.stop_reason = stop_reason
+        self.requests.pop(request.request_id, None)
+
+    def _output(self, request: Request) -> RequestOutput:
+        text = request.output_text if request.is_finished else request.output_text.rstrip("\ufffd")
+        metrics = {"arrival_time": request.arrival_time}
+        if request.first_token_time is not None:
+            metrics["first_token_time"] = request.first_token_time
+        return RequestOutput(
+            request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids), text=text, finished=request.is_finished,
+            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            logprobs=list(request.logprobs) if request.logprobs is not None else None, metrics=metrics)
+
+    # -- introspection ----------------------------------------------------------------------------
+    def prefix_cache_stats(self) -> PrefixCacheReport:
+        """Joint prefix cache counters (all zero when the cache is disabled)."""
+        prefix = self.scheduler.prefix_cache
+        snapshots = self.scheduler.snapshots
+        lookup = prefix.stats() if prefix is not None else None
+        snap = snapshots.stats() if snapshots is not None else None
+        return PrefixCacheReport(
+            queries=lookup.queries if lookup else 0, query_tokens=lookup.query_tokens if lookup else 0,
+            hits=lookup.hits if lookup else 0, hit_tokens=lookup.hit_tokens if lookup else 0,
+            kv_only_misses=lookup.kv_only_misses if lookup else 0,
+            snapshot_only_misses=lookup.snapshot_only_misses if lookup else 0,
+            snapshots_published=snap.published_total if snap else 0,
+            snapshots_evicted=snap.evicted_total if snap else 0,
+            snapshots_skipped=snap.skipped_total if snap else 0,
+            snapshots_aborted=snap.aborted_total if snap else 0,
+            resident_snapshots=snap.published if snap else 0,
+            resident_snapshot_bytes=(snap.published if snap else 0) * self.bytes_per_snapshot,
+            snapshot_slots=self.num_snapshot_slots, bytes_per_snapshot=self.bytes_per_snapshot)
+
+    def stats(self) -> dict[str, float]:
+        """Flat gauges and counters for metrics endpoints."""
+        pool = self.scheduler.block_pool
+        report = self.prefix_cache_stats()
+        slots = self.scheduler.state_slots
+        return {
+            "kv_blocks_total": pool.num_blocks, "kv_blocks_used": pool.num_used_blocks,
+            "kv_blocks_cached_free": pool.num_cached_free_blocks, "kv_blocks_free": pool.num_free_blocks,
+            "state_slots_total": slots.num_slots, "state_slots_free": slots.num_free_slots,
+            "snapshot_slots_total": report.snapshot_slots, "snapshot_slots_used": report.resident_snapshots,
+            "snapshot_bytes": report.resident_snapshot_bytes, "bytes_per_snapshot": report.bytes_per_snapshot,
+            "prefix_cache_queries": report.queries, "prefix_cache_hits": report.hits,
+            "prefix_cache_hit_tokens": report.hit_tokens, "prefix_cache_query_tokens": report.query_tokens,
+            "kv_only_misses": report.kv_only_misses, "snapshot_only_misses": report.snapshot_only_misses,
+            "snapshots_published": report.snapshots_published, "snapshots_evicted": report.snapshots_evicted,
+            "snapshots_skipped": report.snapshots_skipped, "snapshots_aborted": report.snapshots_aborted,
+            "num_running": self.num_running_requests, "num_waiting": self.num_waiting_requests,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
+    def check_integrity(self) -> None:
+        """Assert pool accounting is consistent; when idle, every block and slot is free again."""
+        self.scheduler.check_integrity()
+        if not self.has_unfinished_requests():
+            pool = self.scheduler.block_pool
+            assert pool.num_free_blocks == pool.num_blocks, "KV blocks still in use while idle"
+            slots = self.scheduler.state_slots
+            assert slots.num_free_slots == slots.num_slots, "state slots still in use while idle"
+            if self.scheduler.snapshots is not None:
+                assert self.scheduler.snapshots.num_reserved == 0, "snapshot reservation left open"
+                assert self.scheduler.snapshots.num_pinned == 0, "snapshot pin left behind"
+
+
+def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """Earliest occurrence of any stop string in `text`."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        index = text.find(stop)
+        if index >= 0 and (best is None or index < best[0]):
+            best = (index, stop)
+    return best

@@ -1,0 +1,92 @@
+"""A request's lifetime state: tokens, progress, and the cache resources it owns."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridserve.cache.block_pool import BlockHash, block_hashes_for
+from hybridserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is: waiting for admission, running, or done."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request. Owns `block_ids` (one reference each) and `state_slot` while running.
+
+    Progress is `num_computed_tokens` of `token_ids` (prompt + generated). A step computes
+    tokens [num_computed_tokens, num_computed_tokens + n); when it reaches the end, the next token
+    is sampled and appended. After preemption the request recomputes from the start (or from the
+    prefix cache), over the prompt and everything generated so far.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    block_size: int
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    state_slot: int | None = None
+    num_cached_tokens: int | None = None
+    logprobs: list[dict[int, float]] | None = None
+    output_text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    first_token_time: float | None = None
+    failed_steps: int = 0
+    generator: torch.Generator | None = None
+    _block_hashes: list[BlockHash] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def extra_keys(self) -> tuple:
+        """Hash extra keys: requests with different salts share no cache entry."""
+        return () if self.cache_salt is None else (self.cache_salt,)
+
+    def block_hashes(self, num_blocks: int) -> list[BlockHash]:
+        """Hashes of the first `num_blocks` full blocks of `token_ids` (computed incrementally)."""
+        if num_blocks > len(self._block_hashes):
+            upto = self.token_ids[: num_blocks * self.block_size]
+            self._block_hashes = block_hashes_for(upto, self.block_size, self.extra_keys, start=self._block_hashes)
+        return self._block_hashes[:num_blocks]
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)

@@ -1,0 +1,159 @@
+"""Model runner: owns the physical tensors (KV pages, live GDN slots, snapshot slots) and runs steps.
+
+It turns a `SchedulerOutput` into a `ForwardBatch`, performs admissions' state restores, runs
+the forward, and commits the new GDN state only when the whole forward succeeded.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import torch
+
+from hybridserve.cache.state_tensors import GDNStateTensors
+from hybridserve.engine.request import Request
+from hybridserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+from hybridserve.layers.attention import PagedKVCache
+from hybridserve.models.batch import DecodeGroup, ForwardBatch, PrefillChunk
+from hybridserve.models.qwen3_5 import ForwardContext, Qwen3_5ForCausalLM, StateWrite
+
+logger = logging.getLogger(__name__)
+
+
+class StepResult(NamedTuple):
+    """Logits for the requests that reached the end of their tokens, and failed snapshot copies."""
+
+    logits: torch.Tensor              # [R, vocab] float32
+    requests: list[Request]           # row i of logits belongs to requests[i]
+    failed_snapshot_slots: set[int]
+
+
+class SnapshotWriter:
+    """Copies captured state into reserved snapshot slots; a failed copy marks the slot failed
+    (the scheduler then aborts its reservation) instead of failing the forward."""
+
+    def __init__(self, store: GDNStateTensors) -> None:
+        self.store = store
+        self.failed: set[int] = set()
+
+    def write(self, layer: int, snapshot_slot: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        if snapshot_slot in self.failed:
+            return
+        try:
+            self.store.write_layer(layer, snapshot_slot, conv, recurrent)
+        except Exception:  # noqa: BLE001 - any copy failure only costs the snapshot
+            logger.exception("snapshot copy into slot %d failed; the snapshot is aborted", snapshot_slot)
+            self.failed.add(snapshot_slot)
+
+
+class ModelRunner:
+    """Executes scheduled steps on one device."""
+
+    def __init__(self, model: Qwen3_5ForCausalLM, *, num_kv_blocks: int, block_size: int, num_state_slots: int,
+                 num_snapshot_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        config = model.config
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.kv_cache = PagedKVCache(len(config.attention_layer_ids), num_kv_blocks, block_size,
+                                     config.num_key_value_heads, config.head_dim, dtype, device)
+        self.live_states = GDNStateTensors(config, num_state_slots, dtype, device)
+        self.snapshots = (GDNStateTensors(config, num_snapshot_slots, dtype, device, zero_fill=False)
+                          if num_snapshot_slots > 0 else None)
+
+    # -- one step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> StepResult:
+        """Restore admitted states, run the forward, commit state. Raises on failure having
+        committed nothing to live state (restored slots belong to requests the scheduler reverts)."""
+        for restore in output.restores:
+            if restore.snapshot_slot is None:
+                self.live_states.reset(restore.state_slot)
+            else:
+                assert self.snapshots is not None
+                self.live_states.copy_slot(restore.state_slot, self.snapshots, restore.snapshot_slot)
+        batch, sample_requests = self._build_batch(output.chunks)
+        writer = SnapshotWriter(self.snapshots) if self.snapshots is not None else None
+        writes: list[StateWrite] = []
+        logits = self.model(batch, ForwardContext(self.kv_cache, self.live_states, writer, writes))
+        self._commit(writes)
+        failed = writer.failed if writer is not None else set()
+        return StepResult(logits, sample_requests, failed)
+
+    def _commit(self, writes: list[StateWrite]) -> None:
+        for write in writes:
+            self.live_states.conv[write.layer].index_copy_(0, write.slots, write.conv.to(self.live_states.conv.dtype))
+            self.live_states.recurrent[write.layer].index_copy_(0, write.slots, write.recurrent)
+
+    # -- batch construction -----------------------------------------------------------------------
+    def _build_batch(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, list[Request]]:
+        decodes = [c for c in chunks if c.length == 1]
+        prefills = [c for c in chunks if c.length > 1]
+        ordered = decodes + prefills
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        sample_requests: list[Request] = []
+        for chunk in ordered:
+            row_end = len(input_ids) + chunk.length
+            input_ids.extend(chunk.request.token_ids[chunk.start:chunk.start + chunk.length])
+            positions.extend(range(chunk.start, chunk.start + chunk.length))
+            if chunk.start + chunk.length == chunk.request.num_tokens:
+                logit_rows.append(row_end - 1)
+                sample_requests.append(chunk.request)
+        device = self.device
+        positions_t = torch.tensor(positions, dtype=torch.long, device=device)
+        tables = self._block_tables([c.request.block_ids for c in ordered])
+        chunk_index = torch.repeat_interleave(torch.arange(len(ordered), device=device),
+                                              torch.tensor([c.length for c in ordered], device=device))
+        write_slots = self._slots(tables[chunk_index], positions_t)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+            positions=positions_t,
+            kv_write_slots=write_slots,
+            decode=self._decode_group(decodes, tables[: len(decodes)]) if decodes else None,
+            prefills=self._prefill_chunks(prefills, tables[len(decodes):], len(decodes)),
+            logits_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
+        )
+        return batch, sample_requests
+
+    def _block_tables(self, block_lists: list[list[int]]) -> torch.Tensor:
+        width = max(len(b) for b in block_lists)
+        padded = [b + [0] * (width - len(b)) for b in block_lists]
+        return torch.tensor(padded, dtype=torch.long, device=self.device)
+
+    def _slots(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat KV slot of each position, given each position's block table row."""
+        block = tables.gather(-1, (positions // self.block_size).unsqueeze(-1)).squeeze(-1)
+        return block * self.block_size + positions % self.block_size
+
+    def _context_slots(self, tables: torch.Tensor, length: int) -> torch.Tensor:
+        """Flat KV slots of positions [0, length) for every row of `tables` -> [rows, length]."""
+        offsets = torch.arange(self.block_size, device=self.device)
+        return (tables[:, :, None] * self.block_size + offsets).reshape(tables.shape[0], -1)[:, :length]
+
+    def _decode_group(self, decodes: list[ScheduledChunk], tables: torch.Tensor) -> DecodeGroup:
+        lengths = torch.tensor([c.start + 1 for c in decodes], device=self.device)
+        longest = int(lengths.max())
+        captures = [(row, r.slot) for row, c in enumerate(decodes) for r in c.captures]
+        return DecodeGroup(
+            state_slots=torch.tensor([c.request.state_slot for c in decodes], dtype=torch.long, device=self.device),
+            context_kv_slots=self._context_slots(tables, longest),
+            context_valid=torch.arange(longest, device=self.device)[None, :] < lengths[:, None],
+            captures=captures,
+        )
+
+    def _prefill_chunks(self, prefills: list[ScheduledChunk], tables: torch.Tensor, offset: int
+                        ) -> list[PrefillChunk]:
+        result = []
+        for index, chunk in enumerate(prefills):
+            prefix = self._context_slots(tables[index:index + 1], chunk.start)[0] if chunk.start > 0 else None
+            result.append(PrefillChunk(
+                token_offset=offset, length=chunk.length, start_position=chunk.start,
+                state_slot=chunk.request.state_slot,  # type: ignore[arg-type]
+                prefix_kv_slots=prefix,
+                captures=[(r.num_tokens, r.slot) for r in chunk.captures],  # type: ignore[misc]
+            ))
+            offset += chunk.length
+        return result

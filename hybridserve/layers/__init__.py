@@ -1,0 +1,1 @@
+"""Neural-network layers of the hybrid model: norms, rotary embedding, gated delta rule, paged attention."""

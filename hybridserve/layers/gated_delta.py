@@ -1,0 +1,133 @@
+"""Gated delta rule (chunked for prefill, recurrent for decode) and the depthwise causal conv.
+
+State per GDN layer and sequence: a recurrent matrix S [Hv, Dk, Dv] (kept in float32) and a conv
+window of the last (kernel - 1) conv inputs [C, kernel - 1]. The chunked form processes a prompt
+chunk by chunk with batched matrix products; it aligns its chunks to absolute positions, so the
+recurrent state at every absolute multiple of the chunk size is available from the one forward
+(this is what prefix-cache snapshots capture).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class ChunkedResult(NamedTuple):
+    """Output of `chunked_gated_delta`: per-token output, final state, states at requested ends."""
+
+    output: torch.Tensor          # [T, Hv, Dv] float32
+    final_state: torch.Tensor     # [Hv, Dk, Dv] float32
+    captured: list[torch.Tensor]  # one [Hv, Dk, Dv] per requested boundary, same order
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (the convention of the reference kernels)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def causal_conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU over one sequence's chunk.
+
+    x: [T, C] conv inputs; conv_state: [C, K-1] inputs of the K-1 positions before the chunk;
+    weight: [C, K]. Returns (SiLU(conv) [T, C], window [C, T+K-1]) where window column j is the
+    input at position (start - (K-1) + j): the state at any boundary b is window[:, b-start : b-start+K-1].
+    """
+    window = torch.cat([conv_state.to(x.dtype), x.t()], dim=1)
+    out = F.conv1d(window.unsqueeze(0), weight.unsqueeze(1), groups=weight.shape[0])
+    return F.silu(out[0].t()), window
+
+
+def causal_conv_decode(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One-token causal conv + SiLU for a batch. x: [B, C]; conv_state: [B, C, K-1]; weight: [C, K].
+    Returns (SiLU(conv) [B, C], new conv state [B, C, K-1])."""
+    window = torch.cat([conv_state.to(x.dtype), x.unsqueeze(-1)], dim=-1)
+    out = (window * weight.unsqueeze(0)).sum(-1)
+    return F.silu(out), window[..., 1:]
+
+
+def _expand_heads(x: torch.Tensor, num_value_heads: int) -> torch.Tensor:
+    """Each q/k head serves num_value_heads // num_key_heads consecutive value heads."""
+    repeat = num_value_heads // x.shape[-2]
+    return x if repeat == 1 else x.repeat_interleave(repeat, dim=-2)
+
+
+def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                        beta: torch.Tensor, initial_state: torch.Tensor, *, chunk_size: int,
+                        start_position: int, capture_at: list[int] | tuple[int, ...] = ()) -> ChunkedResult:
+    """Gated delta rule over one sequence's chunk of T tokens, from `initial_state`.
+
+    q, k: [T, Hk, Dk] (not yet normalised); v: [T, Hv, Dv]; g: [T, Hv] log-decay (<= 0);
+    beta: [T, Hv]; initial_state: [Hv, Dk, Dv]. Tokens occupy absolute positions
+    [start_position, start_position + T). Chunks are aligned to absolute multiples of
+    `chunk_size` by zero-padding the front (a padded token has k = v = 0, beta = 0, g = 0 and
+    leaves the state unchanged). `capture_at` lists absolute boundaries b (multiples of
+    chunk_size in (start, start + T]) whose state — after token b - 1 — is returned.
+    """
+    num_tokens, num_v_heads = v.shape[0], v.shape[1]
+    head_k = q.shape[-1]
+    q = l2_normalize(_expand_heads(q.float(), num_v_heads)) * head_k ** -0.5
+    k = l2_normalize(_expand_heads(k.float(), num_v_heads))
+    v, g, beta = v.float(), g.float(), beta.float()
+
+    front = start_position % chunk_size
+    back = (-(front + num_tokens)) % chunk_size
+    q, k, v = (F.pad(t, (0, 0, 0, 0, front, back)) for t in (q, k, v))
+    g, beta = (F.pad(t, (0, 0, front, back)) for t in (g, beta))
+    num_chunks = (front + num_tokens + back) // chunk_size
+
+    # [H, N, C, D] layout: heads outermost so every chunk's products batch over heads.
+    def chunked(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(num_chunks, chunk_size, *t.shape[1:]).movedim(2, 0)
+
+    q, k, v, g, beta = chunked(q), chunked(k), chunked(v), chunked(g), chunked(beta)
+    cum = g.cumsum(-1)                                              # [H, N, C]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta.unsqueeze(-1)
+    strictly_lower = (k_beta @ k.transpose(-1, -2)) * decay
+    strictly_lower = strictly_lower.masked_fill(torch.eye(chunk_size, dtype=torch.bool, device=q.device), 0.0)
+    # (I + L) X = [v*beta, k*beta*exp(cum)]: the UT transform of the delta-rule updates.
+    rhs = torch.cat([v * beta.unsqueeze(-1), k_beta * cum.exp().unsqueeze(-1)], dim=-1)
+    eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
+    solved = torch.linalg.solve_triangular(strictly_lower + eye, rhs, upper=False, unitriangular=True)
+    new_values, k_cumdecay = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * cum.exp().unsqueeze(-1)
+    k_to_end = (k * (cum[..., -1:] - cum).exp().unsqueeze(-1)).transpose(-1, -2)
+    chunk_decay = cum[..., -1].exp()[..., None, None]               # [H, N, 1, 1]
+
+    first_chunk_base = start_position - front
+    capture_chunks = {(b - first_chunk_base) // chunk_size - 1: i for i, b in enumerate(capture_at)}
+    captured: list[torch.Tensor | None] = [None] * len(capture_at)
+    state = initial_state.float()
+    out = torch.empty_like(new_values)
+    for n in range(num_chunks):
+        v_new = new_values[:, n] - k_cumdecay[:, n] @ state
+        out[:, n] = q_decayed[:, n] @ state + intra[:, n] @ v_new
+        state = state * chunk_decay[:, n] + k_to_end[:, n] @ v_new
+        if n in capture_chunks:
+            captured[capture_chunks[n]] = state
+    if any(c is None for c in captured):
+        raise ValueError(f"capture boundaries {list(capture_at)} are not chunk ends of this forward")
+    output = out.movedim(0, 2).reshape(num_chunks * chunk_size, num_v_heads, -1)[front:front + num_tokens]
+    return ChunkedResult(output, state, captured)  # type: ignore[arg-type]
+
+
+def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step for a batch: q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv];
+    state [B, Hv, Dk, Dv] (float32). Returns (output [B, Hv, Dv] float32, new state)."""
+    num_v_heads = v.shape[1]
+    q = l2_normalize(_expand_heads(q.float(), num_v_heads)) * q.shape[-1] ** -0.5
+    k = l2_normalize(_expand_heads(k.float(), num_v_heads))
+    state = state * g.float().exp()[..., None, None]
+    predicted = (k.unsqueeze(-2) @ state).squeeze(-2)              # [B, Hv, Dv]
+    delta = (v.float() - predicted) * beta.float().unsqueeze(-1)
+    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    out = (q.unsqueeze(-2) @ state).squeeze(-2)
+    return out, state

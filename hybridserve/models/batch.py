@@ -1,0 +1,50 @@
+"""What one model forward computes: a flat batch of tokens plus per-sequence layout.
+
+The scheduler decides which tokens run; the model runner turns that into a `ForwardBatch`.
+Tokens are flat: the decode group's tokens first (one per sequence), then each prefill
+chunk's tokens contiguously, in `prefills` order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's run of prompt tokens in this forward."""
+
+    token_offset: int                 # first row of this chunk in the flat batch
+    length: int
+    start_position: int               # absolute position of the first token
+    state_slot: int                   # live GDN state slot of the sequence
+    prefix_kv_slots: torch.Tensor | None  # flat KV slots of positions [0, start_position), or None
+    captures: list[tuple[int, int]] = field(default_factory=list)  # (absolute boundary, snapshot slot)
+
+
+@dataclass
+class DecodeGroup:
+    """All decoding sequences of this forward (one token each, rows [0, B) of the batch)."""
+
+    state_slots: torch.Tensor         # [B] live GDN state slots
+    context_kv_slots: torch.Tensor    # [B, L] flat KV slots of each context, padded
+    context_valid: torch.Tensor       # [B, L] bool, False on padding
+    captures: list[tuple[int, int]] = field(default_factory=list)  # (row, snapshot slot)
+
+
+@dataclass
+class ForwardBatch:
+    """Inputs of one forward: flat token ids and positions, KV write slots, layout, logit rows."""
+
+    input_ids: torch.Tensor           # [T]
+    positions: torch.Tensor           # [T]
+    kv_write_slots: torch.Tensor      # [T] flat KV slot each token's key/value goes to
+    decode: DecodeGroup | None
+    prefills: list[PrefillChunk]
+    logits_rows: torch.Tensor         # [R] rows whose logits are needed
+
+    @property
+    def num_decode(self) -> int:
+        return 0 if self.decode is None else int(self.decode.state_slots.shape[0])

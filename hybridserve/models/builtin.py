@@ -1,0 +1,212 @@
+"""The built-in default model: a small random Qwen3.5 hybrid used when no model dir is given.
+
+Everything here is deterministic and needs no download: the config, the byte-level tokenizer
+and the weights (seeded per tensor name, so the values do not depend on parameter order).
+`save_checkpoint` writes a Hugging Face style dir that `Qwen3_5ForCausalLM.from_pretrained` loads.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from hybridserve.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from hybridserve.models.tokenizer import ENDOFTEXT_ID, IM_END_ID, Tokenizer
+
+BUILTIN_MODEL_CONFIG = ModelConfig(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    # full_attention_interval 4: layers 3 and 7 are full attention.
+    layer_types=tuple(FULL_ATTENTION if (i + 1) % 4 == 0 else LINEAR_ATTENTION for i in range(8)),
+    linear_conv_kernel_dim=4,
+    rms_norm_eps=1e-6,
+    rope_theta=10_000_000.0,
+    partial_rotary_factor=0.25,
+    max_position_embeddings=32768,
+    tie_word_embeddings=True,
+    eos_token_ids=(ENDOFTEXT_ID, IM_END_ID),
+)
+
+WEIGHT_STD = 0.02
+CONV_STD = 0.3
+A_RANGE = (1.0, 16.0)
+RESERVED_ROW_SCALE = 0.05
+
+
+def builtin_tokenizer() -> Tokenizer:
+    """A fresh instance of the built-in byte-level tokenizer (4096 ids; builds in ~20 ms)."""
+    return Tokenizer.byte_level(BUILTIN_MODEL_CONFIG.vocab_size)
+
+
+def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the text decoder's parameters (Hugging Face `Qwen3_5ForCausalLM`
+    names; `lm_head.weight` only when embeddings are not tied)."""
+    h = config.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
+    for i, layer_type in enumerate(config.layer_types):
+        prefix = f"model.layers.{i}."
+        mixer = _gdn_shapes(config) if layer_type == LINEAR_ATTENTION else _attention_shapes(config)
+        shapes.update({prefix + name: shape for name, shape in mixer.items()})
+        shapes.update({
+            prefix + "mlp.gate_proj.weight": (config.intermediate_size, h),
+            prefix + "mlp.up_proj.weight": (config.intermediate_size, h),
+            prefix + "mlp.down_proj.weight": (h, config.intermediate_size),
+            prefix + "input_layernorm.weight": (h,),
+            prefix + "post_attention_layernorm.weight": (h,),
+        })
+    shapes["model.norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def _gdn_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, heads = config.hidden_size, config.linear_num_value_heads
+    return {
+        "linear_attn.in_proj_qkv.weight": (config.gdn_conv_dim, h),
+        "linear_attn.in_proj_z.weight": (config.gdn_value_dim, h),
+        "linear_attn.in_proj_b.weight": (heads, h),
+        "linear_attn.in_proj_a.weight": (heads, h),
+        "linear_attn.conv1d.weight": (config.gdn_conv_dim, 1, config.linear_conv_kernel_dim),
+        "linear_attn.dt_bias": (heads,),
+        "linear_attn.A_log": (heads,),
+        "linear_attn.norm.weight": (config.linear_value_head_dim,),
+        "linear_attn.out_proj.weight": (h, config.gdn_value_dim),
+    }
+
+
+def _attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, d = config.hidden_size, config.head_dim
+    q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
+    # q_proj also produces the per-head output gate, hence twice the query width.
+    out = {"q_proj": (2 * q_out, h), "k_proj": (kv_out, h), "v_proj": (kv_out, h), "o_proj": (h, q_out)}
+    shapes = {f"self_attn.{name}.weight": shape for name, shape in out.items()}
+    if config.attention_bias:
+        shapes.update({f"self_attn.{name}.bias": (shape[0],) for name, shape in out.items()})
+    shapes["self_attn.q_norm.weight"] = (d,)
+    shapes["self_attn.k_norm.weight"] = (d,)
+    return shapes
+
+
+def builtin_init_tensor(
+    name: str, shape: tuple[int, ...], seed: int = 0, *, reserved_from: int | None = None
+) -> torch.Tensor:
+    """Deterministic float32 CPU initial value of parameter `name` (seeded by seed and name).
+
+    Embedding rows of ids >= `reserved_from` (reserved tokens, which decode to nothing) are
+    scaled down so that the tied output head rarely picks them and sampled text stays visible.
+    """
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if name.endswith("linear_attn.norm.weight"):  # gated norm multiplies by w directly
+        return torch.ones(shape)
+    if name.endswith("norm.weight"):  # zero-centred RMSNorm: x * (1 + w)
+        return torch.zeros(shape)
+    if name.endswith("A_log"):
+        return torch.empty(shape).uniform_(*A_RANGE, generator=generator).log_()
+    if name.endswith("dt_bias"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if name.endswith("conv1d.weight"):
+        return torch.empty(shape).normal_(0.0, CONV_STD, generator=generator)
+    if len(shape) < 2:
+        raise ValueError(f"no built-in initialisation rule for parameter {name!r} of shape {list(shape)}")
+    weight = torch.empty(shape).normal_(0.0, WEIGHT_STD, generator=generator)
+    if reserved_from is not None and name in ("model.embed_tokens.weight", "lm_head.weight"):
+        weight[reserved_from:] *= RESERVED_ROW_SCALE
+    return weight
+
+
+def _reserved_from() -> int:
+    """First reserved id of the built-in tokenizer."""
+    reserved = builtin_tokenizer().token_to_id("<|reserved_0|>")
+    return BUILTIN_MODEL_CONFIG.vocab_size if reserved is None else reserved
+
+
+def init_builtin_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Fill every parameter of `model` with its built-in random value (on its device/dtype)."""
+    reserved_from = _reserved_from()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(builtin_init_tensor(name, tuple(param.shape), seed, reserved_from=reserved_from))
+
+
+def builtin_state_dict(config: ModelConfig = BUILTIN_MODEL_CONFIG, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The built-in random weights of `config` as a float32 state dict (no model needed)."""
+    reserved_from = _reserved_from()
+    return {name: builtin_init_tensor(name, shape, seed, reserved_from=reserved_from)
+            for name, shape in parameter_shapes(config).items()}
+
+
+def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """A `config.json` dict (model_type `qwen3_5_text`) that transformers and
+    `ModelConfig.from_hf_dict` both read back as `config`."""
+    eos = list(config.eos_token_ids)
+    return {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "linear_num_key_heads": config.linear_num_key_heads,
+        "linear_num_value_heads": config.linear_num_value_heads,
+        "linear_key_head_dim": config.linear_key_head_dim,
+        "linear_value_head_dim": config.linear_value_head_dim,
+        "linear_conv_kernel_dim": config.linear_conv_kernel_dim,
+        "layer_types": list(config.layer_types),
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta,
+                            "partial_rotary_factor": config.partial_rotary_factor},
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": config.attention_bias,
+        "hidden_act": config.hidden_act,
+        "eos_token_id": (eos[0] if len(eos) == 1 else eos) if eos else None,
+        "bos_token_id": config.bos_token_id,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def save_checkpoint(
+    out_dir: str | Path, config: ModelConfig, state_dict: dict[str, torch.Tensor], tokenizer: Tokenizer
+) -> Path:
+    """Write a Hugging Face style model dir: config.json, generation_config.json,
+    model.safetensors (a tied `lm_head.weight` is left out) and the tokenizer files."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        name: tensor.detach().to("cpu").contiguous()
+        for name, tensor in state_dict.items()
+        if not (config.tie_word_embeddings and name == "lm_head.weight")
+    }
+    dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config_dict(config, dtype), indent=2) + "\n")
+    generation = {"eos_token_id": list(config.eos_token_ids), "bos_token_id": config.bos_token_id}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    tokenizer.save(out)
+    return out
+
+
+def save_builtin_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write the built-in model (weights of `seed`) and tokenizer as a Hugging Face model dir."""
+    return save_checkpoint(out_dir, BUILTIN_MODEL_CONFIG, builtin_state_dict(seed=seed), builtin_tokenizer())
+

@@ -1,0 +1,157 @@
+"""Read a Hugging Face Qwen3.5 model directory: `config.json` and `*.safetensors` weights.
+
+Both the text-only layout (`Qwen3_5ForCausalLM`: `model.*`, `lm_head.weight`) and the
+multimodal layout (`Qwen3_5ForConditionalGeneration`: `model.language_model.*`, `model.visual.*`,
+`lm_head.weight`, plus `mtp.*` in released checkpoints) are accepted; only the text decoder is
+loaded. Every tensor is checked (name and shape) before anything is copied into the model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from hybridserve.config import ModelConfig
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+PROGRESS_MIN_BYTES = 256 * 1024 * 1024
+_IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.")
+_MULTIMODAL_TEXT_PREFIX = "model.language_model."
+_MAX_NAMES_IN_ERROR = 20
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One checkpoint tensor that maps to a model tensor."""
+
+    file: Path
+    source: str
+    target: str
+
+
+def read_model_config(model_dir: str | Path) -> ModelConfig:
+    """Parse `config.json` of a model dir (model_type `qwen3_5_text` or `qwen3_5`)."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"model directory {str(path)!r} does not exist")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"no config.json in model directory {str(path)!r}")
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {config_file}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_file} does not hold a JSON object")
+    return ModelConfig.from_hf_dict(raw)
+
+
+def load_weights(
+    model: torch.nn.Module, model_dir: str | Path, config: ModelConfig, *, show_progress: bool = True
+) -> None:
+    """Copy the checkpoint tensors of `model_dir` into `model` (converted to each target's
+    dtype and device). Raises `ValueError` naming every missing, unexpected, duplicated or
+    mis-shaped tensor; nothing is copied unless the whole checkpoint matches."""
+    files = checkpoint_files(model_dir)
+    targets = _load_targets(model)
+    entries = _plan(files, targets, config)
+    total_bytes = sum(f.stat().st_size for f in files)
+    progress = tqdm(total=len(entries), desc="loading weights", unit="tensor",
+                    disable=not show_progress or total_bytes <= PROGRESS_MIN_BYTES)
+    with torch.no_grad(), progress:
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                for entry in (e for e in entries if e.file == file):
+                    targets[entry.target].copy_(handle.get_tensor(entry.source))
+                    progress.update(1)
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a model dir: the shards of the index, `model.safetensors`,
+    or else every `*.safetensors` file (sorted)."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"model directory {str(path)!r} does not exist")
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"cannot read the weight map of {index}: {exc}") from exc
+        files = [path / name for name in sorted(set(weight_map.values()))]
+    elif (path / SINGLE_FILE).is_file():
+        files = [path / SINGLE_FILE]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {str(path)!r}")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"checkpoint shards listed in {INDEX_FILE} are missing: {missing}")
+    return files
+
+
+def checkpoint_name_to_model_name(name: str, config: ModelConfig) -> str | None:
+    """Model parameter name of a checkpoint tensor, or None if the tensor is not loaded
+    (vision tower, multi-token-prediction head, `lm_head` of a tied model)."""
+    if name.startswith(_IGNORED_PREFIXES):
+        return None
+    if name.startswith(_MULTIMODAL_TEXT_PREFIX):
+        name = "model." + name[len(_MULTIMODAL_TEXT_PREFIX):]
+    if config.tie_word_embeddings and name == "lm_head.weight":
+        return None
+    return name
+
+
+def _load_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters (shared ones once) and persistent buffers of `model`, by name."""
+    targets: dict[str, torch.Tensor] = dict(model.named_parameters())
+    persistent = model.state_dict(keep_vars=True).keys()
+    targets.update({n: b for n, b in model.named_buffers() if n in persistent and n not in targets})
+    return targets
+
+
+def _plan(files: list[Path], targets: dict[str, torch.Tensor], config: ModelConfig) -> list[_Entry]:
+    """Map every checkpoint tensor to a model tensor, checking names and shapes."""
+    entries: dict[str, _Entry] = {}
+    unexpected: list[str] = []
+    duplicated: list[str] = []
+    mis_shaped: list[str] = []
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for source in handle.keys():
+                target = checkpoint_name_to_model_name(source, config)
+                if target is None:
+                    continue
+                if target not in targets:
+                    unexpected.append(source)
+                    continue
+                if target in entries:
+                    duplicated.append(f"{source} (and {entries[target].source})")
+                    continue
+                shape = tuple(handle.get_slice(source).get_shape())
+                if shape != tuple(targets[target].shape):
+                    mis_shaped.append(f"{source}: checkpoint {list(shape)}, model {list(targets[target].shape)}")
+                entries[target] = _Entry(file, source, target)
+    missing = [name for name in targets if name not in entries]
+    _raise_if_mismatched(missing, unexpected, duplicated, mis_shaped)
+    return list(entries.values())
+
+
+def _raise_if_mismatched(missing: list[str], unexpected: list[str], duplicated: list[str],
+                         mis_shaped: list[str]) -> None:
+    problems = [
+        f"{label} ({len(names)}): {', '.join(names[:_MAX_NAMES_IN_ERROR])}"
+        + (", ..." if len(names) > _MAX_NAMES_IN_ERROR else "")
+        for label, names in (("missing tensors", missing), ("unexpected tensors", unexpected),
+                             ("duplicated tensors", duplicated), ("shape mismatches", mis_shaped))
+        if names
+    ]
+    if problems:
+        raise ValueError("checkpoint does not match the model; " + "; ".join(problems))

@@ -1,0 +1,250 @@
+"""Qwen3.5 hybrid text decoder: Gated DeltaNet layers interleaved with gated full attention.
+
+Module and parameter names equal the Hugging Face `Qwen3_5ForCausalLM` names, so checkpoints load
+by name. The forward runs a flat `ForwardBatch` (decodes + prefill chunks of many requests) over
+paged KV and slot-indexed GDN state. Live GDN state is NOT modified during the forward: new
+states are returned as `StateWrite`s and committed by the runner only after the whole forward
+succeeded (schedule -> forward -> apply | revert). Snapshot captures go to a `SnapshotSink`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridserve.cache.state_tensors import GDNStateTensors
+from hybridserve.config import FULL_ATTENTION, ModelConfig
+from hybridserve.layers.attention import PagedKVCache, decode_attention, prefill_attention
+from hybridserve.layers.gated_delta import causal_conv_decode, causal_conv_prefill, chunked_gated_delta, \
+    recurrent_gated_delta_step
+from hybridserve.layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
+from hybridserve.layers.rotary import PartialRotaryEmbedding
+from hybridserve.models.batch import ForwardBatch
+
+
+class StateWrite(NamedTuple):
+    """New GDN state for some live slots of one layer, applied after the forward succeeds."""
+
+    layer: int
+    slots: torch.Tensor      # [n] live slots
+    conv: torch.Tensor       # [n, conv_dim, kernel - 1]
+    recurrent: torch.Tensor  # [n, Hv, Dk, Dv]
+
+
+class SnapshotSink(Protocol):
+    """Receives GDN state captured at snapshot boundaries during a forward."""
+
+    def write(self, layer: int, snapshot_slot: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None: ...
+
+
+class ForwardContext(NamedTuple):
+    """Storage a forward reads and writes besides the weights."""
+
+    kv_cache: PagedKVCache
+    live_states: GDNStateTensors
+    snapshot_sink: SnapshotSink | None
+    state_writes: list[StateWrite]
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GatedAttention(nn.Module):
+    """Full attention with a sigmoid output gate, q/k RMSNorm and partial rotary, over paged KV."""
+
+    def __init__(self, config: ModelConfig, kv_layer: int, rotary: PartialRotaryEmbedding) -> None:
+        super().__init__()
+        self.kv_layer = kv_layer
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+        self.rotary = rotary
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext,
+                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, gate = self.q_proj(x).view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.rotary.apply(self.q_norm(q), *cos_sin)
+        k = self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim))
+        k = self.rotary.apply(k, *cos_sin)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        ctx.kv_cache.write(self.kv_layer, batch.kv_write_slots, k, v)
+        out = torch.empty_like(q)
+        if batch.decode is not None:
+            rows = batch.num_decode
+            keys, values = ctx.kv_cache.read(self.kv_layer, batch.decode.context_kv_slots)
+            out[:rows] = decode_attention(q[:rows], keys, values, batch.decode.context_valid, self.scale)
+        for chunk in batch.prefills:
+            rows = slice(chunk.token_offset, chunk.token_offset + chunk.length)
+            keys, values = k[rows], v[rows]
+            if chunk.prefix_kv_slots is not None:
+                old_k, old_v = ctx.kv_cache.read(self.kv_layer, chunk.prefix_kv_slots)
+                keys, values = torch.cat([old_k, keys]), torch.cat([old_v, values])
+            out[rows] = prefill_attention(q[rows], keys, values, chunk.start_position, self.scale)
+        out = out.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
+        return self.o_proj(out)
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet linear attention with a depthwise causal conv and slot-indexed state."""
+
+    def __init__(self, config: ModelConfig, state_layer: int, chunk_size: int) -> None:
+        super().__init__()
+        self.state_layer = state_layer
+        self.chunk_size = chunk_size
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        self.key_dim, self.value_dim = config.gdn_key_dim, config.gdn_value_dim
+        conv_dim, kernel = config.gdn_conv_dim, config.linear_conv_kernel_dim
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel, groups=conv_dim, bias=False, padding=kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        hidden = config.hidden_size
+        self.in_proj_qkv = nn.Linear(hidden, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    def _split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = mixed.shape[0]
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (q.reshape(n, self.num_k_heads, self.head_k_dim), k.reshape(n, self.num_k_heads, self.head_k_dim),
+                v.reshape(n, self.num_v_heads, self.head_v_dim))
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        mixed = self.in_proj_qkv(x)
+        z = self.in_proj_z(x)
+        beta = torch.sigmoid(self.in_proj_b(x)).float()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        weight = self.conv1d.weight.squeeze(1)
+        core = torch.empty(num_tokens, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=x.device)
+        if batch.decode is not None:
+            self._decode(mixed, g, beta, weight, batch, ctx, core)
+        for chunk in batch.prefills:
+            self._prefill(chunk, mixed, g, beta, weight, ctx, core)
+        out = self.norm(core.to(x.dtype).reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(out.reshape(num_tokens, self.value_dim))
+
+    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor,
+                batch: ForwardBatch, ctx: ForwardContext, core: torch.Tensor) -> None:
+        group, rows, layer = batch.decode, batch.num_decode, self.state_layer
+        assert group is not None
+        conv_state = ctx.live_states.conv[layer].index_select(0, group.state_slots)
+        state = ctx.live_states.recurrent[layer].index_select(0, group.state_slots)
+        conv_out, new_conv = causal_conv_decode(mixed[:rows], conv_state, weight)
+        q, k, v = self._split_qkv(conv_out)
+        core[:rows], new_state = recurrent_gated_delta_step(q, k, v, g[:rows], beta[:rows], state)
+        ctx.state_writes.append(StateWrite(layer, group.state_slots, new_conv, new_state))
+        if ctx.snapshot_sink is not None:
+            for row, snapshot_slot in group.captures:
+                ctx.snapshot_sink.write(layer, snapshot_slot, new_conv[row], new_state[row])
+
+    def _prefill(self, chunk, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,  # noqa: ANN001
+                 weight: torch.Tensor, ctx: ForwardContext, core: torch.Tensor) -> None:
+        layer, slot = self.state_layer, chunk.state_slot
+        rows = slice(chunk.token_offset, chunk.token_offset + chunk.length)
+        conv_out, window = causal_conv_prefill(mixed[rows], ctx.live_states.conv[layer, slot], weight)
+        q, k, v = self._split_qkv(conv_out)
+        boundaries = [b for b, _ in chunk.captures]
+        result = chunked_gated_delta(q, k, v, g[rows], beta[rows], ctx.live_states.recurrent[layer, slot],
+                                     chunk_size=self.chunk_size, start_position=chunk.start_position,
+                                     capture_at=boundaries)
+        core[rows] = result.output
+        history = window.shape[1] - chunk.length
+        slots = torch.tensor([slot], device=mixed.device)
+        ctx.state_writes.append(StateWrite(layer, slots, window[:, chunk.length:].unsqueeze(0),
+                                           result.final_state.unsqueeze(0)))
+        if ctx.snapshot_sink is not None:
+            for (boundary, snapshot_slot), state in zip(chunk.captures, result.captured):
+                offset = boundary - chunk.start_position
+                ctx.snapshot_sink.write(layer, snapshot_slot, window[:, offset:offset + history], state)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: token mixer (GDN or attention) then MLP."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, mixer_index: int, rotary: PartialRotaryEmbedding,
+                 chunk_size: int) -> None:
+        super().__init__()
+        self.is_attention = config.layer_types[layer_id] == FULL_ATTENTION
+        if self.is_attention:
+            self.self_attn = GatedAttention(config, mixer_index, rotary)
+        else:
+            self.linear_attn = GatedDeltaNet(config, mixer_index, chunk_size)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext,
+                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.is_attention:
+            h = self.self_attn(h, batch, ctx, cos_sin)
+        else:
+            h = self.linear_attn(h, batch, ctx)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3_5TextModel(nn.Module):
+    """Embeddings, decoder stack and final norm."""
+
+    def __init__(self, config: ModelConfig, chunk_size: int, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = PartialRotaryEmbedding(config.head_dim, config.rotary_dim, config.rope_theta, max_positions)
+        attention_ids, gdn_ids = config.attention_layer_ids, config.gdn_layer_ids
+        self.layers = nn.ModuleList([
+            DecoderLayer(config, i, attention_ids.index(i) if i in attention_ids else gdn_ids.index(i),
+                         self.rotary, chunk_size)
+            for i in range(config.num_hidden_layers)
+        ])
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """The full causal LM; `forward` returns logits only for `batch.logits_rows`."""
+
+    def __init__(self, config: ModelConfig, *, chunk_size: int = 64, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Qwen3_5TextModel(config, chunk_size, max_positions or config.max_position_embeddings)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+        x = self.model.embed_tokens(batch.input_ids)
+        cos_sin = self.model.rotary.cos_sin(batch.positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, batch, ctx, cos_sin)
+        x = self.model.norm(x.index_select(0, batch.logits_rows))
+        return F.linear(x, self.output_weight()).float()

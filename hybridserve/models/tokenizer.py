@@ -1,0 +1,355 @@
+"""Tokenizer wrapper around a `tokenizers.Tokenizer` (Hugging Face `tokenizer.json`).
+
+`Tokenizer.from_model_dir` reads a model directory; `Tokenizer.byte_level` builds the small
+deterministic byte-level BPE tokenizer of the built-in model (nothing to download).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer as BackendTokenizer
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+BYTE_LEVEL_SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+# Byte-level layout: ids 0-255 are the bytes, the special tokens follow at fixed ids, then the
+# trained merges, then `<|reserved_N|>` tokens up to the vocab size.
+ENDOFTEXT_ID = 256
+IM_START_ID = 257
+IM_END_ID = 258
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Qwen's pre-tokenization regex (letters, digits one at a time, punctuation runs, whitespace).
+_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+_TRAINING_TEXT = """\
+A language model reads a sequence of tokens and predicts the next token. Serving such a model
+means running it for many users at the same time, and doing so quickly and cheaply. The server
+receives a request with a prompt, turns the text into tokens, runs the prompt through the model
+in one pass called the prefill, and then produces new tokens one at a time in the decode phase.
+Each new token is sampled from the probabilities that the model computes, and the server sends
+it back to the user as soon as it is ready, so that the answer appears while it is generated.
+
+In a transformer with full attention, every token attends to all the tokens before it. To avoid
+computing the same keys and values again and again, the server keeps them in a key value cache.
+The cache grows with the length of the sequence, and for long prompts it becomes the largest
+part of the memory in use. A paged cache splits the keys and values into fixed blocks, so that
+memory is allocated in small pieces and can be shared between requests that start with the same
+text. When two prompts share a long prefix, such as the same system prompt or the same document,
+the blocks of that prefix are computed once and reused, which saves both time and memory.
+
+Linear attention layers work in a different way. A gated delta network keeps a fixed size state
+for each head and updates it with every token: the state decays by a gate, and the new key and
+value write a correction into it, like a small memory that learns while it reads. The cost of a
+step does not grow with the length of the sequence, and the state takes the same space for a
+short prompt and for a very long one. A short causal convolution mixes each token with the few
+tokens before it before the update is applied.
+
+A hybrid model interleaves both kinds of layers. Most layers are linear attention layers with a
+recurrent state, and every fourth layer is a full attention layer with a key value cache. This
+makes long contexts much cheaper, but it also changes how a prefix cache must work. The keys and
+values of a prefix can be cut at any block boundary, but the recurrent state is a summary of the
+whole prefix and cannot be cut. To reuse a prefix, the server must also keep a snapshot of the
+recurrent state at that point. A joint prefix cache stores blocks of keys and values together
+with snapshots of the states at regular intervals, and evicts them together when memory is low.
+
+The scheduler decides which requests run in each step. Continuous batching lets new requests
+join the batch as soon as others finish, instead of waiting for the whole batch to complete.
+The scheduler limits the number of sequences and the number of tokens in a step, splits very
+long prompts into chunks, and may preempt a request when the cache is full. Sampling parameters
+such as the temperature, top p, top k and the maximum number of tokens are set for each request.
+A request stops when the model emits an end of text token or a stop string, or when it reaches
+the maximum length. Good metrics help: the time to the first token, the time per output token,
+the throughput in tokens per second, and the hit rate of the prefix cache.
+
+Tokens are not words. A byte level tokenizer starts from the two hundred and fifty six bytes and
+learns merges of frequent pairs, so that common words become single tokens while any text, in
+any language, can still be written with bytes. Numbers such as 0, 1, 2, 3, 4, 5, 6, 7, 8 and 9 are
+split into digits. Special tokens mark the start and the end of each message in a chat, and a
+chat template turns a list of messages into the text that the model expects to read.
+"""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2 byte-level alphabet: each byte maps to a printable unicode character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def _token_content(value: Any) -> str | None:
+    """A token in tokenizer_config.json is a string or an AddedToken dict with `content`."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from exc
+
+
+def _pick_chat_template(value: Any) -> str | None:
+    """`chat_template` is a string or a list of {name, template} (the `default` one is used)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {item.get("name"): item.get("template") for item in value if isinstance(item, dict)}
+        return named.get("default")
+    return None
+
+
+def _dedupe(ids: Iterable[int]) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+class Tokenizer:
+    """Text <-> token ids, special tokens, eos ids and the chat template of a model."""
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        eos_token: str | None = None,
+        bos_token: str | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self._backend = backend
+        self._eos_token_ids = _dedupe(eos_token_ids)
+        self._eos_token = eos_token
+        self._bos_token = bos_token
+        self._chat_template = chat_template
+        self._compiled_template: jinja2.Template | None = None
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> "Tokenizer":
+        """Load `tokenizer.json` plus the optional `tokenizer_config.json`, `chat_template.jinja`
+        and `generation_config.json` (its eos ids are merged in) of a Hugging Face model dir."""
+        model_dir = Path(path)
+        tokenizer_file = model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ValueError(f"no tokenizer.json in {model_dir}")
+        backend = BackendTokenizer.from_file(str(tokenizer_file))
+        config_file = model_dir / "tokenizer_config.json"
+        config = _read_json(config_file) if config_file.is_file() else {}
+        _add_declared_tokens(backend, config.get("added_tokens_decoder") or {})
+
+        eos_token = _token_content(config.get("eos_token"))
+        eos_ids = [backend.token_to_id(eos_token)] if eos_token is not None else []
+        if eos_ids == [None]:
+            raise ValueError(f"eos_token {eos_token!r} of {config_file} is not in the vocabulary")
+        generation_file = model_dir / "generation_config.json"
+        if generation_file.is_file():
+            eos_ids += _as_id_list(_read_json(generation_file).get("eos_token_id"))
+
+        template = _pick_chat_template(config.get("chat_template"))
+        template_file = model_dir / "chat_template.jinja"
+        if template is None and template_file.is_file():
+            template = template_file.read_text(encoding="utf-8")
+        return cls(backend, eos_token_ids=eos_ids, eos_token=eos_token,
+                   bos_token=_token_content(config.get("bos_token")), chat_template=template)
+
+    @classmethod
+    def byte_level(cls, vocab_size: int, *, training_text: str = _TRAINING_TEXT) -> "Tokenizer":
+        """Deterministic byte-level BPE tokenizer of exactly `vocab_size` ids (built-in model).
+
+        Ids 0-255 are the bytes, 256-258 `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, then the
+        merges learned from `training_text` (as many as it yields and fit), then reserved special
+        tokens `<|reserved_N|>` up to `vocab_size`; every id decodes.
+        """
+        first_merge_id = 256 + len(BYTE_LEVEL_SPECIAL_TOKENS)
+        if vocab_size < first_merge_id:
+            raise ValueError(f"byte-level vocab_size must be >= {first_merge_id}, got {vocab_size}")
+        byte_chars = _bytes_to_unicode()
+        vocab = {byte_chars[b]: b for b in range(256)}
+        vocab.update({tok: 256 + i for i, tok in enumerate(BYTE_LEVEL_SPECIAL_TOKENS)})
+        merges: list[tuple[str, str]] = []
+        for left, right in _train_merges(training_text, vocab_size):
+            if len(vocab) == vocab_size:
+                break
+            if left + right not in vocab:
+                vocab[left + right] = len(vocab)
+                merges.append((left, right))
+        reserved = [f"<|reserved_{n}|>" for n in range(vocab_size - len(vocab))]
+        vocab.update({tok: len(vocab) + i for i, tok in enumerate(reserved)})
+
+        backend = _byte_level_backend(models.BPE(vocab=vocab, merges=merges))
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t in (*BYTE_LEVEL_SPECIAL_TOKENS, *reserved)])
+        return cls(backend, eos_token_ids=(ENDOFTEXT_ID, IM_END_ID), eos_token=IM_END,
+                   chat_template=CHATML_TEMPLATE)
+
+    def with_extra_eos_token_ids(self, ids: Iterable[int]) -> "Tokenizer":
+        """A copy whose eos ids are this tokenizer's plus `ids` (e.g. the model config's)."""
+        return Tokenizer(self._backend, eos_token_ids=(*self._eos_token_ids, *ids),
+                         eos_token=self._eos_token, bos_token=self._bos_token,
+                         chat_template=self._chat_template)
+
+    # -- encoding / decoding --------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; no BOS/EOS is added (special-token strings in it are matched)."""
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; ids outside the vocabulary (a padded model vocab) are dropped."""
+        size = self.vocab_size
+        valid = [int(i) for i in ids if 0 <= int(i) < size]
+        return self._backend.decode(valid, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a token string (e.g. a special token), None if absent."""
+        return self._backend.token_to_id(token)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render `messages` ([{role, content}, ...]) with the chat template into prompt text."""
+        if self._chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        if self._compiled_template is None:
+            self._compiled_template = _compile_template(self._chat_template)
+        return self._compiled_template.render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt,
+            eos_token=self._eos_token or "", bos_token=self._bos_token or "", **kwargs,
+        )
+
+    # -- properties -----------------------------------------------------------------------
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Ids that end generation (tokenizer eos, generation config and merged extra ids)."""
+        return self._eos_token_ids
+
+    @property
+    def chat_template(self) -> str | None:
+        """Jinja chat template source, if the model has one."""
+        return self._chat_template
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer knows (added tokens included)."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of the special added tokens."""
+        return frozenset(i for i, tok in self._backend.get_added_tokens_decoder().items() if tok.special)
+
+    @property
+    def backend(self) -> BackendTokenizer:
+        """The wrapped `tokenizers.Tokenizer`."""
+        return self._backend
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def save(self, out_dir: str | Path) -> None:
+        """Write `tokenizer.json` and a `tokenizer_config.json` that transformers can read."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(out / "tokenizer.json"))
+        added = {
+            str(i): {"content": tok.content, "special": tok.special, "normalized": tok.normalized,
+                     "lstrip": tok.lstrip, "rstrip": tok.rstrip, "single_word": tok.single_word}
+            for i, tok in sorted(self._backend.get_added_tokens_decoder().items())
+        }
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": self._eos_token,
+            "bos_token": self._bos_token,
+            "pad_token": ENDOFTEXT if self.token_to_id(ENDOFTEXT) is not None else self._eos_token,
+            "chat_template": self._chat_template,
+            "added_tokens_decoder": added,
+            "model_max_length": 1 << 20,
+        }
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False),
+                                                   encoding="utf-8")
+
+
+def _byte_level_backend(model: models.BPE) -> BackendTokenizer:
+    """A `tokenizers.Tokenizer` with Qwen's byte-level normalizer, pre-tokenizer and decoder."""
+    backend = BackendTokenizer(model)
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _train_merges(text: str, vocab_size: int) -> list[tuple[str, str]]:
+    """BPE merges learned from `text` by tokenizers' BpeTrainer, in merge order."""
+    scratch = _byte_level_backend(models.BPE())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    scratch.train_from_iterator([text], trainer=trainer)
+    merges = json.loads(scratch.to_str())["model"]["merges"]
+    # Older tokenizers versions serialize a merge as "left right", newer ones as [left, right].
+    return [tuple(m.split(" ", 1)) if isinstance(m, str) else (m[0], m[1]) for m in merges]
+
+
+def _add_declared_tokens(backend: BackendTokenizer, declared: Mapping[str, Any]) -> None:
+    """Add tokens of tokenizer_config's `added_tokens_decoder` missing from tokenizer.json."""
+    for id_text, spec in sorted(declared.items(), key=lambda kv: int(kv[0])):
+        content = _token_content(spec)
+        if content is None or backend.token_to_id(content) is not None:
+            continue
+        token = AddedToken(content, special=bool(spec.get("special", False)),
+                           normalized=bool(spec.get("normalized", False)))
+        if token.special:
+            backend.add_special_tokens([token])
+        else:
+            backend.add_tokens([token])
+        if backend.token_to_id(content) != int(id_text):
+            raise ValueError(f"added token {content!r} is declared with id {id_text} but gets id "
+                             f"{backend.token_to_id(content)}")
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """Compile a chat template the way transformers does (sandboxed, trimmed blocks)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ValueError(f"invalid chat template: {exc}") from exc
