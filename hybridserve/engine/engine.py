@@ -16,7 +16,7 @@ from hybridserve.cache.snapshots import SnapshotPool
 from hybridserve.cache.state_slots import StateSlotPool
 from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.config import EngineConfig, ModelConfig
-from hybridserve.engine.request import Request, RequestStatus
+from hybridserve.engine.request import Request
 from hybridserve.engine.runner import ModelRunner
 from hybridserve.engine.sampling import sample
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput, blocks_for
@@ -227,6 +227,8 @@ class LLMEngine:
             logger.exception("forward failed; step reverted")
             return self._after_failed_step(scheduled)
         self.scheduler.apply(scheduled, result.failed_snapshot_slots)
+        for request, logits in result.prompt_logits:
+            request.prompt_logits.append(logits)
         sampled = sample(result.logits, result.requests)
         now = time.monotonic()
         outputs = []
@@ -285,6 +287,18 @@ class LLMEngine:
             finish_reason=request.finish_reason, stop_reason=request.stop_reason,
             num_cached_tokens=request.num_cached_tokens or 0,
             logprobs=list(request.logprobs) if request.logprobs is not None else None, metrics=metrics)
+
+    def prompt_logits(self, prompt: str | list[int], cache_salt: str | None = None) -> torch.Tensor:
+        """Logits at every computed prompt position ([n, vocab], float32) through the normal paged,
+        chunked path (for parity checks and scoring); runs the engine until done. On a prefix
+        cache hit of b tokens only positions [b, prompt_len) are computed, so n = prompt_len - b."""
+        request = self.make_request(f"prompt-logits-{id(prompt)}-{time.monotonic_ns()}", prompt,
+                                    SamplingParams(max_tokens=1, temperature=0.0), cache_salt)
+        request.keep_prompt_logits = True
+        self.enqueue(request)
+        while not request.is_finished:
+            self.step()
+        return torch.cat(request.prompt_logits)
 
     # -- introspection ----------------------------------------------------------------------------
     def prefix_cache_stats(self) -> PrefixCacheReport:

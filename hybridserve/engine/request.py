@@ -52,6 +52,8 @@ class Request:
     first_token_time: float | None = None
     failed_steps: int = 0
     generator: torch.Generator | None = None
+    keep_prompt_logits: bool = False           # diagnostics: keep logits of every computed position
+    prompt_logits: list[torch.Tensor] = field(default_factory=list)
     _block_hashes: list[BlockHash] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -24,9 +24,10 @@ logger = logging.getLogger(__name__)
 class StepResult(NamedTuple):
     """Logits for the requests that reached the end of their tokens, and failed snapshot copies."""
 
-    logits: torch.Tensor              # [R, vocab] float32
-    requests: list[Request]           # row i of logits belongs to requests[i]
+    logits: torch.Tensor              # [R, vocab] float32: next-token logits, row i for requests[i]
+    requests: list[Request]
     failed_snapshot_slots: set[int]
+    prompt_logits: list[tuple[Request, torch.Tensor]]  # every position's logits, where a request asked
 
 
 class SnapshotWriter:
@@ -73,13 +74,16 @@ class ModelRunner:
             else:
                 assert self.snapshots is not None
                 self.live_states.copy_slot(restore.state_slot, self.snapshots, restore.snapshot_slot)
-        batch, sample_requests = self._build_batch(output.chunks)
+        batch, sample_requests, full_rows = self._build_batch(output.chunks)
         writer = SnapshotWriter(self.snapshots) if self.snapshots is not None else None
         writes: list[StateWrite] = []
         logits = self.model(batch, ForwardContext(self.kv_cache, self.live_states, writer, writes))
         self._commit(writes)
         failed = writer.failed if writer is not None else set()
-        return StepResult(logits, sample_requests, failed)
+        num_sampled = len(sample_requests)
+        prompt_logits = [(request, logits[num_sampled + first:num_sampled + first + count])
+                         for request, first, count in full_rows]
+        return StepResult(logits[:num_sampled], sample_requests, failed, prompt_logits)
 
     def _commit(self, writes: list[StateWrite]) -> None:
         for write in writes:
@@ -87,7 +91,8 @@ class ModelRunner:
             self.live_states.recurrent[write.layer].index_copy_(0, write.slots, write.recurrent)
 
     # -- batch construction -----------------------------------------------------------------------
-    def _build_batch(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, list[Request]]:
+    def _build_batch(self, chunks: list[ScheduledChunk]
+                     ) -> tuple[ForwardBatch, list[Request], list[tuple[Request, int, int]]]:
         decodes = [c for c in chunks if c.length == 1]
         prefills = [c for c in chunks if c.length > 1]
         ordered = decodes + prefills
@@ -95,8 +100,13 @@ class ModelRunner:
         positions: list[int] = []
         logit_rows: list[int] = []
         sample_requests: list[Request] = []
+        full_rows: list[int] = []
+        full_requests: list[tuple[Request, int, int]] = []
         for chunk in ordered:
             row_end = len(input_ids) + chunk.length
+            if chunk.request.keep_prompt_logits:
+                full_requests.append((chunk.request, len(full_rows), chunk.length))
+                full_rows.extend(range(row_end - chunk.length, row_end))
             input_ids.extend(chunk.request.token_ids[chunk.start:chunk.start + chunk.length])
             positions.extend(range(chunk.start, chunk.start + chunk.length))
             if chunk.start + chunk.length == chunk.request.num_tokens:
@@ -114,9 +124,9 @@ class ModelRunner:
             kv_write_slots=write_slots,
             decode=self._decode_group(decodes, tables[: len(decodes)]) if decodes else None,
             prefills=self._prefill_chunks(prefills, tables[len(decodes):], len(decodes)),
-            logits_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
+            logits_rows=torch.tensor(logit_rows + full_rows, dtype=torch.long, device=device),
         )
-        return batch, sample_requests
+        return batch, sample_requests, full_requests
 
     def _block_tables(self, block_lists: list[list[int]]) -> torch.Tensor:
         width = max(len(b) for b in block_lists)

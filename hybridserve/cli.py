@@ -1,0 +1,96 @@
+"""`hybridserve` command line: generate, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from hybridserve.engine.engine import LLMEngine
+from hybridserve.engine_args import add_engine_arguments, engine_config_from_args
+from hybridserve.sampling_params import SamplingParams
+
+
+def _add_generate(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("generate", help="complete one prompt and print it with its timing",
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_engine_arguments(parser)
+    parser.add_argument("--prompt", default="The joint prefix cache of a hybrid model", help="prompt text")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    parser.add_argument("--top-k", type=int, default=-1, help="-1 = disabled")
+    parser.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
+    parser.set_defaults(handler=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Load the engine, complete `--prompt`, print the text and timings."""
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sample_seed, ignore_eos=args.ignore_eos)
+    engine = LLMEngine(engine_config_from_args(args))
+    print(f"[hybridserve] {engine.describe()}", file=sys.stderr)
+    start = time.perf_counter()
+    engine.add_request("cli-0", args.prompt, params)
+    first_token = None
+    final = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if first_token is None and output.token_ids:
+                first_token = time.perf_counter()
+            final = output if output.finished else final
+    total = time.perf_counter() - start
+    assert final is not None and first_token is not None
+    decode_tokens = max(len(final.token_ids) - 1, 1)
+    print(args.prompt + final.text)
+    print(f"[hybridserve] prompt_tokens={len(final.prompt_token_ids)} completion_tokens={len(final.token_ids)} "
+          f"finish_reason={final.finish_reason} ttft={1000 * (first_token - start):.1f} ms "
+          f"decode={1000 * (total - (first_token - start)) / decode_tokens:.1f} ms/token total={total:.2f} s",
+          file=sys.stderr)
+    return 0
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    from hybridserve.server.cli import add_serve_arguments, run_server
+
+    parser = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_arguments(parser)
+    parser.set_defaults(handler=run_server)
+
+
+def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+    from hybridserve.bench.cli import add_bench_arguments
+
+    parser = subparsers.add_parser("bench", help="benchmarks (figures for BENCHMARKS.md)",
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_bench_arguments(parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridserve", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_generate(subparsers)
+    _add_serve(subparsers)
+    try:
+        _add_bench(subparsers)
+    except ImportError:  # benchmarks need their optional dependencies
+        pass
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `hybridserve` script."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except ValueError as error:
+        print(f"hybridserve: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,387 @@
+"""Asyncio front end of the synchronous `LLMEngine`.
+
+The sync engine is not thread-safe, so exactly one dedicated thread ever touches it. That
+thread drains a command queue (add, abort, arbitrary calls such as `stats()`) between
+scheduling steps, runs `step()` while there is work, and sleeps on a condition variable when
+idle. Outputs are handed to each request's `asyncio.Queue` with `loop.call_soon_threadsafe`,
+so coroutines on any event loop can await them. Requests submitted concurrently are batched
+by the engine's own scheduler simply because they sit in the engine together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol, TypeVar
+
+from hybridserve.engine.engine import QueueFullError
+from hybridserve.sampling_params import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class SyncEngine(Protocol):
+    """What `AsyncLLMEngine` needs from the synchronous engine (`LLMEngine` satisfies it)."""
+
+    tokenizer: Any
+    max_model_len: int
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> None: ...
+    def step(self) -> list[RequestOutput]: ...
+    def abort_request(self, request_id: str) -> None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def stats(self) -> dict[str, float]: ...
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full; the caller should retry later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (never started, or shut down)."""
+
+
+class EngineStepError(RuntimeError):
+    """A scheduling step raised; the requests that were in flight have been failed."""
+
+
+@dataclasses.dataclass
+class _Sink:
+    """Event-loop side of one request: where the engine thread delivers its outputs."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    last: RequestOutput | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Deliver from the engine thread; a closed loop (caller gone) is ignored."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass
+
+
+@dataclasses.dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    sink: _Sink
+    ack: concurrent.futures.Future
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclasses.dataclass
+class _Call:
+    fn: Callable[[Any], Any]
+    result: concurrent.futures.Future
+
+
+class RequestStream:
+    """Async iterator over one request's cumulative `RequestOutput`s, ending with the finished one.
+
+    When the consumer falls behind, intermediate outputs are skipped (they are cumulative, so
+    the newest one carries everything). An engine failure is raised from `__anext__`.
+    """
+
+    def __init__(self, request_id: str, queue: asyncio.Queue) -> None:
+        self.request_id = request_id
+        self._queue = queue
+        self.finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while not self._queue.empty() and isinstance(item, RequestOutput) and not item.finished:
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+
+def _snapshot(output: RequestOutput) -> RequestOutput:
+    """Copy the mutable parts so the event loop never sees the engine thread mutate them."""
+    return dataclasses.replace(
+        output,
+        token_ids=list(output.token_ids),
+        logprobs=None if output.logprobs is None else list(output.logprobs),
+        metrics=dict(output.metrics),
+    )
+
+
+class AsyncLLMEngine:
+    """Runs a synchronous engine on its own thread and exposes it to asyncio code.
+
+    `max_waiting_requests` bounds requests that are queued but not yet running; beyond it
+    `add_request` raises `EngineOverloadedError` (the server answers 503 with Retry-After).
+    """
+
+    def __init__(self, engine: SyncEngine, *, max_waiting_requests: int | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = int(engine.max_model_len)
+        self.model_config = getattr(engine, "model_config", None)
+        self.max_request_tokens = _max_request_tokens(engine)
+        self.max_waiting_requests = max_waiting_requests
+        self._cond = threading.Condition()
+        self._commands: list[_Add | _Abort | _Call] = []
+        self._pending_adds = 0
+        self._engine_waiting = 0
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._sinks: dict[str, _Sink] = {}  # owned by the engine thread
+        self._busy = False  # owned by the engine thread
+
+    @classmethod
+    def from_config(cls, config: Any, **kwargs: Any) -> "AsyncLLMEngine":
+        """Build the sync `LLMEngine` from an `EngineConfig` and wrap it (not started yet)."""
+        from hybridserve.engine.engine import LLMEngine
+
+        limit = kwargs.pop("max_waiting_requests", config.scheduler.max_waiting_requests)
+        return cls(LLMEngine(config), max_waiting_requests=limit, **kwargs)
+
+    # ----------------------------------------------------------------- lifecycle
+    @property
+    def is_running(self) -> bool:
+        """True while the engine thread is alive and not shutting down."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        with self._cond:
+            if self._stopping:
+                raise EngineDeadError("engine has been shut down")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hybridserve-engine", daemon=True)
+                self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; in-flight and queued requests fail with `EngineDeadError`."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # ----------------------------------------------------------------- public API
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          cache_salt: str | None = None) -> RequestStream:
+        """Submit a request and wait until the engine accepted it.
+
+        Raises the engine's `ValueError` for bad input, `EngineOverloadedError` when the
+        waiting queue is full, `EngineDeadError` when the loop is not running.
+        """
+        self.start()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        ack: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Add(request_id, prompt, params, cache_salt, _Sink(loop, queue), ack), is_add=True)
+        try:
+            await asyncio.wrap_future(ack)
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return RequestStream(request_id, queue)
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs until the request finishes; leaving early aborts it."""
+        stream = await self.add_request(request_id, prompt, params, cache_salt)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (safe from any thread; unknown or finished ids are a no-op)."""
+        try:
+            self._submit(_Abort(request_id))
+        except EngineDeadError:
+            pass
+
+    async def call(self, fn: Callable[[Any], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps and return its result."""
+        self.start()
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Call(fn, result))
+        return await asyncio.wrap_future(result)
+
+    async def stats(self) -> dict[str, float]:
+        """The engine's `stats()` dict, read on the engine thread."""
+        return await self.call(lambda engine: engine.stats())
+
+    @property
+    def num_waiting_estimate(self) -> int:
+        """Requests queued for admission plus those waiting inside the engine (approximate)."""
+        with self._cond:
+            return self._pending_adds + self._engine_waiting
+
+    # ----------------------------------------------------------------- submission
+    def _submit(self, command: _Add | _Abort | _Call, is_add: bool = False) -> None:
+        with self._cond:
+            if self._stopping or self._thread is None:
+                raise EngineDeadError("engine is not running")
+            if is_add:
+                self._check_capacity()
+                self._pending_adds += 1
+            self._commands.append(command)
+            self._cond.notify()
+
+    def _check_capacity(self) -> None:
+        limit = self.max_waiting_requests
+        if limit is not None and self._pending_adds + self._engine_waiting >= limit:
+            raise EngineOverloadedError(f"too many waiting requests (limit {limit}); retry later")
+
+    # ----------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        logger.debug("engine loop started")
+        while True:
+            commands = self._next_commands()
+            if commands is None:
+                break
+            try:
+                self._iterate(commands)
+            except Exception as exc:  # noqa: BLE001 - the loop must survive anything
+                logger.exception("engine loop iteration failed")
+                self._fail_all(EngineStepError(f"engine error: {exc}"))
+                time.sleep(0.01)
+        self._drain_on_exit()
+        logger.debug("engine loop stopped")
+
+    def _next_commands(self) -> list[_Add | _Abort | _Call] | None:
+        with self._cond:
+            while not self._commands and not self._busy and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            commands, self._commands = self._commands, []
+            return commands
+
+    def _iterate(self, commands: list[_Add | _Abort | _Call]) -> None:
+        for command in commands:
+            self._execute(command)
+        if self.engine.has_unfinished_requests():
+            self._step()
+        self._busy = self.engine.has_unfinished_requests()
+        waiting = int(getattr(self.engine, "num_waiting_requests", 0))
+        with self._cond:
+            self._engine_waiting = waiting
+
+    def _execute(self, command: _Add | _Abort | _Call) -> None:
+        if isinstance(command, _Add):
+            self._execute_add(command)
+        elif isinstance(command, _Abort):
+            self._execute_abort(command.request_id)
+        elif command.result.set_running_or_notify_cancel():
+            try:
+                command.result.set_result(command.fn(self.engine))
+            except Exception as exc:  # noqa: BLE001 - handed back to the caller
+                command.result.set_exception(exc)
+
+    def _execute_add(self, command: _Add) -> None:
+        with self._cond:
+            self._pending_adds -= 1
+        if not command.ack.set_running_or_notify_cancel():
+            return
+        try:
+            if command.request_id in self._sinks:
+                raise ValueError(f"duplicate request id {command.request_id!r}")
+            self.engine.add_request(command.request_id, command.prompt, command.params,
+                                    cache_salt=command.cache_salt)
+        except QueueFullError as exc:
+            command.ack.set_exception(EngineOverloadedError(str(exc)))
+            return
+        except Exception as exc:  # noqa: BLE001 - handed back to the caller
+            command.ack.set_exception(exc)
+            return
+        self._sinks[command.request_id] = command.sink
+        command.ack.set_result(None)
+
+    def _execute_abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            sink.put(_aborted_output(request_id, sink.last))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
+            logger.exception("engine step failed; failing %d in-flight request(s)", len(self._sinks))
+            self._fail_all(EngineStepError(f"engine step failed: {exc}"))
+            return
+        for output in outputs:
+            self._deliver(output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        sink = self._sinks.get(output.request_id)
+        if sink is None:
+            return
+        snapshot = _snapshot(output)
+        sink.last = snapshot
+        if output.finished:
+            del self._sinks[output.request_id]
+        sink.put(snapshot)
+
+    def _fail_all(self, error: BaseException) -> None:
+        sinks, self._sinks = self._sinks, {}
+        for request_id, sink in sinks.items():
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # noqa: BLE001
+                logger.exception("abort of %s failed", request_id)
+            sink.put(error)
+        try:
+            self._busy = self.engine.has_unfinished_requests()
+        except Exception:  # noqa: BLE001
+            self._busy = False
+
+    def _drain_on_exit(self) -> None:
+        with self._cond:
+            commands, self._commands = self._commands, []
+        error = EngineDeadError("engine has been shut down")
+        for command in commands:
+            future = command.ack if isinstance(command, _Add) else getattr(command, "result", None)
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(error)
+        self._fail_all(error)
+
+
+def _aborted_output(request_id: str, last: RequestOutput | None) -> RequestOutput:
+    if last is not None:
+        return dataclasses.replace(last, finished=True, finish_reason="abort")
+    return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[], token_ids=[], text="",
+                         finished=True, finish_reason="abort")
+
+
+def _max_request_tokens(engine: SyncEngine) -> int:
+    """Most tokens (prompt + completion) one request can hold: the context length, further
+    capped by the KV pool when the engine exposes its size."""
+    blocks = getattr(engine, "num_kv_blocks", None)
+    cache = getattr(getattr(engine, "config", None), "cache", None)
+    block_size = getattr(cache, "block_size", None)
+    limit = int(engine.max_model_len)
+    if isinstance(blocks, int) and isinstance(block_size, int):
+        limit = min(limit, blocks * block_size)
+    return limit
