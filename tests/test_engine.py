@@ -1,0 +1,223 @@
+"""Engine core: chunked prefill, continuous batching, stop conditions, bad input, pool accounting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.engine.engine import LLMEngine
+
+
+def _random_prompt(length: int, seed: int, vocab: int = 4096) -> list[int]:
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _llm(path: Path, **kwargs) -> LLM:
+    kwargs.setdefault("kv_cache_mib", 16)
+    kwargs.setdefault("prefix_cache_mib", 0)
+    return LLM(model=str(path), **kwargs)
+
+
+def _assert_idle(llm: LLM) -> None:
+    llm.llm_engine.check_integrity()
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("budget", [7, 16, 64, 100])
+def test_chunked_prefill_matches_single_pass(text_checkpoint: Path, budget: int) -> None:
+    prompt = _random_prompt(230, seed=1)
+    single = _llm(text_checkpoint, max_num_batched_tokens=4096)
+    chunked = _llm(text_checkpoint, max_num_batched_tokens=budget)
+    ref_logits = single.llm_engine.prompt_logits(prompt)
+    logits = chunked.llm_engine.prompt_logits(prompt)
+    assert logits.shape == ref_logits.shape == (230, 4096)
+    assert (logits - ref_logits).abs().max().item() <= 1e-4
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    a, b = single.generate([prompt], params)[0], chunked.generate([prompt], params)[0]
+    assert a.token_ids == b.token_ids
+    for la, lb in zip(a.logprobs, b.logprobs):
+        assert la.keys() == lb.keys()
+        assert max(abs(la[t] - lb[t]) for t in la) <= 1e-4
+    _assert_idle(single)
+    _assert_idle(chunked)
+
+
+def test_batched_decode_matches_each_alone(text_checkpoint: Path) -> None:
+    prompts = [_random_prompt(n, seed=n) for n in (3, 17, 40, 64, 65, 100, 129, 200)]
+    params = [SamplingParams(max_tokens=10 + 3 * i, temperature=0.0, ignore_eos=True, logprobs=2)
+              for i in range(len(prompts))]
+    llm = _llm(text_checkpoint, max_num_batched_tokens=96)
+    together = llm.generate(prompts, params)
+    for prompt, param, out in zip(prompts, params, together):
+        alone = llm.generate([prompt], param)[0]
+        assert out.token_ids == alone.token_ids
+        assert len(out.token_ids) == param.max_tokens and out.finish_reason == "length"
+        for la, lb in zip(out.logprobs, alone.logprobs):
+            assert max(abs(la[t] - lb[t]) for t in la) <= 1e-4
+    _assert_idle(llm)
+
+
+def test_requests_join_while_others_decode(text_checkpoint: Path) -> None:
+    llm = _llm(text_checkpoint)
+    engine = llm.llm_engine
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    engine.add_request("first", _random_prompt(30, seed=5), greedy)
+    for _ in range(5):
+        engine.step()
+    engine.add_request("second", _random_prompt(50, seed=6), greedy)
+    finished = {}
+    steps_with_both = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        steps_with_both += len(outputs) == 2
+        finished.update({o.request_id: o for o in outputs if o.finished})
+    assert steps_with_both > 0
+    alone = llm.generate([_random_prompt(50, seed=6)], greedy)[0]
+    assert finished["second"].token_ids == alone.token_ids
+    _assert_idle(llm)
+
+
+def test_seeded_sampling_is_reproducible(text_checkpoint: Path) -> None:
+    llm = _llm(text_checkpoint)
+    prompt = _random_prompt(20, seed=9)
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=42, ignore_eos=True)
+    a = llm.generate([prompt], seeded)[0].token_ids
+    b = llm.generate([prompt, prompt], [seeded, seeded])
+    assert a == b[0].token_ids == b[1].token_ids
+    other = SamplingParams(max_tokens=16, temperature=1.0, seed=43, ignore_eos=True)
+    assert llm.generate([prompt], other)[0].token_ids != a
+    _assert_idle(llm)
+
+
+def test_stop_strings_eos_and_stop_tokens() -> None:
+    llm = LLM(kv_cache_mib=16, prefix_cache_mib=0)
+    base = llm.generate(["The engine"], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    assert len(base.token_ids) == 24
+    stop_token = base.token_ids[5]
+    out = llm.generate(["The engine"], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_token]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_token
+    assert out.token_ids == base.token_ids[: base.token_ids.index(stop_token) + 1]
+    stop_text = base.text[6:9]
+    if stop_text:
+        out = llm.generate(["The engine"], SamplingParams(max_tokens=24, temperature=0.0, stop=[stop_text]))[0]
+        assert out.finish_reason == "stop" and out.stop_reason == stop_text
+        assert out.text == base.text[: base.text.index(stop_text)]
+    eos = llm.tokenizer.eos_token_ids[0]
+    forced = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=[],
+                                                      ignore_eos=False, logprobs=1))[0]
+    assert forced.finish_reason in ("stop", "length")
+    assert eos not in forced.token_ids[:-1]
+    _assert_idle(llm)
+
+
+def test_abort_frees_everything(text_checkpoint: Path) -> None:
+    llm = _llm(text_checkpoint)
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", _random_prompt(90, seed=1), params)
+    engine.add_request("b", _random_prompt(40, seed=2), params)
+    engine.add_request("c", _random_prompt(40, seed=3), params)
+    engine.step()
+    engine.abort_request("a")
+    engine.abort_request("c")
+    engine.abort_request("unknown")
+    engine.check_integrity()
+    while engine.has_unfinished_requests():
+        engine.step()
+    _assert_idle(llm)
+
+
+def test_preemption_under_a_tiny_kv_pool(text_checkpoint: Path) -> None:
+    """A pool too small for all requests: some are preempted and recomputed; output unchanged."""
+    prompts = [_random_prompt(60, seed=s) for s in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    roomy = _llm(text_checkpoint).generate(prompts, params)
+    # 1 attention layer * 2 kv heads * 16 dims * 4 bytes * 2 (k, v) = 256 B/token -> 4 KiB per block;
+    # 16 blocks admit four 60-token prompts, whose decodes then run out of blocks.
+    tight = _llm(text_checkpoint, kv_cache_mib=16 * 4 / 1024)
+    assert tight.llm_engine.num_kv_blocks == 16
+    outs = tight.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
+    assert tight.llm_engine.scheduler.num_preemptions > 0
+    _assert_idle(tight)
+
+
+BAD_INPUTS = [
+    ("", SamplingParams(), "empty"),
+    ([], SamplingParams(), "non-empty"),
+    ([1, 2, 4096], SamplingParams(), "outside the vocabulary"),
+    ([1, -1], SamplingParams(), "outside the vocabulary"),
+    ([1, "x"], SamplingParams(), "outside the vocabulary"),
+    (list(range(600)), SamplingParams(), "maximum context length"),
+    ([1] * 500, SamplingParams(max_tokens=100), "maximum context length"),
+]
+
+
+@pytest.mark.parametrize("prompt,params,message", BAD_INPUTS)
+def test_bad_input_is_a_clear_value_error(text_checkpoint: Path, prompt, params, message: str) -> None:
+    llm = _llm(text_checkpoint, max_model_len=512)
+    engine: LLMEngine = llm.llm_engine
+    engine.add_request("good", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.step()
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", prompt, params)
+    with pytest.raises(ValueError, match=message):
+        llm.generate([[5, 6], prompt], params)  # validated before anything runs
+    engine.check_integrity()
+    while engine.has_unfinished_requests():
+        engine.step()
+    _assert_idle(llm)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-3), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_k=0), "top_k"),
+    (dict(logprobs=-1), "logprobs"),
+])
+def test_bad_sampling_params(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_sampling_field_and_duplicate_id(text_checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match="unknown sampling parameter"):
+        SamplingParams.from_dict({"max_tokens": 4, "temprature": 0.5})
+    with pytest.raises(TypeError):
+        SamplingParams(temprature=0.5)  # type: ignore[call-arg]
+    llm = _llm(text_checkpoint)
+    engine = llm.llm_engine
+    engine.add_request("x", [1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("x", [1, 2], SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    _assert_idle(llm)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(snapshot_interval=100), "multiple of"),
+    (dict(prefix_cache_mib=0.0001), "smaller than one GDN snapshot"),
+    (dict(kv_cache_mib=-1), "kv_cache_mib"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(dtype="int8"), "dtype"),
+])
+def test_bad_engine_config(text_checkpoint: Path, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(text_checkpoint), **kwargs)
+
+
+def test_builtin_model_generates_and_cli_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridserve.cli import main
+
+    assert main(["generate", "--prompt", "Hello", "--max-tokens", "4", "--kv-cache-mib", "8",
+                 "--prefix-cache-mib", "0"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("Hello")
+    assert "completion_tokens=4" in captured.err
+    assert main(["generate", "--max-tokens", "0"]) == 2
