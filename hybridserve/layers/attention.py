@@ -38,23 +38,32 @@ class PagedKVCache:
         return self.keys[layer][slots], self.values[layer][slots]
 
 
+def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[..., KvH, L, D] -> [..., H, L, D]: repeat each KV head for its query group (a plain
+    expansion lets SDPA pick its fused kernel, which `enable_gqa` does not on CPU)."""
+    groups = num_heads // x.shape[-3]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
+
+
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_prefix: int,
                       scale: float) -> torch.Tensor:
     """Causal attention of T new queries over `num_prefix` earlier tokens plus themselves.
 
     q: [T, H, D]; keys/values: [num_prefix + T, KvH, D]. Query i sits at position num_prefix + i.
     """
-    num_new = q.shape[0]
-    qh, kh, vh = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
+    num_new, num_heads = q.shape[0], q.shape[1]
+    qh = q.transpose(0, 1).unsqueeze(0)
+    kh = _expand_kv(keys.transpose(0, 1), num_heads).unsqueeze(0)
+    vh = _expand_kv(values.transpose(0, 1), num_heads).unsqueeze(0)
     if num_prefix == 0:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     else:
         total = num_prefix + num_new
         key_pos = torch.arange(total, device=q.device)
         query_pos = torch.arange(num_prefix, total, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
@@ -63,7 +72,8 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
     q: [B, H, D]; keys/values: [B, L, KvH, D]; valid: [B, L] bool (False = padding).
     """
+    num_heads = q.shape[1]
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
+        q.unsqueeze(2), _expand_kv(keys.transpose(1, 2), num_heads), _expand_kv(values.transpose(1, 2), num_heads),
+        attn_mask=valid[:, None, None, :], scale=scale)
     return out.squeeze(2)
