@@ -1,0 +1,117 @@
+"""`hybridserve serve [MODEL_DIR]`: argument definitions and the server runner.
+
+`add_serve_arguments(parser)` adds the flags to a (sub)parser created with
+`argparse.ArgumentDefaultsHelpFormatter`; `run_server(args)` builds the engine, logs the
+resolved pool sizes and serves the app with uvicorn until interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+from hybridserve.engine_args import add_engine_arguments, engine_config_from_args
+from hybridserve.server.app import DEFAULT_MAX_BODY_BYTES
+
+logger = logging.getLogger("hybridserve.server")
+
+API_KEY_ENV = "HYBRIDSERVE_API_KEY"
+BUILTIN_MODEL_NAME = "hybridserve-builtin"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `serve` flags (engine flags with a positional model, plus the HTTP ones) to `parser`."""
+    add_engine_arguments(parser, model_positional=True)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on /v1/*; falls back to ${API_KEY_ENV}")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model name in the API; when unset, the model directory's name")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="largest accepted request body; larger ones get 413")
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A standalone parser for `python -m hybridserve.server.cli`."""
+    parser = argparse.ArgumentParser(prog="hybridserve serve", description="Serve the OpenAI-compatible API.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_arguments(parser)
+    return parser
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    """`--served-model-name`, else the model directory's name, else the built-in model's name."""
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model:
+        return Path(args.model).resolve().name
+    return BUILTIN_MODEL_NAME
+
+
+def _log_sizes(stats: dict[str, float], max_model_len: int) -> None:
+    logger.info("KV cache: %d blocks (%d free)", stats.get("kv_blocks_total", 0), stats.get("kv_blocks_free", 0))
+    logger.info("GDN state slots: %d; snapshot slots: %d of %d bytes each",
+                stats.get("state_slots_total", 0), stats.get("snapshot_slots_total", 0),
+                stats.get("bytes_per_snapshot", 0))
+    logger.info("max model length: %d tokens", max_model_len)
+
+
+def _exit_on_sigterm() -> None:
+    """uvicorn re-raises the signal it stopped on once it has shut down; make SIGTERM then
+    unwind (SystemExit) instead of killing the process, so the engine is shut down cleanly."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_system_exit)
+
+
+def _raise_system_exit(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Build the engine and serve until interrupted; returns a process exit code."""
+    import uvicorn
+
+    from hybridserve.engine.async_engine import AsyncLLMEngine
+    from hybridserve.engine.engine import LLMEngine
+    from hybridserve.server.app import build_app
+
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(args.log_level.upper())  # also when the caller configured logging already
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as exc:
+        logger.error("invalid configuration: %s", exc)
+        return 2
+    engine = LLMEngine(config)
+    _log_sizes(engine.stats(), engine.max_model_len)  # the engine thread has not started yet
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    name = served_model_name(args)
+    app = build_app(async_engine, model_name=name, api_key=api_key, max_body_bytes=args.max_body_bytes)
+    logger.info("serving %s on http://%s:%d (auth %s)", name, args.host, args.port, "on" if api_key else "off")
+    async_engine.start()
+    _exit_on_sigterm()
+    try:  # the engine's lifetime is managed here, so uvicorn's lifespan protocol is not needed
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off")
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        async_engine.shutdown()
+        logger.info("engine stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m hybridserve.server.cli`."""
+    return run_server(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,135 @@
+"""Prometheus metrics of one server instance, in a per-app `CollectorRegistry`.
+
+Two kinds: engine gauges and counters read from `engine.stats()` at scrape time (prefix cache,
+snapshot pool, KV pool, queue lengths), and serving-path metrics fed as requests progress
+(TTFT, inter-token latency, end-to-end latency, token counters, successes by finish reason).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hybridserve.sampling_params import RequestOutput
+
+PREFIX = "hybridserve"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# (metric name, stats key, help)
+_GAUGES = (
+    ("num_requests_running", "num_running", "Requests in the running batch."),
+    ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
+    ("kv_blocks_total", "kv_blocks_total", "KV cache blocks in the pool."),
+    ("kv_blocks_used", "kv_blocks_used", "KV cache blocks held by running requests."),
+    ("kv_blocks_cached", "kv_blocks_cached_free", "Free KV blocks still holding a cached prefix."),
+    ("kv_blocks_free", "kv_blocks_free", "KV blocks free for allocation."),
+    ("state_slots_total", "state_slots_total", "Gated DeltaNet state slots for running requests."),
+    ("state_slots_free", "state_slots_free", "Free Gated DeltaNet state slots."),
+    ("snapshot_slots_total", "snapshot_slots_total", "Capacity of the GDN state snapshot pool."),
+    ("snapshots", "snapshot_slots_used", "GDN state snapshots held by the prefix cache."),
+    ("snapshot_bytes", "snapshot_bytes", "Bytes held by GDN state snapshots."),
+    ("bytes_per_snapshot", "bytes_per_snapshot", "Bytes of one GDN state snapshot."),
+)
+_COUNTERS = (
+    ("prefix_cache_queries", "prefix_cache_queries", "Requests that looked up the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hits", "Requests that reused a cached prefix."),
+    ("prefix_cache_query_tokens", "prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hit_tokens", "prefix_cache_hit_tokens", "Prompt tokens restored from the prefix cache."),
+    ("prefix_cache_kv_only_misses", "kv_only_misses", "Lookups with cached KV blocks but no usable snapshot."),
+    ("prefix_cache_snapshot_only_misses", "snapshot_only_misses", "Lookups with a snapshot but missing KV blocks."),
+    ("snapshots_published", "snapshots_published", "GDN state snapshots published to the cache."),
+    ("snapshot_evictions", "snapshots_evicted", "GDN state snapshots evicted."),
+    ("snapshots_skipped", "snapshots_skipped", "Snapshot captures skipped (pool full or disabled)."),
+)
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class EngineStatsCollector(Collector):
+    """Exposes the latest `engine.stats()` dict; keys the engine lacks are skipped."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, float] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield one gauge or counter family per known stats key."""
+        stats = self.stats
+        for name, key, doc in _GAUGES:
+            if key in stats:
+                yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(stats[key]))
+        for name, key, doc in _COUNTERS:
+            if key in stats:
+                yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(stats[key]))
+
+
+class RequestTracker:
+    """Feeds one engine request's progress into the serving-path metrics."""
+
+    def __init__(self, metrics: "ServerMetrics", arrival: float) -> None:
+        self._metrics = metrics
+        self._arrival = arrival
+        self._last_time: float | None = None
+        self._num_tokens = 0
+        self._done = False
+
+    def observe(self, output: RequestOutput) -> None:
+        """Record TTFT / inter-token latency for tokens new since the last call."""
+        new = len(output.token_ids) - self._num_tokens
+        if new > 0:
+            now = time.monotonic()
+            if self._last_time is None:
+                self._metrics.ttft.observe(now - self._arrival)
+                new -= 1
+            if new > 0 and self._last_time is not None:
+                gap = (now - self._last_time) / new
+                for _ in range(new):
+                    self._metrics.itl.observe(gap)
+            self._last_time = now
+            self._num_tokens = len(output.token_ids)
+        if output.finished:
+            self.finish(output)
+
+    def finish(self, output: RequestOutput) -> None:
+        """Count tokens and the finish reason once."""
+        if self._done:
+            return
+        self._done = True
+        self._metrics.prompt_tokens.inc(len(output.prompt_token_ids))
+        self._metrics.generation_tokens.inc(len(output.token_ids))
+        self._metrics.e2e.observe(time.monotonic() - self._arrival)
+        self._metrics.success.labels(finished_reason=output.finish_reason or "unknown").inc()
+
+
+class ServerMetrics:
+    """All collectors of one app, registered in their own registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.engine_stats = EngineStatsCollector()
+        self.registry.register(self.engine_stats)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Time to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "Time between output tokens.",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Request latency, arrival to finish.",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens processed.",
+                                     registry=self.registry)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Tokens generated.",
+                                         registry=self.registry)
+        self.success = Counter(f"{PREFIX}_request_success", "Finished requests by finish reason.",
+                               ["finished_reason"], registry=self.registry)
+
+    def tracker(self, arrival: float | None = None) -> RequestTracker:
+        """A tracker for one engine request that arrived at `arrival` (monotonic seconds)."""
+        return RequestTracker(self, time.monotonic() if arrival is None else arrival)
+
+    def render(self, stats: dict[str, float]) -> bytes:
+        """Prometheus text exposition, with the engine part taken from `stats`."""
+        self.engine_stats.stats = dict(stats)
+        return generate_latest(self.registry)
