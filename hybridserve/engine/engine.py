@@ -85,7 +85,7 @@ class LLMEngine:
         chunk = cache.gdn_chunk_size if cache.prefix_cache_enabled else 64
         model = Qwen3_5ForCausalLM(self.model_config, chunk_size=chunk, max_positions=model_len)
         self._load_weights(model)
-        self.runner = ModelRunner(model.to(self.device).eval(), num_kv_blocks=self.num_kv_blocks,
+        self.runner = ModelRunner(model, num_kv_blocks=self.num_kv_blocks,
                                   block_size=cache.block_size, num_state_slots=config.scheduler.max_num_seqs,
                                   num_snapshot_slots=self.num_snapshot_slots, dtype=self.dtype, device=self.device)
         snapshots = SnapshotPool(self.num_snapshot_slots) if self.num_snapshot_slots else None
@@ -104,11 +104,13 @@ class LLMEngine:
         return model_config, tokenizer
 
     def _load_weights(self, model: Qwen3_5ForCausalLM) -> None:
-        model.to(self.dtype)
+        """Place on the device in the serving dtype, fill the weights, then pack them."""
+        model.to(device=self.device, dtype=self.dtype).eval()
         if self.config.model is None:
             init_builtin_weights(model, seed=self.config.seed)
         else:
             load_weights(model, self.config.model, self.model_config)
+        model.pack()
 
     def _num_kv_blocks(self) -> int:
         cfg, cache = self.model_config, self.config.cache

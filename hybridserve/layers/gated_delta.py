@@ -68,54 +68,54 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     leaves the state unchanged). `capture_at` lists absolute boundaries b (multiples of
     chunk_size in (start, start + T]) whose state — after token b - 1 — is returned.
     """
-    num_tokens, num_v_heads = v.shape[0], v.shape[1]
+    num_tokens, num_v_heads, head_v = v.shape
     head_k = q.shape[-1]
-    q = l2_normalize(_expand_heads(q.float(), num_v_heads)) * head_k ** -0.5
-    k = l2_normalize(_expand_heads(k.float(), num_v_heads))
-    v, g, beta = v.float(), g.float(), beta.float()
-
     front = start_position % chunk_size
     back = (-(front + num_tokens)) % chunk_size
-    q, k, v = (F.pad(t, (0, 0, 0, 0, front, back)) for t in (q, k, v))
-    g, beta = (F.pad(t, (0, 0, front, back)) for t in (g, beta))
     num_chunks = (front + num_tokens + back) // chunk_size
 
-    # [H, N, C, D] layout: heads outermost so every chunk's products batch over heads.
+    # Chunk-major layout [N, H, C, D]: chunk n is one contiguous block for the sequential scan.
     def chunked(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(num_chunks, chunk_size, *t.shape[1:]).movedim(2, 0)
+        t = F.pad(t, (0, 0) * (t.dim() - 1) + (front, back)) if front or back else t
+        return t.reshape(num_chunks, chunk_size, *t.shape[1:]).transpose(1, 2).contiguous()
 
-    q, k, v, g, beta = chunked(q), chunked(k), chunked(v), chunked(g), chunked(beta)
-    cum = g.cumsum(-1)                                              # [H, N, C]
+    q = chunked(_expand_heads(l2_normalize(q.float()) * head_k ** -0.5, num_v_heads))
+    k = chunked(_expand_heads(l2_normalize(k.float()), num_v_heads))
+    v, g, beta = chunked(v.float()), chunked(g.float().unsqueeze(-1)), chunked(beta.float().unsqueeze(-1))
+    cum = g.cumsum(2)                                                   # [N, H, C, 1]
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
-    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
-    k_beta = k * beta.unsqueeze(-1)
-    strictly_lower = (k_beta @ k.transpose(-1, -2)) * decay
-    strictly_lower = strictly_lower.masked_fill(torch.eye(chunk_size, dtype=torch.bool, device=q.device), 0.0)
-    # (I + L) X = [v*beta, k*beta*exp(cum)]: the UT transform of the delta-rule updates.
-    rhs = torch.cat([v * beta.unsqueeze(-1), k_beta * cum.exp().unsqueeze(-1)], dim=-1)
-    eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
-    solved = torch.linalg.solve_triangular(strictly_lower + eye, rhs, upper=False, unitriangular=True)
-    new_values, k_cumdecay = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
-    intra = (q @ k.transpose(-1, -2)) * decay
-    q_decayed = q * cum.exp().unsqueeze(-1)
-    k_to_end = (k * (cum[..., -1:] - cum).exp().unsqueeze(-1)).transpose(-1, -2)
-    chunk_decay = cum[..., -1].exp()[..., None, None]               # [H, N, 1, 1]
+    decay = (cum - cum.transpose(-1, -2)).masked_fill_(~causal, float("-inf")).exp_()
+    k_beta = k * beta
+    # (I + L) X = [v*beta, k*beta*exp(cum)] with L the strictly lower part of (k*beta) k^T * decay:
+    # the UT transform that turns a chunk of delta-rule updates into matrix products.
+    lower = (k_beta @ k.transpose(-1, -2)).mul_(decay).tril_(-1)
+    lower.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+    # Inverting once (identity right-hand side) then multiplying beats solving for both
+    # right-hand sides on CPU LAPACK, and leaves both results contiguous for the scan.
+    eye = torch.eye(chunk_size, dtype=lower.dtype, device=lower.device).expand_as(lower)
+    inverse = torch.linalg.solve_triangular(lower, eye, upper=False, unitriangular=True)
+    new_values = inverse @ (v * beta)
+    k_cumdecay = inverse @ (k_beta * cum.exp())
+    intra = (q @ k.transpose(-1, -2)).mul_(decay)
+    q_decayed = q * cum.exp()
+    k_to_end = (k * (cum[:, :, -1:] - cum).exp()).transpose(-1, -2).contiguous()
+    chunk_decay = cum[:, :, -1:].exp()                                  # [N, H, 1, 1]
 
     first_chunk_base = start_position - front
     capture_chunks = {(b - first_chunk_base) // chunk_size - 1: i for i, b in enumerate(capture_at)}
     captured: list[torch.Tensor | None] = [None] * len(capture_at)
     state = initial_state.float()
-    out = torch.empty_like(new_values)
+    outputs = []
     for n in range(num_chunks):
-        v_new = new_values[:, n] - k_cumdecay[:, n] @ state
-        out[:, n] = q_decayed[:, n] @ state + intra[:, n] @ v_new
-        state = state * chunk_decay[:, n] + k_to_end[:, n] @ v_new
+        v_new = new_values[n] - k_cumdecay[n] @ state
+        outputs.append(torch.baddbmm(intra[n] @ v_new, q_decayed[n], state))
+        state = torch.baddbmm(state * chunk_decay[n], k_to_end[n], v_new)
         if n in capture_chunks:
             captured[capture_chunks[n]] = state
     if any(c is None for c in captured):
         raise ValueError(f"capture boundaries {list(capture_at)} are not chunk ends of this forward")
-    output = out.movedim(0, 2).reshape(num_chunks * chunk_size, num_v_heads, -1)[front:front + num_tokens]
-    return ChunkedResult(output, state, captured)  # type: ignore[arg-type]
+    output = torch.stack(outputs).transpose(1, 2).reshape(num_chunks * chunk_size, num_v_heads, head_v)
+    return ChunkedResult(output[front:front + num_tokens], state, captured)  # type: ignore[arg-type]
 
 
 def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -49,6 +49,32 @@ class ForwardContext(NamedTuple):
     state_writes: list[StateWrite]
 
 
+def pack_input_major(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights of linears sharing an input into one [in, sum(out)] tensor and
+    re-point each linear's weight at its (transposed) view, so nothing is stored twice.
+
+    Input-major storage turns `x @ W` into the GEMM layout CPU BLAS runs ~2x faster for
+    decode-sized batches (and as fast for prefill) when out_features >= in_features.
+    """
+    packed = torch.cat([lin.weight.detach().t() for lin in linears], dim=1).contiguous()
+    bias = None
+    if linears[0].bias is not None:
+        bias = torch.cat([lin.bias.detach() for lin in linears]).contiguous()
+    start = 0
+    for lin in linears:
+        width = lin.weight.shape[0]
+        lin.weight.data = packed[:, start:start + width].t()
+        if bias is not None:
+            lin.bias.data = bias[start:start + width]
+        start += width
+    return packed, bias
+
+
+def packed_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight (+ bias) for an input-major packed weight."""
+    return torch.addmm(bias, x, weight) if bias is not None else x @ weight
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward."""
 
@@ -57,9 +83,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Fuse gate and up projections into one input-major matrix (after weights are loaded)."""
+        self.packed, _ = pack_input_major([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.packed is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = (x @ self.packed).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class GatedAttention(nn.Module):
@@ -80,15 +114,27 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.packed: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def pack(self) -> None:
+        """Fuse q (with its gate), k and v projections into one input-major matrix."""
+        self.packed = pack_input_major([self.q_proj, self.k_proj, self.v_proj])
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.packed is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv_width = self.num_kv_heads * self.head_dim
+        q, k, v = packed_matmul(x, *self.packed).split([2 * self.num_heads * self.head_dim, kv_width, kv_width], -1)
+        return q, k, v
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext,
                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, gate = self.q_proj(x).view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q, k, v = self._project(x)
+        q, gate = q.reshape(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.rotary.apply(self.q_norm(q), *cos_sin)
-        k = self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim))
-        k = self.rotary.apply(k, *cos_sin)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        k = self.rotary.apply(self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)), *cos_sin)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         ctx.kv_cache.write(self.kv_layer, batch.kv_write_slots, k, v)
         out = torch.empty_like(q)
         if batch.decode is not None:
@@ -129,6 +175,17 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Fuse the four input projections (qkv, z, b, a) into one input-major matrix."""
+        self.packed, _ = pack_input_major([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.packed is None:
+            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        widths = [self.in_proj_qkv.weight.shape[0], self.value_dim, self.num_v_heads, self.num_v_heads]
+        return tuple((x @ self.packed).split(widths, dim=-1))
 
     def _split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = mixed.shape[0]
@@ -138,10 +195,9 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = x.shape[0]
-        mixed = self.in_proj_qkv(x)
-        z = self.in_proj_z(x)
-        beta = torch.sigmoid(self.in_proj_b(x)).float()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        mixed, z, b, a = self._project(x)
+        beta = torch.sigmoid(b).float()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         weight = self.conv1d.weight.squeeze(1)
         core = torch.empty(num_tokens, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=x.device)
         if batch.decode is not None:
@@ -237,6 +293,19 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.model = Qwen3_5TextModel(config, chunk_size, max_positions or config.max_position_embeddings)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.output_packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Repack loaded weights for fast inference (fused, input-major projections). Call once
+        after loading; parameters keep their names and stay views of the packed storage, except
+        that a tied LM head gets an input-major copy (the embedding table is row-major)."""
+        for layer in self.model.layers:
+            (layer.self_attn if layer.is_attention else layer.linear_attn).pack()
+            layer.mlp.pack()
+        if self.config.tie_word_embeddings:
+            self.output_packed = self.model.embed_tokens.weight.detach().t().contiguous()
+        else:
+            self.output_packed, _ = pack_input_major([self.lm_head])
 
     def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
@@ -247,4 +316,6 @@ class Qwen3_5ForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, batch, ctx, cos_sin)
         x = self.model.norm(x.index_select(0, batch.logits_rows))
+        if self.output_packed is not None:
+            return (x @ self.output_packed).float()
         return F.linear(x, self.output_weight()).float()

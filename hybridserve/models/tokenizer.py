@@ -145,6 +145,7 @@ class Tokenizer:
         self._bos_token = bos_token
         self._chat_template = chat_template
         self._compiled_template: jinja2.Template | None = None
+        self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
 
     # -- construction ---------------------------------------------------------------------
 
@@ -220,7 +221,9 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; ids outside the vocabulary (a padded model vocab) are dropped."""
-        size = self.vocab_size
+        size = self._vocab_size
+        if all(0 <= i < size for i in ids):
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
         valid = [int(i) for i in ids if 0 <= int(i) < size]
         return self._backend.decode(valid, skip_special_tokens=skip_special_tokens)
 
@@ -256,7 +259,7 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         """Number of ids the tokenizer knows (added tokens included)."""
-        return self._backend.get_vocab_size(with_added_tokens=True)
+        return self._vocab_size
 
     @property
     def special_token_ids(self) -> frozenset[int]:
