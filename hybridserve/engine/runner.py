@@ -125,6 +125,7 @@ class ModelRunner:
             decode=self._decode_group(decodes, tables[: len(decodes)]) if decodes else None,
             prefills=self._prefill_chunks(prefills, tables[len(decodes):], len(decodes)),
             logits_rows=torch.tensor(logit_rows + full_rows, dtype=torch.long, device=device),
+            logits_only_last_layer=not full_rows,
         )
         return batch, sample_requests, full_requests
 
@@ -164,6 +165,7 @@ class ModelRunner:
                 state_slot=chunk.request.state_slot,  # type: ignore[arg-type]
                 prefix_kv_slots=prefix,
                 captures=[(r.num_tokens, r.slot) for r in chunk.captures],  # type: ignore[misc]
+                emits_logits=chunk.start + chunk.length == chunk.request.num_tokens,
             ))
             offset += chunk.length
         return result

@@ -22,6 +22,7 @@ class PrefillChunk:
     state_slot: int                   # live GDN state slot of the sequence
     prefix_kv_slots: torch.Tensor | None  # flat KV slots of positions [0, start_position), or None
     captures: list[tuple[int, int]] = field(default_factory=list)  # (absolute boundary, snapshot slot)
+    emits_logits: bool = False        # its last row is a logits row (the sequence's end was reached)
 
 
 @dataclass
@@ -43,7 +44,8 @@ class ForwardBatch:
     kv_write_slots: torch.Tensor      # [T] flat KV slot each token's key/value goes to
     decode: DecodeGroup | None
     prefills: list[PrefillChunk]
-    logits_rows: torch.Tensor         # [R] rows whose logits are needed
+    logits_rows: torch.Tensor         # [R] rows whose logits are needed (ascending)
+    logits_only_last_layer: bool = False  # logits rows are sequence ends: trim the last layer to them
 
     @property
     def num_decode(self) -> int:

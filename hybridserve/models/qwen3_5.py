@@ -128,7 +128,9 @@ class GatedAttention(nn.Module):
         return q, k, v
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext,
-                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                cos_sin: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Write every token's K/V; return the attention output of all rows, or only of `rows`
+        (the logit rows, in the last layer, where no later layer needs the others)."""
         num_tokens = x.shape[0]
         q, k, v = self._project(x)
         q, gate = q.reshape(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -136,20 +138,39 @@ class GatedAttention(nn.Module):
         k = self.rotary.apply(self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)), *cos_sin)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         ctx.kv_cache.write(self.kv_layer, batch.kv_write_slots, k, v)
-        out = torch.empty_like(q)
+        out, out_rows = self._attend(q, k, v, batch, ctx, last_rows_only=rows is not None)
+        if rows is not None:
+            out = out.index_select(0, torch.searchsorted(out_rows, rows))
+            gate = gate.index_select(0, rows)
+        width = self.num_heads * self.head_dim
+        out = out.reshape(out.shape[0], width) * torch.sigmoid(gate.reshape(out.shape[0], width))
+        return self.o_proj(out)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext,
+                last_rows_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention outputs and their (ascending) flat rows: every row, or each decode row plus
+        the last row of each prefill chunk that produces logits."""
+        parts, part_rows = [], []
         if batch.decode is not None:
-            rows = batch.num_decode
+            num = batch.num_decode
             keys, values = ctx.kv_cache.read(self.kv_layer, batch.decode.context_kv_slots)
-            out[:rows] = decode_attention(q[:rows], keys, values, batch.decode.context_valid, self.scale)
+            parts.append(decode_attention(q[:num], keys, values, batch.decode.context_valid, self.scale))
+            part_rows.append(torch.arange(num, device=q.device))
         for chunk in batch.prefills:
-            rows = slice(chunk.token_offset, chunk.token_offset + chunk.length)
-            keys, values = k[rows], v[rows]
+            if last_rows_only and not chunk.emits_logits:
+                continue
+            end = chunk.token_offset + chunk.length
+            first = end - 1 if last_rows_only else chunk.token_offset
+            keys, values = k[chunk.token_offset:end], v[chunk.token_offset:end]
             if chunk.prefix_kv_slots is not None:
                 old_k, old_v = ctx.kv_cache.read(self.kv_layer, chunk.prefix_kv_slots)
                 keys, values = torch.cat([old_k, keys]), torch.cat([old_v, values])
-            out[rows] = prefill_attention(q[rows], keys, values, chunk.start_position, self.scale)
-        out = out.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
-        return self.o_proj(out)
+            num_prefix = chunk.start_position + first - chunk.token_offset
+            parts.append(prefill_attention(q[first:end], keys, values, num_prefix, self.scale))
+            part_rows.append(torch.arange(first, end, device=q.device))
+        if not parts:  # a step of intermediate prefill chunks only: no row needs output
+            return q.new_empty((0, *q.shape[1:])), torch.empty(0, dtype=torch.long, device=q.device)
+        return torch.cat(parts), torch.cat(part_rows)
 
 
 class GatedDeltaNet(nn.Module):
@@ -193,7 +214,9 @@ class GatedDeltaNet(nn.Module):
         return (q.reshape(n, self.num_k_heads, self.head_k_dim), k.reshape(n, self.num_k_heads, self.head_k_dim),
                 v.reshape(n, self.num_v_heads, self.head_v_dim))
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Advance every sequence's state over its tokens; return the output of all rows or of `rows`."""
         num_tokens = x.shape[0]
         mixed, z, b, a = self._project(x)
         beta = torch.sigmoid(b).float()
@@ -204,8 +227,10 @@ class GatedDeltaNet(nn.Module):
             self._decode(mixed, g, beta, weight, batch, ctx, core)
         for chunk in batch.prefills:
             self._prefill(chunk, mixed, g, beta, weight, ctx, core)
+        if rows is not None:
+            core, z = core.index_select(0, rows), z.index_select(0, rows)
         out = self.norm(core.to(x.dtype).reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return self.out_proj(out.reshape(num_tokens, self.value_dim))
+        return self.out_proj(out.reshape(core.shape[0], self.value_dim))
 
     def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor,
                 batch: ForwardBatch, ctx: ForwardContext, core: torch.Tensor) -> None:
@@ -258,13 +283,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext,
-                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                cos_sin: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the block; with `rows`, the mixer still consumes every token (KV / state) but
+        only those rows are carried through the output projection and the MLP."""
         h = self.input_layernorm(x)
         if self.is_attention:
-            h = self.self_attn(h, batch, ctx, cos_sin)
+            h = self.self_attn(h, batch, ctx, cos_sin, rows)
         else:
-            h = self.linear_attn(h, batch, ctx)
-        x = x + h
+            h = self.linear_attn(h, batch, ctx, rows)
+        x = (x if rows is None else x.index_select(0, rows)) + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -313,9 +340,14 @@ class Qwen3_5ForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)
         cos_sin = self.model.rotary.cos_sin(batch.positions, x.dtype)
-        for layer in self.model.layers:
+        # The last layer's outputs feed nothing but the logits: compute it for those rows only.
+        *body, last = self.model.layers
+        for layer in body:
             x = layer(x, batch, ctx, cos_sin)
-        x = self.model.norm(x.index_select(0, batch.logits_rows))
+        if batch.logits_only_last_layer:
+            x = self.model.norm(last(x, batch, ctx, cos_sin, batch.logits_rows))
+        else:
+            x = self.model.norm(last(x, batch, ctx, cos_sin).index_select(0, batch.logits_rows))
         if self.output_packed is not None:
             return (x @ self.output_packed).float()
         return F.linear(x, self.output_weight()).float()
