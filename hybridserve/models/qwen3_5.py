@@ -18,6 +18,7 @@ from torch import nn
 from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.config import FULL_ATTENTION, ModelConfig
 from hybridserve.layers.attention import PagedKVCache, decode_attention, prefill_attention
+from hybridserve.layers.linear import PackedLinear
 from hybridserve.layers.gated_delta import causal_conv_decode, causal_conv_prefill, chunked_gated_delta, \
     recurrent_gated_delta_step
 from hybridserve.layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
@@ -49,32 +50,6 @@ class ForwardContext(NamedTuple):
     state_writes: list[StateWrite]
 
 
-def pack_input_major(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate the weights of linears sharing an input into one [in, sum(out)] tensor and
-    re-point each linear's weight at its (transposed) view, so nothing is stored twice.
-
-    Input-major storage turns `x @ W` into the GEMM layout CPU BLAS runs ~2x faster for
-    decode-sized batches (and as fast for prefill) when out_features >= in_features.
-    """
-    packed = torch.cat([lin.weight.detach().t() for lin in linears], dim=1).contiguous()
-    bias = None
-    if linears[0].bias is not None:
-        bias = torch.cat([lin.bias.detach() for lin in linears]).contiguous()
-    start = 0
-    for lin in linears:
-        width = lin.weight.shape[0]
-        lin.weight.data = packed[:, start:start + width].t()
-        if bias is not None:
-            lin.bias.data = bias[start:start + width]
-        start += width
-    return packed, bias
-
-
-def packed_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight (+ bias) for an input-major packed weight."""
-    return torch.addmm(bias, x, weight) if bias is not None else x @ weight
-
-
 class MLP(nn.Module):
     """SwiGLU feed-forward."""
 
@@ -83,17 +58,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.packed: torch.Tensor | None = None
+        self.gate_up: PackedLinear | None = None
+        self.down: PackedLinear | None = None
 
     def pack(self) -> None:
-        """Fuse gate and up projections into one input-major matrix (after weights are loaded)."""
-        self.packed, _ = pack_input_major([self.gate_proj, self.up_proj])
+        """Fuse gate and up projections; repack all weights for inference (after loading)."""
+        self.gate_up, self.down = PackedLinear([self.gate_proj, self.up_proj]), PackedLinear([self.down_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = (x @ self.packed).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        assert self.gate_up is not None and self.down is not None, "call pack() after loading weights"
+        gate, up = self.gate_up.split(x)
+        return self.down(F.silu(gate) * up)
 
 
 class GatedAttention(nn.Module):
@@ -114,25 +89,20 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.packed: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.qkv: PackedLinear | None = None
+        self.out: PackedLinear | None = None
 
     def pack(self) -> None:
-        """Fuse q (with its gate), k and v projections into one input-major matrix."""
-        self.packed = pack_input_major([self.q_proj, self.k_proj, self.v_proj])
-
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.packed is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        kv_width = self.num_kv_heads * self.head_dim
-        q, k, v = packed_matmul(x, *self.packed).split([2 * self.num_heads * self.head_dim, kv_width, kv_width], -1)
-        return q, k, v
+        """Fuse q (with its gate), k and v projections; repack o_proj (after loading)."""
+        self.qkv, self.out = PackedLinear([self.q_proj, self.k_proj, self.v_proj]), PackedLinear([self.o_proj])
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext,
                 cos_sin: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor | None = None) -> torch.Tensor:
         """Write every token's K/V; return the attention output of all rows, or only of `rows`
         (the logit rows, in the last layer, where no later layer needs the others)."""
+        assert self.qkv is not None and self.out is not None, "call pack() after loading weights"
         num_tokens = x.shape[0]
-        q, k, v = self._project(x)
+        q, k, v = self.qkv.split(x)
         q, gate = q.reshape(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.rotary.apply(self.q_norm(q), *cos_sin)
         k = self.rotary.apply(self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)), *cos_sin)
@@ -144,7 +114,7 @@ class GatedAttention(nn.Module):
             gate = gate.index_select(0, rows)
         width = self.num_heads * self.head_dim
         out = out.reshape(out.shape[0], width) * torch.sigmoid(gate.reshape(out.shape[0], width))
-        return self.o_proj(out)
+        return self.out(out)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext,
                 last_rows_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,17 +166,13 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
-        self.packed: torch.Tensor | None = None
+        self.in_proj: PackedLinear | None = None
+        self.out: PackedLinear | None = None
 
     def pack(self) -> None:
-        """Fuse the four input projections (qkv, z, b, a) into one input-major matrix."""
-        self.packed, _ = pack_input_major([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
-
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.packed is None:
-            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-        widths = [self.in_proj_qkv.weight.shape[0], self.value_dim, self.num_v_heads, self.num_v_heads]
-        return tuple((x @ self.packed).split(widths, dim=-1))
+        """Fuse the four input projections (qkv, z, b, a); repack out_proj (after loading)."""
+        self.in_proj = PackedLinear([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        self.out = PackedLinear([self.out_proj])
 
     def _split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = mixed.shape[0]
@@ -217,8 +183,9 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
         """Advance every sequence's state over its tokens; return the output of all rows or of `rows`."""
+        assert self.in_proj is not None and self.out is not None, "call pack() after loading weights"
         num_tokens = x.shape[0]
-        mixed, z, b, a = self._project(x)
+        mixed, z, b, a = self.in_proj.split(x)
         beta = torch.sigmoid(b).float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         weight = self.conv1d.weight.squeeze(1)
@@ -230,7 +197,7 @@ class GatedDeltaNet(nn.Module):
         if rows is not None:
             core, z = core.index_select(0, rows), z.index_select(0, rows)
         out = self.norm(core.to(x.dtype).reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return self.out_proj(out.reshape(core.shape[0], self.value_dim))
+        return self.out(out.reshape(core.shape[0], self.value_dim))
 
     def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor,
                 batch: ForwardBatch, ctx: ForwardContext, core: torch.Tensor) -> None:
@@ -320,22 +287,15 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.model = Qwen3_5TextModel(config, chunk_size, max_positions or config.max_position_embeddings)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.output_packed: torch.Tensor | None = None
+        self.head: PackedLinear | None = None
 
     def pack(self) -> None:
-        """Repack loaded weights for fast inference (fused, input-major projections). Call once
-        after loading; parameters keep their names and stay views of the packed storage, except
-        that a tied LM head gets an input-major copy (the embedding table is row-major)."""
+        """Repack loaded weights for inference: fused projections in the backend's fastest GEMM
+        layout (see `layers.linear`). Call once after loading; the HF-named parameters stay."""
         for layer in self.model.layers:
             (layer.self_attn if layer.is_attention else layer.linear_attn).pack()
             layer.mlp.pack()
-        if self.config.tie_word_embeddings:
-            self.output_packed = self.model.embed_tokens.weight.detach().t().contiguous()
-        else:
-            self.output_packed, _ = pack_input_major([self.lm_head])
-
-    def output_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        self.head = PackedLinear([self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head])
 
     def forward(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)
@@ -348,6 +308,5 @@ class Qwen3_5ForCausalLM(nn.Module):
             x = self.model.norm(last(x, batch, ctx, cos_sin, batch.logits_rows))
         else:
             x = self.model.norm(last(x, batch, ctx, cos_sin).index_select(0, batch.logits_rows))
-        if self.output_packed is not None:
-            return (x @ self.output_packed).float()
-        return F.linear(x, self.output_weight()).float()
+        assert self.head is not None, "call pack() after loading weights"
+        return self.head(x).float()

