@@ -178,6 +178,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_waiting_requests: int = 1024
+    max_prefill_tokens_during_decode: int = 256  # 0: no cap (prefill may fill the whole step)
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -186,6 +187,7 @@ class SchedulerConfig:
         _require(self.max_model_len is None or self.max_model_len >= 2,
                  f"max_model_len must be >= 2, got {self.max_model_len}")
         _require(self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1")
+        _require(self.max_prefill_tokens_during_decode >= 0, "max_prefill_tokens_during_decode must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
     parser.add_argument("--kv-cache-mib", type=float, default=256.0, help="memory for the paged KV cache")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="most requests running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens in one step")
+    parser.add_argument("--max-prefill-tokens-during-decode", type=int, default=256,
+                        help="while requests decode, prefill at most this many tokens per step (bounds "
+                             "inter-token latency; 0 = no cap)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length limit; when unset, the model's max_position_embeddings")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
@@ -38,6 +41,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     cache = CacheConfig(block_size=args.block_size, kv_cache_mib=args.kv_cache_mib,
                         prefix_cache_mib=args.prefix_cache_mib, snapshot_interval=args.snapshot_interval)
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                max_model_len=args.max_model_len, max_waiting_requests=args.max_waiting_requests)
+                                max_model_len=args.max_model_len, max_waiting_requests=args.max_waiting_requests,
+                                max_prefill_tokens_during_decode=args.max_prefill_tokens_during_decode)
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed,
                         cache=cache, scheduler=scheduler)

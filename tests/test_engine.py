@@ -221,3 +221,32 @@ def test_builtin_model_generates_and_cli_runs(capsys: pytest.CaptureFixture[str]
     assert captured.out.startswith("Hello")
     assert "completion_tokens=4" in captured.err
     assert main(["generate", "--max-tokens", "0"]) == 2
+
+
+def test_prefill_is_capped_while_others_decode(text_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = _llm(text_checkpoint, max_prefill_tokens_during_decode=32)
+    engine = llm.llm_engine
+    scheduler = engine.scheduler
+    seen: list[tuple[int, int]] = []  # (decode tokens, prefill tokens) per step
+    original = scheduler.schedule
+
+    def recording():
+        out = original()
+        decode = sum(c.length for c in out.chunks if c.request.num_tokens - c.start == 1)
+        seen.append((decode, sum(c.length for c in out.chunks) - decode))
+        return out
+
+    monkeypatch.setattr(scheduler, "schedule", recording)
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    engine.add_request("decoder", _random_prompt(20, seed=1), greedy)
+    engine.step()
+    engine.step()
+    engine.add_request("long", _random_prompt(300, seed=2), greedy)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert all(prefill <= 32 for decode, prefill in seen if decode)
+    assert any(decode and prefill == 32 for decode, prefill in seen)
+    alone = _llm(text_checkpoint).generate([_random_prompt(300, seed=2)], greedy)[0]
+    assert outputs["long"].token_ids == alone.token_ids
+    _assert_idle(llm)

@@ -92,29 +92,44 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work, taking blocks, state slots and snapshot reservations."""
         budget = self.config.max_num_batched_tokens
+        prefill_budget = self._prefill_budget(budget)
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            length = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            length = 1 if remaining == 1 else min(remaining, budget, prefill_budget)
+            if length == 0:
+                index += 1  # a prefill waiting for budget; it keeps what it holds
+                continue
             new_blocks = self._grow(request, request.num_computed_tokens + length, preempted)
             if new_blocks is None:
                 break  # the request preempted itself
             chunks.append(self._chunk(request, length, new_blocks))
             budget -= length
+            prefill_budget -= length if remaining > 1 else 0
             index += 1
         restores: list[Restore] = []
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and min(budget, prefill_budget) > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
             restore = self._admit(self.waiting[0])
             if restore is None:
                 break
             request = self.waiting.popleft()
             restores.append(restore)
-            length = min(request.num_tokens - request.num_computed_tokens, budget)
+            length = min(request.num_tokens - request.num_computed_tokens, budget, prefill_budget)
             chunks.append(self._chunk(request, length, []))
             budget -= length
+            prefill_budget -= length
         return SchedulerOutput(chunks, restores, preempted)
+
+    def _prefill_budget(self, budget: int) -> int:
+        """Prefill tokens allowed this step: capped while any request decodes, so one long
+        prompt cannot stall everyone's next token for a whole long step."""
+        cap = self.config.max_prefill_tokens_during_decode
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        return min(budget, cap) if cap and decoding else budget
 
     def _grow(self, request: Request, num_tokens: int, preempted: list[Request]) -> list[int] | None:
         """Blocks so `request` covers `num_tokens`, preempting the newest others if needed.
