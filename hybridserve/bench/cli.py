@@ -1,0 +1,176 @@
+"""`hybridserve bench {engine,ttft,trace,serve,all}`: subcommands that print a table and optionally write JSON."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from hybridserve.bench.serve_bench import add_serve_bench_arguments, run_serve
+from hybridserve.engine_args import add_engine_arguments, engine_config_from_args
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `engine`, `ttft`, `trace`, `serve` and `all` benchmark subcommands to `parser`."""
+    subparsers = parser.add_subparsers(dest="bench_command", required=True,
+                                       metavar="{engine,ttft,trace,serve,all}")
+    _add_engine(subparsers)
+    _add_ttft(subparsers)
+    _add_trace(subparsers)
+    add_serve_bench_arguments(_subparser(subparsers, "serve", "load test of a live OpenAI-compatible server: "
+                                         "TTFT, ITL, throughput, cache share, mixed load", run_serve))
+    _add_all(subparsers)
+
+
+def _subparser(subparsers: argparse._SubParsersAction, name: str, help_text: str,
+               handler: Handler) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(name, help=help_text, description=help_text,
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_engine_arguments(parser)
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON here")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads (0: torch's default); 1 is steadier on a busy machine")
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+def _add_engine(subparsers: argparse._SubParsersAction) -> None:
+    parser = _subparser(subparsers, "engine", "hybridserve vs transformers (same weights): prefill, "
+                        "decode, batching, FLOP rate", run_engine)
+    parser.add_argument("--prompt-tokens", type=int, default=4160, help="cold prefill prompt length")
+    parser.add_argument("--decode-prompt-tokens", type=int, default=32, help="prompt length before decoding")
+    parser.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per decode run")
+    parser.add_argument("--batch-size", type=int, default=16, help="batch of the aggregate decode measure")
+    parser.add_argument("--warmup", type=int, default=1, help="discarded iterations")
+    parser.add_argument("--iterations", type=int, default=3, help="measured iterations")
+    parser.add_argument("--matmul-size", type=int, default=2048, help="side of the matmul that sets the peak")
+    parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
+
+
+def _add_ttft(subparsers: argparse._SubParsersAction) -> None:
+    parser = _subparser(subparsers, "ttft", "TTFT with the joint prefix cache off vs on, floor, "
+                        "no-reuse throughput", run_ttft)
+    parser.add_argument("--cached-tokens", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096],
+                        help="cached prefix lengths (one row each)")
+    parser.add_argument("--suffix-tokens", type=int, default=64, help="fresh tokens after the cached prefix")
+    parser.add_argument("--warmup", type=int, default=1, help="extra warm-hit runs per row, discarded")
+    parser.add_argument("--iterations", type=int, default=5, help="measured iterations per row")
+    parser.add_argument("--throughput-requests", type=int, default=16, help="requests of the no-reuse workload")
+    parser.add_argument("--throughput-prompt-tokens", type=int, default=512, help="prompt length there")
+    parser.add_argument("--throughput-output-tokens", type=int, default=32, help="output tokens there")
+    parser.add_argument("--throughput-rounds", type=int, default=1, help="ABBA rounds (4 runs each)")
+    parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--plot", metavar="PATH", default=None, help="save a bar chart (needs matplotlib)")
+
+
+def _add_trace(subparsers: argparse._SubParsersAction) -> None:
+    parser = _subparser(subparsers, "trace", "scaled replay of the Mooncake conversation trace, cache on "
+                        "vs off", run_trace)
+    parser.add_argument("--trace", default="", help="trace JSONL (default: ../shared/traces/"
+                        "mooncake_conversation.jsonl next to the repository)")
+    parser.add_argument("--num-requests", type=int, default=200, help="replay the first N requests")
+    parser.add_argument("--block-tokens", type=int, default=32, help="tokens per 512-token trace block")
+    parser.add_argument("--max-output-tokens", type=int, default=8, help="cap on output tokens")
+    parser.add_argument("--max-concurrency", type=int, default=1, help="requests in the engine at once")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # The replay is scaled 512 -> 32 tokens per block, so snapshots default to the scaled block.
+    parser.set_defaults(snapshot_interval=32)
+
+
+def _add_all(subparsers: argparse._SubParsersAction) -> None:
+    parser = _subparser(subparsers, "all", "bench engine, then bench ttft (and bench trace with --with-trace), "
+                        "each with its default sizes", run_all)
+    parser.add_argument("--with-trace", action="store_true", help="also replay the trace (several minutes)")
+    parser.add_argument("--plot", metavar="PATH", default=None, help="save the ttft bar chart (needs matplotlib)")
+
+
+def _set_threads(args: argparse.Namespace) -> None:
+    import torch
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+
+
+def _finish(args: argparse.Namespace, result: dict[str, Any], report: str) -> int:
+    from hybridserve.bench.common import write_json
+
+    if report:
+        print(report)
+    if args.json:
+        write_json(args.json, result)
+        print(f"[bench] figures written to {args.json}", file=sys.stderr)
+    return 0
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    """Handler of `bench engine`."""
+    from hybridserve.bench.engine_bench import EngineBenchConfig, format_engine_report, run_engine_bench
+
+    cfg = EngineBenchConfig(prompt_tokens=args.prompt_tokens, decode_prompt_tokens=args.decode_prompt_tokens,
+                            decode_tokens=args.decode_tokens, batch_size=args.batch_size, warmup=args.warmup,
+                            iterations=args.iterations, matmul_size=args.matmul_size, seed=args.bench_seed)
+    _set_threads(args)
+    result = run_engine_bench(engine_config_from_args(args), cfg)
+    return _finish(args, result, format_engine_report(result))
+
+
+def run_ttft(args: argparse.Namespace) -> int:
+    """Handler of `bench ttft`."""
+    from hybridserve.bench.ttft_bench import TTFTBenchConfig, format_ttft_report, plot_ttft, run_ttft_bench
+
+    cfg = TTFTBenchConfig(cached_tokens=tuple(args.cached_tokens), suffix_tokens=args.suffix_tokens,
+                          warmup=args.warmup, iterations=args.iterations,
+                          throughput_requests=args.throughput_requests,
+                          throughput_prompt_tokens=args.throughput_prompt_tokens,
+                          throughput_output_tokens=args.throughput_output_tokens,
+                          throughput_rounds=args.throughput_rounds, seed=args.bench_seed)
+    _set_threads(args)
+    result = run_ttft_bench(engine_config_from_args(args), cfg)
+    code = _finish(args, result, format_ttft_report(result))
+    if args.plot:
+        try:
+            plot_ttft(result, args.plot)
+            print(f"[bench] plot written to {args.plot}", file=sys.stderr)
+        except ImportError:
+            print("[bench] --plot needs matplotlib (pip install 'hybridserve[bench]')", file=sys.stderr)
+    return code
+
+
+def run_trace(args: argparse.Namespace) -> int:
+    """Handler of `bench trace`."""
+    from hybridserve.bench.trace_bench import TraceBenchConfig, format_trace_report, run_trace_bench
+
+    cfg = TraceBenchConfig(trace_path=args.trace, num_requests=args.num_requests, block_tokens=args.block_tokens,
+                           max_output_tokens=args.max_output_tokens, max_concurrency=args.max_concurrency,
+                           progress=not args.no_progress)
+    _set_threads(args)
+    result = run_trace_bench(engine_config_from_args(args), cfg)
+    return _finish(args, result, format_trace_report(result))
+
+
+def run_all(args: argparse.Namespace) -> int:
+    """Handler of `bench all`: the other benchmarks in turn, default sizes, one combined JSON."""
+    import dataclasses
+
+    from hybridserve.bench.engine_bench import EngineBenchConfig, format_engine_report, run_engine_bench
+    from hybridserve.bench.trace_bench import TraceBenchConfig, format_trace_report, run_trace_bench
+    from hybridserve.bench.ttft_bench import TTFTBenchConfig, format_ttft_report, plot_ttft, run_ttft_bench
+
+    _set_threads(args)
+    config = engine_config_from_args(args)
+    results: dict[str, Any] = {}
+    results["engine"] = run_engine_bench(config, EngineBenchConfig())
+    print("== bench engine ==\n" + format_engine_report(results["engine"]), flush=True)
+    results["ttft"] = run_ttft_bench(config, TTFTBenchConfig())
+    print("\n== bench ttft ==\n" + format_ttft_report(results["ttft"]), flush=True)
+    if args.plot:
+        plot_ttft(results["ttft"], args.plot)
+    if args.with_trace:
+        trace = TraceBenchConfig(progress=False)
+        cache = dataclasses.replace(config.cache, snapshot_interval=trace.block_tokens)  # the scaled block
+        results["trace"] = run_trace_bench(dataclasses.replace(config, cache=cache), trace)
+        print("\n== bench trace ==\n" + format_trace_report(results["trace"]), flush=True)
+    return _finish(args, results, "")

@@ -1,0 +1,166 @@
+"""Helpers shared by the benchmarks: prompts, engine driving, timing statistics, tables, JSON.
+
+Timing rule for every benchmark: measure the things being compared side by side in one process,
+alternate between them, discard warm-ups and report medians (the machines this runs on are noisy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from hybridserve.config import EngineConfig
+from hybridserve.engine.engine import LLMEngine
+from hybridserve.models.tokenizer import IM_END_ID
+from hybridserve.sampling_params import RequestOutput, SamplingParams
+
+FIRST_PLAIN_ID = IM_END_ID + 1  # ids below are bytes and specials; start random prompts after them
+PLAIN_ID_SPAN = 256             # random prompts draw from [FIRST_PLAIN_ID, FIRST_PLAIN_ID + span)
+
+
+def random_token_ids(num_tokens: int, seed: int, vocab_size: int) -> list[int]:
+    """`num_tokens` pseudo-random ordinary token ids, fixed by `seed` (no special tokens)."""
+    high = min(FIRST_PLAIN_ID + PLAIN_ID_SPAN, vocab_size)
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(FIRST_PLAIN_ID, high, (num_tokens,), generator=generator).tolist()
+
+
+def median(values: Iterable[float]) -> float:
+    """Median of the values (NaN when there are none)."""
+    values = list(values)
+    return statistics.median(values) if values else float("nan")
+
+
+def with_prefix_cache(config: EngineConfig, prefix_cache_mib: float) -> EngineConfig:
+    """`config` with the GDN snapshot pool resized (0 disables the prefix cache)."""
+    return dataclasses.replace(config, cache=dataclasses.replace(config.cache, prefix_cache_mib=prefix_cache_mib))
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    """Greedy sampling of exactly `max_tokens` tokens (EOS ignored)."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+class RunResult(NamedTuple):
+    """One request driven to completion alone: time to first token, per-step times after it."""
+
+    ttft_s: float
+    total_s: float
+    decode_step_s: list[float]
+    output: RequestOutput
+
+
+class EngineDriver:
+    """Drives an `LLMEngine` synchronously with unique request ids."""
+
+    def __init__(self, engine: LLMEngine, tag: str) -> None:
+        self.engine = engine
+        self.tag = tag
+        self._ids = itertools.count()
+
+    def next_id(self) -> str:
+        """A request id not used before by this driver."""
+        return f"{self.tag}-{next(self._ids)}"
+
+    def run(self, prompt: list[int], params: SamplingParams) -> RunResult:
+        """Run one request alone; TTFT is measured from `add_request` to the first token."""
+        engine = self.engine
+        start = time.perf_counter()
+        engine.add_request(self.next_id(), prompt, params)
+        first: float | None = None
+        steps: list[float] = []
+        final: RequestOutput | None = None
+        while engine.has_unfinished_requests():
+            step_start = time.perf_counter()
+            outputs = engine.step()
+            now = time.perf_counter()
+            if first is None and outputs:
+                first = now
+            elif outputs:
+                steps.append(now - step_start)
+            final = outputs[-1] if outputs else final
+        assert final is not None and first is not None and final.finished
+        return RunResult(first - start, time.perf_counter() - start, steps, final)
+
+    def run_batch(self, prompts: Sequence[list[int]], params: SamplingParams) -> tuple[float, list[RequestOutput]]:
+        """Queue all prompts at once and step until done; returns (wall seconds, outputs in order)."""
+        engine = self.engine
+        ids = [self.next_id() for _ in prompts]
+        start = time.perf_counter()
+        for request_id, prompt in zip(ids, prompts):
+            engine.add_request(request_id, prompt, params)
+        finished: dict[str, RequestOutput] = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return time.perf_counter() - start, [finished[i] for i in ids]
+
+    def decode_steps(self, prompts: Sequence[list[int]], num_tokens: int) -> tuple[list[float], list[RequestOutput]]:
+        """Generate `num_tokens` greedy tokens for every prompt, all in one batch; returns the
+        times of the steady-state steps (every request decoding, none prefilling) and the outputs."""
+        engine = self.engine
+        ids = [self.next_id() for _ in prompts]
+        for request_id, prompt in zip(ids, prompts):
+            engine.add_request(request_id, prompt, greedy(num_tokens))
+        started: set[str] = set()
+        steady: list[float] = []
+        finished: dict[str, RequestOutput] = {}
+        while engine.has_unfinished_requests():
+            all_started = len(started) == len(ids)
+            step_start = time.perf_counter()
+            outputs = engine.step()
+            elapsed = time.perf_counter() - step_start
+            if all_started and len(outputs) == len(ids):
+                steady.append(elapsed)
+            for output in outputs:
+                started.add(output.request_id)
+                if output.finished:
+                    finished[output.request_id] = output
+        return steady, [finished[i] for i in ids]
+
+
+def matmul_gflops(size: int, repeats: int) -> list[float]:
+    """float32 GFLOP/s of `repeats` square [size x size] matmuls (one sample each)."""
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        rates.append(2 * size ** 3 / (time.perf_counter() - start) / 1e9)
+    return rates
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain aligned text table (cells converted with `str`)."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def goal_mark(met: bool | None) -> str:
+    """'MET' / 'NOT MET' / '-' for a goal check."""
+    return "-" if met is None else ("MET" if met else "NOT MET")
+
+
+def write_json(path: str | Path, data: dict[str, Any]) -> None:
+    """Write `data` as indented JSON (creating parent directories)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def machine_line() -> str:
+    """Torch threads and version, printed with every result."""
+    return f"torch {torch.__version__}, {torch.get_num_threads()} threads"

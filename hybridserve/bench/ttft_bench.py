@@ -1,0 +1,205 @@
+"""`hybridserve bench ttft`: time to first token with the joint prefix cache off vs on.
+
+Two engines live in one process: "off" (`prefix_cache_mib=0`) and "on" (the configured cache).
+For each N in the cached sizes, a prompt is N random tokens (fixed per N) plus a fresh suffix
+(different every iteration). The "on" engine first sees the prefix once (a seeding run that
+publishes its KV blocks and GDN snapshots), so every measured warm run restores N tokens and
+computes only the suffix. Per iteration, cold (off), warm (on) and the floor (a cold prompt of
+just the suffix length) are measured back to back, in alternating order, to cancel drift.
+A no-reuse throughput run (distinct random prompts) compares on vs off in ABBA order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hybridserve.bench.common import EngineDriver, format_table, goal_mark, greedy, machine_line, median, \
+    random_token_ids, with_prefix_cache
+from hybridserve.config import EngineConfig
+from hybridserve.engine.engine import LLMEngine
+
+WARM_COLD_GOAL = 0.03      # warm/cold TTFT at the longest row
+FLAT_GOAL = 1.10           # slowest warm row / fastest warm row
+FLOOR_GOAL = 1.2           # warm TTFT / floor TTFT
+THROUGHPUT_GOAL = 0.97     # no-reuse throughput, cache on / cache off
+
+
+@dataclass(frozen=True)
+class TTFTBenchConfig:
+    """Sizes and repetitions of `bench ttft`."""
+
+    cached_tokens: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
+    suffix_tokens: int = 64
+    warmup: int = 1
+    iterations: int = 5
+    throughput_requests: int = 16
+    throughput_prompt_tokens: int = 512
+    throughput_output_tokens: int = 32
+    throughput_rounds: int = 1
+    seed: int = 0
+
+
+class _Seeds:
+    """Distinct prompt seeds per purpose, so no two prompts collide unintentionally."""
+
+    def __init__(self, base: int) -> None:
+        self.base = base * 1_000_000_007
+
+    def prefix(self, cached: int) -> int:
+        return self.base + 10_000_000 + cached
+
+    def suffix(self, cached: int, iteration: int) -> int:
+        return self.base + 20_000_000 + cached * 1000 + iteration
+
+    def floor(self, cached: int, iteration: int) -> int:
+        return self.base + 30_000_000 + cached * 1000 + iteration
+
+    def throughput(self, run: int, index: int) -> int:
+        return self.base + 40_000_000 + run * 10_000 + index
+
+
+def _measure_row(off: EngineDriver, on: EngineDriver, cached: int, cfg: TTFTBenchConfig, seeds: _Seeds,
+                 vocab: int) -> dict[str, Any]:
+    """Cold, warm and floor samples for prompts of `cached` + suffix tokens."""
+    prefix = random_token_ids(cached, seeds.prefix(cached), vocab)
+
+    def prompt(i: int) -> list[int]:
+        return prefix + random_token_ids(cfg.suffix_tokens, seeds.suffix(cached, i), vocab)
+
+    on.run(prompt(-1), greedy(1))  # seeding: the only time "on" computes this prefix
+    for w in range(cfg.warmup):
+        on.run(prompt(-2 - w), greedy(1))
+    row: dict[str, Any] = {"cached": cached, "prompt_tokens": cached + cfg.suffix_tokens,
+                           "cold_s": [], "warm_s": [], "floor_s": [], "warm_cached_tokens": [],
+                           "cold_cached_tokens": []}
+    for i in range(cfg.iterations):
+        floor_prompt = random_token_ids(cfg.suffix_tokens, seeds.floor(cached, i), vocab)
+        order = ("cold", "warm", "floor") if i % 2 == 0 else ("floor", "warm", "cold")
+        for kind in order:
+            if kind == "cold":
+                result = off.run(prompt(i), greedy(1))
+                row["cold_cached_tokens"].append(result.output.num_cached_tokens)
+            elif kind == "warm":
+                result = on.run(prompt(i), greedy(1))
+                row["warm_cached_tokens"].append(result.output.num_cached_tokens)
+            else:
+                result = off.run(floor_prompt, greedy(1))
+            row[f"{kind}_s"].append(result.ttft_s)
+    return row
+
+
+def _measure_throughput(off: EngineDriver, on: EngineDriver, cfg: TTFTBenchConfig, seeds: _Seeds,
+                        vocab: int) -> dict[str, Any]:
+    """No-reuse workload, ABBA order per round; every run uses prompts never seen before."""
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    hits = 0
+    params = greedy(cfg.throughput_output_tokens)
+    for run, name in enumerate(("off", "on", "on", "off") * cfg.throughput_rounds):
+        prompts = [random_token_ids(cfg.throughput_prompt_tokens, seeds.throughput(run, j), vocab)
+                   for j in range(cfg.throughput_requests)]
+        elapsed, outputs = (off if name == "off" else on).run_batch(prompts, params)
+        times[name].append(elapsed)
+        hits += sum(o.num_cached_tokens for o in outputs)
+    tokens = cfg.throughput_requests * cfg.throughput_output_tokens
+    off_tps, on_tps = tokens / median(times["off"]), tokens / median(times["on"])
+    return {"off_s": times["off"], "on_s": times["on"], "off_output_tokens_per_s": off_tps,
+            "on_output_tokens_per_s": on_tps, "on_over_off": on_tps / off_tps, "cached_tokens": hits,
+            "goal": THROUGHPUT_GOAL, "met": on_tps / off_tps >= THROUGHPUT_GOAL}
+
+
+def run_ttft_bench(engine_config: EngineConfig, cfg: TTFTBenchConfig) -> dict[str, Any]:
+    """Measure every row, the floor and the throughput; returns figures and goal checks."""
+    on_engine = LLMEngine(engine_config if engine_config.cache.prefix_cache_enabled
+                          else with_prefix_cache(engine_config, 1024.0))
+    off_engine = LLMEngine(with_prefix_cache(engine_config, 0))
+    off, on = EngineDriver(off_engine, "off"), EngineDriver(on_engine, "on")
+    vocab = on_engine.model_config.vocab_size
+    seeds = _Seeds(cfg.seed)
+    for driver in (off, on):  # warm-up of both engines' code paths on a throwaway prompt
+        driver.run(random_token_ids(cfg.suffix_tokens + min(cfg.cached_tokens), seeds.floor(-1, 0), vocab),
+                   greedy(2))
+    rows = [_measure_row(off, on, cached, cfg, seeds, vocab) for cached in cfg.cached_tokens]
+    throughput = _measure_throughput(off, on, cfg, seeds, vocab)
+    for engine in (off_engine, on_engine):
+        engine.check_integrity()
+    return _summarize(rows, throughput, cfg, on_engine)
+
+
+def _summarize(rows: list[dict[str, Any]], throughput: dict[str, Any], cfg: TTFTBenchConfig,
+               on_engine: LLMEngine) -> dict[str, Any]:
+    floor = median(s for row in rows for s in row["floor_s"])
+    for row in rows:
+        row["cold_p50_s"], row["warm_p50_s"] = median(row["cold_s"]), median(row["warm_s"])
+        row["floor_p50_s"] = median(row["floor_s"])  # measured interleaved with this row: same noise
+        row["warm_over_cold"] = row["warm_p50_s"] / row["cold_p50_s"]
+        row["warm_over_floor"] = row["warm_p50_s"] / row["floor_p50_s"]
+    warm = [row["warm_p50_s"] for row in rows]
+    worst_floor = max(row["warm_over_floor"] for row in rows)
+    longest = max(rows, key=lambda row: row["cached"])
+    goals = {
+        "warm_over_cold_longest": {"value": longest["warm_over_cold"], "goal": WARM_COLD_GOAL,
+                                   "met": longest["warm_over_cold"] <= WARM_COLD_GOAL},
+        "warm_spread": {"value": max(warm) / min(warm), "goal": FLAT_GOAL, "met": max(warm) / min(warm) <= FLAT_GOAL},
+        "warm_over_floor_max": {"value": worst_floor, "goal": FLOOR_GOAL, "met": worst_floor <= FLOOR_GOAL},
+        "throughput_on_over_off": {"value": throughput["on_over_off"], "goal": THROUGHPUT_GOAL,
+                                   "met": throughput["met"]},
+    }
+    return {"config": asdict(cfg), "engine": on_engine.describe(), "machine": machine_line(), "rows": rows,
+            "floor_p50_s": floor, "throughput": throughput, "goals": goals,
+            "prefix_cache": on_engine.prefix_cache_stats()._asdict()}
+
+
+def format_ttft_report(result: dict[str, Any]) -> str:
+    """The result tables printed by `bench ttft`."""
+    cfg = result["config"]
+    rows = [[row["prompt_tokens"], row["cached"], f"{1e3 * row['cold_p50_s']:.0f}", f"{1e3 * row['warm_p50_s']:.1f}",
+             f"{1e3 * row['floor_p50_s']:.1f}", f"{row['warm_over_cold']:.4f}", f"{row['warm_over_floor']:.2f}",
+             _distinct(row["cold_cached_tokens"]), _distinct(row["warm_cached_tokens"])] for row in result["rows"]]
+    table = format_table(["prompt", "cached", "cold p50 ms", "warm p50 ms", "floor p50 ms", "warm/cold",
+                          "warm/floor", "cold num_cached", "warm num_cached"], rows)
+    goals = [[name, f"{g['value']:.4f}", f"{'>=' if name.startswith('throughput') else '<='} {g['goal']}",
+              goal_mark(g["met"])] for name, g in result["goals"].items()]
+    tp = result["throughput"]
+    lines = [
+        table,
+        f"floor: cold TTFT of a {cfg['suffix_tokens']}-token prompt (the suffix alone), measured within each row; "
+        f"p50 over all rows {1e3 * result['floor_p50_s']:.1f} ms",
+        f"no-reuse throughput ({cfg['throughput_requests']} x {cfg['throughput_prompt_tokens']}-token prompts, "
+        f"{cfg['throughput_output_tokens']} output tokens each): off {tp['off_output_tokens_per_s']:.1f} tok/s, "
+        f"on {tp['on_output_tokens_per_s']:.1f} tok/s, on/off {tp['on_over_off']:.3f} "
+        f"(cached tokens {tp['cached_tokens']})",
+        format_table(["goal", "value", "target", "status"], goals),
+        f"engine (on): {result['engine']}\nmachine: {result['machine']}; p50 of {cfg['iterations']} iterations, "
+        f"{cfg['warmup']} extra warm-up(s) per row, engines alternated",
+    ]
+    return "\n".join(lines)
+
+
+def _distinct(values: list[int]) -> str:
+    return ",".join(str(v) for v in sorted(set(values)))
+
+
+def plot_ttft(result: dict[str, Any], path: str) -> None:
+    """Bar chart of cold vs warm p50 TTFT per row with the floor as a line (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    labels = [f"{row['prompt_tokens']}\n({row['cached']} cached)" for row in rows]
+    positions = range(len(rows))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.bar([p - 0.2 for p in positions], [1e3 * r["cold_p50_s"] for r in rows], 0.4, label="cache off (cold)")
+    ax.bar([p + 0.2 for p in positions], [1e3 * r["warm_p50_s"] for r in rows], 0.4, label="cache on (warm)")
+    ax.axhline(1e3 * result["floor_p50_s"], color="gray", linestyle="--", label="floor (suffix alone)")
+    ax.set_yscale("log")
+    ax.set_xticks(list(positions), labels)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT p50 (ms, log scale)")
+    ax.set_title("hybridserve TTFT, joint prefix cache off vs on")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,108 @@
+"""Smoke tests of the benchmark code paths with tiny sizes (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridserve.bench.common import format_table, random_token_ids
+from hybridserve.bench.engine_bench import EngineBenchConfig, format_engine_report, prefill_flops, run_engine_bench
+from hybridserve.bench.trace_bench import TraceBenchConfig, TraceRequest, format_trace_report, ideal_hit_tokens, \
+    run_trace_bench
+from hybridserve.bench.ttft_bench import TTFTBenchConfig, format_ttft_report, run_ttft_bench
+from hybridserve.cli import build_parser, main
+from hybridserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from hybridserve.models.builtin import BUILTIN_MODEL_CONFIG
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread: tiny ops gain nothing from two, and a busy machine stalls the second."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def small_engine_config(interval: int = 32) -> EngineConfig:
+    """The built-in model with small pools and a short context (fast to build)."""
+    return EngineConfig(cache=CacheConfig(kv_cache_mib=16, prefix_cache_mib=64, snapshot_interval=interval),
+                        scheduler=SchedulerConfig(max_model_len=1024))
+
+
+def write_trace(path: Path) -> Path:
+    """Three requests; the second and third extend the first one's prefix."""
+    records = [
+        {"timestamp": 0, "input_length": 1024, "output_length": 5, "hash_ids": [0, 1]},
+        {"timestamp": 1, "input_length": 1500, "output_length": 50, "hash_ids": [0, 1, 2]},
+        {"timestamp": 2, "input_length": 700, "output_length": 3, "hash_ids": [0, 3]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_prefill_flops_parts_add_up() -> None:
+    parts = prefill_flops(BUILTIN_MODEL_CONFIG, 256, 64)
+    assert parts["total"] == pytest.approx(parts["matmul"] + parts["attention"] + parts["gdn"] + parts["lm_head"])
+    assert prefill_flops(BUILTIN_MODEL_CONFIG, 512, 64)["attention"] > 3.9 * parts["attention"]
+
+
+def test_random_prompts_are_fixed_by_seed() -> None:
+    assert random_token_ids(8, 1, 4096) == random_token_ids(8, 1, 4096) != random_token_ids(8, 2, 4096)
+    assert "a" in format_table(["a", "b"], [[1, 2]])
+
+
+def test_ideal_hit_tokens() -> None:
+    requests = [TraceRequest((0, 1), [1] * 64, 1), TraceRequest((0, 1, 2), [1] * 80, 1)]
+    assert ideal_hit_tokens(requests, 32) == 64
+    assert ideal_hit_tokens(requests, 32, interval=48) == 48
+
+
+def test_engine_bench_smoke() -> None:
+    cfg = EngineBenchConfig(prompt_tokens=40, decode_prompt_tokens=8, decode_tokens=3, batch_size=2, warmup=0,
+                            iterations=1, matmul_size=64, matmul_repeats=1)
+    result = run_engine_bench(small_engine_config(), cfg)
+    assert result["decode_b1"]["greedy_tokens_matching"] == [3]  # same weights, same greedy tokens
+    assert "(a) cold prefill" in format_engine_report(result)
+
+
+def test_ttft_bench_smoke(tmp_path: Path) -> None:
+    cfg = TTFTBenchConfig(cached_tokens=(32, 64), suffix_tokens=8, warmup=0, iterations=1, throughput_requests=2,
+                          throughput_prompt_tokens=8, throughput_output_tokens=2)
+    result = run_ttft_bench(small_engine_config(), cfg)
+    for row in result["rows"]:
+        assert row["warm_cached_tokens"] == [row["cached"]] and row["cold_cached_tokens"] == [0]
+    assert result["throughput"]["cached_tokens"] == 0
+    assert "warm/cold" in format_ttft_report(result)
+    pytest.importorskip("matplotlib")
+    from hybridserve.bench.ttft_bench import plot_ttft
+
+    plot_ttft(result, str(tmp_path / "ttft.png"))
+    assert (tmp_path / "ttft.png").stat().st_size > 0
+
+
+def test_trace_bench_smoke(tmp_path: Path) -> None:
+    cfg = TraceBenchConfig(trace_path=str(write_trace(tmp_path / "t.jsonl")), num_requests=3, block_tokens=32,
+                           max_output_tokens=2, progress=False)
+    result = run_trace_bench(small_engine_config(interval=32), cfg)
+    assert result["outputs_match"]
+    assert result["runs"]["off"]["cached_tokens"] == 0
+    assert result["runs"]["on"]["cached_tokens"] == round(result["ideal_hit_share_snapshots"] * result["prompt_tokens"])
+    assert result["runs"]["on"]["cached_tokens"] > 0
+    assert "SCALED replay" in format_trace_report(result)
+
+
+def test_cli_bench_subcommands(tmp_path: Path) -> None:
+    parser = build_parser()
+    for name in ("engine", "ttft", "trace", "all"):
+        assert callable(parser.parse_args(["bench", name]).handler)
+    assert parser.parse_args(["bench", "trace"]).snapshot_interval == 32
+    out = tmp_path / "trace.json"
+    code = main(["bench", "trace", "--trace", str(write_trace(tmp_path / "t.jsonl")), "--num-requests", "2",
+                 "--max-output-tokens", "1", "--no-progress", "--kv-cache-mib", "16", "--prefix-cache-mib", "64",
+                 "--max-model-len", "1024", "--json", str(out)])
+    assert code == 0 and json.loads(out.read_text())["num_requests"] == 2
