@@ -250,3 +250,17 @@ def test_prefill_is_capped_while_others_decode(text_checkpoint: Path, monkeypatc
     alone = _llm(text_checkpoint).generate([_random_prompt(300, seed=2)], greedy)[0]
     assert outputs["long"].token_ids == alone.token_ids
     _assert_idle(llm)
+
+
+def test_bfloat16_path_runs_and_tracks_float32(text_checkpoint: Path) -> None:
+    """The accelerator dtype path (bf16 weights and KV, float32 GDN state) works end to end."""
+    prompt = _random_prompt(100, seed=11)
+    fp32 = _llm(text_checkpoint)
+    bf16 = _llm(text_checkpoint, dtype="bfloat16")
+    assert bf16.llm_engine.dtype == torch.bfloat16
+    assert bf16.llm_engine.runner.live_states.recurrent.dtype == torch.float32
+    ref, low = fp32.llm_engine.prompt_logits(prompt), bf16.llm_engine.prompt_logits(prompt)
+    assert torch.corrcoef(torch.stack([ref.flatten(), low.flatten()]))[0, 1] > 0.99
+    out = bf16.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8
+    _assert_idle(bf16)
