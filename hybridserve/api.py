@@ -43,12 +43,9 @@ class LLM:
         batch = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(batch))
         engine = self.llm_engine
-        requests = []
-        for prompt, param in zip(batch, params):
-            requests.append(engine.make_request(f"llm-{next(self._ids)}", prompt, param, cache_salt))
-            engine.requests[requests[-1].request_id] = requests[-1]  # reserve the id for later checks
+        requests = [engine.make_request(f"llm-{next(self._ids)}", prompt, param, cache_salt)
+                    for prompt, param in zip(batch, params)]
         for request in requests:
-            del engine.requests[request.request_id]
             engine.enqueue(request)
         finished: dict[str, RequestOutput] = {}
         try:
