@@ -45,7 +45,7 @@ def _add_engine(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per decode run")
     parser.add_argument("--batch-size", type=int, default=16, help="batch of the aggregate decode measure")
     parser.add_argument("--warmup", type=int, default=1, help="discarded iterations")
-    parser.add_argument("--iterations", type=int, default=3, help="measured iterations")
+    parser.add_argument("--iterations", type=int, default=5, help="measured iterations")
     parser.add_argument("--matmul-size", type=int, default=2048, help="side of the matmul that sets the peak")
     parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
 

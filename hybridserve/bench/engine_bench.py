@@ -41,7 +41,7 @@ class EngineBenchConfig:
     decode_tokens: int = 64
     batch_size: int = 16
     warmup: int = 1
-    iterations: int = 3
+    iterations: int = 5
     matmul_size: int = 2048
     matmul_repeats: int = 3
     seed: int = 0

@@ -181,9 +181,9 @@ class LLMEngine:
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
         vocab = self.model_config.vocab_size
-        for token in prompt:
-            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
-                raise ValueError(f"token id {token!r} is outside the vocabulary [0, {vocab})")
+        if not all(type(token) is int for token in prompt) or min(prompt) < 0 or max(prompt) >= vocab:
+            bad = next(t for t in prompt if type(t) is not int or not 0 <= t < vocab)
+            raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
         return None, list(prompt)
 
     def _check_lengths(self, num_prompt: int, params: SamplingParams) -> None:

@@ -35,12 +35,14 @@ class PagedKVCache:
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values at flat `slots` (any shape S) -> [*S, kv_heads, head_dim]."""
-        return self.keys[layer][slots], self.values[layer][slots]
+        flat = slots.reshape(-1)
+        shape = (*slots.shape, *self.keys.shape[2:])
+        return (self.keys[layer].index_select(0, flat).view(shape),
+                self.values[layer].index_select(0, flat).view(shape))
 
 
 def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[..., KvH, L, D] -> [..., H, L, D]: repeat each KV head for its query group (a plain
-    expansion lets SDPA pick its fused kernel, which `enable_gqa` does not on CPU)."""
+    """[..., KvH, L, D] -> [..., H, L, D]: repeat each KV head for its query group."""
     groups = num_heads // x.shape[-3]
     return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
 
@@ -50,30 +52,38 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     """Causal attention of T new queries over `num_prefix` earlier tokens plus themselves.
 
     q: [T, H, D]; keys/values: [num_prefix + T, KvH, D]. Query i sits at position num_prefix + i.
+    Without a prefix, KV heads are expanded so SDPA takes its fused causal kernel. With one, the
+    queries of each KV group are stacked instead ([KvH, G*T, D]) so the long prefix is never copied.
     """
-    num_new, num_heads = q.shape[0], q.shape[1]
-    qh = q.transpose(0, 1).unsqueeze(0)
-    kh = _expand_kv(keys.transpose(0, 1), num_heads).unsqueeze(0)
-    vh = _expand_kv(values.transpose(0, 1), num_heads).unsqueeze(0)
+    num_new, num_heads, head_dim = q.shape
     if num_prefix == 0:
+        qh = q.transpose(0, 1).unsqueeze(0)
+        kh = _expand_kv(keys.transpose(0, 1), num_heads).unsqueeze(0)
+        vh = _expand_kv(values.transpose(0, 1), num_heads).unsqueeze(0)
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-    else:
-        total = num_prefix + num_new
-        key_pos = torch.arange(total, device=q.device)
-        query_pos = torch.arange(num_prefix, total, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
-    return out[0].transpose(0, 1)
+        return out[0].transpose(0, 1)
+    num_kv = keys.shape[1]
+    groups = num_heads // num_kv
+    total = num_prefix + num_new
+    key_pos = torch.arange(total, device=q.device)
+    query_pos = torch.arange(num_prefix, total, device=q.device)
+    mask = (key_pos[None, :] <= query_pos[:, None]).repeat(groups, 1)
+    stacked = q.view(num_new, num_kv, groups, head_dim).permute(1, 2, 0, 3).reshape(num_kv, groups * num_new, -1)
+    out = F.scaled_dot_product_attention(stacked.unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                                         values.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale)
+    return out.view(num_kv, groups, num_new, head_dim).permute(2, 0, 1, 3).reshape(num_new, num_heads, head_dim)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """One query per sequence over its padded context.
+    """One query per sequence over its padded context; the G query heads of a KV group are
+    attended as G rows against the unexpanded KV head.
 
     q: [B, H, D]; keys/values: [B, L, KvH, D]; valid: [B, L] bool (False = padding).
     """
-    num_heads = q.shape[1]
+    batch, num_heads, head_dim = q.shape
+    num_kv = keys.shape[2]
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), _expand_kv(keys.transpose(1, 2), num_heads), _expand_kv(values.transpose(1, 2), num_heads),
+        q.view(batch, num_kv, num_heads // num_kv, head_dim), keys.transpose(1, 2), values.transpose(1, 2),
         attn_mask=valid[:, None, None, :], scale=scale)
-    return out.squeeze(2)
+    return out.reshape(batch, num_heads, head_dim)
