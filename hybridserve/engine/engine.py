@@ -181,7 +181,7 @@ class LLMEngine:
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
         vocab = self.model_config.vocab_size
-        if not all(type(token) is int for token in prompt) or min(prompt) < 0 or max(prompt) >= vocab:
+        if set(map(type, prompt)) != {int} or min(prompt) < 0 or max(prompt) >= vocab:
             bad = next(t for t in prompt if type(t) is not int or not 0 <= t < vocab)
             raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
         return None, list(prompt)

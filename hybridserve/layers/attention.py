@@ -65,9 +65,11 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     num_kv = keys.shape[1]
     groups = num_heads // num_kv
     total = num_prefix + num_new
-    key_pos = torch.arange(total, device=q.device)
-    query_pos = torch.arange(num_prefix, total, device=q.device)
-    mask = (key_pos[None, :] <= query_pos[:, None]).repeat(groups, 1)
+    mask = None  # a single (last) query sees every key
+    if num_new > 1:
+        key_pos = torch.arange(total, device=q.device)
+        query_pos = torch.arange(num_prefix, total, device=q.device)
+        mask = (key_pos[None, :] <= query_pos[:, None]).repeat(groups, 1)
     stacked = q.view(num_new, num_kv, groups, head_dim).permute(1, 2, 0, 3).reshape(num_kv, groups * num_new, -1)
     out = F.scaled_dot_product_attention(stacked.unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
                                          values.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale)
