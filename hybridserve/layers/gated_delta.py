@@ -23,9 +23,11 @@ class ChunkedResult(NamedTuple):
     captured: list[torch.Tensor]  # one [Hv, Dk, Dv] per requested boundary, same order
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim (the convention of the reference kernels)."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6, scale: float = 1.0) -> torch.Tensor:
+    """scale * x / sqrt(sum(x^2) + eps) over the last dim (the reference kernels' convention),
+    as one fused rms_norm: rms_norm(x, eps / d) = sqrt(d) * x / sqrt(sum(x^2) + eps)."""
+    dim = x.shape[-1]
+    return F.rms_norm(x, (dim,), None, eps / dim) * (scale / dim ** 0.5)
 
 
 def causal_conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
@@ -79,7 +81,7 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         t = F.pad(t, (0, 0) * (t.dim() - 1) + (front, back)) if front or back else t
         return t.reshape(num_chunks, chunk_size, *t.shape[1:]).transpose(1, 2).contiguous()
 
-    q = chunked(_expand_heads(l2_normalize(q.float()) * head_k ** -0.5, num_v_heads))
+    q = chunked(_expand_heads(l2_normalize(q.float(), scale=head_k ** -0.5), num_v_heads))
     k = chunked(_expand_heads(l2_normalize(k.float()), num_v_heads))
     v, g, beta = chunked(v.float()), chunked(g.float().unsqueeze(-1)), chunked(beta.float().unsqueeze(-1))
     cum = g.cumsum(2)                                                   # [N, H, C, 1]
@@ -123,8 +125,8 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """One decode step for a batch: q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv];
     state [B, Hv, Dk, Dv] (float32). Returns (output [B, Hv, Dv] float32, new state)."""
     num_v_heads = v.shape[1]
-    q = l2_normalize(_expand_heads(q.float(), num_v_heads)) * q.shape[-1] ** -0.5
-    k = l2_normalize(_expand_heads(k.float(), num_v_heads))
+    q = _expand_heads(l2_normalize(q.float(), scale=q.shape[-1] ** -0.5), num_v_heads)
+    k = _expand_heads(l2_normalize(k.float()), num_v_heads)
     state = state * g.float().exp()[..., None, None]
     predicted = (k.unsqueeze(-2) @ state).squeeze(-2)              # [B, Hv, Dv]
     delta = (v.float() - predicted) * beta.float().unsqueeze(-1)

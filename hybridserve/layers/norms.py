@@ -1,8 +1,9 @@
-"""RMSNorm variants used by Qwen3.5."""
+"""RMSNorm variants used by Qwen3.5 (computed in float32, each one fused `rms_norm` call)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -13,11 +14,15 @@ class ZeroCenteredRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
+        self.scale: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Precompute the effective float32 scale (1 + w) once the weight is loaded."""
+        self.scale = (1.0 + self.weight.detach().float()).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        scale = self.scale if self.scale is not None else 1.0 + self.weight.float()
+        return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -30,7 +35,5 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * xf.to(dtype)
-        return (y * nn.functional.silu(gate.float())).to(dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(dtype)
+        return (self.weight * normed * F.silu(gate.float())).to(dtype)

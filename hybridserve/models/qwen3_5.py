@@ -295,6 +295,9 @@ class Qwen3_5ForCausalLM(nn.Module):
         for layer in self.model.layers:
             (layer.self_attn if layer.is_attention else layer.linear_attn).pack()
             layer.mlp.pack()
+        for module in self.modules():
+            if isinstance(module, ZeroCenteredRMSNorm):
+                module.pack()
         self.head = PackedLinear([self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head])
 
     def forward(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
