@@ -71,7 +71,8 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     chunk_size in (start, start + T]) whose state — after token b - 1 — is returned.
     """
     num_tokens, num_v_heads, head_v = v.shape
-    head_k = q.shape[-1]
+    num_k_heads, head_k = q.shape[1], q.shape[2]
+    group = num_v_heads // num_k_heads
     front = start_position % chunk_size
     back = (-(front + num_tokens)) % chunk_size
     num_chunks = (front + num_tokens + back) // chunk_size
@@ -81,27 +82,39 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         t = F.pad(t, (0, 0) * (t.dim() - 1) + (front, back)) if front or back else t
         return t.reshape(num_chunks, chunk_size, *t.shape[1:]).transpose(1, 2).contiguous()
 
-    q = chunked(_expand_heads(l2_normalize(q.float(), scale=head_k ** -0.5), num_v_heads))
-    k = chunked(_expand_heads(l2_normalize(k.float()), num_v_heads))
+    def per_value_head(t: torch.Tensor) -> torch.Tensor:
+        """[N, Hk, ...] -> [N, Hk, 1, ...]: broadcasts over the value heads of each key head."""
+        return t.unsqueeze(2)
+
+    def grouped(t: torch.Tensor) -> torch.Tensor:
+        """[N, Hv, ...] <-> [N, Hk, G, ...] views (value head j belongs to key head j // G)."""
+        return t.view(num_chunks, num_k_heads, group, *t.shape[2:])
+
+    q = chunked(l2_normalize(q.float(), scale=head_k ** -0.5))                # [N, Hk, C, Dk]
+    k = chunked(l2_normalize(k.float()))
     v, g, beta = chunked(v.float()), chunked(g.float().unsqueeze(-1)), chunked(beta.float().unsqueeze(-1))
-    cum = g.cumsum(2)                                                   # [N, H, C, 1]
+    cum = g.cumsum(2)                                                          # [N, Hv, C, 1]
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
     decay = (cum - cum.transpose(-1, -2)).masked_fill_(~causal, float("-inf")).exp_()
-    k_beta = k * beta
+    # Key-key and query-key products depend on the key head only: compute them at Hk and let
+    # the per-value-head decay and beta broadcast over each group.
+    kk = per_value_head(k @ k.transpose(-1, -2))
+    qk = per_value_head(q @ k.transpose(-1, -2))
     # (I + L) X = [v*beta, k*beta*exp(cum)] with L the strictly lower part of (k*beta) k^T * decay:
     # the UT transform that turns a chunk of delta-rule updates into matrix products.
-    lower = (k_beta @ k.transpose(-1, -2)).mul_(decay).tril_(-1)
+    lower = (grouped(beta) * kk * grouped(decay)).view_as(decay).tril_(-1)
     lower.diagonal(dim1=-2, dim2=-1).fill_(1.0)
     # Inverting once (identity right-hand side) then multiplying beats solving for both
     # right-hand sides on CPU LAPACK, and leaves both results contiguous for the scan.
     eye = torch.eye(chunk_size, dtype=lower.dtype, device=lower.device).expand_as(lower)
     inverse = torch.linalg.solve_triangular(lower, eye, upper=False, unitriangular=True)
     new_values = inverse @ (v * beta)
-    k_cumdecay = inverse @ (k_beta * cum.exp())
-    intra = (q @ k.transpose(-1, -2)).mul_(decay)
-    q_decayed = q * cum.exp()
-    k_to_end = (k * (cum[:, :, -1:] - cum).exp()).transpose(-1, -2).contiguous()
-    chunk_decay = cum[:, :, -1:].exp()                                  # [N, H, 1, 1]
+    k_cumdecay = inverse @ (per_value_head(k) * grouped(beta * cum.exp())).view(*cum.shape[:3], head_k)
+    intra = (qk * grouped(decay)).view_as(decay)
+    q_decayed = (per_value_head(q) * grouped(cum.exp())).view(*cum.shape[:3], head_k)
+    k_to_end = (per_value_head(k) * grouped((cum[:, :, -1:] - cum).exp())).view(*cum.shape[:3], head_k)
+    k_to_end = k_to_end.transpose(-1, -2).contiguous()
+    chunk_decay = cum[:, :, -1:].exp()                                         # [N, Hv, 1, 1]
 
     first_chunk_base = start_position - front
     capture_chunks = {(b - first_chunk_base) // chunk_size - 1: i for i, b in enumerate(capture_at)}
