@@ -175,7 +175,7 @@ class SchedulerConfig:
     """Continuous-batching limits."""
 
     max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_waiting_requests: int = 1024
     max_prefill_tokens_during_decode: int = 256  # 0: no cap (prefill may fill the whole step)

@@ -22,7 +22,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     parser.add_argument("--kv-cache-mib", type=float, default=256.0, help="memory for the paged KV cache")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="most requests running at once")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens in one step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                        help="most tokens in one step (while requests decode, prefill is further capped)")
     parser.add_argument("--max-prefill-tokens-during-decode", type=int, default=256,
                         help="while requests decode, prefill at most this many tokens per step (bounds "
                              "inter-token latency; 0 = no cap)")
