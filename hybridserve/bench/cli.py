@@ -57,7 +57,7 @@ def _add_ttft(subparsers: argparse._SubParsersAction) -> None:
                         help="cached prefix lengths (one row each)")
     parser.add_argument("--suffix-tokens", type=int, default=64, help="fresh tokens after the cached prefix")
     parser.add_argument("--warmup", type=int, default=1, help="extra warm-hit runs per row, discarded")
-    parser.add_argument("--iterations", type=int, default=5, help="measured iterations per row")
+    parser.add_argument("--iterations", type=int, default=9, help="measured iterations per row")
     parser.add_argument("--throughput-requests", type=int, default=16, help="requests of the no-reuse workload")
     parser.add_argument("--throughput-prompt-tokens", type=int, default=512, help="prompt length there")
     parser.add_argument("--throughput-output-tokens", type=int, default=32, help="output tokens there")
