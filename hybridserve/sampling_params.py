@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -87,6 +88,25 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _reject_unknown_fields(cls: type) -> None:
+    """Make unknown keyword arguments a ValueError (the API's error for bad input) rather than
+    the TypeError a dataclass constructor raises."""
+    dataclass_init = cls.__init__
+    known = {f.name for f in fields(cls)}
+
+    @functools.wraps(dataclass_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        dataclass_init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+
+
+_reject_unknown_fields(SamplingParams)
 
 
 def _is_number(value: Any) -> bool:

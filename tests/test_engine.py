@@ -188,7 +188,7 @@ def test_bad_sampling_params(kwargs: dict, message: str) -> None:
 def test_unknown_sampling_field_and_duplicate_id(text_checkpoint: Path) -> None:
     with pytest.raises(ValueError, match="unknown sampling parameter"):
         SamplingParams.from_dict({"max_tokens": 4, "temprature": 0.5})
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="unknown sampling parameter.*temprature"):
         SamplingParams(temprature=0.5)  # type: ignore[call-arg]
     llm = _llm(text_checkpoint)
     engine = llm.llm_engine

@@ -165,10 +165,10 @@ class Scheduler:
         self.running.append(request)
         snapshot_slot = None
         if lookup is not None:
-            self.prefix_cache.record(lookup)  # type: ignore[union-attr]
+            self._prefix_cache().record(lookup)
             snapshot_slot = hit.snapshot_slot if hit is not None else None
             if snapshot_slot is not None:
-                self.snapshots.pin(snapshot_slot)  # type: ignore[union-attr]
+                self._snapshot_pool().pin(snapshot_slot)
         return Restore(request, request.state_slot, snapshot_slot, request.num_computed_tokens)
 
     def _lookup(self, request: Request) -> PrefixLookup | None:
@@ -206,7 +206,7 @@ class Scheduler:
         """Commit a successful step; returns the requests whose next token must be sampled."""
         for restore in output.restores:
             if restore.snapshot_slot is not None:
-                self.snapshots.unpin(restore.snapshot_slot)  # type: ignore[union-attr]
+                self._snapshot_pool().unpin(restore.snapshot_slot)
             if restore.request.num_cached_tokens is None:
                 restore.request.num_cached_tokens = restore.num_tokens
         to_sample = []
@@ -217,9 +217,9 @@ class Scheduler:
             self._register_full_blocks(request)
             for reservation in chunk.captures:
                 if reservation.slot in failed_snapshot_slots:
-                    self.snapshots.abort(reservation)  # type: ignore[union-attr]
+                    self._snapshot_pool().abort(reservation)
                 else:
-                    self.snapshots.publish(reservation)  # type: ignore[union-attr]
+                    self._snapshot_pool().publish(reservation)
             if request.num_computed_tokens == request.num_tokens:
                 to_sample.append(request)
         return to_sample
@@ -229,17 +229,26 @@ class Scheduler:
         admitted = {id(r.request) for r in output.restores}
         for chunk in output.chunks:
             for reservation in chunk.captures:
-                self.snapshots.abort(reservation)  # type: ignore[union-attr]
+                self._snapshot_pool().abort(reservation)
             chunk.request.failed_steps += 1
             if chunk.new_blocks and id(chunk.request) not in admitted:
                 del chunk.request.block_ids[-len(chunk.new_blocks):]
                 self.block_pool.free(list(reversed(chunk.new_blocks)))
         for restore in reversed(output.restores):
             if restore.snapshot_slot is not None:
-                self.snapshots.unpin(restore.snapshot_slot)  # type: ignore[union-attr]
+                self._snapshot_pool().unpin(restore.snapshot_slot)
             self.running.remove(restore.request)
             self._release(restore.request)
             self.waiting.appendleft(restore.request)
+
+    def _snapshot_pool(self) -> SnapshotPool:
+        """The snapshot pool; only reached on paths that exist when the prefix cache is on."""
+        assert self.snapshots is not None, "prefix cache is disabled"
+        return self.snapshots
+
+    def _prefix_cache(self) -> PrefixCache:
+        assert self.prefix_cache is not None, "prefix cache is disabled"
+        return self.prefix_cache
 
     def _register_full_blocks(self, request: Request) -> None:
         if self.prefix_cache is None:

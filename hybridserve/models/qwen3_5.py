@@ -23,7 +23,7 @@ from hybridserve.layers.gated_delta import causal_conv_decode, causal_conv_prefi
     recurrent_gated_delta_step
 from hybridserve.layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from hybridserve.layers.rotary import PartialRotaryEmbedding
-from hybridserve.models.batch import ForwardBatch
+from hybridserve.models.batch import ForwardBatch, PrefillChunk
 
 
 class StateWrite(NamedTuple):
@@ -213,7 +213,7 @@ class GatedDeltaNet(nn.Module):
             for row, snapshot_slot in group.captures:
                 ctx.snapshot_sink.write(layer, snapshot_slot, new_conv[row], new_state[row])
 
-    def _prefill(self, chunk, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,  # noqa: ANN001
+    def _prefill(self, chunk: PrefillChunk, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  weight: torch.Tensor, ctx: ForwardContext, core: torch.Tensor) -> None:
         layer, slot = self.state_layer, chunk.state_slot
         rows = slice(chunk.token_offset, chunk.token_offset + chunk.length)
