@@ -16,6 +16,7 @@ from hybridserve.cache.snapshots import SnapshotPool
 from hybridserve.cache.state_slots import StateSlotPool
 from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.config import EngineConfig, ModelConfig
+from hybridserve.engine.memory import retain_freed_activation_memory
 from hybridserve.engine.request import Request
 from hybridserve.engine.runner import ModelRunner
 from hybridserve.engine.sampling import sample
@@ -75,6 +76,8 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            retain_freed_activation_memory()
         self.model_config, self.tokenizer = self._load_model_config_and_tokenizer()
         model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = model_len
