@@ -12,7 +12,8 @@ from typing import NamedTuple
 import torch
 
 from hybridserve.cache.block_pool import BlockPool
-from hybridserve.cache.snapshots import SnapshotPool
+from hybridserve.cache.prefix_cache import PrefixCacheStats
+from hybridserve.cache.snapshots import SnapshotPool, SnapshotPoolStats
 from hybridserve.cache.state_slots import StateSlotPool
 from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.config import EngineConfig, ModelConfig
@@ -38,7 +39,8 @@ class QueueFullError(RuntimeError):
 
 
 class PrefixCacheReport(NamedTuple):
-    """Joint prefix cache statistics (`LLM.prefix_cache_stats()`)."""
+    """Joint prefix cache statistics (`LLM.prefix_cache_stats()`): the lookup counters of
+    `PrefixCacheStats` (same order) followed by snapshot-pool counters and residency."""
 
     queries: int
     query_tokens: int
@@ -308,21 +310,13 @@ class LLMEngine:
     # -- introspection ----------------------------------------------------------------------------
     def prefix_cache_stats(self) -> PrefixCacheReport:
         """Joint prefix cache counters (all zero when the cache is disabled)."""
-        prefix = self.scheduler.prefix_cache
-        snapshots = self.scheduler.snapshots
-        lookup = prefix.stats() if prefix is not None else None
-        snap = snapshots.stats() if snapshots is not None else None
+        prefix, snapshots = self.scheduler.prefix_cache, self.scheduler.snapshots
+        lookup = prefix.stats() if prefix is not None else PrefixCacheStats(0, 0, 0, 0, 0, 0)
+        snap = snapshots.stats() if snapshots is not None else SnapshotPoolStats(0, 0, 0, 0, 0, 0, 0, 0, 0)
         return PrefixCacheReport(
-            queries=lookup.queries if lookup else 0, query_tokens=lookup.query_tokens if lookup else 0,
-            hits=lookup.hits if lookup else 0, hit_tokens=lookup.hit_tokens if lookup else 0,
-            kv_only_misses=lookup.kv_only_misses if lookup else 0,
-            snapshot_only_misses=lookup.snapshot_only_misses if lookup else 0,
-            snapshots_published=snap.published_total if snap else 0,
-            snapshots_evicted=snap.evicted_total if snap else 0,
-            snapshots_skipped=snap.skipped_total if snap else 0,
-            snapshots_aborted=snap.aborted_total if snap else 0,
-            resident_snapshots=snap.published if snap else 0,
-            resident_snapshot_bytes=(snap.published if snap else 0) * self.bytes_per_snapshot,
+            *lookup, snapshots_published=snap.published_total, snapshots_evicted=snap.evicted_total,
+            snapshots_skipped=snap.skipped_total, snapshots_aborted=snap.aborted_total,
+            resident_snapshots=snap.published, resident_snapshot_bytes=snap.published * self.bytes_per_snapshot,
             snapshot_slots=self.num_snapshot_slots, bytes_per_snapshot=self.bytes_per_snapshot)
 
     def stats(self) -> dict[str, float]:
