@@ -17,6 +17,7 @@ from hybridserve.cache.snapshots import SnapshotPool, SnapshotPoolStats
 from hybridserve.cache.state_slots import StateSlotPool
 from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.config import EngineConfig, ModelConfig
+from hybridserve.engine.detokenizer import IncrementalDetokenizer
 from hybridserve.engine.memory import retain_freed_activation_memory
 from hybridserve.engine.request import Request
 from hybridserve.engine.runner import ModelRunner
@@ -162,6 +163,7 @@ class LLMEngine:
         request = Request(request_id, text, token_ids, params, self.config.cache.block_size, cache_salt)
         request.generator = (torch.Generator(device=self.device).manual_seed(params.seed)
                              if params.seed is not None else self._generator)
+        request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         return request
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -261,36 +263,42 @@ class LLMEngine:
 
     def _check_stop(self, request: Request) -> None:
         params, token = request.params, request.output_token_ids[-1]
+        detokenizer = request.detokenizer
+        assert detokenizer is not None
+        delta = detokenizer.update(request.output_token_ids)
+        request.output_text = detokenizer.text
         enough = request.num_output_tokens >= params.min_tokens
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=params.skip_special_tokens)
-        request.output_text = text
         if enough and not params.ignore_eos and token in self.tokenizer.eos_token_ids:
             return self._finish(request, "stop")
         if enough and token in params.stop_token_ids:
             return self._finish(request, "stop", token)
-        if enough and params.stop:
-            hit = _find_stop(text, params.stop)
+        if enough and params.stop and delta:
+            hit = _find_stop(detokenizer.text, params.stop, since=len(detokenizer.text) - len(delta))
             if hit is not None:
                 index, stop = hit
-                request.output_text = text[: index + len(stop)] if params.include_stop_str_in_output else text[:index]
-                return self._finish(request, "stop", stop)
+                end = index + len(stop) if params.include_stop_str_in_output else index
+                request.output_text = detokenizer.text[:end]
+                return self._finish(request, "stop", stop, flush=False)
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return self._finish(request, "length")
         return None
 
-    def _finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
+    def _finish(self, request: Request, reason: str, stop_reason: str | int | None = None,
+                flush: bool = True) -> None:
+        if flush and request.detokenizer is not None:
+            request.detokenizer.finish(request.output_token_ids)
+            request.output_text = request.detokenizer.text
         self.scheduler.finish(request, reason)
         request.stop_reason = stop_reason
         self.requests.pop(request.request_id, None)
 
     def _output(self, request: Request) -> RequestOutput:
-        text = request.output_text if request.is_finished else request.output_text.rstrip("\ufffd")
         metrics = {"arrival_time": request.arrival_time}
         if request.first_token_time is not None:
             metrics["first_token_time"] = request.first_token_time
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids), text=text, finished=request.is_finished,
+            token_ids=list(request.output_token_ids), text=request.output_text, finished=request.is_finished,
             finish_reason=request.finish_reason, stop_reason=request.stop_reason,
             num_cached_tokens=request.num_cached_tokens or 0,
             logprobs=list(request.logprobs) if request.logprobs is not None else None, metrics=metrics)
@@ -352,11 +360,12 @@ class LLMEngine:
                 assert self.scheduler.snapshots.num_pinned == 0, "snapshot pin left behind"
 
 
-def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
-    """Earliest occurrence of any stop string in `text`."""
+def _find_stop(text: str, stops: list[str], since: int = 0) -> tuple[int, str] | None:
+    """Earliest occurrence of any stop string in `text` that ends after position `since`
+    (the text before it was already searched)."""
     best: tuple[int, str] | None = None
     for stop in stops:
-        index = text.find(stop)
+        index = text.find(stop, max(0, since - len(stop) + 1))
         if index >= 0 and (best is None or index < best[0]):
             best = (index, stop)
     return best

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridserve.cache.block_pool import BlockHash, block_hashes_for
+from hybridserve.engine.detokenizer import IncrementalDetokenizer
 from hybridserve.sampling_params import SamplingParams
 
 
@@ -52,6 +53,7 @@ class Request:
     first_token_time: float | None = None
     failed_steps: int = 0
     generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
     keep_prompt_logits: bool = False           # diagnostics: keep logits of every computed position
     prompt_logits: list[torch.Tensor] = field(default_factory=list)
     _block_hashes: list[BlockHash] = field(default_factory=list)
