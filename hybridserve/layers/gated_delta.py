@@ -94,8 +94,9 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     k = chunked(l2_normalize(k.float()))
     v, g, beta = chunked(v.float()), chunked(g.float().unsqueeze(-1)), chunked(beta.float().unsqueeze(-1))
     cum = g.cumsum(2)                                                          # [N, Hv, C, 1]
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
-    decay = (cum - cum.transpose(-1, -2)).masked_fill_(~causal, float("-inf")).exp_()
+    # exp(cum_i - cum_j) for j <= i (<= 1 since g <= 0); the upper triangle is clamped to 0
+    # before exp (exp of -inf is several times slower on CPU) and zeroed after.
+    decay = (cum - cum.transpose(-1, -2)).clamp_(max=0.0).exp_().tril_()
     # Key-key and query-key products depend on the key head only: compute them at Hk and let
     # the per-value-head decay and beta broadcast over each group.
     kk = per_value_head(k @ k.transpose(-1, -2))
