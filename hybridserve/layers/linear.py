@@ -32,10 +32,14 @@ def _onednn_usable(weight: torch.Tensor) -> bool:
 
 
 class PackedLinear:
-    """y = x @ W.T (+ b) for one or more fused linears; outputs split as the fused widths."""
+    """y = act(x @ W.T (+ b)) for one or more fused linears; outputs split as the fused widths.
+    `activation` is "none" or "silu" (fused into the GEMM on oneDNN)."""
 
-    def __init__(self, linears: list[nn.Module]) -> None:
+    def __init__(self, linears: list[nn.Module], activation: str = "none") -> None:
         """Fuse the `.weight` ([out, in]) and optional `.bias` of `linears` (Linear or Embedding)."""
+        if activation not in ("none", "silu"):
+            raise ValueError(f"unsupported activation {activation!r}")
+        self.activation = activation
         weight = torch.cat([lin.weight.detach() for lin in linears]).contiguous()
         biases = [getattr(lin, "bias", None) for lin in linears]
         self.bias = torch.cat([b.detach() for b in biases]).contiguous() if biases[0] is not None else None
@@ -52,8 +56,10 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.onednn:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            post_op = "swish" if self.activation == "silu" else "none"
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, post_op, [], "")
+        y = F.linear(x, self.weight, self.bias)
+        return F.silu(y) if self.activation == "silu" else y
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Apply and split the output into the fused linears' parts."""

@@ -58,17 +58,19 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.gate_up: PackedLinear | None = None
+        self.gate: PackedLinear | None = None
+        self.up: PackedLinear | None = None
         self.down: PackedLinear | None = None
 
     def pack(self) -> None:
-        """Fuse gate and up projections; repack all weights for inference (after loading)."""
-        self.gate_up, self.down = PackedLinear([self.gate_proj, self.up_proj]), PackedLinear([self.down_proj])
+        """Repack the weights for inference (after loading); SiLU is fused into the gate GEMM,
+        which on CPU beats one fused gate|up GEMM followed by SiLU and product over strided halves."""
+        self.gate = PackedLinear([self.gate_proj], activation="silu")
+        self.up, self.down = PackedLinear([self.up_proj]), PackedLinear([self.down_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.gate_up is not None and self.down is not None, "call pack() after loading weights"
-        gate, up = self.gate_up.split(x)
-        return self.down(F.silu(gate) * up)
+        assert self.gate is not None and self.up is not None and self.down is not None, "call pack() first"
+        return self.down(self.gate(x).mul_(self.up(x)))
 
 
 class GatedAttention(nn.Module):
