@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
-from tests.checkpoints import make_multimodal_checkpoint, make_text_checkpoint, reference_text_model
+from tests.checkpoints import make_text_checkpoint, reference_text_model
 
 SHAPES = {
     "base": dict(),
