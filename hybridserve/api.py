@@ -21,10 +21,10 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
                  block_size: int = 16, kv_cache_mib: float = 256.0, prefix_cache_mib: float = 1024.0,
-                 snapshot_interval: int = 256, max_num_seqs: int = 32, max_num_batched_tokens: int = 8192,
+                 snapshot_interval: int = 256, cache_policy: str = "hybridserve", max_num_seqs: int = 32, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, max_prefill_tokens_during_decode: int = 32) -> None:
         cache = CacheConfig(block_size=block_size, kv_cache_mib=kv_cache_mib, prefix_cache_mib=prefix_cache_mib,
-                            snapshot_interval=snapshot_interval)
+                            snapshot_interval=snapshot_interval, cache_policy=cache_policy)
         scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                     max_model_len=max_model_len,
                                     max_prefill_tokens_during_decode=max_prefill_tokens_during_decode)

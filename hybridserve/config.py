@@ -7,10 +7,10 @@ text-only or multimodal layout); `CacheConfig` sizes the KV pool and the GDN sna
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
+POLICY_NAMES = ("hybridserve", "marconi", "interval", "last-block")  # see hybridserve.cache.policy
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
@@ -150,6 +150,7 @@ class CacheConfig:
     kv_cache_mib: float = 256.0
     prefix_cache_mib: float = 1024.0
     snapshot_interval: int = 256
+    cache_policy: str = "hybridserve"
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
@@ -158,16 +159,13 @@ class CacheConfig:
         _require(self.snapshot_interval >= 1 and self.snapshot_interval % self.block_size == 0,
                  f"snapshot_interval ({self.snapshot_interval}) must be a positive multiple of "
                  f"block_size ({self.block_size})")
+        _require(self.cache_policy in POLICY_NAMES,
+                 f"unknown cache policy {self.cache_policy!r}; choose one of {', '.join(POLICY_NAMES)}")
 
     @property
     def prefix_cache_enabled(self) -> bool:
         return self.prefix_cache_mib > 0
 
-    @property
-    def gdn_chunk_size(self) -> int:
-        """Chunk length of the chunked gated-delta prefill; divides the snapshot interval so that
-        every snapshot boundary is a chunk end (capture then needs no extra forward pieces)."""
-        return math.gcd(64, self.snapshot_interval)
 
 
 @dataclass(frozen=True)

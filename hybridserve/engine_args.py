@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hybridserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from hybridserve.config import POLICY_NAMES, CacheConfig, EngineConfig, SchedulerConfig
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: bool = False) -> None:
@@ -19,6 +19,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
                         help="memory for GDN state snapshots of the joint prefix cache (0 disables it)")
     parser.add_argument("--snapshot-interval", type=int, default=256,
                         help="tokens between GDN state snapshots (a multiple of the block size)")
+    parser.add_argument("--cache-policy", default="hybridserve", metavar="{" + ",".join(POLICY_NAMES) + "}",
+                        help="which GDN states the prefix cache keeps and evicts (see docs/design.md)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     parser.add_argument("--kv-cache-mib", type=float, default=256.0, help="memory for the paged KV cache")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="most requests running at once")
@@ -40,7 +42,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The `EngineConfig` the flags describe (raises `ValueError` on invalid values)."""
     cache = CacheConfig(block_size=args.block_size, kv_cache_mib=args.kv_cache_mib,
-                        prefix_cache_mib=args.prefix_cache_mib, snapshot_interval=args.snapshot_interval)
+                        prefix_cache_mib=args.prefix_cache_mib, snapshot_interval=args.snapshot_interval,
+                        cache_policy=args.cache_policy)
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 max_model_len=args.max_model_len, max_waiting_requests=args.max_waiting_requests,
                                 max_prefill_tokens_during_decode=args.max_prefill_tokens_during_decode)

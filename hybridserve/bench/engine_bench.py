@@ -24,7 +24,7 @@ import torch
 from hybridserve.bench.common import EngineDriver, format_table, goal_mark, greedy, machine_line, matmul_gflops, \
     median, random_token_ids
 from hybridserve.config import LINEAR_ATTENTION, EngineConfig, ModelConfig
-from hybridserve.engine.engine import LLMEngine
+from hybridserve.engine.engine import GDN_CHUNK_SIZE, LLMEngine
 from hybridserve.models.builtin import parameter_shapes, save_builtin_checkpoint
 
 PREFILL_SPEEDUP_GOAL = 1.5   # hybridserve prefill at least 1.5x faster than transformers
@@ -191,7 +191,7 @@ def _summarize(engine: LLMEngine, cfg: EngineBenchConfig, prefill: dict[str, lis
     hs_prefill, hf_prefill = median(prefill["hybridserve_s"]), median(prefill["transformers_s"])
     hs_tok, hf_tok = median(decode["hybridserve_b1_s"]), median(decode["transformers_b1_s"])
     batch_step = median(decode["hybridserve_batch_s"])
-    chunk = engine.config.cache.gdn_chunk_size if engine.config.cache.prefix_cache_enabled else 64
+    chunk = GDN_CHUNK_SIZE
     flops = prefill_flops(engine.model_config, cfg.prompt_tokens, chunk)
     matmul = median(prefill["matmul_gflops"])
     model_gflops = flops["total"] / hs_prefill / 1e9

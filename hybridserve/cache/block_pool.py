@@ -18,7 +18,7 @@ import struct
 import sys
 from array import array
 from collections import Counter, OrderedDict
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import xxhash
 
@@ -27,6 +27,7 @@ BlockHash = bytes
 
 _ROOT_TAG = b"\x00hybridserve-root"
 _PARENT_TAG = b"\x01"
+_TAIL_TAG = b"\x02hybridserve-tail"
 
 
 # --------------------------------------------------------------------- hashing
@@ -95,6 +96,19 @@ def hash_block(
     return h.digest()
 
 
+def hash_tail(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> BlockHash:
+    """Hash of a *partial* block (fewer tokens than a block) after `parent`.
+
+    Tagged apart from full-block hashes, so a partial block never matches a full one; equal
+    parents, tokens and extra keys give equal hashes. It names the token prefix that ends
+    inside the block (a request-end boundary).
+    """
+    h = xxhash.xxh3_128(_TAIL_TAG + (parent or b""))
+    h.update(_encode_tokens(token_ids))
+    h.update(encode_extra_keys(extra_keys))
+    return h.digest()
+
+
 def block_hashes_for(
     token_ids: Sequence[int],
     block_size: int,
@@ -138,6 +152,8 @@ def block_hashes_for(
 
 # ------------------------------------------------------------------ block pool
 
+_NO_TAILS: dict[BlockHash, int] = {}
+
 
 class BlockPoolStats(NamedTuple):
     """Snapshot of :class:`BlockPool` occupancy and counters."""
@@ -161,10 +177,15 @@ class BlockPool:
     * ``block_hash[b] == h`` iff the hash index maps ``h -> b`` (one block per
       hash; a second block with the same content simply stays unhashed);
     * free blocks that still hold a hash are *cached*: they count as free
-      (reclaimable) and are matchable until reallocated.
+      (reclaimable) and are matchable until reallocated;
+    * a *tail* is a partial block registered under :func:`hash_tail` (a request ended inside
+      it); the tail index lists, per parent hash, the tails that follow it.
+
+    ``on_evict(hash)`` hears every hash dropped when a cached block is reclaimed, so state
+    keyed by that prefix (a GDN snapshot) can go with it.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_evict: Callable[[BlockHash], None] | None = None) -> None:
         """Create a pool whose blocks ``0 .. num_blocks-1`` are all free."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
@@ -174,6 +195,10 @@ class BlockPool:
         # LRU order: first = least recently freed (evicted first), last = MRU.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._index: dict[BlockHash, int] = {}
+        # Tails: hash -> (parent hash or b"" at the root, tokens); parent -> {hash: tokens}.
+        self._tail_of: dict[BlockHash, tuple[BlockHash, int]] = {}
+        self._tails: dict[BlockHash, dict[BlockHash, int]] = {}
+        self.on_evict = on_evict
         self._num_cached_free = 0
         self.num_evictions = 0
         self.num_touched = 0
@@ -229,10 +254,13 @@ class BlockPool:
         out: list[int] = []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
-            if self._block_hash[block_id] is not None:
+            evicted = self._block_hash[block_id]
+            if evicted is not None:
                 self._num_cached_free -= 1
                 self._drop_hash(block_id)
                 self.num_evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(evicted)
             self._ref_count[block_id] = 1
             out.append(block_id)
         return out
@@ -255,23 +283,27 @@ class BlockPool:
             self._ref_count[block_id] += 1
             self.num_touched += 1
 
-    def free(self, block_ids: Sequence[int]) -> None:
+    def free(self, block_ids: Sequence[int], evict_first: bool = False) -> None:
         """Drop one reference on each block; blocks reaching 0 go to the MRU end.
 
         Freed blocks keep their hash and stay matchable until reallocated.
         Callers should pass a request's blocks in *reverse* order (tail blocks
         first): the free list is LRU, so the deepest, least shareable blocks are
-        then evicted before the request's shared prefix.  Dropping a reference
+        then evicted before the request's shared prefix.  With ``evict_first``
+        they go to the LRU *front* instead (the first one listed is reclaimed
+        first): blocks a cache policy judges worth little.  Dropping a reference
         that does not exist raises ``ValueError`` (nothing is changed).
         """
         for block_id, count in Counter(block_ids).items():
             self._check_id(block_id)
             if self._ref_count[block_id] < count:
                 raise ValueError(f"double free of block {block_id}")
-        for block_id in block_ids:
+        for block_id in (reversed(block_ids) if evict_first else block_ids):
             self._ref_count[block_id] -= 1
             if self._ref_count[block_id] == 0:
                 self._free[block_id] = None
+                if evict_first:
+                    self._free.move_to_end(block_id, last=False)
                 if self._block_hash[block_id] is not None:
                     self._num_cached_free += 1
 
@@ -301,6 +333,25 @@ class BlockPool:
         self._index[block_hash] = block_id
         self.num_registered += 1
         return True
+
+    def register_tail(self, block_id: int, tail_hash: BlockHash, parent: BlockHash | None, num_tokens: int) -> bool:
+        """Make a partial, computed, in-use block matchable as the `num_tokens`-token tail after
+        `parent` (``None`` at the root). The block must never be written again: whoever extends
+        the prefix copies it first (copy-on-write). Same return and errors as :meth:`register`."""
+        if not 0 < num_tokens:
+            raise ValueError(f"a tail holds at least one token, got {num_tokens}")
+        if not self.register(block_id, tail_hash):
+            return False
+        if tail_hash not in self._tail_of:
+            parent_key = parent or b""
+            self._tail_of[tail_hash] = (parent_key, num_tokens)
+            self._tails.setdefault(parent_key, {})[tail_hash] = num_tokens
+        return True
+
+    def tails_after(self, parent: BlockHash | None) -> dict[BlockHash, int]:
+        """Registered tails following `parent` (``None``: the root), as {tail hash: tokens}.
+        Read-only view; empty when there are none."""
+        return self._tails.get(parent or b"", _NO_TAILS)
 
     def lookup(self, block_hash: BlockHash) -> int | None:
         """Block currently holding ``block_hash`` (in use or free-cached), else ``None``."""
@@ -382,6 +433,10 @@ class BlockPool:
         assert cached_free == self._num_cached_free, (
             f"cached-free counter {self._num_cached_free} != actual {cached_free}"
         )
+        for tail_hash, (parent_key, num_tokens) in self._tail_of.items():
+            assert tail_hash in self._index, "tail index lists a hash no block holds"
+            assert self._tails[parent_key][tail_hash] == num_tokens, "tail index out of step"
+        assert sum(map(len, self._tails.values())) == len(self._tail_of), "stale tail entries"
         assert self.num_used_blocks + self.num_free_blocks == self._num_blocks
 
     # -------------------------------------------------------------- helpers
@@ -398,6 +453,12 @@ class BlockPool:
         assert block_hash is not None
         del self._index[block_hash]
         self._block_hash[block_id] = None
+        tail = self._tail_of.pop(block_hash, None)
+        if tail is not None:
+            siblings = self._tails[tail[0]]
+            del siblings[block_hash]
+            if not siblings:
+                del self._tails[tail[0]]
 
     def __repr__(self) -> str:
         """Short summary for debugging."""

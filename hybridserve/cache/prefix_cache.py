@@ -6,27 +6,31 @@ snapshot pool's key index, and keeps the hit/miss statistics. Copying state is t
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
-from hybridserve.cache.block_pool import BlockHash, BlockPool
+from hybridserve.cache.block_pool import BlockHash, BlockPool, hash_tail
 from hybridserve.cache.snapshots import SnapshotPool
 
 
 class PrefixHit(NamedTuple):
     """Result of a joint lookup: restore `num_tokens` from these blocks and that snapshot slot.
-    `num_tokens == 0` is a cold start (no blocks, no snapshot)."""
+    `num_tokens == 0` is a cold start (no blocks, no snapshot). When the boundary falls inside a
+    block, `tail_block` holds that block's cached partial KV: the request copies it into a block
+    of its own (copy-on-write) and computes from `num_tokens` on."""
 
     num_tokens: int
     block_ids: list[int]
     snapshot_slot: int | None
+    tail_block: int | None = None
 
 
 class PrefixLookup(NamedTuple):
-    """A lookup's outcome: the hit (possibly cold), its snapshot key, and deeper partial candidates."""
+    """A lookup's outcome: the hit (possibly cold), its snapshot key, and what else was found."""
 
     hit: PrefixHit
     key: BlockHash | None
     num_tokens: int
+    kv_match_tokens: int      # full blocks present in the block index, in tokens
     kv_only_miss: bool        # a deeper boundary had all its KV blocks but no snapshot
     snapshot_only_miss: bool  # a deeper boundary had a snapshot but not all its KV blocks
 
@@ -42,54 +46,71 @@ class PrefixCacheStats(NamedTuple):
     snapshot_only_misses: int
 
 
-def eligible_boundaries(num_tokens: int, interval: int) -> list[int]:
-    """Snapshot boundaries a request of `num_tokens` tokens may restore, deepest first.
-    At least one token is always computed (to produce logits), so b <= num_tokens - 1."""
-    return list(range(((num_tokens - 1) // interval) * interval, 0, -interval))
-
-
 class PrefixCache:
-    """Joint lookup over a `BlockPool` and a `SnapshotPool` keyed by the boundary's block hash."""
+    """Joint lookup over a `BlockPool` and a `SnapshotPool`. A snapshot at a block boundary is
+    keyed by that block's hash; one inside a block (a request end) by the tail hash of the
+    partial block, whose KV the block pool keeps under the same hash."""
 
-    def __init__(self, block_pool: BlockPool, snapshots: SnapshotPool, block_size: int, interval: int) -> None:
+    def __init__(self, block_pool: BlockPool, snapshots: SnapshotPool, block_size: int) -> None:
         self.block_pool = block_pool
         self.snapshots = snapshots
         self.block_size = block_size
-        self.interval = interval
         self._queries = self._query_tokens = self._hits = self._hit_tokens = 0
         self._kv_only = self._snapshot_only = 0
 
-    def lookup(self, block_hashes: list[BlockHash], num_tokens: int) -> PrefixLookup:
-        """Deepest boundary b <= num_tokens - 1 whose KV blocks and snapshot are both present.
+    def lookup(self, block_hashes: list[BlockHash], token_ids: Sequence[int], extra_keys: tuple) -> PrefixLookup:
+        """Deepest boundary b <= len(token_ids) - 1 whose KV and snapshot are both present.
 
-        `block_hashes` are the hashes of the request's full blocks. Candidates that have only
-        KV or only a snapshot are noted as misses of that kind and never returned. Pure: call
-        `record` once the request is actually admitted, so retries do not inflate the stats.
+        `block_hashes` are the hashes of the request's full blocks. Boundaries are tried deepest
+        first: tails inside block j + 1, then the end of block j, for j from the KV match down.
+        Pure: call `record` once the request is actually admitted, so retries do not inflate
+        the stats.
         """
-        cached_blocks = self.block_pool.longest_cached_prefix(block_hashes)
-        kv_only = snapshot_only = False
-        for boundary in eligible_boundaries(num_tokens, self.interval):
-            num_blocks = boundary // self.block_size
-            slot = self.snapshots.lookup(block_hashes[num_blocks - 1])
-            kv_present = num_blocks <= len(cached_blocks)
-            if kv_present and slot is not None:
-                hit = PrefixHit(boundary, cached_blocks[:num_blocks], slot)
-                return PrefixLookup(hit, block_hashes[num_blocks - 1], num_tokens, kv_only, snapshot_only)
-            kv_only |= kv_present
-            snapshot_only |= slot is not None
-        return PrefixLookup(PrefixHit(0, [], None), None, num_tokens, kv_only, snapshot_only)
+        num_tokens, size = len(token_ids), self.block_size
+        cached = self.block_pool.longest_cached_prefix(block_hashes)
+        limit = num_tokens - 1  # one token is always computed, for logits
+        snapshot_only = any(self.snapshots.lookup(h) is not None
+                            for h in block_hashes[len(cached):limit // size])
+        for blocks in range(len(cached), -1, -1):
+            parent = block_hashes[blocks - 1] if blocks else None
+            hit = self._tail_hit(parent, blocks, token_ids, extra_keys, limit, cached)
+            if hit is None and 0 < blocks * size <= limit:
+                slot = self.snapshots.lookup(block_hashes[blocks - 1])
+                if slot is not None:
+                    hit = (PrefixHit(blocks * size, cached[:blocks], slot), block_hashes[blocks - 1])
+            if hit is not None:
+                kv_only = len(cached) * size > hit[0].num_tokens
+                return PrefixLookup(hit[0], hit[1], num_tokens, len(cached) * size, kv_only, snapshot_only)
+        return PrefixLookup(PrefixHit(0, [], None), None, num_tokens, len(cached) * size, bool(cached), snapshot_only)
+
+    def _tail_hit(self, parent: BlockHash | None, blocks: int, token_ids: Sequence[int], extra_keys: tuple,
+                  limit: int, cached: list[int]) -> tuple[PrefixHit, BlockHash] | None:
+        """The deepest cached tail after `blocks` full blocks that matches and has a snapshot."""
+        tails = self.block_pool.tails_after(parent)
+        if not tails:
+            return None
+        first = blocks * self.block_size
+        for length in sorted(set(tails.values()), reverse=True):
+            if first + length > limit:
+                continue
+            tail = hash_tail(parent, token_ids[first:first + length], extra_keys)
+            slot = self.snapshots.lookup(tail) if tail in tails else None
+            if slot is not None:
+                return PrefixHit(first + length, cached[:blocks], slot, self.block_pool.lookup(tail)), tail
+        return None
 
     def record(self, result: PrefixLookup) -> None:
-        """Count an admitted lookup and refresh the LRU position of the snapshot it uses."""
+        """Count an admitted lookup and note a hit on the snapshot it uses."""
         self._queries += 1
         self._query_tokens += result.num_tokens
         self._kv_only += result.kv_only_miss
         self._snapshot_only += result.snapshot_only_miss
         if result.key is not None:
-            self.snapshots.touch(result.key)
+            self.snapshots.record_hit(result.key)
             self._hits += 1
             self._hit_tokens += result.hit.num_tokens
 
     def stats(self) -> PrefixCacheStats:
+        """Counters since start-up."""
         return PrefixCacheStats(self._queries, self._query_tokens, self._hits, self._hit_tokens,
                                 self._kv_only, self._snapshot_only)

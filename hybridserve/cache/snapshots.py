@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from typing import Callable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 from hybridserve.cache.block_pool import BlockHash
 
@@ -52,6 +52,21 @@ class Reservation(NamedTuple):
     ticket: int = 0
 
 
+class SnapshotInfo(NamedTuple):
+    """What an eviction policy may weigh about one published slot."""
+
+    key: BlockHash
+    num_tokens: int
+    last_use: int          # pool clock at its publish or last hit
+    hits: int              # restores from it
+    parent: BlockHash | None  # the next shallower snapshot on the same request path, if known
+    children: int          # published snapshots whose parent it is (more than one: a branch point)
+
+
+VictimChooser = Callable[["SnapshotPool"], "int | None"]
+"""Picks the published, unpinned slot to evict (from :meth:`SnapshotPool.evictable`), or None."""
+
+
 class SnapshotPoolStats(NamedTuple):
     """Snapshot of :class:`SnapshotPool` occupancy and counters."""
 
@@ -83,8 +98,10 @@ class SnapshotPool:
     is dropped (being restored counts as a use).
     """
 
-    def __init__(self, num_slots: int, on_evict: EvictCallback | None = None) -> None:
-        """Create ``num_slots`` free slots; ``on_evict(key, slot)`` hears capacity evictions."""
+    def __init__(self, num_slots: int, on_evict: EvictCallback | None = None,
+                 choose_victim: VictimChooser | None = None) -> None:
+        """Create ``num_slots`` free slots; ``on_evict(key, slot)`` hears capacity evictions;
+        ``choose_victim`` replaces the default least-recently-used choice."""
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self._num_slots = num_slots
@@ -94,6 +111,12 @@ class SnapshotPool:
         self._num_tokens: list[int] = [0] * num_slots
         self._ticket: list[int] = [0] * num_slots
         self._pins: list[int] = [0] * num_slots
+        self._last_use: list[int] = [0] * num_slots
+        self._hits: list[int] = [0] * num_slots
+        self._parent: list[BlockHash | None] = [None] * num_slots
+        self._children: dict[BlockHash, int] = {}
+        self.clock = 0
+        self.choose_victim = choose_victim
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_slots))
         self._reserved: dict[BlockHash, int] = {}
         self._published: dict[BlockHash, int] = {}
@@ -143,8 +166,28 @@ class SnapshotPool:
     def touch(self, key: BlockHash) -> None:
         """Mark ``key``'s published slot most-recently-used (no-op if absent or pinned)."""
         slot = self._published.get(key)
-        if slot is not None and slot in self._lru:
-            self._lru.move_to_end(slot)
+        if slot is not None:
+            self.clock += 1
+            self._last_use[slot] = self.clock
+            if slot in self._lru:
+                self._lru.move_to_end(slot)
+
+    def record_hit(self, key: BlockHash) -> None:
+        """A request restores from ``key``: count the hit and mark it most-recently-used."""
+        slot = self._published.get(key)
+        if slot is not None:
+            self._hits[slot] += 1
+            self.touch(key)
+
+    def evictable(self) -> Iterable[int]:
+        """Published, unpinned slots, least recently used first."""
+        return self._lru.keys()
+
+    def info(self, slot: int) -> SnapshotInfo:
+        """Key, position, use counters and path links of a published slot."""
+        key = self.key_of(slot)
+        return SnapshotInfo(key, self._num_tokens[slot], self._last_use[slot], self._hits[slot],
+                            self._parent[slot], self._children.get(key, 0))
 
     def key_of(self, slot: int) -> BlockHash:
         """Key of a reserved or published slot (raises for a free slot)."""
@@ -187,13 +230,14 @@ class SnapshotPool:
 
     # --------------------------------------------------------------- protocol
 
-    def reserve(self, key: BlockHash, num_tokens: int) -> Reservation:
+    def reserve(self, key: BlockHash, num_tokens: int, parent: BlockHash | None = None) -> Reservation:
         """Reserve a slot for the state at ``num_tokens`` tokens, keyed by ``key``.
 
         DUPLICATE if ``key`` is published (refreshes its LRU position) or
-        already in flight; otherwise take a free slot, else evict the
-        least-recently-used unpinned published slot (reported in
-        ``evicted_key`` and to ``on_evict``), else SKIPPED.
+        already in flight; otherwise take a free slot, else evict an unpinned
+        published slot (``choose_victim``'s pick, by default the least recently
+        used; reported in ``evicted_key`` and to ``on_evict``), else SKIPPED.
+        ``parent`` names the next shallower snapshot on the same path, if any.
         """
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
@@ -204,8 +248,8 @@ class SnapshotPool:
         evicted_key: BlockHash | None = None
         if self._free:
             slot, _ = self._free.popitem(last=False)
-        elif self._lru:
-            slot = next(iter(self._lru))
+        elif (victim := self._victim()) is not None:
+            slot = victim
             evicted_key = self._key[slot]
             self._unpublish(slot)
             del self._free[slot]
@@ -219,6 +263,7 @@ class SnapshotPool:
         self._key[slot] = key
         self._num_tokens[slot] = num_tokens
         self._ticket[slot] = ticket
+        self._parent[slot] = parent
         self._reserved[key] = slot
         if evicted_key is not None and self._on_evict is not None:
             self._on_evict(evicted_key, slot)
@@ -236,6 +281,12 @@ class SnapshotPool:
         self._state[slot] = _State.PUBLISHED
         self._published[key] = slot
         self._lru[slot] = None
+        self.clock += 1
+        self._last_use[slot] = self.clock
+        self._hits[slot] = 0
+        parent = self._parent[slot]
+        if parent is not None:
+            self._children[parent] = self._children.get(parent, 0) + 1
         self.published_total += 1
 
     def abort(self, res: Reservation) -> None:
@@ -311,6 +362,12 @@ class SnapshotPool:
         assert counts[_State.PUBLISHED] == len(self._published)
         assert not (self._reserved.keys() & self._published.keys()), "key both reserved and published"
         assert len(self._lru) == len(self._published) - pinned
+        children: dict[BlockHash, int] = {}
+        for slot in self._published.values():
+            parent = self._parent[slot]
+            if parent is not None:
+                children[parent] = children.get(parent, 0) + 1
+        assert children == self._children, "children counts out of step"
         assert pinned == self._num_pinned, f"pinned counter {self._num_pinned} != {pinned}"
         assert sum(counts.values()) == self._num_slots
 
@@ -342,10 +399,28 @@ class SnapshotPool:
             raise ValueError(f"cannot {op}: reservation for slot {slot} is not live")
         return slot
 
+    def _victim(self) -> int | None:
+        """The slot to evict for a new reservation, or None when nothing is evictable."""
+        if not self._lru:
+            return None
+        if self.choose_victim is None:
+            return next(iter(self._lru))
+        slot = self.choose_victim(self)
+        if slot is not None and slot not in self._lru:
+            raise ValueError(f"eviction policy chose slot {slot}, which is not evictable")
+        return slot
+
     def _unpublish(self, slot: int) -> None:
         """Remove an unpinned published slot from the index and free it."""
         key = self._key[slot]
         assert key is not None and self._pins[slot] == 0
+        parent = self._parent[slot]
+        if parent is not None:
+            remaining = self._children[parent] - 1
+            if remaining:
+                self._children[parent] = remaining
+            else:
+                del self._children[parent]
         del self._published[key]
         del self._lru[slot]
         self._release(slot)
@@ -356,6 +431,7 @@ class SnapshotPool:
         self._key[slot] = None
         self._num_tokens[slot] = 0
         self._ticket[slot] = 0
+        self._parent[slot] = None
         self._free[slot] = None
 
     def __repr__(self) -> str:

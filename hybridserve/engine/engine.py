@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from hybridserve.cache.block_pool import BlockPool
+from hybridserve.cache.policy import CachePolicy, PrefixCost, make_policy
 from hybridserve.cache.prefix_cache import PrefixCacheStats
 from hybridserve.cache.snapshots import SnapshotPool, SnapshotPoolStats
 from hybridserve.cache.state_slots import StateSlotPool
@@ -33,6 +34,7 @@ from hybridserve.sampling_params import RequestOutput, SamplingParams
 logger = logging.getLogger(__name__)
 MIB = 1 << 20
 MAX_FAILED_STEPS = 3  # a request in this many consecutive failed forwards is finished with "error"
+GDN_CHUNK_SIZE = 64   # chunked gated-delta prefill; snapshots are taken at any position inside a chunk
 
 
 class QueueFullError(RuntimeError):
@@ -88,15 +90,14 @@ class LLMEngine:
         self.bytes_per_snapshot = GDNStateTensors.bytes_per_slot(self.model_config, self.dtype)
         self.num_kv_blocks = self._num_kv_blocks()
         self.num_snapshot_slots = self._num_snapshot_slots()
-        chunk = cache.gdn_chunk_size if cache.prefix_cache_enabled else 64
-        model = Qwen3_5ForCausalLM(self.model_config, chunk_size=chunk, max_positions=model_len)
+        model = Qwen3_5ForCausalLM(self.model_config, chunk_size=GDN_CHUNK_SIZE, max_positions=model_len)
         self._load_weights(model)
         self.runner = ModelRunner(model, num_kv_blocks=self.num_kv_blocks,
                                   block_size=cache.block_size, num_state_slots=config.scheduler.max_num_seqs,
                                   num_snapshot_slots=self.num_snapshot_slots, dtype=self.dtype, device=self.device)
         snapshots = SnapshotPool(self.num_snapshot_slots) if self.num_snapshot_slots else None
         self.scheduler = Scheduler(cache, config.scheduler, BlockPool(self.num_kv_blocks),
-                                   StateSlotPool(config.scheduler.max_num_seqs), snapshots)
+                                   StateSlotPool(config.scheduler.max_num_seqs), snapshots, self._cache_policy())
         self.requests: dict[str, Request] = {}
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
         logger.info("hybridserve engine: %s", self.describe())
@@ -117,6 +118,14 @@ class LLMEngine:
         else:
             load_weights(model, self.config.model, self.model_config)
         model.pack()
+
+    def _cache_policy(self) -> CachePolicy:
+        """The configured admission/eviction policy, costed for this model's shape."""
+        cfg, cache = self.model_config, self.config.cache
+        kv_per_token = PagedKVCache.bytes_per_token(len(cfg.attention_layer_ids), cfg.num_key_value_heads,
+                                                    cfg.head_dim, self.dtype)
+        cost = PrefixCost.from_model(cfg, kv_per_token, self.bytes_per_snapshot)
+        return make_policy(cache.cache_policy, cache.block_size, cost, cache.snapshot_interval)
 
     def _num_kv_blocks(self) -> int:
         cfg, cache = self.model_config, self.config.cache
@@ -143,7 +152,8 @@ class LLMEngine:
         return (f"device={self.device} dtype={str(self.dtype).removeprefix('torch.')} "
                 f"max_model_len={self.max_model_len} kv_blocks={self.num_kv_blocks}x{cache.block_size} tokens "
                 f"state_slots={self.config.scheduler.max_num_seqs} snapshot_slots={self.num_snapshot_slots} "
-                f"bytes_per_snapshot={self.bytes_per_snapshot} snapshot_interval={cache.snapshot_interval}")
+                f"bytes_per_snapshot={self.bytes_per_snapshot} cache_policy={cache.cache_policy} "
+                f"snapshot_interval={cache.snapshot_interval}")
 
     # -- requests -----------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -288,7 +298,10 @@ class LLMEngine:
         if flush and request.detokenizer is not None:
             request.detokenizer.finish(request.output_token_ids)
             request.output_text = request.detokenizer.text
-        self.scheduler.finish(request, reason)
+        capture = self.scheduler.finish(request, reason)
+        if capture is not None:
+            copied = self.runner.save_state(capture.state_slot, capture.reservation.slot)
+            self.scheduler.complete_end_capture(capture, copied)
         request.stop_reason = stop_reason
         self.requests.pop(request.request_id, None)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridserve.cache.block_pool import BlockHash, block_hashes_for
+from hybridserve.cache.block_pool import BlockHash, block_hashes_for, hash_tail
 from hybridserve.engine.detokenizer import IncrementalDetokenizer
 from hybridserve.sampling_params import SamplingParams
 
@@ -46,6 +46,9 @@ class Request:
     num_registered_blocks: int = 0
     state_slot: int | None = None
     num_cached_tokens: int | None = None
+    branch_point: int = 0                      # KV matched this deep at admission, with no snapshot there
+    snapshot_depth: int = 0                    # deepest snapshot on this request's path (restored or taken)
+    snapshot_key: BlockHash | None = None      # ... and its key (the parent of the next one taken)
     logprobs: list[dict[int, float]] | None = None
     output_text: str = ""
     finish_reason: str | None = None
@@ -90,6 +93,16 @@ class Request:
             upto = self.token_ids[: num_blocks * self.block_size]
             self._block_hashes = block_hashes_for(upto, self.block_size, self.extra_keys, start=self._block_hashes)
         return self._block_hashes[:num_blocks]
+
+    def boundary_key(self, num_tokens: int) -> BlockHash:
+        """Name of the prefix `token_ids[:num_tokens]`: its last full block's hash, or the tail
+        hash of the partial block when the boundary falls inside a block."""
+        full, partial = divmod(num_tokens, self.block_size)
+        hashes = self.block_hashes(full)
+        if partial == 0:
+            return hashes[-1]
+        parent = hashes[-1] if hashes else None
+        return hash_tail(parent, self.token_ids[full * self.block_size:num_tokens], self.extra_keys)
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -69,6 +69,8 @@ class ModelRunner:
         """Restore admitted states, run the forward, commit state. Raises on failure having
         committed nothing to live state (restored slots belong to requests the scheduler reverts)."""
         for restore in output.restores:
+            if restore.kv_copy is not None:
+                self.kv_cache.copy_block(*restore.kv_copy)
             if restore.snapshot_slot is None:
                 self.live_states.reset(restore.state_slot)
             else:
@@ -84,6 +86,18 @@ class ModelRunner:
         prompt_logits = [(request, logits[num_sampled + first:num_sampled + first + count])
                          for request, first, count in full_rows]
         return StepResult(logits[:num_sampled], sample_requests, failed, prompt_logits)
+
+    @torch.inference_mode()
+    def save_state(self, state_slot: int, snapshot_slot: int | None) -> bool:
+        """Copy a live GDN slot into a reserved snapshot slot; False (logged) if the copy failed."""
+        if self.snapshots is None or snapshot_slot is None:
+            return False
+        try:
+            self.snapshots.copy_slot(snapshot_slot, self.live_states, state_slot)
+        except Exception:  # noqa: BLE001 - a failed copy only costs the snapshot
+            logger.exception("saving live slot %d into snapshot slot %d failed", state_slot, snapshot_slot)
+            return False
+        return True
 
     def _commit(self, writes: list[StateWrite]) -> None:
         for write in writes:

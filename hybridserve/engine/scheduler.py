@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
-from hybridserve.cache.block_pool import BlockPool
+from hybridserve.cache.block_pool import BlockHash, BlockPool
+from hybridserve.cache.policy import CachePolicy, RequestView
 from hybridserve.cache.prefix_cache import PrefixCache, PrefixLookup
 from hybridserve.cache.snapshots import Reservation, ReserveStatus, SnapshotPool
 from hybridserve.cache.state_slots import StateSlotPool
@@ -30,12 +31,23 @@ class ScheduledChunk(NamedTuple):
 
 
 class Restore(NamedTuple):
-    """An admission: load the live slot from a snapshot (or zero it for a cold start)."""
+    """An admission: load the live slot from a snapshot (or zero it for a cold start). With
+    `kv_copy = (source, target)` the hit ends inside a block: copy the cached partial block into
+    the request's own block first (the restore holds a reference on the source for the step)."""
 
     request: Request
     state_slot: int
     snapshot_slot: int | None
     num_tokens: int
+    kv_copy: tuple[int, int] | None = None
+
+
+class EndCapture(NamedTuple):
+    """A finished request's final state on its way into a snapshot slot: the capture owns the
+    live slot until `Scheduler.complete_end_capture` publishes (or aborts) and frees it."""
+
+    reservation: Reservation
+    state_slot: int
 
 
 class SchedulerOutput(NamedTuple):
@@ -58,15 +70,21 @@ class Scheduler:
     """Owns the waiting queue, the running list and the logical pools."""
 
     def __init__(self, cache_config: CacheConfig, config: SchedulerConfig, block_pool: BlockPool,
-                 state_slots: StateSlotPool, snapshots: SnapshotPool | None) -> None:
+                 state_slots: StateSlotPool, snapshots: SnapshotPool | None,
+                 policy: CachePolicy | None = None) -> None:
         self.cache_config = cache_config
         self.config = config
         self.block_size = cache_config.block_size
         self.block_pool = block_pool
         self.state_slots = state_slots
         self.snapshots = snapshots
-        self.prefix_cache = (PrefixCache(block_pool, snapshots, cache_config.block_size,
-                                         cache_config.snapshot_interval) if snapshots is not None else None)
+        self.policy = policy
+        self.prefix_cache = None
+        if snapshots is not None:
+            assert policy is not None, "a prefix cache needs a cache policy"
+            policy.bind(block_pool, snapshots)
+            block_pool.on_evict = self._drop_snapshot_of
+            self.prefix_cache = PrefixCache(block_pool, snapshots, cache_config.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -75,15 +93,53 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def finish(self, request: Request, reason: str) -> None:
-        """Mark finished and release everything the request owns (running or waiting)."""
+    def finish(self, request: Request, reason: str) -> EndCapture | None:
+        """Mark finished and release everything the request owns (running or waiting).
+
+        When the policy keeps request ends and the request ended normally, its final state is
+        reserved a snapshot slot: the returned `EndCapture` then holds the live slot, and the
+        caller copies it and calls `complete_end_capture`."""
+        capture = None
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-            self._release(request)
+            if reason in ("stop", "length"):
+                capture = self._reserve_end_capture(request)
+            self._release(request, finished=True)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        return capture
+
+    def _reserve_end_capture(self, request: Request) -> EndCapture | None:
+        """Reserve a snapshot of the state after the last computed token; registers the partial
+        last block's KV under its tail hash so the boundary is a joint one."""
+        end = request.num_computed_tokens
+        if self.snapshots is None or self.policy is None or not self.policy.capture_at_end or end == 0:
+            return None
+        full, partial = divmod(end, self.block_size)
+        key = request.boundary_key(end)
+        if partial:
+            parent = request.block_hashes(full)[-1] if full else None
+            self.block_pool.register_tail(request.block_ids[full], key, parent, partial)
+        reservation = self.snapshots.reserve(key, end, self._parent_key(request, end))
+        if reservation.status is not ReserveStatus.RESERVED:
+            if reservation.status is ReserveStatus.DUPLICATE:
+                request.snapshot_depth, request.snapshot_key = end, key
+            return None
+        assert request.state_slot is not None
+        capture = EndCapture(reservation, request.state_slot)
+        request.snapshot_depth, request.snapshot_key = end, key
+        request.state_slot = None  # the capture owns the live slot now
+        return capture
+
+    def complete_end_capture(self, capture: EndCapture, copied: bool) -> None:
+        """Publish the end snapshot if its copy succeeded (else abort it), and free the live slot."""
+        if copied:
+            self._snapshot_pool().publish(capture.reservation)
+        else:
+            self._snapshot_pool().abort(capture.reservation)
+        self.state_slots.free(capture.state_slot)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -152,30 +208,35 @@ class Scheduler:
         lookup = self._lookup(request)
         hit = lookup.hit if lookup is not None else None
         hit_blocks = hit.block_ids if hit is not None else []
+        held = hit_blocks + ([hit.tail_block] if hit is not None and hit.tail_block is not None else [])
         new_needed = blocks_for(request.num_tokens, self.block_size) - len(hit_blocks)
-        revived = sum(1 for b in hit_blocks if self.block_pool.ref_count(b) == 0)
+        revived = sum(1 for b in held if self.block_pool.ref_count(b) == 0)
         if new_needed + revived > self.block_pool.num_free_blocks:
             return None
-        self.block_pool.touch(hit_blocks)
+        self.block_pool.touch(held)
         request.block_ids = list(hit_blocks) + self.block_pool.allocate(new_needed)
         request.num_registered_blocks = len(hit_blocks)
         request.state_slot = self.state_slots.allocate()
         request.num_computed_tokens = hit.num_tokens if hit is not None else 0
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        snapshot_slot = None
-        if lookup is not None:
+        snapshot_slot = kv_copy = None
+        if lookup is not None and hit is not None:
             self._prefix_cache().record(lookup)
-            snapshot_slot = hit.snapshot_slot if hit is not None else None
+            request.branch_point = lookup.kv_match_tokens if lookup.kv_match_tokens > hit.num_tokens else 0
+            request.snapshot_depth, request.snapshot_key = hit.num_tokens, lookup.key
+            snapshot_slot = hit.snapshot_slot
             if snapshot_slot is not None:
                 self._snapshot_pool().pin(snapshot_slot)
-        return Restore(request, request.state_slot, snapshot_slot, request.num_computed_tokens)
+            if hit.tail_block is not None:
+                kv_copy = (hit.tail_block, request.block_ids[len(hit_blocks)])
+        return Restore(request, request.state_slot, snapshot_slot, request.num_computed_tokens, kv_copy)
 
     def _lookup(self, request: Request) -> PrefixLookup | None:
         if self.prefix_cache is None:
             return None
         hashes = request.block_hashes(request.num_tokens // self.block_size)
-        lookup = self.prefix_cache.lookup(hashes, request.num_tokens)
+        lookup = self.prefix_cache.lookup(hashes, request.token_ids, request.extra_keys)
         slot = lookup.hit.snapshot_slot
         if slot is not None:
             # The snapshot must describe exactly this prefix before anyone restores it.
@@ -189,17 +250,33 @@ class Scheduler:
         return ScheduledChunk(request, start, length, new_blocks, self._reserve_captures(request, start, length))
 
     def _reserve_captures(self, request: Request, start: int, length: int) -> list[Reservation]:
-        if self.snapshots is None:
+        """Snapshot slots for the boundaries the policy wants from this chunk's forward."""
+        if self.snapshots is None or self.policy is None:
             return []
-        interval = self.cache_config.snapshot_interval
-        first = (start // interval + 1) * interval
         captures = []
-        for boundary in range(first, start + length + 1, interval):
-            key = request.block_hashes(boundary // self.block_size)[-1]
-            reservation = self.snapshots.reserve(key, boundary)
+        for boundary in self.policy.captures(self._view(request), start, length):
+            key = request.boundary_key(boundary)
+            reservation = self.snapshots.reserve(key, boundary, self._parent_key(request, boundary))
             if reservation.status is ReserveStatus.RESERVED:
                 captures.append(reservation)
+            if reservation.status is not ReserveStatus.SKIPPED:
+                request.snapshot_depth, request.snapshot_key = boundary, key
         return captures
+
+    @staticmethod
+    def _view(request: Request) -> RequestView:
+        return RequestView(request.num_prompt_tokens, request.num_tokens, request.num_cached_tokens or 0,
+                           request.branch_point, request.snapshot_depth)
+
+    @staticmethod
+    def _parent_key(request: Request, boundary: int) -> BlockHash | None:
+        """The snapshot on the request's path just below `boundary`, if one is known."""
+        return request.snapshot_key if 0 < request.snapshot_depth < boundary else None
+
+    def _drop_snapshot_of(self, block_hash: BlockHash) -> None:
+        """A cached KV block was reclaimed: a snapshot keyed by the prefix it ends is now useless."""
+        if self.snapshots is not None:
+            self.snapshots.evict(block_hash)
 
     # -- transaction end --------------------------------------------------------------------
     def apply(self, output: SchedulerOutput, failed_snapshot_slots: set[int]) -> list[Request]:
@@ -207,6 +284,8 @@ class Scheduler:
         for restore in output.restores:
             if restore.snapshot_slot is not None:
                 self._snapshot_pool().unpin(restore.snapshot_slot)
+            if restore.kv_copy is not None:
+                self.block_pool.free([restore.kv_copy[0]])
             if restore.request.num_cached_tokens is None:
                 restore.request.num_cached_tokens = restore.num_tokens
         to_sample = []
@@ -237,6 +316,8 @@ class Scheduler:
         for restore in reversed(output.restores):
             if restore.snapshot_slot is not None:
                 self._snapshot_pool().unpin(restore.snapshot_slot)
+            if restore.kv_copy is not None:
+                self.block_pool.free([restore.kv_copy[0]])
             self.running.remove(restore.request)
             self._release(restore.request)
             self.waiting.appendleft(restore.request)
@@ -268,9 +349,17 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def _release(self, request: Request) -> None:
-        """Give back blocks (tail first, so shared prefixes stay cached longest) and the state slot."""
-        self.block_pool.free(list(reversed(request.block_ids)))
+    def _release(self, request: Request, finished: bool = False) -> None:
+        """Give back blocks (tail first, so shared prefixes stay cached longest) and the state slot.
+        A finished request's blocks that its policy judges worthless go to the free list's front."""
+        cold_from = len(request.block_ids)
+        if finished and self.policy is not None:
+            position = self.policy.evict_kv_first(self._view(request))
+            if position is not None:
+                cold_from = min(cold_from, blocks_for(position, self.block_size))
+        if cold_from < len(request.block_ids):
+            self.block_pool.free(list(reversed(request.block_ids[cold_from:])), evict_first=True)
+        self.block_pool.free(list(reversed(request.block_ids[:cold_from])))
         request.block_ids = []
         request.num_registered_blocks = 0
         request.num_computed_tokens = 0

@@ -33,6 +33,12 @@ class PagedKVCache:
         self.keys[layer].index_copy_(0, slots, keys)
         self.values[layer].index_copy_(0, slots, values)
 
+    def copy_block(self, source: int, target: int) -> None:
+        """Copy every layer's keys and values of block `source` into block `target`."""
+        size = self.block_size
+        self.keys[:, target * size:(target + 1) * size] = self.keys[:, source * size:(source + 1) * size]
+        self.values[:, target * size:(target + 1) * size] = self.values[:, source * size:(source + 1) * size]
+
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values at flat `slots` (any shape S) -> [*S, kv_heads, head_dim]."""
         flat = slots.reshape(-1)

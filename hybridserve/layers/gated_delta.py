@@ -67,8 +67,9 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     beta: [T, Hv]; initial_state: [Hv, Dk, Dv]. Tokens occupy absolute positions
     [start_position, start_position + T). Chunks are aligned to absolute multiples of
     `chunk_size` by zero-padding the front (a padded token has k = v = 0, beta = 0, g = 0 and
-    leaves the state unchanged). `capture_at` lists absolute boundaries b (multiples of
-    chunk_size in (start, start + T]) whose state — after token b - 1 — is returned.
+    leaves the state unchanged). `capture_at` lists absolute boundaries b in
+    (start, start + T] whose state — after token b - 1 — is returned; a boundary inside a chunk
+    costs one small extra product (the chunk's first t updates applied to its initial state).
     """
     num_tokens, num_v_heads, head_v = v.shape
     num_k_heads, head_k = q.shape[1], q.shape[2]
@@ -118,20 +119,41 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     chunk_decay = cum[:, :, -1:].exp()                                         # [N, Hv, 1, 1]
 
     first_chunk_base = start_position - front
-    capture_chunks = {(b - first_chunk_base) // chunk_size - 1: i for i, b in enumerate(capture_at)}
+    captures_in_chunk: dict[int, list[tuple[int, int]]] = {}
+    for index, boundary in enumerate(capture_at):
+        if not start_position < boundary <= start_position + num_tokens:
+            raise ValueError(f"capture boundary {boundary} is outside this forward "
+                             f"({start_position}, {start_position + num_tokens}]")
+        local = boundary - first_chunk_base
+        captures_in_chunk.setdefault((local - 1) // chunk_size, []).append((index, (local - 1) % chunk_size + 1))
     captured: list[torch.Tensor | None] = [None] * len(capture_at)
     state = initial_state.float()
     outputs = []
     for n in range(num_chunks):
         v_new = new_values[n] - k_cumdecay[n] @ state
         outputs.append(torch.baddbmm(intra[n] @ v_new, q_decayed[n], state))
-        state = torch.baddbmm(state * chunk_decay[n], k_to_end[n], v_new)
-        if n in capture_chunks:
-            captured[capture_chunks[n]] = state
-    if any(c is None for c in captured):
-        raise ValueError(f"capture boundaries {list(capture_at)} are not chunk ends of this forward")
+        for index, used in captures_in_chunk.get(n, ()):
+            if used < chunk_size:
+                captured[index] = _state_inside_chunk(state, k[n], v_new, cum[n], used, group)
+        new_state = torch.baddbmm(state * chunk_decay[n], k_to_end[n], v_new)
+        for index, used in captures_in_chunk.get(n, ()):
+            if used == chunk_size:
+                captured[index] = new_state
+        state = new_state
     output = torch.stack(outputs).transpose(1, 2).reshape(num_chunks * chunk_size, num_v_heads, head_v)
     return ChunkedResult(output[front:front + num_tokens], state, captured)  # type: ignore[arg-type]
+
+
+def _state_inside_chunk(state: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, cum: torch.Tensor,
+                        used: int, group: int) -> torch.Tensor:
+    """State after the first `used` (< chunk) tokens of a chunk that starts from `state`.
+
+    state [Hv, Dk, Dv]; k [Hk, C, Dk] (normalised); v_new [Hv, C, Dv] (the chunk's corrected
+    values); cum [Hv, C, 1] (cumulative log-decay). The same update as a chunk end, cut at `used`.
+    """
+    last = cum[:, used - 1:used]                                               # [Hv, 1, 1]
+    keys = k[:, :used].repeat_interleave(group, dim=0) * (last - cum[:, :used]).exp()
+    return torch.baddbmm(state * last.exp(), keys.transpose(-1, -2), v_new[:, :used])
 
 
 def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

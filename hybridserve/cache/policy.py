@@ -1,0 +1,241 @@
+"""Cache policies: which GDN states to snapshot (admission) and which to drop (eviction).
+
+A policy is tensor-free and sees only positions, keys and pool metadata, so the live engine and
+the trace simulator (`hybridserve sim`) run the same code. The scheduler asks it:
+
+* `captures(view, start, length)`: boundaries in (start, start + length] to snapshot while a
+  chunk of the request is computed (prefill or decode) — taken from that same forward;
+* `capture_at_end`: whether a finished request's state after its last computed token is kept;
+* `choose_victim(pool)`: which published snapshot to evict when the pool is full;
+* `evict_kv_first(view)`: from which position a released request's KV blocks are worth little
+  (they go to the front of the block pool's free list).
+
+Policies: `interval` (every N tokens, LRU), `last-block` (one state at the last block boundary
+before the prompt end, LRU — vLLM's align mode), `marconi` (request-end and branch-point
+admission, eviction by recency + alpha * FLOP efficiency among nodes with at most one child)
+and `hybridserve` (the default; see `HybridServePolicy`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from hybridserve.cache.block_pool import BlockPool
+from hybridserve.cache.snapshots import SnapshotPool
+from hybridserve.config import POLICY_NAMES
+
+if TYPE_CHECKING:
+    from hybridserve.config import ModelConfig
+
+__all__ = ["POLICY_NAMES", "CachePolicy", "PrefixCost", "RequestView", "make_policy"]
+EVICTION_WINDOW = 64  # value-based policies score this many least-recently-used candidates
+
+
+class PrefixCost(NamedTuple):
+    """What a cached prefix is worth and weighs, from the model shape."""
+
+    linear_flops_per_token: float   # 2 x parameters touched per prompt token (no LM head)
+    attention_flops_coeff: float    # causal attention FLOPs over b tokens = coeff * b^2
+    kv_bytes_per_token: int
+    snapshot_bytes: int
+
+    @classmethod
+    def from_model(cls, config: "ModelConfig", kv_bytes_per_token: int, snapshot_bytes: int) -> "PrefixCost":
+        """Derive the costs of a Qwen3.5 decoder of this shape."""
+        hidden, layers = config.hidden_size, config
+        attention = hidden * config.head_dim * (2 * config.num_attention_heads + 2 * config.num_key_value_heads) \
+            + config.num_attention_heads * config.head_dim * hidden
+        gdn = hidden * (2 * config.gdn_key_dim + 2 * config.gdn_value_dim + 2 * config.linear_num_value_heads) \
+            + config.gdn_value_dim * hidden
+        mlp = 3 * hidden * config.intermediate_size
+        num_attn, num_gdn = len(layers.attention_layer_ids), len(layers.gdn_layer_ids)
+        params = num_attn * attention + num_gdn * gdn + config.num_hidden_layers * mlp
+        # Gated delta rule: ~4 state-sized products per token per layer (read, update, query, decay).
+        gdn_state = num_gdn * 4 * config.linear_num_value_heads * config.linear_key_head_dim \
+            * config.linear_value_head_dim
+        linear = 2.0 * params + 2.0 * gdn_state
+        coeff = 2.0 * num_attn * config.num_attention_heads * config.head_dim  # QK^T + AV, causal half
+        return cls(linear, coeff, kv_bytes_per_token, snapshot_bytes)
+
+    def prefill_flops(self, num_tokens: int) -> float:
+        """FLOPs to prefill `num_tokens` tokens from scratch (what a hit at that depth saves)."""
+        return self.linear_flops_per_token * num_tokens + self.attention_flops_coeff * num_tokens * num_tokens
+
+
+class RequestView(NamedTuple):
+    """What a policy may know of a request (positions only)."""
+
+    num_prompt_tokens: int
+    num_tokens: int
+    hit_tokens: int        # restored from the cache at admission
+    branch_point: int      # KV matched this deep but no snapshot did (0: none)
+    deepest_snapshot: int  # deepest boundary with a snapshot on the request's path (hit or captured)
+
+
+class CachePolicy:
+    """Base: no admission, LRU eviction, KV freed least-valuable-last. Subclasses override."""
+
+    name = "base"
+    capture_at_end = False
+
+    def __init__(self, block_size: int, cost: PrefixCost) -> None:
+        self.block_size = block_size
+        self.cost = cost
+        self.block_pool: BlockPool | None = None
+
+    def bind(self, block_pool: BlockPool, snapshots: SnapshotPool) -> None:
+        """Attach to the pools this policy judges (eviction callbacks included)."""
+        self.block_pool = block_pool
+        snapshots.choose_victim = self.choose_victim if type(self).choose_victim is not CachePolicy.choose_victim \
+            else None
+
+    def captures(self, view: RequestView, start: int, length: int) -> list[int]:
+        """Boundaries in (start, start + length] to snapshot during this chunk, ascending."""
+        return []
+
+    def choose_victim(self, pool: SnapshotPool) -> int | None:
+        """Slot to evict (None: the pool's default, least recently used)."""
+        return None
+
+    def evict_kv_first(self, view: RequestView) -> int | None:
+        """Released KV blocks starting at or after this position are evicted first (None: none)."""
+        return None
+
+    def kv_present(self, key: bytes) -> bool:
+        """Whether the KV block that ends at a snapshot's boundary is still cached."""
+        return self.block_pool is None or self.block_pool.lookup(key) is not None
+
+
+def _within(boundaries: list[int], start: int, length: int) -> list[int]:
+    return sorted({b for b in boundaries if start < b <= start + length})
+
+
+class IntervalPolicy(CachePolicy):
+    """Every `interval` tokens crossed, in prefill and decode; LRU eviction (the original policy)."""
+
+    name = "interval"
+
+    def __init__(self, block_size: int, cost: PrefixCost, interval: int) -> None:
+        super().__init__(block_size, cost)
+        self.interval = interval
+
+    def captures(self, view: RequestView, start: int, length: int) -> list[int]:
+        first = (start // self.interval + 1) * self.interval
+        return list(range(first, start + length + 1, self.interval))
+
+
+class LastBlockPolicy(CachePolicy):
+    """One state at the last block boundary at or before prompt_len - 1; LRU eviction."""
+
+    name = "last-block"
+
+    def captures(self, view: RequestView, start: int, length: int) -> list[int]:
+        boundary = ((view.num_prompt_tokens - 1) // self.block_size) * self.block_size
+        return _within([boundary], start, length) if boundary > 0 else []
+
+
+class MarconiPolicy(CachePolicy):
+    """Marconi (MLSys'25): admit request-end and branch-point states; evict, among snapshots with
+    at most one child, the lowest recency + alpha * FLOP efficiency (both min-max normalised;
+    efficiency = FLOPs a hit saves / bytes of the state plus its edge's KV)."""
+
+    name = "marconi"
+    capture_at_end = True
+
+    def __init__(self, block_size: int, cost: PrefixCost, alpha: float = 1.0) -> None:
+        super().__init__(block_size, cost)
+        self.alpha = alpha
+
+    def captures(self, view: RequestView, start: int, length: int) -> list[int]:
+        return _within([view.branch_point], start, length) if view.branch_point else []
+
+    def choose_victim(self, pool: SnapshotPool) -> int | None:
+        candidates = []
+        for slot in _window(pool):
+            info = pool.info(slot)
+            if not self.kv_present(info.key):
+                return slot
+            if info.children <= 1:
+                parent_tokens = _parent_tokens(pool, info.parent)
+                edge_bytes = self.cost.snapshot_bytes + self.cost.kv_bytes_per_token * (info.num_tokens - parent_tokens)
+                candidates.append((slot, info.last_use, self.cost.prefill_flops(info.num_tokens) / edge_bytes))
+        if not candidates:
+            return next(iter(pool.evictable()))
+        recency = _normalised([c[1] for c in candidates])
+        efficiency = _normalised([c[2] for c in candidates])
+        scores = [r + self.alpha * e for r, e in zip(recency, efficiency)]
+        return candidates[min(range(len(candidates)), key=scores.__getitem__)][0]
+
+
+class HybridServePolicy(IntervalPolicy):
+    """The default. Admission: branch points, the request end, the prompt's last position (so the
+    next chat turn hits even when its template re-tokenises the reply differently), and every
+    `interval` tokens (so the second request that shares a prefix already hits near its end).
+    Eviction by value: the prefill FLOPs a hit saves beyond the next shallower resident snapshot
+    on the same path, times (1 + hits + extra children), decayed by age in pool turnovers;
+    a snapshot whose KV is gone is evicted at once. KV blocks of a released request beyond its
+    deepest snapshot go to the front of the free list (they cannot serve a joint hit)."""
+
+    name = "hybridserve"
+    capture_at_end = True
+
+    def captures(self, view: RequestView, start: int, length: int) -> list[int]:
+        boundaries = super().captures(view, start, length) if self.interval else []
+        if view.num_prompt_tokens > 1:
+            boundaries.append(view.num_prompt_tokens - 1)
+        if view.branch_point:
+            boundaries.append(view.branch_point)
+        return _within(boundaries, start, length)
+
+    def choose_victim(self, pool: SnapshotPool) -> int | None:
+        best_slot, best_value = None, float("inf")
+        horizon = max(pool.num_slots, 1)
+        for slot in _window(pool):
+            info = pool.info(slot)
+            if not self.kv_present(info.key):
+                return slot
+            saved = self.cost.prefill_flops(info.num_tokens) - self.cost.prefill_flops(_parent_tokens(pool, info.parent))
+            uses = 1 + info.hits + max(info.children - 1, 0)
+            value = saved * uses / (1.0 + (pool.clock - info.last_use) / horizon)
+            if value < best_value:
+                best_slot, best_value = slot, value
+        return best_slot
+
+    def evict_kv_first(self, view: RequestView) -> int | None:
+        return view.deepest_snapshot if view.deepest_snapshot > 0 else None
+
+
+def _window(pool: SnapshotPool) -> list[int]:
+    """The least recently used evictable slots that a value-based policy scores."""
+    out = []
+    for slot in pool.evictable():
+        out.append(slot)
+        if len(out) == EVICTION_WINDOW:
+            break
+    return out
+
+
+def _parent_tokens(pool: SnapshotPool, parent: bytes | None) -> int:
+    """Depth of a resident parent snapshot (0 when none)."""
+    if parent is None:
+        return 0
+    slot = pool.lookup(parent)
+    return pool.num_tokens_of(slot) if slot is not None else 0
+
+
+def _normalised(values: list[float]) -> list[float]:
+    low, high = min(values), max(values)
+    return [0.0 if high == low else (v - low) / (high - low) for v in values]
+
+
+def make_policy(name: str, block_size: int, cost: PrefixCost, interval: int) -> CachePolicy:
+    """The policy called `name` (one of POLICY_NAMES); ValueError otherwise."""
+    if name == "interval":
+        return IntervalPolicy(block_size, cost, interval)
+    if name == "last-block":
+        return LastBlockPolicy(block_size, cost)
+    if name == "marconi":
+        return MarconiPolicy(block_size, cost)
+    if name == "hybridserve":
+        return HybridServePolicy(block_size, cost, interval)
+    raise ValueError(f"unknown cache policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
