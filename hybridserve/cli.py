@@ -1,4 +1,4 @@
-"""`hybridserve` command line: generate, serve, bench."""
+"""`hybridserve` command line: generate, serve, bench, sim."""
 
 from __future__ import annotations
 
@@ -69,11 +69,20 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     add_bench_arguments(parser)
 
 
+def _add_sim(subparsers: argparse._SubParsersAction) -> None:
+    from hybridserve.sim.cli import add_sim_arguments
+
+    parser = subparsers.add_parser("sim", help="replay a request trace through the cache policies (no model)",
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_sim_arguments(parser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridserve", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
     _add_serve(subparsers)
+    _add_sim(subparsers)
     try:
         _add_bench(subparsers)
     except ImportError:  # benchmarks need their optional dependencies

@@ -294,9 +294,12 @@ class BlockPool:
         first): blocks a cache policy judges worth little.  Dropping a reference
         that does not exist raises ``ValueError`` (nothing is changed).
         """
-        for block_id, count in Counter(block_ids).items():
-            self._check_id(block_id)
-            if self._ref_count[block_id] < count:
+        counts = Counter(block_ids) if len(set(block_ids)) != len(block_ids) else dict.fromkeys(block_ids, 1)
+        refs, total = self._ref_count, self._num_blocks
+        for block_id, count in counts.items():
+            if not 0 <= block_id < total:
+                raise IndexError(f"block id {block_id} out of range [0, {total})")
+            if refs[block_id] < count:
                 raise ValueError(f"double free of block {block_id}")
         for block_id in (reversed(block_ids) if evict_first else block_ids):
             self._ref_count[block_id] -= 1

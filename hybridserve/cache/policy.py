@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from hybridserve.config import ModelConfig
 
 __all__ = ["POLICY_NAMES", "CachePolicy", "PrefixCost", "RequestView", "make_policy"]
-EVICTION_WINDOW = 64  # value-based policies score this many least-recently-used candidates
+EVICTION_WINDOW = 256  # value-based policies score this many least-recently-used candidates
 
 
 class PrefixCost(NamedTuple):
@@ -93,6 +93,10 @@ class CachePolicy:
         """Boundaries in (start, start + length] to snapshot during this chunk, ascending."""
         return []
 
+    def is_opportunistic(self, view: RequestView, boundary: int) -> bool:
+        """Whether a capture may only use a free or covered slot (never evict a useful one)."""
+        return False
+
     def choose_victim(self, pool: SnapshotPool) -> int | None:
         """Slot to evict (None: the pool's default, least recently used)."""
         return None
@@ -151,14 +155,13 @@ class MarconiPolicy(CachePolicy):
 
     def choose_victim(self, pool: SnapshotPool) -> int | None:
         candidates = []
-        for slot in _window(pool):
-            info = pool.info(slot)
-            if not self.kv_present(info.key):
+        for slot, key, tokens, last_use, _, paths in pool.candidates(EVICTION_WINDOW):
+            if not self.kv_present(key):
                 return slot
-            if info.children <= 1:
-                parent_tokens = _parent_tokens(pool, info.parent)
-                edge_bytes = self.cost.snapshot_bytes + self.cost.kv_bytes_per_token * (info.num_tokens - parent_tokens)
-                candidates.append((slot, info.last_use, self.cost.prefill_flops(info.num_tokens) / edge_bytes))
+            if paths <= 1:
+                parent_tokens = _parent_tokens(pool, pool.info(slot).parent)
+                edge_bytes = self.cost.snapshot_bytes + self.cost.kv_bytes_per_token * (tokens - parent_tokens)
+                candidates.append((slot, last_use, self.cost.prefill_flops(tokens) / edge_bytes))
         if not candidates:
             return next(iter(pool.evictable()))
         recency = _normalised([c[1] for c in candidates])
@@ -168,12 +171,16 @@ class MarconiPolicy(CachePolicy):
 
 
 class HybridServePolicy(IntervalPolicy):
-    """The default. Admission: branch points, the request end, the prompt's last position (so the
-    next chat turn hits even when its template re-tokenises the reply differently), and every
-    `interval` tokens (so the second request that shares a prefix already hits near its end).
-    Eviction by value: the prefill FLOPs a hit saves beyond the next shallower resident snapshot
-    on the same path, times (1 + hits + extra children), decayed by age in pool turnovers;
-    a snapshot whose KV is gone is evicted at once. KV blocks of a released request beyond its
+    """The default. Admission: branch points, the request end, the last block boundary before the
+    prompt end (a repeated prompt, or a chat turn whose template re-tokenises the reply
+    differently, still hits), and — only into free or covered slots — every `interval` tokens
+    (so the second request that shares a prefix already hits near its end).
+
+    Eviction, cheapest loss first: a snapshot whose KV is gone; then one that a deeper snapshot
+    on the same path already covers (one child, at most one hit — interval marks and finished
+    chat turns once the next turn is in), least recently used first; then the lowest value among
+    the least recently used, where value = prefill FLOPs a hit saves x (1 + hits + children
+    beyond one) / (1 + age in pool turnovers). KV blocks of a released request beyond its
     deepest snapshot go to the front of the free list (they cannot serve a joint hit)."""
 
     name = "hybridserve"
@@ -181,38 +188,34 @@ class HybridServePolicy(IntervalPolicy):
 
     def captures(self, view: RequestView, start: int, length: int) -> list[int]:
         boundaries = super().captures(view, start, length) if self.interval else []
-        if view.num_prompt_tokens > 1:
-            boundaries.append(view.num_prompt_tokens - 1)
+        boundaries.append(self._prompt_mark(view))
         if view.branch_point:
             boundaries.append(view.branch_point)
-        return _within(boundaries, start, length)
+        return _within([b for b in boundaries if b > 0], start, length)
+
+    def _prompt_mark(self, view: RequestView) -> int:
+        """The last block boundary a repeat of this prompt can restore (<= prompt length - 1)."""
+        return ((view.num_prompt_tokens - 1) // self.block_size) * self.block_size
+
+    def is_opportunistic(self, view: RequestView, boundary: int) -> bool:
+        """Interval marks are insurance: they never push out a snapshot that still serves."""
+        return boundary not in (self._prompt_mark(view), view.branch_point)
 
     def choose_victim(self, pool: SnapshotPool) -> int | None:
+        for slot in pool.covered():
+            return slot
         best_slot, best_value = None, float("inf")
-        horizon = max(pool.num_slots, 1)
-        for slot in _window(pool):
-            info = pool.info(slot)
-            if not self.kv_present(info.key):
+        horizon, clock, flops = max(pool.num_slots, 1), pool.clock, self.cost.prefill_flops
+        for slot, key, tokens, last_use, hits, paths in pool.candidates(EVICTION_WINDOW):
+            if not self.kv_present(key):
                 return slot
-            saved = self.cost.prefill_flops(info.num_tokens) - self.cost.prefill_flops(_parent_tokens(pool, info.parent))
-            uses = 1 + info.hits + max(info.children - 1, 0)
-            value = saved * uses / (1.0 + (pool.clock - info.last_use) / horizon)
+            value = flops(tokens) * (1 + hits + max(paths - 1, 0)) / (1.0 + (clock - last_use) / horizon)
             if value < best_value:
                 best_slot, best_value = slot, value
         return best_slot
 
     def evict_kv_first(self, view: RequestView) -> int | None:
         return view.deepest_snapshot if view.deepest_snapshot > 0 else None
-
-
-def _window(pool: SnapshotPool) -> list[int]:
-    """The least recently used evictable slots that a value-based policy scores."""
-    out = []
-    for slot in pool.evictable():
-        out.append(slot)
-        if len(out) == EVICTION_WINDOW:
-            break
-    return out
 
 
 def _parent_tokens(pool: SnapshotPool, parent: bytes | None) -> int:

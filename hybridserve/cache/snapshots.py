@@ -60,7 +60,7 @@ class SnapshotInfo(NamedTuple):
     last_use: int          # pool clock at its publish or last hit
     hits: int              # restores from it
     parent: BlockHash | None  # the next shallower snapshot on the same request path, if known
-    children: int          # published snapshots whose parent it is (more than one: a branch point)
+    children: int          # paths continuing past it: child snapshots; at least 2 at a branch point
 
 
 VictimChooser = Callable[["SnapshotPool"], "int | None"]
@@ -114,7 +114,10 @@ class SnapshotPool:
         self._last_use: list[int] = [0] * num_slots
         self._hits: list[int] = [0] * num_slots
         self._parent: list[BlockHash | None] = [None] * num_slots
+        self._branch: list[bool] = [False] * num_slots
         self._children: dict[BlockHash, int] = {}
+        # Evictable slots that one continuation already covers (one child, at most one hit).
+        self._covered: OrderedDict[int, None] = OrderedDict()
         self.clock = 0
         self.choose_victim = choose_victim
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_slots))
@@ -171,6 +174,8 @@ class SnapshotPool:
             self._last_use[slot] = self.clock
             if slot in self._lru:
                 self._lru.move_to_end(slot)
+            if slot in self._covered:
+                self._covered.move_to_end(slot)
 
     def record_hit(self, key: BlockHash) -> None:
         """A request restores from ``key``: count the hit and mark it most-recently-used."""
@@ -178,16 +183,34 @@ class SnapshotPool:
         if slot is not None:
             self._hits[slot] += 1
             self.touch(key)
+            self._update_covered(slot)
 
     def evictable(self) -> Iterable[int]:
         """Published, unpinned slots, least recently used first."""
         return self._lru.keys()
 
+    def covered(self) -> Iterable[int]:
+        """Evictable slots with exactly one child snapshot and at most one hit (the continuation
+        that made the child): a deeper snapshot on the same path serves what they served.
+        Least recently used first."""
+        return self._covered.keys()
+
+    def candidates(self, limit: int) -> Iterable[tuple[int, BlockHash, int, int, int, int]]:
+        """The `limit` least recently used evictable slots as (slot, key, tokens, last use, hits,
+        paths) — the fields of `info`, without building one per slot (eviction scans these)."""
+        for count, slot in enumerate(self._lru):
+            if count == limit:
+                return
+            key = self._key[slot]
+            children = self._children.get(key, 0)  # type: ignore[arg-type]
+            paths = max(2, children + 1) if self._branch[slot] else children
+            yield slot, key, self._num_tokens[slot], self._last_use[slot], self._hits[slot], paths  # type: ignore[misc]
+
     def info(self, slot: int) -> SnapshotInfo:
         """Key, position, use counters and path links of a published slot."""
         key = self.key_of(slot)
         return SnapshotInfo(key, self._num_tokens[slot], self._last_use[slot], self._hits[slot],
-                            self._parent[slot], self._children.get(key, 0))
+                            self._parent[slot], self._paths(slot))
 
     def key_of(self, slot: int) -> BlockHash:
         """Key of a reserved or published slot (raises for a free slot)."""
@@ -215,6 +238,7 @@ class SnapshotPool:
             raise ValueError(f"only published slots can be pinned (slot {slot})")
         if self._pins[slot] == 0:
             del self._lru[slot]
+            self._covered.pop(slot, None)
             self._num_pinned += 1
         self._pins[slot] += 1
 
@@ -227,10 +251,12 @@ class SnapshotPool:
         if self._pins[slot] == 0:
             self._lru[slot] = None
             self._num_pinned -= 1
+            self._update_covered(slot)
 
     # --------------------------------------------------------------- protocol
 
-    def reserve(self, key: BlockHash, num_tokens: int, parent: BlockHash | None = None) -> Reservation:
+    def reserve(self, key: BlockHash, num_tokens: int, parent: BlockHash | None = None,
+                opportunistic: bool = False, branch: bool = False) -> Reservation:
         """Reserve a slot for the state at ``num_tokens`` tokens, keyed by ``key``.
 
         DUPLICATE if ``key`` is published (refreshes its LRU position) or
@@ -238,17 +264,24 @@ class SnapshotPool:
         published slot (``choose_victim``'s pick, by default the least recently
         used; reported in ``evicted_key`` and to ``on_evict``), else SKIPPED.
         ``parent`` names the next shallower snapshot on the same path, if any.
+        An ``opportunistic`` reservation only takes a free slot or a covered one. A ``branch``
+        snapshot sits where a new request left an older cached path: that path counts as a child.
         """
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         if key in self._published or key in self._reserved:
+            if branch:  # an existing snapshot turns out to be a branch point
+                slot = self._published.get(key, self._reserved.get(key))
+                assert slot is not None
+                self._branch[slot] = True
+                self._update_covered(slot)
             self.touch(key)
             self.duplicate_total += 1
             return Reservation(ReserveStatus.DUPLICATE, None, key, num_tokens)
         evicted_key: BlockHash | None = None
         if self._free:
             slot, _ = self._free.popitem(last=False)
-        elif (victim := self._victim()) is not None:
+        elif (victim := self._victim(opportunistic)) is not None:
             slot = victim
             evicted_key = self._key[slot]
             self._unpublish(slot)
@@ -264,6 +297,7 @@ class SnapshotPool:
         self._num_tokens[slot] = num_tokens
         self._ticket[slot] = ticket
         self._parent[slot] = parent
+        self._branch[slot] = branch
         self._reserved[key] = slot
         if evicted_key is not None and self._on_evict is not None:
             self._on_evict(evicted_key, slot)
@@ -287,6 +321,7 @@ class SnapshotPool:
         parent = self._parent[slot]
         if parent is not None:
             self._children[parent] = self._children.get(parent, 0) + 1
+            self._update_covered_key(parent)
         self.published_total += 1
 
     def abort(self, res: Reservation) -> None:
@@ -368,6 +403,8 @@ class SnapshotPool:
             if parent is not None:
                 children[parent] = children.get(parent, 0) + 1
         assert children == self._children, "children counts out of step"
+        covered = {slot for slot in range(self._num_slots) if self._is_covered(slot)}
+        assert covered == set(self._covered), "covered list out of step"
         assert pinned == self._num_pinned, f"pinned counter {self._num_pinned} != {pinned}"
         assert sum(counts.values()) == self._num_slots
 
@@ -399,8 +436,10 @@ class SnapshotPool:
             raise ValueError(f"cannot {op}: reservation for slot {slot} is not live")
         return slot
 
-    def _victim(self) -> int | None:
+    def _victim(self, opportunistic: bool = False) -> int | None:
         """The slot to evict for a new reservation, or None when nothing is evictable."""
+        if opportunistic:
+            return next(iter(self._covered), None)
         if not self._lru:
             return None
         if self.choose_victim is None:
@@ -409,6 +448,30 @@ class SnapshotPool:
         if slot is not None and slot not in self._lru:
             raise ValueError(f"eviction policy chose slot {slot}, which is not evictable")
         return slot
+
+    def _is_covered(self, slot: int) -> bool:
+        key = self._key[slot]
+        return (self._state[slot] is _State.PUBLISHED and self._pins[slot] == 0 and self._hits[slot] == 0
+                and key is not None and self._paths(slot) == 1)
+
+    def _paths(self, slot: int) -> int:
+        """Paths continuing past a slot: its child snapshots; at least two at a branch point (the
+        older cached path and the request that left it)."""
+        children = self._children.get(self._key[slot], 0)  # type: ignore[arg-type]
+        return max(2, children + 1) if self._branch[slot] else children
+
+    def _update_covered(self, slot: int) -> None:
+        """Keep `slot`'s membership of the covered list in step with its counters."""
+        if self._is_covered(slot):
+            if slot not in self._covered:
+                self._covered[slot] = None
+        else:
+            self._covered.pop(slot, None)
+
+    def _update_covered_key(self, key: BlockHash) -> None:
+        slot = self._published.get(key)
+        if slot is not None:
+            self._update_covered(slot)
 
     def _unpublish(self, slot: int) -> None:
         """Remove an unpinned published slot from the index and free it."""
@@ -423,6 +486,9 @@ class SnapshotPool:
                 del self._children[parent]
         del self._published[key]
         del self._lru[slot]
+        self._covered.pop(slot, None)
+        if parent is not None:
+            self._update_covered_key(parent)
         self._release(slot)
 
     def _release(self, slot: int) -> None:
@@ -432,6 +498,7 @@ class SnapshotPool:
         self._num_tokens[slot] = 0
         self._ticket[slot] = 0
         self._parent[slot] = None
+        self._branch[slot] = False
         self._free[slot] = None
 
     def __repr__(self) -> str:

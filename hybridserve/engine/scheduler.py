@@ -254,9 +254,12 @@ class Scheduler:
         if self.snapshots is None or self.policy is None:
             return []
         captures = []
-        for boundary in self.policy.captures(self._view(request), start, length):
+        view = self._view(request)
+        for boundary in self.policy.captures(view, start, length):
             key = request.boundary_key(boundary)
-            reservation = self.snapshots.reserve(key, boundary, self._parent_key(request, boundary))
+            reservation = self.snapshots.reserve(key, boundary, self._parent_key(request, boundary),
+                                                 self.policy.is_opportunistic(view, boundary),
+                                                 branch=boundary == request.branch_point)
             if reservation.status is ReserveStatus.RESERVED:
                 captures.append(reservation)
             if reservation.status is not ReserveStatus.SKIPPED:

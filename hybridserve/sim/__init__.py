@@ -1,0 +1,1 @@
+"""Trace replay of the joint prefix cache without a model (`hybridserve sim`)."""

@@ -1,0 +1,150 @@
+"""`hybridserve sim`: replay a trace through the cache code under several policies and budgets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from hybridserve.config import POLICY_NAMES
+from hybridserve.sim.shapes import MODEL_SHAPES, ModelShape, model_shape
+from hybridserve.sim.simulator import SimConfig, SimResult, ceiling_hit_tokens, simulate
+from hybridserve.sim.trace import TRACE_BLOCK_TOKENS, TraceTokens, default_trace_path, read_trace
+
+GIB = 1 << 30
+
+
+def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `hybridserve sim`."""
+    parser.add_argument("--trace", default=str(default_trace_path()), help="Mooncake-format JSONL trace")
+    parser.add_argument("--num-requests", type=int, default=None, help="replay only the first N requests")
+    parser.add_argument("--model-shape", default="qwen3.5-4b",
+                        help=f"one of {', '.join(MODEL_SHAPES)}, or a path to a config.json")
+    parser.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated cache policies")
+    parser.add_argument("--snapshot-budgets-gib", default="1,2,4,8,16,32,64",
+                        help="comma-separated GDN snapshot budgets (GiB)")
+    parser.add_argument("--kv-budgets-gib", default="1024", help="comma-separated KV cache budgets (GiB)")
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
+    parser.add_argument("--snapshot-interval", type=int, default=256,
+                        help="interval of the interval policy (and hybridserve's opportunistic marks)")
+    parser.add_argument("--block-tokens", type=int, default=TRACE_BLOCK_TOKENS,
+                        help="tokens per trace hash block (512 = unscaled)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="write every figure as JSON here")
+    parser.add_argument("--plot", metavar="PATH", default=None, help="write hit rate vs budget (PNG) here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.set_defaults(handler=run_sim)
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"{what} must be positive numbers, got {text!r}")
+    return values
+
+
+def _policies(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name not in POLICY_NAMES]
+    if not names or unknown:
+        raise ValueError(f"unknown cache policy {', '.join(unknown) or repr(text)}; choose from {', '.join(POLICY_NAMES)}")
+    return names
+
+
+def run_sim(args: argparse.Namespace) -> int:
+    """Parse flags, replay, print the table; write JSON and the plot when asked."""
+    policies = _policies(args.policies)
+    snapshot_budgets = _floats(args.snapshot_budgets_gib, "--snapshot-budgets-gib")
+    kv_budgets = _floats(args.kv_budgets_gib, "--kv-budgets-gib")
+    if args.block_size < 1 or args.snapshot_interval < 1 or args.snapshot_interval % args.block_size:
+        raise ValueError("--snapshot-interval must be a positive multiple of --block-size")
+    shape = model_shape(args.model_shape)
+    records = read_trace(args.trace, args.num_requests, args.block_tokens)
+    tokens = TraceTokens(records, args.block_tokens, shape.config.vocab_size)
+    start = time.perf_counter()
+    ceiling, prompt_tokens = ceiling_hit_tokens(tokens)
+    print(f"[sim] {len(records)} requests, {prompt_tokens} prompt tokens, tokens built in "
+          f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+    results = []
+    for kv in kv_budgets:
+        for policy in policies:
+            for budget in snapshot_budgets:
+                config = SimConfig(policy, int(kv * GIB), int(budget * GIB), args.block_size, args.snapshot_interval)
+                results.append(simulate(tokens, shape, config, progress=not args.no_progress))
+    report = sim_report(args, shape, len(records), ceiling / prompt_tokens, results)
+    print(format_sim_report(report))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(report, handle, indent=2)
+    if args.plot:
+        plot_hit_rates(report, args.plot)
+    return 0
+
+
+def sim_report(args: argparse.Namespace, shape: ModelShape, num_requests: int, ceiling: float,
+               results: list[SimResult]) -> dict[str, Any]:
+    """Everything the run measured, JSON-ready."""
+    rows = [{
+        "policy": r.config.policy, "kv_budget_gib": r.config.kv_bytes / GIB,
+        "snapshot_budget_gib": r.config.snapshot_bytes / GIB, "kv_blocks": r.kv_blocks,
+        "snapshot_slots": r.snapshot_slots, "requests": r.requests, "skipped": r.skipped,
+        "token_hit_rate": r.hit_rate, "request_hit_share": r.hit_requests / max(r.requests, 1),
+        "prefill_flops_saved_share": r.saved_flops / max(r.prefill_flops, 1.0),
+        "snapshot_evictions": r.snapshot_evictions, "kv_evictions": r.kv_evictions,
+        "snapshots_published": r.snapshots_published, "seconds": r.seconds,
+    } for r in results]
+    return {"trace": args.trace, "num_requests": num_requests, "model_shape": shape.name,
+            "kv_bytes_per_token": shape.cost.kv_bytes_per_token, "snapshot_bytes": shape.cost.snapshot_bytes,
+            "block_size": args.block_size, "snapshot_interval": args.snapshot_interval,
+            "block_tokens": args.block_tokens, "ceiling_token_hit_rate": ceiling, "rows": rows}
+
+
+def format_sim_report(report: dict[str, Any]) -> str:
+    """The table `hybridserve sim` prints."""
+    header = ["policy", "KV GiB", "snap GiB", "slots", "token hit", "of ceiling", "req hit", "FLOPs saved",
+              "snap evict", "KV evict", "s"]
+    ceiling = report["ceiling_token_hit_rate"]
+    lines = [f"{report['num_requests']} requests, shape {report['model_shape']} "
+             f"({report['kv_bytes_per_token']} B KV/token, {report['snapshot_bytes'] / 2**20:.1f} MiB/snapshot), "
+             f"block {report['block_size']}, {report['block_tokens']} tokens per trace block; "
+             f"unbounded ceiling {ceiling:.1%} of prompt tokens", "  ".join(f"{h:>11}" for h in header)]
+    for row in report["rows"]:
+        cells = [row["policy"], f"{row['kv_budget_gib']:g}", f"{row['snapshot_budget_gib']:g}",
+                 str(row["snapshot_slots"]), f"{row['token_hit_rate']:.2%}",
+                 f"{row['token_hit_rate'] / ceiling:.1%}" if ceiling else "-", f"{row['request_hit_share']:.1%}",
+                 f"{row['prefill_flops_saved_share']:.1%}", str(row["snapshot_evictions"]), str(row["kv_evictions"]),
+                 f"{row['seconds']:.1f}"]
+        lines.append("  ".join(f"{c:>11}" for c in cells))
+    return "\n".join(lines)
+
+
+def plot_hit_rates(report: dict[str, Any], path: str) -> None:
+    """Token hit rate vs snapshot budget, one line per policy (and KV budget), ceiling dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    series: dict[str, list[tuple[float, float]]] = {}
+    kv_budgets = {row["kv_budget_gib"] for row in report["rows"]}
+    for row in report["rows"]:
+        label = row["policy"] + (f" (KV {row['kv_budget_gib']:g} GiB)" if len(kv_budgets) > 1 else "")
+        series.setdefault(label, []).append((row["snapshot_budget_gib"], row["token_hit_rate"]))
+    for label, points in series.items():
+        points.sort()
+        axes.plot([p[0] for p in points], [100 * p[1] for p in points], marker="o", label=label)
+    axes.axhline(100 * report["ceiling_token_hit_rate"], color="grey", linestyle="--", label="unbounded ceiling")
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("GDN snapshot budget (GiB)")
+    axes.set_ylabel("token hit rate (% of prompt tokens)")
+    axes.set_title(f"{report['model_shape']}, {report['num_requests']} requests")
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,166 @@
+"""Replay a trace through the real scheduler, block pool, snapshot pool and cache policy, with a
+runner that only does accounting (no model, no tensors).
+
+Requests run one at a time in trace order, as the live `bench trace` replays them. Each one is
+admitted (joint lookup, restore), prefilled, then its output tokens are computed (decode; the
+accounting is the same in one chunk) and it finishes — its end state is offered to the policy.
+The live engine makes the same calls, so for the same tokens, policy and pool sizes the hits are
+the same (tests/test_sim.py checks this against the engine).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, NamedTuple
+
+from tqdm import tqdm
+
+from hybridserve.cache.block_pool import BlockPool
+from hybridserve.cache.policy import make_policy
+from hybridserve.cache.snapshots import SnapshotPool
+from hybridserve.cache.state_slots import StateSlotPool
+from hybridserve.config import CacheConfig, SchedulerConfig
+from hybridserve.engine.request import Request
+from hybridserve.engine.scheduler import Scheduler, blocks_for
+from hybridserve.sampling_params import SamplingParams
+from hybridserve.sim.shapes import ModelShape
+from hybridserve.sim.trace import TraceTokens
+
+
+class SimConfig(NamedTuple):
+    """One simulated cache: a policy under a KV and a snapshot budget (bytes)."""
+
+    policy: str
+    kv_bytes: int
+    snapshot_bytes: int
+    block_size: int = 16
+    interval: int = 256
+
+
+class SimResult(NamedTuple):
+    """What one replay measured."""
+
+    config: SimConfig
+    kv_blocks: int
+    snapshot_slots: int
+    requests: int
+    skipped: int              # larger than the whole KV pool (the engine would refuse them)
+    prompt_tokens: int
+    hit_tokens: int
+    hit_requests: int
+    prefill_flops: float      # of every replayed prompt, from scratch
+    saved_flops: float        # skipped by hits
+    snapshot_evictions: int
+    kv_evictions: int
+    snapshots_published: int
+    seconds: float
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of prompt tokens restored from the cache."""
+        return self.hit_tokens / max(self.prompt_tokens, 1)
+
+
+class _AccountingRun:
+    """The scheduler and pools of one replay, stepped without a model."""
+
+    def __init__(self, config: SimConfig, shape: ModelShape) -> None:
+        if config.kv_bytes <= 0 or config.snapshot_bytes <= 0:
+            raise ValueError("KV and snapshot budgets must be positive")
+        cost = shape.cost
+        self.kv_blocks = int(config.kv_bytes // (config.block_size * cost.kv_bytes_per_token))
+        self.snapshot_slots = int(config.snapshot_bytes // cost.snapshot_bytes)
+        if self.kv_blocks < 1 or self.snapshot_slots < 1:
+            raise ValueError(f"budgets too small for {shape.name}: KV {config.kv_bytes} bytes "
+                             f"({config.block_size * cost.kv_bytes_per_token} per block), snapshots "
+                             f"{config.snapshot_bytes} bytes ({cost.snapshot_bytes} per snapshot)")
+        cache = CacheConfig(block_size=config.block_size, snapshot_interval=config.interval,
+                            cache_policy=config.policy)
+        policy = make_policy(config.policy, config.block_size, cost, config.interval)
+        limits = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1 << 40,
+                                 max_prefill_tokens_during_decode=0)
+        self.blocks = BlockPool(self.kv_blocks)
+        self.snapshots = SnapshotPool(self.snapshot_slots)
+        self.scheduler = Scheduler(cache, limits, self.blocks, StateSlotPool(1), self.snapshots, policy)
+        self.block_size = config.block_size
+
+    def fits(self, num_tokens: int) -> bool:
+        return blocks_for(num_tokens, self.block_size) <= self.kv_blocks
+
+    def serve(self, request_id: str, prompt: list[int], output: list[int]) -> int:
+        """Admit, prefill, decode and finish one request; returns its cached prompt tokens."""
+        request = Request(request_id, None, prompt, SamplingParams(max_tokens=len(output), ignore_eos=True),
+                          self.block_size)
+        scheduler = self.scheduler
+        scheduler.add(request)
+        self._step()
+        for token in output[:-1]:
+            request.append_token(token)
+        if len(output) > 1:
+            self._step()
+        request.append_token(output[-1])
+        capture = scheduler.finish(request, "length")
+        if capture is not None:
+            scheduler.complete_end_capture(capture, True)
+        return request.num_cached_tokens or 0
+
+    def _step(self) -> None:
+        output = self.scheduler.schedule()
+        assert len(output.chunks) == 1 and not output.preempted, "the simulator serves one request at a time"
+        self.scheduler.apply(output, set())
+
+
+def simulate(tokens: TraceTokens, shape: ModelShape, config: SimConfig, indices: Iterable[int] | None = None,
+             progress: bool = False, check: bool = False) -> SimResult:
+    """Replay `tokens`' requests (all, or `indices`) under one cache configuration; `check`
+    verifies every pool's integrity at the end (O(pool size))."""
+    run = _AccountingRun(config, shape)
+    order = list(range(len(tokens.records))) if indices is None else list(indices)
+    start = time.perf_counter()
+    prompt_tokens = hit_tokens = hit_requests = skipped = 0
+    total_flops = saved_flops = 0.0
+    label = f"sim {config.policy} kv={config.kv_bytes / 2**30:g}GiB snap={config.snapshot_bytes / 2**30:g}GiB"
+    for index in tqdm(order, desc=label, disable=not progress, leave=False, mininterval=1.0):
+        prompt, output = tokens.prompt(index), tokens.output(index)
+        if not run.fits(len(prompt) + len(output)):
+            skipped += 1
+            continue
+        hit = run.serve(str(index), prompt, output)
+        prompt_tokens += len(prompt)
+        hit_tokens += hit
+        hit_requests += hit > 0
+        total_flops += shape.cost.prefill_flops(len(prompt))
+        saved_flops += shape.cost.prefill_flops(hit)
+    if check:
+        run.scheduler.check_integrity()
+    snap = run.snapshots.stats()
+    return SimResult(config, run.kv_blocks, run.snapshot_slots, len(order) - skipped, skipped, prompt_tokens,
+                     hit_tokens, hit_requests, total_flops, saved_flops, snap.evicted_total,
+                     run.blocks.num_evictions, snap.published_total, time.perf_counter() - start)
+
+
+def ceiling_hit_tokens(tokens: TraceTokens, indices: Iterable[int] | None = None) -> tuple[int, int]:
+    """(hit tokens, prompt tokens) of an unbounded cache that keeps every computed state: for
+    each request, the deepest prefix computed before — the longest run of hash ids already seen
+    at the same positions, or the whole computed history of the turn it continues — at most
+    prompt length - 1. Call after (or instead of) a replay: it builds prompts in order."""
+    seen: set[tuple[int, ...]] = set()
+    hit = total = 0
+    size = tokens.block_tokens
+    order = list(range(len(tokens.records))) if indices is None else list(indices)
+    for index in order:
+        record = tokens.records[index]
+        tokens.prompt(index)
+        earlier = tokens.predecessor(index)
+        depth = 0
+        while depth < len(record.hash_ids) and record.hash_ids[:depth + 1] in seen:
+            depth += 1
+        best = min(depth * size, record.input_length)
+        if earlier is not None:
+            previous = tokens.records[earlier]
+            best = max(best, previous.input_length + previous.output_length - 1)
+        hit += min(best, record.input_length - 1)
+        total += record.input_length
+        seen.update(record.hash_ids[:i + 1] for i in range(len(record.hash_ids)))
+        tokens.output(index)
+    return hit, total
