@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from hybridserve.config import ModelConfig
 
 __all__ = ["POLICY_NAMES", "CachePolicy", "PrefixCost", "RequestView", "make_policy"]
+AGE_TURNOVERS = 16.0  # a snapshot's value halves after this many pool turnovers without use
 EVICTION_WINDOW = 256  # value-based policies score this many least-recently-used candidates
 
 
@@ -155,11 +156,10 @@ class MarconiPolicy(CachePolicy):
 
     def choose_victim(self, pool: SnapshotPool) -> int | None:
         candidates = []
-        for slot, key, tokens, last_use, _, paths in pool.candidates(EVICTION_WINDOW):
+        for slot, key, tokens, last_use, _, paths, parent_tokens in pool.candidates(EVICTION_WINDOW):
             if not self.kv_present(key):
                 return slot
             if paths <= 1:
-                parent_tokens = _parent_tokens(pool, pool.info(slot).parent)
                 edge_bytes = self.cost.snapshot_bytes + self.cost.kv_bytes_per_token * (tokens - parent_tokens)
                 candidates.append((slot, last_use, self.cost.prefill_flops(tokens) / edge_bytes))
         if not candidates:
@@ -177,10 +177,11 @@ class HybridServePolicy(IntervalPolicy):
     (so the second request that shares a prefix already hits near its end).
 
     Eviction, cheapest loss first: a snapshot whose KV is gone; then one that a deeper snapshot
-    on the same path already covers (one child, at most one hit — interval marks and finished
-    chat turns once the next turn is in), least recently used first; then the lowest value among
-    the least recently used, where value = prefill FLOPs a hit saves x (1 + hits + children
-    beyond one) / (1 + age in pool turnovers). KV blocks of a released request beyond its
+    on the same path already covers (one child and never restored — interval marks and prompt
+    marks once the request's end is in), least recently used first; then the lowest value among
+    the least recently used, where value = prefill FLOPs a hit saves beyond the resident parent
+    snapshot (where a miss would fall back) x (1 + hits + paths beyond one) / (1 + age in pool
+    turnovers). KV blocks of a released request beyond its
     deepest snapshot go to the front of the free list (they cannot serve a joint hit)."""
 
     name = "hybridserve"
@@ -205,25 +206,18 @@ class HybridServePolicy(IntervalPolicy):
         for slot in pool.covered():
             return slot
         best_slot, best_value = None, float("inf")
-        horizon, clock, flops = max(pool.num_slots, 1), pool.clock, self.cost.prefill_flops
-        for slot, key, tokens, last_use, hits, paths in pool.candidates(EVICTION_WINDOW):
+        horizon, clock, flops = AGE_TURNOVERS * max(pool.num_slots, 1), pool.clock, self.cost.prefill_flops
+        for slot, key, tokens, last_use, hits, paths, parent_tokens in pool.candidates(EVICTION_WINDOW):
             if not self.kv_present(key):
                 return slot
-            value = flops(tokens) * (1 + hits + max(paths - 1, 0)) / (1.0 + (clock - last_use) / horizon)
+            saved = flops(tokens) - flops(parent_tokens)  # a miss here falls back to the parent
+            value = saved * (1 + hits + max(paths - 1, 0)) / (1.0 + (clock - last_use) / horizon)
             if value < best_value:
                 best_slot, best_value = slot, value
         return best_slot
 
     def evict_kv_first(self, view: RequestView) -> int | None:
         return view.deepest_snapshot if view.deepest_snapshot > 0 else None
-
-
-def _parent_tokens(pool: SnapshotPool, parent: bytes | None) -> int:
-    """Depth of a resident parent snapshot (0 when none)."""
-    if parent is None:
-        return 0
-    slot = pool.lookup(parent)
-    return pool.num_tokens_of(slot) if slot is not None else 0
 
 
 def _normalised(values: list[float]) -> list[float]:

@@ -195,16 +195,21 @@ class SnapshotPool:
         Least recently used first."""
         return self._covered.keys()
 
-    def candidates(self, limit: int) -> Iterable[tuple[int, BlockHash, int, int, int, int]]:
+    def candidates(self, limit: int) -> Iterable[tuple[int, BlockHash, int, int, int, int, int]]:
         """The `limit` least recently used evictable slots as (slot, key, tokens, last use, hits,
-        paths) — the fields of `info`, without building one per slot (eviction scans these)."""
+        paths, depth of the resident parent or 0) — what eviction weighs, without building an
+        `info` per slot."""
         for count, slot in enumerate(self._lru):
             if count == limit:
                 return
             key = self._key[slot]
             children = self._children.get(key, 0)  # type: ignore[arg-type]
             paths = max(2, children + 1) if self._branch[slot] else children
-            yield slot, key, self._num_tokens[slot], self._last_use[slot], self._hits[slot], paths  # type: ignore[misc]
+            parent = self._parent[slot]
+            parent_slot = self._published.get(parent) if parent is not None else None
+            parent_tokens = self._num_tokens[parent_slot] if parent_slot is not None else 0
+            yield (slot, key, self._num_tokens[slot], self._last_use[slot],  # type: ignore[misc]
+                   self._hits[slot], paths, parent_tokens)
 
     def info(self, slot: int) -> SnapshotInfo:
         """Key, position, use counters and path links of a published slot."""
