@@ -11,8 +11,7 @@ import torch
 
 from hybridserve.bench.common import format_table, random_token_ids
 from hybridserve.bench.engine_bench import EngineBenchConfig, format_engine_report, prefill_flops, run_engine_bench
-from hybridserve.bench.trace_bench import TraceBenchConfig, TraceRequest, format_trace_report, ideal_hit_tokens, \
-    run_trace_bench
+from hybridserve.bench.trace_bench import TraceBenchConfig, format_trace_report, run_trace_bench
 from hybridserve.bench.ttft_bench import TTFTBenchConfig, format_ttft_report, run_ttft_bench
 from hybridserve.cli import build_parser, main
 from hybridserve.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -56,12 +55,6 @@ def test_random_prompts_are_fixed_by_seed() -> None:
     assert "a" in format_table(["a", "b"], [[1, 2]])
 
 
-def test_ideal_hit_tokens() -> None:
-    requests = [TraceRequest((0, 1), [1] * 64, 1), TraceRequest((0, 1, 2), [1] * 80, 1)]
-    assert ideal_hit_tokens(requests, 32) == 64
-    assert ideal_hit_tokens(requests, 32, interval=48) == 48
-
-
 def test_engine_bench_smoke() -> None:
     cfg = EngineBenchConfig(prompt_tokens=40, decode_prompt_tokens=8, decode_tokens=3, batch_size=2, warmup=0,
                             iterations=1, matmul_size=64, matmul_repeats=1)
@@ -91,8 +84,10 @@ def test_trace_bench_smoke(tmp_path: Path) -> None:
     result = run_trace_bench(small_engine_config(interval=32), cfg)
     assert result["outputs_match"]
     assert result["runs"]["off"]["cached_tokens"] == 0
-    assert result["runs"]["on"]["cached_tokens"] == round(result["ideal_hit_share_snapshots"] * result["prompt_tokens"])
-    assert result["runs"]["on"]["cached_tokens"] > 0
+    assert result["continuations"] == 1            # request 1 continues request 0's turn
+    assert result["sim_matches_live"] and result["sim_hit_tokens"] == result["runs"]["on"]["cached_tokens"]
+    # The continuation hits the end of request 0 (prompt + output - 1): the whole ceiling.
+    assert result["runs"]["on"]["cached_tokens"] == round(result["ceiling_hit_share"] * result["prompt_tokens"]) > 0
     assert "SCALED replay" in format_trace_report(result)
 
 
@@ -100,9 +95,19 @@ def test_cli_bench_subcommands(tmp_path: Path) -> None:
     parser = build_parser()
     for name in ("engine", "ttft", "trace", "all"):
         assert callable(parser.parse_args(["bench", name]).handler)
-    assert parser.parse_args(["bench", "trace"]).snapshot_interval == 32
     out = tmp_path / "trace.json"
     code = main(["bench", "trace", "--trace", str(write_trace(tmp_path / "t.jsonl")), "--num-requests", "2",
                  "--max-output-tokens", "1", "--no-progress", "--kv-cache-mib", "16", "--prefix-cache-mib", "64",
                  "--max-model-len", "1024", "--json", str(out)])
     assert code == 0 and json.loads(out.read_text())["num_requests"] == 2
+
+
+def test_chat_bench_smoke() -> None:
+    from hybridserve.bench.chat_bench import ChatBenchConfig, format_chat_report, run_chat_bench
+
+    cfg = ChatBenchConfig(conversations=2, turns=3, system_tokens=40, message_tokens=12, reply_tokens=3,
+                          long_after_tokens=60)
+    result = run_chat_bench(small_engine_config(), cfg)
+    summary = result["summary"]
+    assert summary["turns_after_first"] == 4 and summary["turns_hitting_previous_end"] == 4
+    assert summary["long_turns"] > 0 and "restored exactly" in format_chat_report(result)

@@ -16,10 +16,11 @@ Handler = Callable[[argparse.Namespace], int]
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `engine`, `ttft`, `trace`, `serve` and `all` benchmark subcommands to `parser`."""
     subparsers = parser.add_subparsers(dest="bench_command", required=True,
-                                       metavar="{engine,ttft,trace,serve,all}")
+                                       metavar="{engine,ttft,trace,chat,serve,all}")
     _add_engine(subparsers)
     _add_ttft(subparsers)
     _add_trace(subparsers)
+    _add_chat(subparsers)
     add_serve_bench_arguments(_subparser(subparsers, "serve", "load test of a live OpenAI-compatible server: "
                                          "TTFT, ITL, throughput, cache share, mixed load", run_serve))
     _add_all(subparsers)
@@ -71,13 +72,22 @@ def _add_trace(subparsers: argparse._SubParsersAction) -> None:
                         "vs off", run_trace)
     parser.add_argument("--trace", default="", help="trace JSONL (default: ../shared/traces/"
                         "mooncake_conversation.jsonl next to the repository)")
-    parser.add_argument("--num-requests", type=int, default=200, help="replay the first N requests")
-    parser.add_argument("--block-tokens", type=int, default=32, help="tokens per 512-token trace block")
+    parser.add_argument("--num-requests", type=int, default=800, help="replay the first N requests")
+    parser.add_argument("--block-tokens", type=int, default=16, help="tokens per 512-token trace block")
     parser.add_argument("--max-output-tokens", type=int, default=8, help="cap on output tokens")
     parser.add_argument("--max-concurrency", type=int, default=1, help="requests in the engine at once")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    # The replay is scaled 512 -> 32 tokens per block, so snapshots default to the scaled block.
-    parser.set_defaults(snapshot_interval=32)
+
+
+def _add_chat(subparsers: argparse._SubParsersAction) -> None:
+    parser = _subparser(subparsers, "chat", "interleaved multi-turn conversations, TTFT per turn with the "
+                        "cache on vs off", run_chat)
+    parser.add_argument("--conversations", type=int, default=4, help="conversations played round-robin")
+    parser.add_argument("--turns", type=int, default=8, help="turns per conversation")
+    parser.add_argument("--system-tokens", type=int, default=600, help="system prompt length")
+    parser.add_argument("--message-tokens", type=int, default=160, help="new user tokens per turn")
+    parser.add_argument("--reply-tokens", type=int, default=48, help="generated tokens per turn")
+    parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random messages")
 
 
 def _add_all(subparsers: argparse._SubParsersAction) -> None:
@@ -139,6 +149,17 @@ def run_ttft(args: argparse.Namespace) -> int:
     return code
 
 
+def run_chat(args: argparse.Namespace) -> int:
+    """Handler of `bench chat`."""
+    from hybridserve.bench.chat_bench import ChatBenchConfig, format_chat_report, run_chat_bench
+
+    _set_threads(args)
+    cfg = ChatBenchConfig(conversations=args.conversations, turns=args.turns, system_tokens=args.system_tokens,
+                          message_tokens=args.message_tokens, reply_tokens=args.reply_tokens, seed=args.bench_seed)
+    result = run_chat_bench(engine_config_from_args(args), cfg)
+    return _finish(args, result, format_chat_report(result))
+
+
 def run_trace(args: argparse.Namespace) -> int:
     """Handler of `bench trace`."""
     from hybridserve.bench.trace_bench import TraceBenchConfig, format_trace_report, run_trace_bench
@@ -153,8 +174,6 @@ def run_trace(args: argparse.Namespace) -> int:
 
 def run_all(args: argparse.Namespace) -> int:
     """Handler of `bench all`: the other benchmarks in turn, default sizes, one combined JSON."""
-    import dataclasses
-
     from hybridserve.bench.engine_bench import EngineBenchConfig, format_engine_report, run_engine_bench
     from hybridserve.bench.trace_bench import TraceBenchConfig, format_trace_report, run_trace_bench
     from hybridserve.bench.ttft_bench import TTFTBenchConfig, format_ttft_report, plot_ttft, run_ttft_bench
@@ -169,8 +188,6 @@ def run_all(args: argparse.Namespace) -> int:
     if args.plot:
         plot_ttft(results["ttft"], args.plot)
     if args.with_trace:
-        trace = TraceBenchConfig(progress=False)
-        cache = dataclasses.replace(config.cache, snapshot_interval=trace.block_tokens)  # the scaled block
-        results["trace"] = run_trace_bench(dataclasses.replace(config, cache=cache), trace)
+        results["trace"] = run_trace_bench(config, TraceBenchConfig(progress=False))
         print("\n== bench trace ==\n" + format_trace_report(results["trace"]), flush=True)
     return _finish(args, results, "")

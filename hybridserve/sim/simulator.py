@@ -54,6 +54,7 @@ class SimResult(NamedTuple):
     kv_evictions: int
     snapshots_published: int
     seconds: float
+    hits: tuple[int, ...] = ()   # cached prompt tokens of each replayed request, in order
 
     @property
     def hit_rate(self) -> float:
@@ -87,17 +88,24 @@ class _AccountingRun:
     def fits(self, num_tokens: int) -> bool:
         return blocks_for(num_tokens, self.block_size) <= self.kv_blocks
 
-    def serve(self, request_id: str, prompt: list[int], output: list[int]) -> int:
-        """Admit, prefill, decode and finish one request; returns its cached prompt tokens."""
+    def serve(self, request_id: str, prompt: list[int], output: list[int], stepwise: bool = False) -> int:
+        """Admit, prefill, decode and finish one request; returns its cached prompt tokens. Decode
+        runs as one chunk (same captures, same blocks) or, `stepwise`, a token per step as in the
+        engine (same order of every pool operation)."""
         request = Request(request_id, None, prompt, SamplingParams(max_tokens=len(output), ignore_eos=True),
                           self.block_size)
         scheduler = self.scheduler
         scheduler.add(request)
         self._step()
-        for token in output[:-1]:
-            request.append_token(token)
-        if len(output) > 1:
-            self._step()
+        if stepwise:
+            for token in output[:-1]:
+                request.append_token(token)
+                self._step()
+        else:
+            for token in output[:-1]:
+                request.append_token(token)
+            if len(output) > 1:
+                self._step()
         request.append_token(output[-1])
         capture = scheduler.finish(request, "length")
         if capture is not None:
@@ -111,7 +119,7 @@ class _AccountingRun:
 
 
 def simulate(tokens: TraceTokens, shape: ModelShape, config: SimConfig, indices: Iterable[int] | None = None,
-             progress: bool = False, check: bool = False) -> SimResult:
+             progress: bool = False, check: bool = False, stepwise: bool = False) -> SimResult:
     """Replay `tokens`' requests (all, or `indices`) under one cache configuration; `check`
     verifies every pool's integrity at the end (O(pool size))."""
     run = _AccountingRun(config, shape)
@@ -119,13 +127,15 @@ def simulate(tokens: TraceTokens, shape: ModelShape, config: SimConfig, indices:
     start = time.perf_counter()
     prompt_tokens = hit_tokens = hit_requests = skipped = 0
     total_flops = saved_flops = 0.0
+    hits = []
     label = f"sim {config.policy} kv={config.kv_bytes / 2**30:g}GiB snap={config.snapshot_bytes / 2**30:g}GiB"
     for index in tqdm(order, desc=label, disable=not progress, leave=False, mininterval=1.0):
         prompt, output = tokens.prompt(index), tokens.output(index)
         if not run.fits(len(prompt) + len(output)):
             skipped += 1
             continue
-        hit = run.serve(str(index), prompt, output)
+        hit = run.serve(str(index), prompt, output, stepwise)
+        hits.append(hit)
         prompt_tokens += len(prompt)
         hit_tokens += hit
         hit_requests += hit > 0
@@ -136,7 +146,7 @@ def simulate(tokens: TraceTokens, shape: ModelShape, config: SimConfig, indices:
     snap = run.snapshots.stats()
     return SimResult(config, run.kv_blocks, run.snapshot_slots, len(order) - skipped, skipped, prompt_tokens,
                      hit_tokens, hit_requests, total_flops, saved_flops, snap.evicted_total,
-                     run.blocks.num_evictions, snap.published_total, time.perf_counter() - start)
+                     run.blocks.num_evictions, snap.published_total, time.perf_counter() - start, tuple(hits))
 
 
 def ceiling_hit_tokens(tokens: TraceTokens, indices: Iterable[int] | None = None) -> tuple[int, int]:

@@ -145,6 +145,10 @@ class TraceTokens:
                                                         self.vocab_size).tolist())
         return self._outputs[index].tolist()
 
+    def has_output(self, index: int) -> bool:
+        """Whether request `index`'s output tokens are known."""
+        return index in self._outputs
+
     def set_output(self, index: int, token_ids: list[int]) -> None:
         """Record what request `index` generated (its successors' prompts start with it)."""
         self._outputs[index] = np.asarray(token_ids, dtype=np.int32)

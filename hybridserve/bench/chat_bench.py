@@ -1,0 +1,122 @@
+"""`hybridserve bench chat`: interleaved multi-turn conversations, cache on vs off.
+
+Each conversation starts from its own system prompt; every turn appends a new user message (random
+tokens) to the history, the model generates a greedy reply, and the reply joins the history for
+the next turn — the token stream a chat template produces. Conversations take turns round-robin,
+one request in the engine at a time, so TTFT is the time to prefill the new turn. The two engines
+(cache on, cache off) serve each turn back to back, alternating which goes first.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hybridserve.bench.common import format_table, greedy, machine_line, median, with_prefix_cache
+from hybridserve.config import EngineConfig
+from hybridserve.engine.engine import LLMEngine
+from hybridserve.sim.trace import pseudo_random_tokens
+
+TTFT_RATIO_GOAL = 0.2  # warm turns past 2k tokens: cache-on p50 TTFT at most 0.2x cache-off
+
+
+@dataclass(frozen=True)
+class ChatBenchConfig:
+    """Conversation shapes."""
+
+    conversations: int = 4
+    turns: int = 8
+    system_tokens: int = 600
+    message_tokens: int = 160
+    reply_tokens: int = 48
+    long_after_tokens: int = 2048   # turns whose history exceeds this form the headline figure
+    seed: int = 0
+
+
+def _timed_turn(engine: LLMEngine, request_id: str, prompt: list[int], reply_tokens: int
+                ) -> tuple[float, list[int], int]:
+    """Serve one turn alone; returns (TTFT seconds, reply token ids, cached prompt tokens)."""
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, greedy(reply_tokens))
+    ttft = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if ttft is None and output.token_ids:
+                ttft = time.perf_counter() - start
+            if output.finished:
+                final = output
+    assert ttft is not None
+    return ttft, final.token_ids, final.num_cached_tokens
+
+
+def run_chat_bench(engine_config: EngineConfig, cfg: ChatBenchConfig) -> dict[str, Any]:
+    """Play the conversations on a cache-on and a cache-off engine; TTFT per turn for each."""
+    on_config = engine_config if engine_config.cache.prefix_cache_enabled else with_prefix_cache(engine_config, 1024.0)
+    engines = {"on": LLMEngine(on_config), "off": LLMEngine(with_prefix_cache(engine_config, 0))}
+    vocab = engines["on"].model_config.vocab_size
+
+    def fresh(seed: int, count: int) -> list[int]:
+        return pseudo_random_tokens(seed, count, vocab).tolist()
+
+    histories = [fresh(cfg.seed * 1000 + c, cfg.system_tokens) for c in range(cfg.conversations)]
+    rows = []
+    for turn in range(cfg.turns):
+        for conversation, history in enumerate(histories):
+            prompt = history + fresh(cfg.seed * 1000 + 100 * (turn + 1) + conversation, cfg.message_tokens)
+            results = {}
+            order = ("on", "off") if (turn + conversation) % 2 == 0 else ("off", "on")
+            for label in order:
+                results[label] = _timed_turn(engines[label], f"{label}-{turn}-{conversation}", prompt, cfg.reply_tokens)
+            assert results["on"][1] == results["off"][1], "cache on and off generated different replies"
+            rows.append({"turn": turn + 1, "conversation": conversation, "prompt_tokens": len(prompt),
+                         "previous_history": len(history), "cached_tokens": results["on"][2],
+                         "ttft_on_s": results["on"][0], "ttft_off_s": results["off"][0]})
+            history.extend(prompt[len(history):] + results["on"][1])
+    for engine in engines.values():
+        engine.check_integrity()
+    return {"config": asdict(cfg), "engine": engines["on"].describe(), "machine": machine_line(), "rows": rows,
+            "summary": _summary(rows, cfg)}
+
+
+def _summary(rows: list[dict[str, Any]], cfg: ChatBenchConfig) -> dict[str, Any]:
+    later = [r for r in rows if r["turn"] >= 2]
+    long = [r for r in later if r["prompt_tokens"] > cfg.long_after_tokens]
+    ends_hit = sum(r["cached_tokens"] == r["previous_history"] - 1 for r in later)
+
+    def ratio(selected: list[dict[str, Any]]) -> float | None:
+        if not selected:
+            return None
+        return median(r["ttft_on_s"] for r in selected) / median(r["ttft_off_s"] for r in selected)
+
+    return {"turns_after_first": len(later), "turns_hitting_previous_end": ends_hit,
+            "p50_ratio_turns_2plus": ratio(later), "long_turns": len(long), "p50_ratio_long": ratio(long),
+            "p50_ttft_on_long_ms": 1000 * median(r["ttft_on_s"] for r in long) if long else None,
+            "p50_ttft_off_long_ms": 1000 * median(r["ttft_off_s"] for r in long) if long else None}
+
+
+def format_chat_report(result: dict[str, Any]) -> str:
+    """The table printed by `bench chat`."""
+    cfg, summary = result["config"], result["summary"]
+    by_turn: dict[int, list[dict[str, Any]]] = {}
+    for row in result["rows"]:
+        by_turn.setdefault(row["turn"], []).append(row)
+    table = format_table(
+        ["turn", "prompt tokens (median)", "cached (median)", "TTFT on ms", "TTFT off ms", "on/off"],
+        [[turn, int(median(r["prompt_tokens"] for r in rows)), int(median(r["cached_tokens"] for r in rows)),
+          f"{1000 * median(r['ttft_on_s'] for r in rows):.1f}", f"{1000 * median(r['ttft_off_s'] for r in rows):.1f}",
+          f"{median(r['ttft_on_s'] for r in rows) / median(r['ttft_off_s'] for r in rows):.3f}"]
+         for turn, rows in sorted(by_turn.items())])
+    long_ratio = summary["p50_ratio_long"]
+    verdict = "-" if long_ratio is None else ("met" if long_ratio <= TTFT_RATIO_GOAL else "NOT MET")
+    return "\n".join([
+        f"{cfg['conversations']} interleaved conversations x {cfg['turns']} turns: system {cfg['system_tokens']} "
+        f"tokens, +{cfg['message_tokens']} user tokens and a {cfg['reply_tokens']}-token greedy reply per turn",
+        table,
+        f"turns >= 2 that restored exactly the previous turn's end (history - 1 tokens): "
+        f"{summary['turns_hitting_previous_end']}/{summary['turns_after_first']}",
+        f"p50 TTFT on/off, turns >= 2 past {cfg['long_after_tokens']} tokens ({summary['long_turns']} turns): "
+        + ("-" if long_ratio is None else f"{long_ratio:.3f} ({summary['p50_ttft_on_long_ms']:.1f} vs "
+           f"{summary['p50_ttft_off_long_ms']:.1f} ms; goal <= {TTFT_RATIO_GOAL}: {verdict})"),
+        f"engine (on): {result['engine']}\nmachine: {result['machine']}",
+    ])
