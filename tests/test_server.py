@@ -453,3 +453,38 @@ def test_serve_arguments() -> None:
     assert config.model is None and config.cache.snapshot_interval == 256 and config.scheduler.max_num_seqs == 32
     assert served_model_name(build_parser().parse_args(["/models/Qwen3.5-0.8B"])) == "Qwen3.5-0.8B"
     assert "(default: 127.0.0.1)" in build_parser().format_help()
+
+
+# --------------------------------------------------------------------------- multi-turn chat
+def test_multi_turn_chat_restores_the_previous_turn(client: openai.OpenAI, engine: AsyncLLMEngine) -> None:
+    """Turn N+1 restores the deepest joint boundary the earlier turns left: the end of turn N
+    (its prompt and reply, less the last sampled token) whenever the template reproduces the reply's
+    tokens, else at least the last block boundary of turn N's prompt."""
+    from hybridserve.server.chat import ChatRenderer
+
+    tokenizer = engine.engine.tokenizer
+    renderer = ChatRenderer(tokenizer.chat_template)
+    block = engine.engine.config.cache.block_size
+    messages = [{"role": "system", "content": "You serve hybrid models with a joint prefix cache. " * 12}]
+    previous: tuple[list[int], str, int] | None = None  # prompt ids, reply text, reply tokens
+    full_end_hits = 0
+    for question in ["What is a snapshot?", "And a block?", "Why both?", "Thanks!"]:
+        messages.append({"role": "user", "content": question})
+        prompt_ids = tokenizer.encode(renderer.render(messages))
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+        assert reply.usage.prompt_tokens == len(prompt_ids)
+        cached = reply.usage.prompt_tokens_details.cached_tokens
+        if previous is not None:
+            earlier, text, count = previous
+            assert prompt_ids[:len(earlier)] == earlier            # the template reproduces the prompt
+            replayed = prompt_ids[len(earlier):len(earlier) + count]
+            if tokenizer.decode(replayed, skip_special_tokens=False) == text:
+                assert cached == len(earlier) + count - 1          # the previous turn's end, exactly
+                full_end_hits += 1
+            else:
+                assert cached >= (len(earlier) - 1) // block * block
+        content = reply.choices[0].message.content or ""
+        previous = (prompt_ids, content, reply.usage.completion_tokens)
+        messages.append({"role": "assistant", "content": content})
+    assert full_end_hits >= 1, "no turn re-rendered the previous reply's tokens"
+    wait_until(lambda: is_idle(engine))
