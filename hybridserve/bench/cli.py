@@ -31,8 +31,6 @@ def _subparser(subparsers: argparse._SubParsersAction, name: str, help_text: str
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_arguments(parser)
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON here")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch intra-op threads (0: torch's default); 1 is steadier on a busy machine")
     parser.set_defaults(handler=handler)
     return parser
 
@@ -88,10 +86,9 @@ def _add_all(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _set_threads(args: argparse.Namespace) -> None:
-    import torch
+    from hybridserve.engine.threads import configure_threads
 
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    configure_threads(args.threads)
 
 
 def _finish(args: argparse.Namespace, result: dict[str, Any], report: str) -> int:

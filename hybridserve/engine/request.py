@@ -52,6 +52,7 @@ class Request:
     stop_reason: str | int | None = None
     first_token_time: float | None = None
     failed_steps: int = 0
+    prefix_lookup_counted: bool = False         # its admission is in the prefix-cache stats
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     keep_prompt_logits: bool = False           # diagnostics: keep logits of every computed position

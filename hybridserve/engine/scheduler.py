@@ -30,12 +30,14 @@ class ScheduledChunk(NamedTuple):
 
 
 class Restore(NamedTuple):
-    """An admission: load the live slot from a snapshot (or zero it for a cold start)."""
+    """An admission: load the live slot from a snapshot (or zero it for a cold start).
+    `lookup` is counted in the prefix-cache stats when the step commits, once per request."""
 
     request: Request
     state_slot: int
     snapshot_slot: int | None
     num_tokens: int
+    lookup: PrefixLookup | None = None
 
 
 class SchedulerOutput(NamedTuple):
@@ -90,11 +92,21 @@ class Scheduler:
 
     # -- scheduling ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's work, taking blocks, state slots and snapshot reservations."""
+        """Pick this step's work, taking blocks, state slots and snapshot reservations. Every
+        resource is recorded in the output as it is taken, so if scheduling raises, what it
+        took so far is given back (as by `revert`) before the exception propagates."""
+        output = SchedulerOutput([], [], [])
+        try:
+            self._fill(output)
+        except Exception:
+            self._undo(output, count_failure=False)
+            raise
+        return output
+
+    def _fill(self, output: SchedulerOutput) -> None:
         budget = self.config.max_num_batched_tokens
         prefill_budget = self._prefill_budget(budget)
-        chunks: list[ScheduledChunk] = []
-        preempted: list[Request] = []
+        chunks, restores, preempted = output
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -106,11 +118,10 @@ class Scheduler:
             new_blocks = self._grow(request, request.num_computed_tokens + length, preempted)
             if new_blocks is None:
                 break  # the request preempted itself
-            chunks.append(self._chunk(request, length, new_blocks))
+            self._add_chunk(chunks, request, length, new_blocks)
             budget -= length
             prefill_budget -= length if remaining > 1 else 0
             index += 1
-        restores: list[Restore] = []
         while (self.waiting and min(budget, prefill_budget) > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             restore = self._admit(self.waiting[0])
@@ -119,10 +130,9 @@ class Scheduler:
             request = self.waiting.popleft()
             restores.append(restore)
             length = min(request.num_tokens - request.num_computed_tokens, budget, prefill_budget)
-            chunks.append(self._chunk(request, length, []))
+            self._add_chunk(chunks, request, length, [])
             budget -= length
             prefill_budget -= length
-        return SchedulerOutput(chunks, restores, preempted)
 
     def _prefill_budget(self, budget: int) -> int:
         """Prefill tokens allowed this step: capped while any request decodes, so one long
@@ -156,20 +166,22 @@ class Scheduler:
         revived = sum(1 for b in hit_blocks if self.block_pool.ref_count(b) == 0)
         if new_needed + revived > self.block_pool.num_free_blocks:
             return None
+        snapshot_slot = hit.snapshot_slot if hit is not None else None
         self.block_pool.touch(hit_blocks)
-        request.block_ids = list(hit_blocks) + self.block_pool.allocate(new_needed)
+        request.block_ids = list(hit_blocks)
+        try:  # all or nothing: a failure gives back what this admission took
+            request.block_ids += self.block_pool.allocate(new_needed)
+            request.state_slot = self.state_slots.allocate()
+            if snapshot_slot is not None:
+                self._snapshot_pool().pin(snapshot_slot)
+        except Exception:
+            self._release(request)
+            raise
         request.num_registered_blocks = len(hit_blocks)
-        request.state_slot = self.state_slots.allocate()
         request.num_computed_tokens = hit.num_tokens if hit is not None else 0
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        snapshot_slot = None
-        if lookup is not None:
-            self._prefix_cache().record(lookup)
-            snapshot_slot = hit.snapshot_slot if hit is not None else None
-            if snapshot_slot is not None:
-                self._snapshot_pool().pin(snapshot_slot)
-        return Restore(request, request.state_slot, snapshot_slot, request.num_computed_tokens)
+        return Restore(request, request.state_slot, snapshot_slot, request.num_computed_tokens, lookup)
 
     def _lookup(self, request: Request) -> PrefixLookup | None:
         if self.prefix_cache is None:
@@ -184,31 +196,52 @@ class Scheduler:
             assert self.snapshots.num_tokens_of(slot) == lookup.hit.num_tokens, "snapshot position mismatch"
         return lookup
 
-    def _chunk(self, request: Request, length: int, new_blocks: list[int]) -> ScheduledChunk:
+    def _add_chunk(self, chunks: list[ScheduledChunk], request: Request, length: int, new_blocks: list[int]) -> None:
+        """Record the chunk first, then reserve its snapshot slots into it (so a failure while
+        reserving leaves every reservation where `revert` finds it)."""
         start = request.num_computed_tokens
-        return ScheduledChunk(request, start, length, new_blocks, self._reserve_captures(request, start, length))
+        chunk = ScheduledChunk(request, start, length, new_blocks, [])
+        chunks.append(chunk)
+        self._reserve_captures(request, start, length, chunk.captures)
 
-    def _reserve_captures(self, request: Request, start: int, length: int) -> list[Reservation]:
+    def _reserve_captures(self, request: Request, start: int, length: int, captures: list[Reservation]) -> None:
         if self.snapshots is None:
-            return []
+            return
         interval = self.cache_config.snapshot_interval
         first = (start // interval + 1) * interval
-        captures = []
         for boundary in range(first, start + length + 1, interval):
             key = request.block_hashes(boundary // self.block_size)[-1]
             reservation = self.snapshots.reserve(key, boundary)
             if reservation.status is ReserveStatus.RESERVED:
                 captures.append(reservation)
-        return captures
 
     # -- transaction end --------------------------------------------------------------------
     def apply(self, output: SchedulerOutput, failed_snapshot_slots: set[int]) -> list[Request]:
-        """Commit a successful step; returns the requests whose next token must be sampled."""
+        """Commit a successful step; returns the requests whose next token must be sampled.
+
+        If committing raises, every pin and reservation of the step still open is released
+        before the exception propagates; the step's requests have then advanced an unknown
+        part of the way, so the caller must finish them (`finish`), which frees the rest.
+        """
+        unpinned: list[Restore] = []
+        try:
+            return self._apply(output, failed_snapshot_slots, unpinned)
+        except Exception:
+            self._release_step_holds(output, unpinned)
+            raise
+
+    def _apply(self, output: SchedulerOutput, failed_snapshot_slots: set[int], unpinned: list[Restore]
+               ) -> list[Request]:
         for restore in output.restores:
             if restore.snapshot_slot is not None:
                 self._snapshot_pool().unpin(restore.snapshot_slot)
-            if restore.request.num_cached_tokens is None:
-                restore.request.num_cached_tokens = restore.num_tokens
+            unpinned.append(restore)
+            request = restore.request
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = restore.num_tokens
+            if restore.lookup is not None and not request.prefix_lookup_counted:
+                request.prefix_lookup_counted = True  # once per request, across reverts and preemptions
+                self._prefix_cache().record(restore.lookup)
         to_sample = []
         for chunk in output.chunks:
             request = chunk.request
@@ -224,13 +257,27 @@ class Scheduler:
                 to_sample.append(request)
         return to_sample
 
+    def _release_step_holds(self, output: SchedulerOutput, unpinned: list[Restore]) -> None:
+        """After a failed `apply`: drop the pins and abort the reservations it did not reach."""
+        for restore in output.restores[len(unpinned):]:  # `_apply` unpins in order
+            if restore.snapshot_slot is not None:
+                self._snapshot_pool().unpin(restore.snapshot_slot)
+        for chunk in output.chunks:
+            for reservation in chunk.captures:
+                if self._snapshot_pool().is_reserved(reservation):
+                    self._snapshot_pool().abort(reservation)
+
     def revert(self, output: SchedulerOutput) -> None:
         """Undo `schedule` after a failed forward: nothing the step took stays taken."""
+        self._undo(output, count_failure=True)
+
+    def _undo(self, output: SchedulerOutput, count_failure: bool) -> None:
+        """Give back everything `output` holds; `count_failure` charges its requests a failed step."""
         admitted = {id(r.request) for r in output.restores}
         for chunk in output.chunks:
             for reservation in chunk.captures:
                 self._snapshot_pool().abort(reservation)
-            chunk.request.failed_steps += 1
+            chunk.request.failed_steps += count_failure
             if chunk.new_blocks and id(chunk.request) not in admitted:
                 del chunk.request.block_ids[-len(chunk.new_blocks):]
                 self.block_pool.free(list(reversed(chunk.new_blocks)))
