@@ -174,7 +174,8 @@ class LLMEngine:
             raise ValueError("cache_salt must be a string")
         text, token_ids = self._tokenize(prompt)
         self._check_lengths(len(token_ids), params)
-        request = Request(request_id, text, token_ids, params, self.config.cache.block_size, cache_salt)
+        request = Request(request_id, text, token_ids, params, self.config.cache.block_size, cache_salt,
+                          block_hash=self.config.cache.block_hash)
         request.generator = (torch.Generator(device=self.device).manual_seed(params.seed)
                              if params.seed is not None else self._generator)
         request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)

@@ -37,6 +37,7 @@ class Request:
     params: SamplingParams
     block_size: int
     cache_salt: str | None = None
+    block_hash: str = "xxh3_128"                # hash algorithm of its KV blocks (cache.block_hash)
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -89,7 +90,8 @@ class Request:
         """Hashes of the first `num_blocks` full blocks of `token_ids` (computed incrementally)."""
         if num_blocks > len(self._block_hashes):
             upto = self.token_ids[: num_blocks * self.block_size]
-            self._block_hashes = block_hashes_for(upto, self.block_size, self.extra_keys, start=self._block_hashes)
+            self._block_hashes = block_hashes_for(upto, self.block_size, self.extra_keys, start=self._block_hashes,
+                                                  algorithm=self.block_hash)
         return self._block_hashes[:num_blocks]
 
     def append_token(self, token_id: int) -> None:

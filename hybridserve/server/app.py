@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -37,6 +36,7 @@ from hybridserve.engine.async_engine import (
     RequestStream,
 )
 from hybridserve.sampling_params import RequestOutput, SamplingParams
+from hybridserve.server.auth import ApiKeyring, TenantAuthMiddleware, request_tenant, tenant_cache_salt
 from hybridserve.server.chat import ChatRenderer, ChatTemplateError
 from hybridserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hybridserve.server.metrics import RequestTracker, ServerMetrics
@@ -169,26 +169,6 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 # =========================================================================== middlewares
-class ApiKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on every `/v1/*` route."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
-            error = APIError(401, "invalid or missing API key", code="invalid_api_key",
-                             headers={"WWW-Authenticate": "Bearer"})
-            await error.send(send)
-            return
-        await self.app(scope, receive, send)
-
-    def _authorized(self, scope: Scope) -> bool:
-        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        return hmac.compare_digest(given, self._expected)
-
-
 class BodyLimitMiddleware:
     """Reads the whole request body up front (at most `max_body_bytes`, else 413) and replays it."""
 
@@ -388,6 +368,7 @@ class OpenAIServing:
                                       "max_tokens" in body.model_fields_set, default=16, param="prompt")
         echo = "" if not body.echo else (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids))
         job = self._job("cmpl", body, prompt_ids, max_tokens, body.logprobs, echo)
+        job.cache_salt = tenant_cache_salt(request_tenant(request.scope), job.cache_salt)
         streams = await self._submit(job)
         if body.stream:
             return self._event_stream(self._stream_completion(job, streams), streams)
@@ -407,6 +388,7 @@ class OpenAIServing:
         max_tokens = self._max_tokens(len(prompt_ids), body.requested_max_tokens,
                                       body.requested_max_tokens is not None, default=None, param="messages")
         job = self._job("chatcmpl", body, prompt_ids, max_tokens, body.num_logprobs, "")
+        job.cache_salt = tenant_cache_salt(request_tenant(request.scope), job.cache_salt)
         streams = await self._submit(job)
         if body.stream:
             return self._event_stream(self._stream_chat(job, streams), streams)
@@ -687,22 +669,26 @@ def _install_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
 
 def build_app(engine: AsyncLLMEngine, *, model_name: str, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_engine: bool = False) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_engine: bool = False,
+              api_keys: Sequence[str] = ()) -> FastAPI:
     """Build the HTTP app around a started-or-not `AsyncLLMEngine`.
 
     The engine thread starts with the app; `shutdown_engine=True` stops it when the app stops.
-    `api_key` (if set) is required as a bearer token on `/v1/*`; bodies over `max_body_bytes`
-    are answered with 413.
+    With `api_key` and/or `api_keys`, one of them is required as a bearer token on `/v1/*`, and
+    each key's requests are cached under that key's own salt (see `server.auth`); bodies over
+    `max_body_bytes` are answered with 413. The OpenAPI schema is at `/openapi.json`, its
+    interactive page at `/docs`.
     """
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     serving = OpenAIServing(engine, model_name)
     app = FastAPI(title="hybridserve", lifespan=_lifespan(engine, shutdown_engine),
-                  openapi_url=None, docs_url=None, redoc_url=None)
+                  openapi_url="/openapi.json", docs_url="/docs", redoc_url=None)
     app.state.serving = serving
     _install_error_handlers(app)
     _install_routes(app, serving)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    keyring = ApiKeyring([*api_keys, *([api_key] if api_key else [])])
+    if len(keyring):
+        app.add_middleware(TenantAuthMiddleware, keyring=keyring)
     return app
