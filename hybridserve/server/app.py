@@ -644,12 +644,17 @@ def _lifespan(engine: AsyncLLMEngine, shutdown_engine: bool) -> Callable[[FastAP
     return lifespan
 
 
+# Documented in /openapi.json: every error answers with the OpenAI envelope.
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
+
+
 def _install_routes(app: FastAPI, serving: OpenAIServing) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **_ERROR_RESPONSES})
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         return await serving.completion(body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **_ERROR_RESPONSES})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat_completion(body, request)
 
