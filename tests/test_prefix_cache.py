@@ -11,6 +11,7 @@ import torch
 from hybridserve import LLM, SamplingParams
 from hybridserve.cache.prefix_cache import eligible_boundaries
 from hybridserve.engine.engine import LLMEngine
+from tests.targets import CPU
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
 
@@ -21,6 +22,8 @@ def _tokens(length: int, seed: int) -> list[int]:
 
 def _llm(path: Path, **kwargs) -> LLM:
     kwargs.setdefault("kv_cache_mib", 16)
+    kwargs.setdefault("device", CPU.device)
+    kwargs.setdefault("dtype", CPU.dtype)
     return LLM(model=str(path), **kwargs)
 
 

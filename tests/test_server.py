@@ -25,6 +25,7 @@ from hybridserve.engine.engine import LLMEngine
 from hybridserve.server.app import build_app
 from hybridserve.engine_args import engine_config_from_args
 from hybridserve.server.cli import build_parser, served_model_name
+from tests.targets import CPU
 
 MODEL = "tiny"
 API_KEY = "sekrit-key"
@@ -37,7 +38,7 @@ pytestmark = pytest.mark.timeout(120)
 def tiny_config(**scheduler: Any) -> EngineConfig:
     """The small engine all server tests run on."""
     sched = {"max_num_seqs": 8, "max_num_batched_tokens": 1024, **scheduler}
-    return EngineConfig(model=None,
+    return EngineConfig(model=None, **CPU.engine_kwargs(),
                         cache=CacheConfig(kv_cache_mib=32, prefix_cache_mib=64, snapshot_interval=256, block_size=16),
                         scheduler=SchedulerConfig(**sched))
 
