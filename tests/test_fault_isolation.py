@@ -205,3 +205,52 @@ def test_stats_count_once_across_a_reverted_step(text_checkpoint: Path, monkeypa
     finished = _run(engine, {"x": _prompt(50, seed=80), "y": _prompt(40, seed=81)})
     assert calls["n"] > 1 and {o.finish_reason for o in finished.values()} == {"length"}
     assert engine.prefix_cache_stats().queries == 2
+
+
+def test_stream_of_a_failed_request_carries_an_error_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over HTTP: the poisoned stream ends with finish_reason "error" and an error event in the
+    OpenAI envelope before [DONE]; a concurrent stream finishes normally."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from hybridserve.engine.async_engine import AsyncLLMEngine
+    from hybridserve.server.app import build_app
+    from tests.test_server import ServerThread
+
+    poison_token = 4095
+    original = ModelRunner.execute
+
+    def poison(self: ModelRunner, output) -> StepResult:
+        result = original(self, output)
+        logits = result.logits.clone()
+        for row, request in enumerate(result.requests):
+            if request.prompt_token_ids[0] == poison_token and request.num_output_tokens == 2:
+                logits[row] = float("inf")
+        return result._replace(logits=logits)
+
+    monkeypatch.setattr(ModelRunner, "execute", poison)
+    config = EngineConfig(device="cpu", dtype="float32", cache=CacheConfig(kv_cache_mib=16, prefix_cache_mib=0))
+    engine = AsyncLLMEngine(LLMEngine(config), max_waiting_requests=8)
+
+    def stream(url: str, first_token: int) -> list[str]:
+        body = {"prompt": [first_token] + _prompt(20, seed=first_token), "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+
+    try:
+        with ServerThread(build_app(engine, model_name="tiny")) as server:
+            with ThreadPoolExecutor(2) as pool:
+                bad, good = pool.map(lambda t: stream(server.url, t), [poison_token, 300])
+    finally:
+        engine.shutdown()
+    assert bad[-1] == good[-1] == "[DONE]"
+    bad_events = [json.loads(event) for event in bad[:-1]]
+    assert bad_events[-2]["choices"][0]["finish_reason"] == "error"
+    assert bad_events[-1]["error"]["code"] == "request_failed" and bad_events[-1]["error"]["type"] == "server_error"
+    good_events = [json.loads(event) for event in good[:-1]]
+    assert good_events[-1]["choices"][0]["finish_reason"] == "length"
+    assert not any("error" in event for event in good_events)

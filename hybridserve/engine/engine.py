@@ -394,6 +394,8 @@ class LLMEngine:
             "kv_pool_bytes": report.kv_pool_bytes, "kv_used_bytes": report.kv_used_bytes,
             "kv_cached_free_bytes": report.kv_cached_free_bytes, "snapshot_pool_bytes": report.snapshot_pool_bytes,
             "weight_bytes": self.weight_bytes,
+            "snapshots_reserved": self.scheduler.snapshots.num_reserved if self.scheduler.snapshots else 0,
+            "snapshots_pinned": self.scheduler.snapshots.num_pinned if self.scheduler.snapshots else 0,
         }
 
     def check_integrity(self) -> None:

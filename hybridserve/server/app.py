@@ -124,6 +124,12 @@ def _engine_error(exc: Exception) -> APIError:
     return APIError(500, f"internal error: {exc}", code="engine_error")
 
 
+def _request_failed(output: RequestOutput) -> APIError:
+    """The error event of a request the engine ended with finish_reason "error"."""
+    return APIError(500, f"request {output.request_id} failed in the engine (non-finite logits, a sampler "
+                    f"or a detokenizer error); other requests are unaffected", code="request_failed")
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {"msg": "invalid request", "loc": (), "type": ""}
@@ -572,6 +578,8 @@ class OpenAIServing:
                 event = chunk(index, state, output)
                 if event is not None:
                     yield _sse(event)
+                if output.finished and output.finish_reason == "error":
+                    yield _sse(json.loads(_request_failed(output).envelope()))
             if job.include_usage:
                 yield _sse(usage_chunk(self._usage(job, [s.last for s in states])))
         except (EngineStepError, EngineDeadError) as exc:
