@@ -51,6 +51,7 @@ class SoakConfig:
     rss_window_s: float = 60.0
     request_timeout_s: float = 120.0
     idle_timeout_s: float = 60.0
+    warmup_long_prompts: int = 8
     seed: int = 0
 
 
@@ -236,12 +237,15 @@ async def _wait_idle(client: httpx.AsyncClient, timeout: float) -> dict[str, flo
 
 
 async def _warm_up(traffic: Traffic, cfg: SoakConfig) -> None:
-    """One request of every kind (and a few long prompts at once) before the clock starts, so the
-    allocator's working set is reached before RSS is judged; their outcomes are not counted."""
+    """Before the clock starts: one request of every kind, then twice `warmup_long_prompts` long
+    prompts at once (the largest steps the traffic can form: their activations set the heap's
+    high-water mark, which the allocator keeps) and one overload burst. Outcomes are not counted."""
     rng = random.Random(cfg.seed - 1)
     for kind in KINDS:
         await traffic.one(kind, rng)
-    await asyncio.gather(*(traffic.one("long", rng) for _ in range(3)))
+    for _ in range(2):
+        await asyncio.gather(*(traffic.one("long", rng) for _ in range(cfg.warmup_long_prompts)))
+    await asyncio.gather(*(traffic.one("complete", rng) for _ in range(cfg.overload_burst)))
 
 
 async def run_soak_against(url: str, cfg: SoakConfig, server_pid: int | None) -> dict[str, Any]:
