@@ -244,6 +244,11 @@ def test_metrics_move(http: httpx.Client, client: openai.OpenAI) -> None:
         assert after[name] > before.get(name, 0.0), name
     done = sum(v for k, v in after.items() if k.startswith("hybridserve_request_success_total"))
     assert done > sum(v for k, v in before.items() if k.startswith("hybridserve_request_success_total"))
+    # pool capacities in bytes: 32 MiB of KV, 64 MiB of snapshots (tiny_config), weights held once
+    assert after["hybridserve_kv_pool_bytes"] == 32 * 2**20
+    assert 64 * 2**20 - after["hybridserve_bytes_per_snapshot"] < after["hybridserve_snapshot_pool_bytes"] <= 64 * 2**20
+    assert after["hybridserve_weight_bytes"] == 116724608
+    assert after["hybridserve_snapshots_reserved"] == after["hybridserve_snapshots_pinned"] == 0
 
 
 # --------------------------------------------------------------------------- disconnects
