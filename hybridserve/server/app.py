@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app: `build_app(engine, ...)` returns a ready FastAPI instance.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE streaming),
-`GET /v1/models`, `GET /health`, `GET /metrics`. Every error, including unknown routes,
+`GET /v1/models`, `GET /health`, `GET /metrics`, and the OpenAPI schema at `GET /openapi.json`
+(interactive page `GET /docs`). Every error, including unknown routes,
 answers with the OpenAI envelope `{"error": {"message", "type", "param", "code"}}`.
 Two pure-ASGI middlewares guard the app: bearer-key auth on `/v1/*` and a body-size cap.
 A request whose client disconnects is aborted in the engine, streaming or not.
