@@ -83,6 +83,13 @@ def test_memory_fraction_profiles_a_forward_and_sizes_the_pools() -> None:
     assert plan["kv_blocks"] == plan["kv_bytes"] // (16 * 2048)
 
 
+def test_explicit_pool_within_a_total_gets_the_rest() -> None:
+    engine = _engine(CacheConfig(kv_cache_memory_bytes=64 * MIB, kv_cache_mib=40), max_model_len=4096)
+    assert engine.memory_plan.kv_bytes == 40 * MIB and engine.memory_plan.snapshot_bytes == 24 * MIB
+    with pytest.raises(ValueError, match=r"explicit pool sizes \(80\.0 MiB\) exceed"):
+        _engine(CacheConfig(kv_cache_memory_bytes=64 * MIB, kv_cache_mib=80), max_model_len=4096)
+
+
 def test_model_that_cannot_fit_fails_at_start_up_with_numbers() -> None:
     available = device_memory(__import__("torch").device("cpu")).free_bytes
     fraction = 50 * MIB / available  # less than the built-in model's 111 MiB of weights

@@ -189,8 +189,12 @@ def _split(total: int | None, kv: int | None, snap: int | None, share: float) ->
     if total is None:
         return (kv if kv is not None else int(DEFAULT_CPU_KV_CACHE_MIB * MIB),
                 snap if snap is not None else int(DEFAULT_CPU_PREFIX_CACHE_MIB * MIB))
+    explicit = (kv or 0) + (snap or 0)
+    if explicit > total:
+        raise ValueError(f"the explicit pool sizes ({explicit / MIB:.1f} MiB) exceed the planned cache memory "
+                         f"({total / MIB:.1f} MiB)")
     if kv is not None:
-        return kv, max(0, total - kv) if snap is None else snap
+        return kv, total - kv
     if snap is not None:
         return total - snap, snap
     snapshot = int(total * share)
