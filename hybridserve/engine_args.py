@@ -36,9 +36,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
     parser.add_argument("--block-hash", default="xxh3_128", choices=BLOCK_HASHES,
                         help="KV block hash: xxh3_128 (fast) or sha256 (collision-resistant)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads for the forward (when unset: all available cores but one, at least "
-                             "1, leaving a core for the server and the rest of the machine; idle OpenMP "
-                             "workers sleep)")
+                        help="CPU threads for the forward (when unset: every available core, idle OpenMP "
+                             "workers sleeping; all cores but one if torch was imported before hybridserve)")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="most requests running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
                         help="most tokens in one step (while requests decode, prefill is further capped)")

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any, NamedTuple
 
-from hybridserve.engine.threads import available_cores, default_num_threads
+from hybridserve.engine.threads import available_cores
 
 BUSY_LOOP = "import time\nend = time.monotonic() + 600\nwhile time.monotonic() < end:\n    pass\n"
 
@@ -33,9 +33,9 @@ def default_settings() -> list[ThreadSetting]:
     cores = available_cores()
     return [
         ThreadSetting(f"torch default ({cores} threads, OpenMP default wait)", cores, None),
-        ThreadSetting(f"{cores} threads, passive wait", cores, "PASSIVE"),
-        ThreadSetting(f"hybridserve default ({default_num_threads()} threads, passive wait)",
-                      default_num_threads(), "PASSIVE"),
+        ThreadSetting(f"hybridserve default ({cores} threads, passive wait)", cores, "PASSIVE"),
+        ThreadSetting(f"all cores but one ({max(1, cores - 1)} threads, passive wait)", max(1, cores - 1),
+                      "PASSIVE"),
     ]
 
 
