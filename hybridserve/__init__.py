@@ -1,7 +1,16 @@
 """hybridserve: a serving engine for hybrid (Gated DeltaNet + attention) LLMs with a joint prefix cache."""
 
-from hybridserve.api import LLM
-from hybridserve.sampling_params import RequestOutput, SamplingParams
+import os
+import sys
+
+# Idle OpenMP workers sleep instead of spinning (read when the OpenMP runtime loads with torch, so
+# it must be set before the first `import torch`); spinning workers stall every parallel region
+# when another process holds a core. An explicit setting in the environment wins.
+TORCH_LOADED_BEFORE_HYBRIDSERVE = "torch" in sys.modules
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from hybridserve.api import LLM  # noqa: E402
+from hybridserve.sampling_params import RequestOutput, SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from hybridserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridserve.engine.engine import LLMEngine, PrefixCacheReport
+from hybridserve.engine.memory_plan import parse_size
 from hybridserve.sampling_params import RequestOutput, SamplingParams
 
 Prompt = str | list[int]
@@ -20,16 +21,22 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
-                 block_size: int = 16, kv_cache_mib: float = 256.0, prefix_cache_mib: float = 1024.0,
+                 block_size: int = 16, kv_cache_mib: float | None = None, prefix_cache_mib: float | None = None,
                  snapshot_interval: int = 256, cache_policy: str = "hybridserve", max_num_seqs: int = 32, max_num_batched_tokens: int = 8192,
-                 max_model_len: int | None = None, max_prefill_tokens_during_decode: int = 32) -> None:
+                 max_model_len: int | None = None, max_prefill_tokens_during_decode: int = 32,
+                 memory_fraction: float | None = None, kv_cache_memory: int | str | None = None,
+                 snapshot_memory_share: float = 0.5, block_hash: str = "xxh3_128",
+                 num_threads: int | None = None) -> None:
+        memory = parse_size(str(kv_cache_memory)) if kv_cache_memory is not None else None
         cache = CacheConfig(block_size=block_size, kv_cache_mib=kv_cache_mib, prefix_cache_mib=prefix_cache_mib,
-                            snapshot_interval=snapshot_interval, cache_policy=cache_policy)
+                            snapshot_interval=snapshot_interval, kv_cache_memory_bytes=memory,
+                            memory_fraction=memory_fraction, snapshot_memory_share=snapshot_memory_share,
+                            block_hash=block_hash, cache_policy=cache_policy)
         scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                     max_model_len=max_model_len,
                                     max_prefill_tokens_during_decode=max_prefill_tokens_during_decode)
         self.llm_engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, seed=seed,
-                                                 cache=cache, scheduler=scheduler))
+                                                 num_threads=num_threads, cache=cache, scheduler=scheduler))
         self._ids = itertools.count()
 
     @property

@@ -14,6 +14,7 @@ POLICY_NAMES = ("hybridserve", "marconi", "interval", "last-block")  # see hybri
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+BLOCK_HASHES = ("xxh3_128", "sha256")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -144,18 +145,36 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Sizes of the paged KV pool and the GDN snapshot pool (the joint prefix cache)."""
+    """Sizes of the paged KV pool and the GDN snapshot pool (the joint prefix cache).
+
+    Explicit pool sizes (`kv_cache_mib`, `prefix_cache_mib`; `prefix_cache_mib=0` disables the
+    prefix cache) win; otherwise `kv_cache_memory_bytes` (both pools together) or
+    `memory_fraction` (of the device's memory, profiled at start-up; the default on CUDA) is split
+    by `snapshot_memory_share`. See `engine.memory_plan`.
+    """
 
     block_size: int = 16
-    kv_cache_mib: float = 256.0
-    prefix_cache_mib: float = 1024.0
+    kv_cache_mib: float | None = None
+    prefix_cache_mib: float | None = None
     snapshot_interval: int = 256
     cache_policy: str = "hybridserve"
+    kv_cache_memory_bytes: int | None = None
+    memory_fraction: float | None = None
+    snapshot_memory_share: float = 0.5
+    block_hash: str = "xxh3_128"
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
-        _require(self.kv_cache_mib > 0, f"kv_cache_mib must be > 0, got {self.kv_cache_mib}")
-        _require(self.prefix_cache_mib >= 0, f"prefix_cache_mib must be >= 0, got {self.prefix_cache_mib}")
+        _require(self.kv_cache_mib is None or self.kv_cache_mib > 0, f"kv_cache_mib must be > 0, got {self.kv_cache_mib}")
+        _require(self.prefix_cache_mib is None or self.prefix_cache_mib >= 0,
+                 f"prefix_cache_mib must be >= 0, got {self.prefix_cache_mib}")
+        _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+                 f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory_bytes}")
+        _require(self.memory_fraction is None or 0.0 < self.memory_fraction <= 1.0,
+                 f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        _require(0.0 <= self.snapshot_memory_share < 1.0,
+                 f"snapshot_memory_share must be in [0, 1), got {self.snapshot_memory_share}")
+        _require(self.block_hash in BLOCK_HASHES, f"block_hash must be one of {BLOCK_HASHES}, got {self.block_hash!r}")
         _require(self.snapshot_interval >= 1 and self.snapshot_interval % self.block_size == 0,
                  f"snapshot_interval ({self.snapshot_interval}) must be a positive multiple of "
                  f"block_size ({self.block_size})")
@@ -164,7 +183,7 @@ class CacheConfig:
 
     @property
     def prefix_cache_enabled(self) -> bool:
-        return self.prefix_cache_mib > 0
+        return self.prefix_cache_mib != 0
 
 
 
@@ -196,9 +215,11 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0
+    num_threads: int | None = None  # CPU threads for torch; None: see engine.threads.default_num_threads
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"),
                  f"dtype must be one of auto/float32/bfloat16/float16, got {self.dtype!r}")
+        _require(self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")

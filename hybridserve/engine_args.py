@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from hybridserve.config import POLICY_NAMES, CacheConfig, EngineConfig, SchedulerConfig
+from hybridserve.config import BLOCK_HASHES, POLICY_NAMES, CacheConfig, EngineConfig, SchedulerConfig
+from hybridserve.engine.memory_plan import parse_size
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: bool = False) -> None:
@@ -15,14 +16,30 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
     else:
         parser.add_argument("--model", default=None,
                             help="model directory (Hugging Face layout); the built-in model when omitted")
-    parser.add_argument("--prefix-cache-mib", type=float, default=1024.0,
-                        help="memory for GDN state snapshots of the joint prefix cache (0 disables it)")
+    parser.add_argument("--prefix-cache-mib", type=float, default=None,
+                        help="memory for GDN state snapshots of the joint prefix cache (0 disables it); when "
+                             "unset, planned (see --memory-fraction), or 1024 on CPU")
     parser.add_argument("--snapshot-interval", type=int, default=256,
                         help="tokens between GDN state snapshots (a multiple of the block size)")
     parser.add_argument("--cache-policy", default="hybridserve", metavar="{" + ",".join(POLICY_NAMES) + "}",
                         help="which GDN states the prefix cache keeps and evicts (see docs/design.md)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    parser.add_argument("--kv-cache-mib", type=float, default=256.0, help="memory for the paged KV cache")
+    parser.add_argument("--kv-cache-mib", type=float, default=None,
+                        help="memory for the paged KV cache; when unset, planned (see --memory-fraction), or "
+                             "256 on CPU")
+    parser.add_argument("--memory-fraction", type=float, default=None,
+                        help="fraction of device memory this engine may use (CUDA: of total memory, default "
+                             "0.9; CPU: of the RAM available at start); the caches get what the weights and a "
+                             "profiled max-size forward leave")
+    parser.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                        help="memory for the KV pool and the snapshot pool together (e.g. 2GiB); skips profiling")
+    parser.add_argument("--snapshot-memory-share", type=float, default=0.5,
+                        help="share of planned cache memory given to GDN snapshots (the rest is KV)")
+    parser.add_argument("--block-hash", default="xxh3_128", choices=BLOCK_HASHES,
+                        help="KV block hash: xxh3_128 (fast) or sha256 (collision-resistant)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for the forward (when unset: every available core, idle OpenMP "
+                             "workers sleeping; all cores but one if torch was imported before hybridserve)")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="most requests running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
                         help="most tokens in one step (while requests decode, prefill is further capped)")
@@ -43,9 +60,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The `EngineConfig` the flags describe (raises `ValueError` on invalid values)."""
     cache = CacheConfig(block_size=args.block_size, kv_cache_mib=args.kv_cache_mib,
                         prefix_cache_mib=args.prefix_cache_mib, snapshot_interval=args.snapshot_interval,
-                        cache_policy=args.cache_policy)
+                        cache_policy=args.cache_policy,
+                        kv_cache_memory_bytes=args.kv_cache_memory, memory_fraction=args.memory_fraction,
+                        snapshot_memory_share=args.snapshot_memory_share, block_hash=args.block_hash)
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 max_model_len=args.max_model_len, max_waiting_requests=args.max_waiting_requests,
                                 max_prefill_tokens_during_decode=args.max_prefill_tokens_during_decode)
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed,
-                        cache=cache, scheduler=scheduler)
+                        num_threads=args.threads, cache=cache, scheduler=scheduler)

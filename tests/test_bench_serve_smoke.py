@@ -10,6 +10,7 @@ import pytest
 
 from hybridserve.bench.serve_bench import RequestRecord, percentile, summarize
 from hybridserve.cli import build_parser, main
+from tests.targets import CPU
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -17,7 +18,7 @@ TINY = ["--concurrency", "2", "--num-requests", "2", "--prefix-tokens", "32", "-
         "--max-tokens", "3", "--mixed-background", "2", "--mixed-background-prompt-tokens", "8",
         "--mixed-background-max-tokens", "400", "--mixed-baseline-chunks", "2", "--mixed-prefix-tokens", "64",
         "--mixed-suffix-tokens", "8", "--mixed-max-tokens", "2", "--request-timeout", "60", "--level-timeout", "60"]
-SMALL_ENGINE = ["--kv-cache-mib", "16", "--prefix-cache-mib", "64", "--snapshot-interval", "32",
+SMALL_ENGINE = [*CPU.cli_args(), "--kv-cache-mib", "16", "--prefix-cache-mib", "64", "--snapshot-interval", "32",
                 "--max-model-len", "1024"]
 
 

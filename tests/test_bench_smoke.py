@@ -16,6 +16,7 @@ from hybridserve.bench.ttft_bench import TTFTBenchConfig, format_ttft_report, ru
 from hybridserve.cli import build_parser, main
 from hybridserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridserve.models.builtin import BUILTIN_MODEL_CONFIG
+from tests.targets import CPU
 
 
 @pytest.fixture(autouse=True)
@@ -29,7 +30,7 @@ def one_thread() -> Iterator[None]:
 
 def small_engine_config(interval: int = 32) -> EngineConfig:
     """The built-in model with small pools and a short context (fast to build)."""
-    return EngineConfig(cache=CacheConfig(kv_cache_mib=16, prefix_cache_mib=64, snapshot_interval=interval),
+    return EngineConfig(**CPU.engine_kwargs(), cache=CacheConfig(kv_cache_mib=16, prefix_cache_mib=64, snapshot_interval=interval),
                         scheduler=SchedulerConfig(max_model_len=1024))
 
 
@@ -93,10 +94,10 @@ def test_trace_bench_smoke(tmp_path: Path) -> None:
 
 def test_cli_bench_subcommands(tmp_path: Path) -> None:
     parser = build_parser()
-    for name in ("engine", "ttft", "trace", "all"):
+    for name in ("engine", "ttft", "trace", "soak", "threads", "all"):
         assert callable(parser.parse_args(["bench", name]).handler)
     out = tmp_path / "trace.json"
-    code = main(["bench", "trace", "--trace", str(write_trace(tmp_path / "t.jsonl")), "--num-requests", "2",
+    code = main(["bench", "trace", *CPU.cli_args(), "--trace", str(write_trace(tmp_path / "t.jsonl")), "--num-requests", "2",
                  "--max-output-tokens", "1", "--no-progress", "--kv-cache-mib", "16", "--prefix-cache-mib", "64",
                  "--max-model-len", "1024", "--json", str(out)])
     assert code == 0 and json.loads(out.read_text())["num_requests"] == 2

@@ -9,6 +9,7 @@ import torch
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.engine.engine import LLMEngine
+from tests.targets import CPU
 
 
 def _random_prompt(length: int, seed: int, vocab: int = 4096) -> list[int]:
@@ -18,6 +19,8 @@ def _random_prompt(length: int, seed: int, vocab: int = 4096) -> list[int]:
 def _llm(path: Path, **kwargs) -> LLM:
     kwargs.setdefault("kv_cache_mib", 16)
     kwargs.setdefault("prefix_cache_mib", 0)
+    kwargs.setdefault("device", CPU.device)
+    kwargs.setdefault("dtype", CPU.dtype)
     return LLM(model=str(path), **kwargs)
 
 
@@ -93,7 +96,7 @@ def test_seeded_sampling_is_reproducible(text_checkpoint: Path) -> None:
 
 
 def test_stop_strings_eos_and_stop_tokens() -> None:
-    llm = LLM(kv_cache_mib=16, prefix_cache_mib=0)
+    llm = LLM(**CPU.engine_kwargs(), kv_cache_mib=16, prefix_cache_mib=0)
     base = llm.generate(["The engine"], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
     assert len(base.token_ids) == 24
     stop_token = base.token_ids[5]
@@ -209,18 +212,18 @@ def test_unknown_sampling_field_and_duplicate_id(text_checkpoint: Path) -> None:
 ])
 def test_bad_engine_config(text_checkpoint: Path, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        LLM(model=str(text_checkpoint), **kwargs)
+        LLM(model=str(text_checkpoint), **{**CPU.engine_kwargs(), **kwargs})
 
 
 def test_builtin_model_generates_and_cli_runs(capsys: pytest.CaptureFixture[str]) -> None:
     from hybridserve.cli import main
 
-    assert main(["generate", "--prompt", "Hello", "--max-tokens", "4", "--kv-cache-mib", "8",
-                 "--prefix-cache-mib", "0"]) == 0
+    assert main(["generate", *CPU.cli_args(), "--prompt", "Hello", "--max-tokens", "4", "--kv-cache-mib", "8",
+                 "--prefix-cache-mib", "0", "--threads", "1"]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("Hello")
     assert "completion_tokens=4" in captured.err
-    assert main(["generate", "--max-tokens", "0"]) == 2
+    assert main(["generate", *CPU.cli_args(), "--max-tokens", "0"]) == 2
 
 
 def test_prefill_is_capped_while_others_decode(text_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.engine.engine import LLMEngine
+from tests.targets import CPU
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
 
@@ -22,6 +23,8 @@ def _llm(path: Path, **kwargs) -> LLM:
     """These scenarios pin down the interval policy's boundaries (tests/test_cache_policy.py covers the rest)."""
     kwargs.setdefault("kv_cache_mib", 16)
     kwargs.setdefault("cache_policy", "interval")
+    kwargs.setdefault("device", CPU.device)
+    kwargs.setdefault("dtype", CPU.dtype)
     return LLM(model=str(path), **kwargs)
 
 

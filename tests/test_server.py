@@ -25,6 +25,7 @@ from hybridserve.engine.engine import LLMEngine
 from hybridserve.server.app import build_app
 from hybridserve.engine_args import engine_config_from_args
 from hybridserve.server.cli import build_parser, served_model_name
+from tests.targets import CPU
 
 MODEL = "tiny"
 API_KEY = "sekrit-key"
@@ -37,7 +38,7 @@ pytestmark = pytest.mark.timeout(120)
 def tiny_config(**scheduler: Any) -> EngineConfig:
     """The small engine all server tests run on."""
     sched = {"max_num_seqs": 8, "max_num_batched_tokens": 1024, **scheduler}
-    return EngineConfig(model=None,
+    return EngineConfig(model=None, **CPU.engine_kwargs(),
                         cache=CacheConfig(kv_cache_mib=32, prefix_cache_mib=64, snapshot_interval=256, block_size=16),
                         scheduler=SchedulerConfig(**sched))
 
@@ -243,6 +244,11 @@ def test_metrics_move(http: httpx.Client, client: openai.OpenAI) -> None:
         assert after[name] > before.get(name, 0.0), name
     done = sum(v for k, v in after.items() if k.startswith("hybridserve_request_success_total"))
     assert done > sum(v for k, v in before.items() if k.startswith("hybridserve_request_success_total"))
+    # pool capacities in bytes: 32 MiB of KV, 64 MiB of snapshots (tiny_config), weights held once
+    assert after["hybridserve_kv_pool_bytes"] == 32 * 2**20
+    assert 64 * 2**20 - after["hybridserve_bytes_per_snapshot"] < after["hybridserve_snapshot_pool_bytes"] <= 64 * 2**20
+    assert after["hybridserve_weight_bytes"] == 116724608
+    assert after["hybridserve_snapshots_reserved"] == after["hybridserve_snapshots_pinned"] == 0
 
 
 # --------------------------------------------------------------------------- disconnects

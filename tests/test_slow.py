@@ -11,6 +11,7 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.models.builtin import save_builtin_checkpoint
 from tests.checkpoints import reference_text_model
 from tests import test_prefix_cache
+from tests.targets import CPU
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +23,7 @@ def test_builtin_model_parity_on_a_long_prompt(tmp_path: Path) -> None:
     prompt = torch.randint(0, 4096, (1100,), generator=torch.Generator().manual_seed(5)).tolist()
     with torch.no_grad():
         ref_logits = reference(torch.tensor([prompt])).logits[0]
-    llm = LLM(model=str(path), kv_cache_mib=32, prefix_cache_mib=0)
+    llm = LLM(model=str(path), **CPU.engine_kwargs(), kv_cache_mib=32, prefix_cache_mib=0)
     ours = llm.llm_engine.prompt_logits(prompt)
     assert (ours - ref_logits).abs().max().item() <= 1e-4
     out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]

@@ -1,4 +1,4 @@
-"""`hybridserve bench {engine,ttft,trace,serve,all}`: subcommands that print a table and optionally write JSON."""
+"""`hybridserve bench {engine,ttft,trace,serve,soak,threads,all}`: subcommands that print a table and optionally write JSON."""
 
 from __future__ import annotations
 
@@ -16,13 +16,15 @@ Handler = Callable[[argparse.Namespace], int]
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `engine`, `ttft`, `trace`, `serve` and `all` benchmark subcommands to `parser`."""
     subparsers = parser.add_subparsers(dest="bench_command", required=True,
-                                       metavar="{engine,ttft,trace,chat,serve,all}")
+                                       metavar="{engine,ttft,trace,chat,serve,soak,threads,all}")
     _add_engine(subparsers)
     _add_ttft(subparsers)
     _add_trace(subparsers)
     _add_chat(subparsers)
     add_serve_bench_arguments(_subparser(subparsers, "serve", "load test of a live OpenAI-compatible server: "
                                          "TTFT, ITL, throughput, cache share, mixed load", run_serve))
+    _add_soak(subparsers)
+    _add_threads(subparsers)
     _add_all(subparsers)
 
 
@@ -32,8 +34,6 @@ def _subparser(subparsers: argparse._SubParsersAction, name: str, help_text: str
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_arguments(parser)
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON here")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch intra-op threads (0: torch's default); 1 is steadier on a busy machine")
     parser.set_defaults(handler=handler)
     return parser
 
@@ -90,6 +90,56 @@ def _add_chat(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random messages")
 
 
+def _add_soak(subparsers: argparse._SubParsersAction) -> None:
+    parser = _subparser(subparsers, "soak", "mixed random traffic against a live server for a fixed time: "
+                        "errors by class, leaks, RSS curve, latency percentiles", run_soak)
+    parser.add_argument("--duration", type=float, default=300.0, help="seconds of traffic")
+    parser.add_argument("--clients", type=int, default=6, help="concurrent clients")
+    parser.add_argument("--overload-every", type=float, default=45.0, help="seconds between overload bursts")
+    parser.add_argument("--overload-burst", type=int, default=40, help="requests sent at once in a burst")
+    parser.add_argument("--rss-window", type=float, default=60.0,
+                        help="RSS growth compares the mean of the last window with the second one")
+    parser.add_argument("--url", default=None, help="soak a running server instead of starting one")
+    parser.add_argument("--plot", metavar="PATH", default=None, help="save the RSS curve (matplotlib)")
+    parser.add_argument("--bench-seed", type=int, default=0, help="seed of the traffic")
+    # A small queue, so the overload bursts do overflow it.
+    parser.set_defaults(max_num_seqs=4, max_waiting_requests=8, max_model_len=4096, kv_cache_mib=64.0,
+                        prefix_cache_mib=64.0)
+
+
+def _add_threads(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("threads", help="decode ms/token idle vs with one core kept busy, per thread "
+                                   "setting", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3, help="idle/busy pairs per setting (median)")
+    parser.add_argument("--decode-tokens", type=int, default=48, help="tokens decoded per run")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON here")
+    parser.set_defaults(handler=run_threads)
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    """Handler of `bench soak`: exit status 1 when the soak's pass criteria fail."""
+    from hybridserve.bench.serve_bench import serve_args_from
+    from hybridserve.bench.soak_bench import SoakConfig, format_soak_report, plot_rss
+    from hybridserve.bench.soak_bench import run_soak as soak
+
+    cfg = SoakConfig(duration_s=args.duration, clients=args.clients, overload_every_s=args.overload_every,
+                     overload_burst=args.overload_burst, rss_window_s=args.rss_window, seed=args.bench_seed)
+    result = soak(cfg, url=args.url, serve_args=serve_args_from(args))
+    _finish(args, result, format_soak_report(result))
+    if args.plot and result["rss"]:
+        plot_rss(result, args.plot)
+        print(f"[bench] RSS plot written to {args.plot}", file=sys.stderr)
+    return 0 if result["passed"] else 1
+
+
+def run_threads(args: argparse.Namespace) -> int:
+    """Handler of `bench threads`."""
+    from hybridserve.bench.threads_bench import format_threads_report, run_threads_bench
+
+    result = run_threads_bench(decode_tokens=args.decode_tokens, rounds=args.rounds)
+    return _finish(args, result, format_threads_report(result))
+
+
 def _add_all(subparsers: argparse._SubParsersAction) -> None:
     parser = _subparser(subparsers, "all", "bench engine, then bench ttft (and bench trace with --with-trace), "
                         "each with its default sizes", run_all)
@@ -98,10 +148,9 @@ def _add_all(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _set_threads(args: argparse.Namespace) -> None:
-    import torch
+    from hybridserve.engine.threads import configure_threads
 
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    configure_threads(args.threads)
 
 
 def _finish(args: argparse.Namespace, result: dict[str, Any], report: str) -> int:

@@ -330,13 +330,15 @@ def free_port() -> int:
 class ServerProcess:
     """`hybridserve serve` in a subprocess on a free loopback port, stopped with SIGTERM on exit."""
 
-    def __init__(self, serve_args: Sequence[str], *, start_timeout_s: float = 180.0, threads: int = 0) -> None:
+    def __init__(self, serve_args: Sequence[str], *, start_timeout_s: float = 180.0,
+                 threads: int | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv = [sys.executable, "-m", "hybridserve.cli", "serve", *serve_args, "--host", "127.0.0.1",
-                     "--port", str(self.port), "--log-level", "warning"]
+                     "--port", str(self.port), "--log-level", "warning",
+                     *(["--threads", str(threads)] if threads is not None else [])]
         self.start_timeout_s = start_timeout_s
-        self.env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads > 0 else {}))
+        self.env = dict(os.environ)
         self._log = tempfile.NamedTemporaryFile(prefix="hybridserve-bench-serve-", suffix=".log", delete=False)
         self.proc: subprocess.Popen | None = None
 
@@ -411,7 +413,7 @@ async def run_against(url: str, cfg: ServeBenchConfig, api_key: str | None = Non
 
 
 def run_serve_bench(cfg: ServeBenchConfig, *, url: str | None = None, serve_args: Sequence[str] = (),
-                    api_key: str | None = None, threads: int = 0) -> dict[str, Any]:
+                    api_key: str | None = None, threads: int | None = None) -> dict[str, Any]:
     """Run the benchmark against `url`, or against a `hybridserve serve` subprocess started with
     `serve_args` (and stopped afterwards) when `url` is None."""
     if url is not None:
@@ -523,7 +525,7 @@ def serve_args_from(args: argparse.Namespace) -> list[str]:
 def run_serve(args: argparse.Namespace) -> int:
     """Handler of `bench serve`."""
     result = run_serve_bench(config_from_args(args), url=args.url, serve_args=serve_args_from(args),
-                             api_key=args.api_key, threads=getattr(args, "threads", 0))
+                             api_key=args.api_key)
     print(format_serve_report(result))
     if args.json:
         write_json(args.json, result)

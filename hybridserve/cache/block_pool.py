@@ -14,6 +14,7 @@ policy can be unit-tested and replayed on traces.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import sys
 from array import array
@@ -23,7 +24,11 @@ from typing import Callable, NamedTuple, Sequence
 import xxhash
 
 BlockHash = bytes
-"""A 16-byte chained content hash of one full KV block (and its whole prefix)."""
+"""A chained content hash of one full KV block and its whole prefix: 16 bytes (xxh3-128) or 32
+bytes (SHA-256, for deployments that need collision resistance against chosen inputs)."""
+
+HASH_FUNCTIONS = {"xxh3_128": (xxhash.xxh3_128, 16), "sha256": (hashlib.sha256, 32)}
+"""Block hash algorithms by name: (constructor taking the first bytes, digest size)."""
 
 _ROOT_TAG = b"\x00hybridserve-root"
 _PARENT_TAG = b"\x01"
@@ -75,7 +80,7 @@ def _encode_tokens(token_ids: Sequence[int]) -> bytes:
 
 
 def hash_block(
-    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = (), algorithm: str = "xxh3_128"
 ) -> BlockHash:
     """Chained 128-bit hash of one block given its parent block's hash.
 
@@ -84,26 +89,28 @@ def hash_block(
     cache salt in ``extra_keys``) gives a different hash with overwhelming
     probability.
     """
-    h = xxhash.xxh3_128()
+    new, size = HASH_FUNCTIONS[algorithm]
+    h = new()
     if parent is None:
         h.update(_ROOT_TAG)
     else:
-        if len(parent) != 16:
-            raise ValueError(f"parent hash must be 16 bytes, got {len(parent)}")
+        if len(parent) != size:
+            raise ValueError(f"parent hash must be {size} bytes, got {len(parent)}")
         h.update(_PARENT_TAG + parent)
     h.update(_encode_tokens(token_ids))
     h.update(encode_extra_keys(extra_keys))
     return h.digest()
 
 
-def hash_tail(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> BlockHash:
+def hash_tail(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = (),
+              algorithm: str = "xxh3_128") -> BlockHash:
     """Hash of a *partial* block (fewer tokens than a block) after `parent`.
 
     Tagged apart from full-block hashes, so a partial block never matches a full one; equal
     parents, tokens and extra keys give equal hashes. It names the token prefix that ends
     inside the block (a request-end boundary).
     """
-    h = xxhash.xxh3_128(_TAIL_TAG + (parent or b""))
+    h = HASH_FUNCTIONS[algorithm][0](_TAIL_TAG + (parent or b""))
     h.update(_encode_tokens(token_ids))
     h.update(encode_extra_keys(extra_keys))
     return h.digest()
@@ -114,6 +121,7 @@ def block_hashes_for(
     block_size: int,
     extra_keys: tuple = (),
     start: list[BlockHash] | None = None,
+    algorithm: str = "xxh3_128",
 ) -> list[BlockHash]:
     """Hashes of every *full* block of ``token_ids`` (a trailing partial block gets none).
 
@@ -139,9 +147,10 @@ def block_hashes_for(
     data = memoryview(tokens)[8:]
     count = struct.pack("<Q", block_size)
     extra = encode_extra_keys(extra_keys)
+    new = HASH_FUNCTIONS[algorithm][0]
     width = 8 * block_size
     for i in range(num_full - first):
-        h = xxhash.xxh3_128(_ROOT_TAG if parent is None else _PARENT_TAG + parent)
+        h = new(_ROOT_TAG if parent is None else _PARENT_TAG + parent)
         h.update(count)
         h.update(data[i * width:(i + 1) * width])
         h.update(extra)

@@ -58,7 +58,8 @@ class PrefixCache:
         self._queries = self._query_tokens = self._hits = self._hit_tokens = 0
         self._kv_only = self._snapshot_only = 0
 
-    def lookup(self, block_hashes: list[BlockHash], token_ids: Sequence[int], extra_keys: tuple) -> PrefixLookup:
+    def lookup(self, block_hashes: list[BlockHash], token_ids: Sequence[int], extra_keys: tuple,
+               algorithm: str = "xxh3_128") -> PrefixLookup:
         """Deepest boundary b <= len(token_ids) - 1 whose KV and snapshot are both present.
 
         `block_hashes` are the hashes of the request's full blocks. Boundaries are tried deepest
@@ -73,7 +74,7 @@ class PrefixCache:
                             for h in block_hashes[len(cached):limit // size])
         for blocks in range(len(cached), -1, -1):
             parent = block_hashes[blocks - 1] if blocks else None
-            hit = self._tail_hit(parent, blocks, token_ids, extra_keys, limit, cached)
+            hit = self._tail_hit(parent, blocks, token_ids, (extra_keys, algorithm), limit, cached)
             if hit is None and 0 < blocks * size <= limit:
                 slot = self.snapshots.lookup(block_hashes[blocks - 1])
                 if slot is not None:
@@ -83,9 +84,10 @@ class PrefixCache:
                 return PrefixLookup(hit[0], hit[1], num_tokens, len(cached) * size, kv_only, snapshot_only)
         return PrefixLookup(PrefixHit(0, [], None), None, num_tokens, len(cached) * size, bool(cached), snapshot_only)
 
-    def _tail_hit(self, parent: BlockHash | None, blocks: int, token_ids: Sequence[int], extra_keys: tuple,
-                  limit: int, cached: list[int]) -> tuple[PrefixHit, BlockHash] | None:
-        """The deepest cached tail after `blocks` full blocks that matches and has a snapshot."""
+    def _tail_hit(self, parent: BlockHash | None, blocks: int, token_ids: Sequence[int],
+                  keys: tuple[tuple, str], limit: int, cached: list[int]) -> tuple[PrefixHit, BlockHash] | None:
+        """The deepest cached tail after `blocks` full blocks that matches and has a snapshot
+        (`keys`: the request's extra hash keys and hash algorithm)."""
         tails = self.block_pool.tails_after(parent)
         if not tails:
             return None
@@ -93,7 +95,7 @@ class PrefixCache:
         for length in sorted(set(tails.values()), reverse=True):
             if first + length > limit:
                 continue
-            tail = hash_tail(parent, token_ids[first:first + length], extra_keys)
+            tail = hash_tail(parent, token_ids[first:first + length], *keys)
             slot = self.snapshots.lookup(tail) if tail in tails else None
             if slot is not None:
                 return PrefixHit(first + length, cached[:blocks], slot, self.block_pool.lookup(tail)), tail

@@ -329,6 +329,14 @@ class SnapshotPool:
             self._update_covered_key(parent)
         self.published_total += 1
 
+    def is_reserved(self, res: Reservation) -> bool:
+        """Whether ``res`` is a RESERVED handle still awaiting publish or abort."""
+        if res.status is not ReserveStatus.RESERVED or res.slot is None:
+            return False
+        slot = res.slot
+        return (self._state[slot] is _State.RESERVED and self._key[slot] == res.key
+                and self._ticket[slot] == res.ticket)
+
     def abort(self, res: Reservation) -> None:
         """Return a reserved slot to the free list; nothing was ever exposed.
 

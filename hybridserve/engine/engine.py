@@ -20,9 +20,12 @@ from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.config import EngineConfig, ModelConfig
 from hybridserve.engine.detokenizer import IncrementalDetokenizer
 from hybridserve.engine.memory import retain_freed_activation_memory
+from hybridserve.engine.memory_plan import DeviceMemory, MemoryPlan, PlanInputs, device_memory, plan_memory, \
+    profile_forward
 from hybridserve.engine.request import Request
+from hybridserve.engine.threads import configure_threads
 from hybridserve.engine.runner import ModelRunner
-from hybridserve.engine.sampling import sample
+from hybridserve.engine.sampling import sample_isolated
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput, blocks_for
 from hybridserve.layers.attention import PagedKVCache
 from hybridserve.models.builtin import BUILTIN_MODEL_CONFIG, builtin_tokenizer, init_builtin_weights
@@ -59,6 +62,10 @@ class PrefixCacheReport(NamedTuple):
     resident_snapshot_bytes: int
     snapshot_slots: int
     bytes_per_snapshot: int
+    snapshot_pool_bytes: int = 0     # capacity of the snapshot pool
+    kv_pool_bytes: int = 0           # capacity of the KV pool
+    kv_used_bytes: int = 0           # KV blocks held by running requests
+    kv_cached_free_bytes: int = 0    # free KV blocks that still hold a cached prefix
 
 
 def resolve_device(name: str) -> torch.device:
@@ -81,6 +88,7 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.num_threads = configure_threads(config.num_threads)
         if self.device.type == "cpu":
             retain_freed_activation_memory()
         self.model_config, self.tokenizer = self._load_model_config_and_tokenizer()
@@ -88,10 +96,13 @@ class LLMEngine:
         self.max_model_len = model_len
         cache = config.cache
         self.bytes_per_snapshot = GDNStateTensors.bytes_per_slot(self.model_config, self.dtype)
-        self.num_kv_blocks = self._num_kv_blocks()
-        self.num_snapshot_slots = self._num_snapshot_slots()
+        memory_at_start = device_memory(self.device)
         model = Qwen3_5ForCausalLM(self.model_config, chunk_size=GDN_CHUNK_SIZE, max_positions=model_len)
         self._load_weights(model)
+        self.weight_bytes = model.weight_bytes()
+        self.memory_plan = self._plan_memory(model, memory_at_start)
+        self.num_kv_blocks = self.memory_plan.kv_bytes // self.kv_bytes_per_block
+        self.num_snapshot_slots = self.memory_plan.snapshot_bytes // self.bytes_per_snapshot
         self.runner = ModelRunner(model, num_kv_blocks=self.num_kv_blocks,
                                   block_size=cache.block_size, num_state_slots=config.scheduler.max_num_seqs,
                                   num_snapshot_slots=self.num_snapshot_slots, dtype=self.dtype, device=self.device)
@@ -127,29 +138,32 @@ class LLMEngine:
         cost = PrefixCost.from_model(cfg, kv_per_token, self.bytes_per_snapshot)
         return make_policy(cache.cache_policy, cache.block_size, cost, cache.snapshot_interval)
 
-    def _num_kv_blocks(self) -> int:
-        cfg, cache = self.model_config, self.config.cache
-        per_block = cache.block_size * PagedKVCache.bytes_per_token(
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one KV block across every attention layer."""
+        cfg = self.model_config
+        return self.config.cache.block_size * PagedKVCache.bytes_per_token(
             len(cfg.attention_layer_ids), cfg.num_key_value_heads, cfg.head_dim, self.dtype)
-        blocks = int(cache.kv_cache_mib * MIB // per_block)
-        if blocks < 1:
-            raise ValueError(f"kv_cache_mib={cache.kv_cache_mib} holds no KV block ({per_block} bytes each)")
-        return blocks
 
-    def _num_snapshot_slots(self) -> int:
-        cache = self.config.cache
-        if not cache.prefix_cache_enabled:
-            return 0
-        slots = int(cache.prefix_cache_mib * MIB // self.bytes_per_snapshot)
-        if slots < 1:
-            raise ValueError(f"prefix_cache_mib={cache.prefix_cache_mib} is smaller than one GDN snapshot "
-                             f"({self.bytes_per_snapshot} bytes for this model); use 0 to disable the prefix cache")
-        return slots
+    def _plan_memory(self, model: Qwen3_5ForCausalLM, memory_at_start: DeviceMemory) -> MemoryPlan:
+        """Size the KV and snapshot pools (profiling a max-size forward when a memory fraction
+        is used); raises ValueError with the numbers when they cannot fit."""
+        sched, cache = self.config.scheduler, self.config.cache
+        profile_tokens = min(sched.max_num_batched_tokens, self.max_model_len - 1)
+        inputs = PlanInputs(self.device, memory_at_start, self.weight_bytes, self.kv_bytes_per_block,
+                            self.bytes_per_snapshot, blocks_for(self.max_model_len, cache.block_size))
+        plan = plan_memory(cache, inputs, lambda: profile_forward(model, profile_tokens, cache.block_size,
+                                                                  self.dtype, self.device))
+        logger.info("hybridserve %s", plan.describe())
+        return plan
 
     def describe(self) -> str:
         """One line with the resolved sizes (printed at start-up)."""
         cache = self.config.cache
         return (f"device={self.device} dtype={str(self.dtype).removeprefix('torch.')} "
+                f"threads={self.num_threads} "
+                f"weights={self.weight_bytes / MIB:.1f}MiB kv_pool={self.memory_plan.kv_bytes / MIB:.1f}MiB "
+                f"snapshot_pool={self.memory_plan.snapshot_bytes / MIB:.1f}MiB ({self.memory_plan.source}) "
                 f"max_model_len={self.max_model_len} kv_blocks={self.num_kv_blocks}x{cache.block_size} tokens "
                 f"state_slots={self.config.scheduler.max_num_seqs} snapshot_slots={self.num_snapshot_slots} "
                 f"bytes_per_snapshot={self.bytes_per_snapshot} cache_policy={cache.cache_policy} "
@@ -170,7 +184,8 @@ class LLMEngine:
             raise ValueError("cache_salt must be a string")
         text, token_ids = self._tokenize(prompt)
         self._check_lengths(len(token_ids), params)
-        request = Request(request_id, text, token_ids, params, self.config.cache.block_size, cache_salt)
+        request = Request(request_id, text, token_ids, params, self.config.cache.block_size, cache_salt,
+                          block_hash=self.config.cache.block_hash)
         request.generator = (torch.Generator(device=self.device).manual_seed(params.seed)
                              if params.seed is not None else self._generator)
         request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
@@ -236,7 +251,13 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns outputs of requests that got a new token or finished."""
+        """Run one scheduling step; returns outputs of requests that got a new token or finished.
+
+        Fault isolation: a failed forward is reverted (requests in three failed steps in a row
+        end with "error"); a failure while committing ends the step's requests with "error";
+        non-finite logits, a sampler error or a detokenizer error end only the request they
+        belong to. `schedule` gives back what it took before raising; that error propagates.
+        """
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
@@ -245,20 +266,41 @@ class LLMEngine:
         except Exception:  # noqa: BLE001 - revert, keep serving, and fail only repeat offenders
             logger.exception("forward failed; step reverted")
             return self._after_failed_step(scheduled)
-        self.scheduler.apply(scheduled, result.failed_snapshot_slots)
+        try:
+            self.scheduler.apply(scheduled, result.failed_snapshot_slots)
+        except Exception:  # noqa: BLE001 - the step's requests cannot continue; the others can
+            logger.exception("committing a step failed; its %d request(s) end with an error", len(scheduled.chunks))
+            return self._fail_requests([chunk.request for chunk in scheduled.chunks])
         for request, logits in result.prompt_logits:
             request.prompt_logits.append(logits)
-        sampled = sample(result.logits, result.requests)
         now = time.monotonic()
         outputs = []
-        for request, token, logprobs in zip(result.requests, sampled.token_ids, sampled.logprobs):
-            request.append_token(token)
-            if request.logprobs is not None and logprobs is not None:
-                request.logprobs.append(logprobs)
+        for request, sampled in zip(result.requests, sample_isolated(result.logits, result.requests)):
+            if isinstance(sampled, Exception):
+                logger.error("request %s failed: %s", request.request_id, sampled)
+                outputs.extend(self._fail_requests([request]))
+                continue
+            request.append_token(sampled.token_id)
+            if request.logprobs is not None and sampled.logprobs is not None:
+                request.logprobs.append(sampled.logprobs)
             if request.first_token_time is None:
                 request.first_token_time = now
-            self._check_stop(request)
+            try:
+                self._check_stop(request)
+            except Exception:  # noqa: BLE001 - e.g. the detokenizer: only this request fails
+                logger.exception("request %s failed after sampling", request.request_id)
+                outputs.extend(self._fail_requests([request]))
+                continue
             outputs.append(self._output(request))
+        return outputs
+
+    def _fail_requests(self, requests: list[Request]) -> list[RequestOutput]:
+        """End each unfinished request with finish_reason "error" (freeing what it holds)."""
+        outputs = []
+        for request in requests:
+            if not request.is_finished:
+                self._finish(request, "error", flush=False)
+                outputs.append(self._output(request))
         return outputs
 
     def _after_failed_step(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
@@ -338,7 +380,11 @@ class LLMEngine:
             *lookup, snapshots_published=snap.published_total, snapshots_evicted=snap.evicted_total,
             snapshots_skipped=snap.skipped_total, snapshots_aborted=snap.aborted_total,
             resident_snapshots=snap.published, resident_snapshot_bytes=snap.published * self.bytes_per_snapshot,
-            snapshot_slots=self.num_snapshot_slots, bytes_per_snapshot=self.bytes_per_snapshot)
+            snapshot_slots=self.num_snapshot_slots, bytes_per_snapshot=self.bytes_per_snapshot,
+            snapshot_pool_bytes=self.num_snapshot_slots * self.bytes_per_snapshot,
+            kv_pool_bytes=self.num_kv_blocks * self.kv_bytes_per_block,
+            kv_used_bytes=self.scheduler.block_pool.num_used_blocks * self.kv_bytes_per_block,
+            kv_cached_free_bytes=self.scheduler.block_pool.num_cached_free_blocks * self.kv_bytes_per_block)
 
     def stats(self) -> dict[str, float]:
         """Flat gauges and counters for metrics endpoints."""
@@ -358,6 +404,11 @@ class LLMEngine:
             "snapshots_skipped": report.snapshots_skipped, "snapshots_aborted": report.snapshots_aborted,
             "num_running": self.num_running_requests, "num_waiting": self.num_waiting_requests,
             "num_preemptions": self.scheduler.num_preemptions,
+            "kv_pool_bytes": report.kv_pool_bytes, "kv_used_bytes": report.kv_used_bytes,
+            "kv_cached_free_bytes": report.kv_cached_free_bytes, "snapshot_pool_bytes": report.snapshot_pool_bytes,
+            "weight_bytes": self.weight_bytes,
+            "snapshots_reserved": self.scheduler.snapshots.num_reserved if self.scheduler.snapshots else 0,
+            "snapshots_pinned": self.scheduler.snapshots.num_pinned if self.scheduler.snapshots else 0,
         }
 
     def check_integrity(self) -> None:

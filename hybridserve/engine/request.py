@@ -37,6 +37,7 @@ class Request:
     params: SamplingParams
     block_size: int
     cache_salt: str | None = None
+    block_hash: str = "xxh3_128"                # hash algorithm of its KV blocks (cache.block_hash)
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -55,6 +56,7 @@ class Request:
     stop_reason: str | int | None = None
     first_token_time: float | None = None
     failed_steps: int = 0
+    prefix_lookup_counted: bool = False         # its admission is in the prefix-cache stats
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     keep_prompt_logits: bool = False           # diagnostics: keep logits of every computed position
@@ -91,7 +93,8 @@ class Request:
         """Hashes of the first `num_blocks` full blocks of `token_ids` (computed incrementally)."""
         if num_blocks > len(self._block_hashes):
             upto = self.token_ids[: num_blocks * self.block_size]
-            self._block_hashes = block_hashes_for(upto, self.block_size, self.extra_keys, start=self._block_hashes)
+            self._block_hashes = block_hashes_for(upto, self.block_size, self.extra_keys, start=self._block_hashes,
+                                                  algorithm=self.block_hash)
         return self._block_hashes[:num_blocks]
 
     def boundary_key(self, num_tokens: int) -> BlockHash:
@@ -102,7 +105,7 @@ class Request:
         if partial == 0:
             return hashes[-1]
         parent = hashes[-1] if hashes else None
-        return hash_tail(parent, self.token_ids[full * self.block_size:num_tokens], self.extra_keys)
+        return hash_tail(parent, self.token_ids[full * self.block_size:num_tokens], self.extra_keys, self.block_hash)
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

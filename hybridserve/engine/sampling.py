@@ -16,26 +16,62 @@ class SampleResult(NamedTuple):
     logprobs: list[dict[int, float] | None]
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> SampleResult:
-    """Sample one token for each row of `logits` ([R, vocab], float32), row i for requests[i]."""
+class SampledToken(NamedTuple):
+    """One request's sampled token and (if it asked) its logprobs."""
+
+    token_id: int
+    logprobs: dict[int, float] | None
+
+
+class NonFiniteLogitsError(FloatingPointError):
+    """A request's logits contain NaN or infinity: nothing meaningful can be sampled."""
+
+
+def sample_isolated(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken | Exception]:
+    """Sample one token for each row of `logits` ([R, vocab], float32), row i for requests[i],
+    isolating failures: a row with non-finite logits, or whose penalties, sampling or logprobs
+    raise, yields its exception; the other rows are sampled exactly as they would be alone
+    (each random draw happens once, from the request's own generator)."""
+    results: list[SampledToken | Exception] = [
+        NonFiniteLogitsError("the model produced non-finite logits") for _ in requests]
     if not requests:
-        return SampleResult([], [])
+        return results
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    healthy = [row for row, ok in enumerate(finite) if ok]
     processed = logits
-    if any(r.params.needs_penalties for r in requests):
+    if any(requests[row].params.needs_penalties for row in healthy):
         processed = logits.clone()
-        for row, request in enumerate(requests):
-            if request.params.needs_penalties:
-                _apply_penalties(processed[row], request)
+        for row in list(healthy):
+            if requests[row].params.needs_penalties:
+                try:
+                    _apply_penalties(processed[row], requests[row])
+                except Exception as exc:  # noqa: BLE001 - this request's failure only
+                    results[row] = exc
+                    healthy.remove(row)
     greedy = processed.argmax(dim=-1).tolist()
-    tokens = [greedy[row] if r.params.greedy else _sample_row(processed[row], r)
-              for row, r in enumerate(requests)]
-    logprobs: list[dict[int, float] | None] = [None] * len(requests)
-    wanted = [row for row, r in enumerate(requests) if r.params.logprobs is not None]
-    if wanted:
-        all_logprobs = torch.log_softmax(logits[wanted], dim=-1)
-        for index, row in enumerate(wanted):
-            logprobs[row] = _top_logprobs(all_logprobs[index], tokens[row], requests[row].params.logprobs or 0)
-    return SampleResult(tokens, logprobs)
+    wanted = [row for row in healthy if requests[row].params.logprobs is not None]
+    all_logprobs = torch.log_softmax(logits[wanted], dim=-1) if wanted else None
+    for row in healthy:
+        request = requests[row]
+        try:
+            token = greedy[row] if request.params.greedy else _sample_row(processed[row], request)
+            logprobs = None
+            if all_logprobs is not None and row in wanted:
+                logprobs = _top_logprobs(all_logprobs[wanted.index(row)], token, request.params.logprobs or 0)
+            results[row] = SampledToken(token, logprobs)
+        except Exception as exc:  # noqa: BLE001 - this request's failure only
+            results[row] = exc
+    return results
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+    """Sample one token for each row; raises the first row's failure (see `sample_isolated`)."""
+    results = sample_isolated(logits, requests)
+    for result in results:
+        if isinstance(result, Exception):
+            raise result
+    tokens = [r.token_id for r in results if isinstance(r, SampledToken)]
+    return SampleResult(tokens, [r.logprobs for r in results if isinstance(r, SampledToken)])
 
 
 def _top_logprobs(row_logprobs: torch.Tensor, chosen: int, top: int) -> dict[int, float]:

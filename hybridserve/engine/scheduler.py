@@ -33,13 +33,15 @@ class ScheduledChunk(NamedTuple):
 class Restore(NamedTuple):
     """An admission: load the live slot from a snapshot (or zero it for a cold start). With
     `kv_copy = (source, target)` the hit ends inside a block: copy the cached partial block into
-    the request's own block first (the restore holds a reference on the source for the step)."""
+    the request's own block first (the restore holds a reference on the source for the step).
+    `lookup` is counted in the prefix-cache stats when the step commits, once per request."""
 
     request: Request
     state_slot: int
     snapshot_slot: int | None
     num_tokens: int
     kv_copy: tuple[int, int] | None = None
+    lookup: PrefixLookup | None = None
 
 
 class EndCapture(NamedTuple):
@@ -146,11 +148,21 @@ class Scheduler:
 
     # -- scheduling ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's work, taking blocks, state slots and snapshot reservations."""
+        """Pick this step's work, taking blocks, state slots and snapshot reservations. Every
+        resource is recorded in the output as it is taken, so if scheduling raises, what it
+        took so far is given back (as by `revert`) before the exception propagates."""
+        output = SchedulerOutput([], [], [])
+        try:
+            self._fill(output)
+        except Exception:
+            self._undo(output, count_failure=False)
+            raise
+        return output
+
+    def _fill(self, output: SchedulerOutput) -> None:
         budget = self.config.max_num_batched_tokens
         prefill_budget = self._prefill_budget(budget)
-        chunks: list[ScheduledChunk] = []
-        preempted: list[Request] = []
+        chunks, restores, preempted = output
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -162,11 +174,10 @@ class Scheduler:
             new_blocks = self._grow(request, request.num_computed_tokens + length, preempted)
             if new_blocks is None:
                 break  # the request preempted itself
-            chunks.append(self._chunk(request, length, new_blocks))
+            self._add_chunk(chunks, request, length, new_blocks)
             budget -= length
             prefill_budget -= length if remaining > 1 else 0
             index += 1
-        restores: list[Restore] = []
         while (self.waiting and min(budget, prefill_budget) > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             restore = self._admit(self.waiting[0])
@@ -175,10 +186,9 @@ class Scheduler:
             request = self.waiting.popleft()
             restores.append(restore)
             length = min(request.num_tokens - request.num_computed_tokens, budget, prefill_budget)
-            chunks.append(self._chunk(request, length, []))
+            self._add_chunk(chunks, request, length, [])
             budget -= length
             prefill_budget -= length
-        return SchedulerOutput(chunks, restores, preempted)
 
     def _prefill_budget(self, budget: int) -> int:
         """Prefill tokens allowed this step: capped while any request decodes, so one long
@@ -213,30 +223,36 @@ class Scheduler:
         revived = sum(1 for b in held if self.block_pool.ref_count(b) == 0)
         if new_needed + revived > self.block_pool.num_free_blocks:
             return None
+        snapshot_slot = hit.snapshot_slot if hit is not None else None
         self.block_pool.touch(held)
-        request.block_ids = list(hit_blocks) + self.block_pool.allocate(new_needed)
+        request.block_ids = list(hit_blocks)
+        try:  # all or nothing: a failure gives back what this admission took
+            request.block_ids += self.block_pool.allocate(new_needed)
+            request.state_slot = self.state_slots.allocate()
+            if snapshot_slot is not None:
+                self._snapshot_pool().pin(snapshot_slot)
+        except Exception:
+            self._release(request)
+            if len(held) > len(hit_blocks):
+                self.block_pool.free(held[len(hit_blocks):])
+            raise
         request.num_registered_blocks = len(hit_blocks)
-        request.state_slot = self.state_slots.allocate()
         request.num_computed_tokens = hit.num_tokens if hit is not None else 0
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        snapshot_slot = kv_copy = None
+        kv_copy = None
         if lookup is not None and hit is not None:
-            self._prefix_cache().record(lookup)
             request.branch_point = lookup.kv_match_tokens if lookup.kv_match_tokens > hit.num_tokens else 0
             request.snapshot_depth, request.snapshot_key = hit.num_tokens, lookup.key
-            snapshot_slot = hit.snapshot_slot
-            if snapshot_slot is not None:
-                self._snapshot_pool().pin(snapshot_slot)
             if hit.tail_block is not None:
                 kv_copy = (hit.tail_block, request.block_ids[len(hit_blocks)])
-        return Restore(request, request.state_slot, snapshot_slot, request.num_computed_tokens, kv_copy)
+        return Restore(request, request.state_slot, snapshot_slot, request.num_computed_tokens, kv_copy, lookup)
 
     def _lookup(self, request: Request) -> PrefixLookup | None:
         if self.prefix_cache is None:
             return None
         hashes = request.block_hashes(request.num_tokens // self.block_size)
-        lookup = self.prefix_cache.lookup(hashes, request.token_ids, request.extra_keys)
+        lookup = self.prefix_cache.lookup(hashes, request.token_ids, request.extra_keys, request.block_hash)
         slot = lookup.hit.snapshot_slot
         if slot is not None:
             # The snapshot must describe exactly this prefix before anyone restores it.
@@ -245,15 +261,18 @@ class Scheduler:
             assert self.snapshots.num_tokens_of(slot) == lookup.hit.num_tokens, "snapshot position mismatch"
         return lookup
 
-    def _chunk(self, request: Request, length: int, new_blocks: list[int]) -> ScheduledChunk:
+    def _add_chunk(self, chunks: list[ScheduledChunk], request: Request, length: int, new_blocks: list[int]) -> None:
+        """Record the chunk first, then reserve its snapshot slots into it (so a failure while
+        reserving leaves every reservation where `revert` finds it)."""
         start = request.num_computed_tokens
-        return ScheduledChunk(request, start, length, new_blocks, self._reserve_captures(request, start, length))
+        chunk = ScheduledChunk(request, start, length, new_blocks, [])
+        chunks.append(chunk)
+        self._reserve_captures(request, start, length, chunk.captures)
 
-    def _reserve_captures(self, request: Request, start: int, length: int) -> list[Reservation]:
+    def _reserve_captures(self, request: Request, start: int, length: int, captures: list[Reservation]) -> None:
         """Snapshot slots for the boundaries the policy wants from this chunk's forward."""
         if self.snapshots is None or self.policy is None:
-            return []
-        captures = []
+            return
         view = self._view(request)
         for boundary in self.policy.captures(view, start, length):
             key = request.boundary_key(boundary)
@@ -264,7 +283,6 @@ class Scheduler:
                 captures.append(reservation)
             if reservation.status is not ReserveStatus.SKIPPED:
                 request.snapshot_depth, request.snapshot_key = boundary, key
-        return captures
 
     @staticmethod
     def _view(request: Request) -> RequestView:
@@ -283,14 +301,33 @@ class Scheduler:
 
     # -- transaction end --------------------------------------------------------------------
     def apply(self, output: SchedulerOutput, failed_snapshot_slots: set[int]) -> list[Request]:
-        """Commit a successful step; returns the requests whose next token must be sampled."""
+        """Commit a successful step; returns the requests whose next token must be sampled.
+
+        If committing raises, every pin and reservation of the step still open is released
+        before the exception propagates; the step's requests have then advanced an unknown
+        part of the way, so the caller must finish them (`finish`), which frees the rest.
+        """
+        unpinned: list[Restore] = []
+        try:
+            return self._apply(output, failed_snapshot_slots, unpinned)
+        except Exception:
+            self._release_step_holds(output, unpinned)
+            raise
+
+    def _apply(self, output: SchedulerOutput, failed_snapshot_slots: set[int], unpinned: list[Restore]
+               ) -> list[Request]:
         for restore in output.restores:
+            unpinned.append(restore)
             if restore.snapshot_slot is not None:
                 self._snapshot_pool().unpin(restore.snapshot_slot)
             if restore.kv_copy is not None:
                 self.block_pool.free([restore.kv_copy[0]])
-            if restore.request.num_cached_tokens is None:
-                restore.request.num_cached_tokens = restore.num_tokens
+            request = restore.request
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = restore.num_tokens
+            if restore.lookup is not None and not request.prefix_lookup_counted:
+                request.prefix_lookup_counted = True  # once per request, across reverts and preemptions
+                self._prefix_cache().record(restore.lookup)
         to_sample = []
         for chunk in output.chunks:
             request = chunk.request
@@ -306,13 +343,29 @@ class Scheduler:
                 to_sample.append(request)
         return to_sample
 
+    def _release_step_holds(self, output: SchedulerOutput, unpinned: list[Restore]) -> None:
+        """After a failed `apply`: drop the pins and abort the reservations it did not reach."""
+        for restore in output.restores[len(unpinned):]:  # `_apply` releases these in order
+            if restore.snapshot_slot is not None:
+                self._snapshot_pool().unpin(restore.snapshot_slot)
+            if restore.kv_copy is not None:
+                self.block_pool.free([restore.kv_copy[0]])
+        for chunk in output.chunks:
+            for reservation in chunk.captures:
+                if self._snapshot_pool().is_reserved(reservation):
+                    self._snapshot_pool().abort(reservation)
+
     def revert(self, output: SchedulerOutput) -> None:
         """Undo `schedule` after a failed forward: nothing the step took stays taken."""
+        self._undo(output, count_failure=True)
+
+    def _undo(self, output: SchedulerOutput, count_failure: bool) -> None:
+        """Give back everything `output` holds; `count_failure` charges its requests a failed step."""
         admitted = {id(r.request) for r in output.restores}
         for chunk in output.chunks:
             for reservation in chunk.captures:
                 self._snapshot_pool().abort(reservation)
-            chunk.request.failed_steps += 1
+            chunk.request.failed_steps += count_failure
             if chunk.new_blocks and id(chunk.request) not in admitted:
                 del chunk.request.block_ids[-len(chunk.new_blocks):]
                 self.block_pool.free(list(reversed(chunk.new_blocks)))

@@ -5,6 +5,10 @@ prefill ~1.2x faster than MKL on the row-major weight (float32; bfloat16 too on 
 native bf16 instructions). Elsewhere (CUDA, other dtypes,
 builds without oneDNN) the weight stays a plain contiguous [out, in] matrix used via F.linear.
 Projections that read the same input are fused into one matrix (concatenated outputs).
+
+Memory: a `PackedLinear` owns the only copy of its weights. A single plain linear keeps the
+loaded tensor itself (no copy); a fused or repacked one builds a new tensor, and the owning module
+then drops its Hugging Face-named parameters (`drop_linears`), so every weight exists once.
 """
 
 from __future__ import annotations
@@ -35,17 +39,19 @@ class PackedLinear:
     """y = act(x @ W.T (+ b)) for one or more fused linears; outputs split as the fused widths.
     `activation` is "none" or "silu" (fused into the GEMM on oneDNN)."""
 
-    def __init__(self, linears: list[nn.Module], activation: str = "none") -> None:
-        """Fuse the `.weight` ([out, in]) and optional `.bias` of `linears` (Linear or Embedding)."""
+    def __init__(self, linears: list[nn.Module], activation: str = "none", allow_repack: bool = True) -> None:
+        """Fuse the `.weight` ([out, in]) and optional `.bias` of `linears` (Linear or Embedding).
+        `allow_repack=False` keeps the plain matrix (for a weight that must stay shared, such as
+        tied embeddings: the blocked layout would be a second copy)."""
         if activation not in ("none", "silu"):
             raise ValueError(f"unsupported activation {activation!r}")
         self.activation = activation
-        weight = torch.cat([lin.weight.detach() for lin in linears]).contiguous()
+        weight = _fused([lin.weight.detach() for lin in linears])
         biases = [getattr(lin, "bias", None) for lin in linears]
-        self.bias = torch.cat([b.detach() for b in biases]).contiguous() if biases[0] is not None else None
+        self.bias = _fused([b.detach() for b in biases]) if biases[0] is not None else None
         self.widths = [lin.weight.shape[0] for lin in linears]
         self.onednn = False
-        if _onednn_usable(weight):
+        if allow_repack and _onednn_usable(weight):
             try:
                 self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT)
                 self.onednn = True
@@ -53,6 +59,10 @@ class PackedLinear:
             except RuntimeError:  # an unusual build: fall back to the plain matrix
                 logger.warning("oneDNN weight packing unavailable; using plain GEMMs")
         self.weight = weight
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this linear owns (weight, and bias if any)."""
+        return [self.weight] + ([self.bias] if self.bias is not None else [])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.onednn:
@@ -64,3 +74,31 @@ class PackedLinear:
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Apply and split the output into the fused linears' parts."""
         return self(x).split(self.widths, dim=-1)
+
+
+def _fused(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One contiguous tensor of `tensors` concatenated on dim 0; a single contiguous tensor is
+    returned as is (no copy)."""
+    if len(tensors) == 1 and tensors[0].is_contiguous():
+        return tensors[0]
+    return torch.cat(tensors).contiguous()
+
+
+def drop_linears(module: nn.Module, names: list[str]) -> None:
+    """Remove the named submodules (their weights now live in a `PackedLinear`)."""
+    for name in names:
+        delattr(module, name)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of a tensor's data (also for oneDNN's opaque blocked tensors, which have no storage)."""
+    if tensor.layout == torch._mkldnn:  # type: ignore[attr-defined]
+        return tensor.numel() * tensor.element_size()
+    return tensor.untyped_storage().nbytes()
+
+
+def tensor_key(tensor: torch.Tensor) -> int:
+    """Identity of the memory behind a tensor (views of one storage share it)."""
+    if tensor.layout == torch._mkldnn:  # type: ignore[attr-defined]
+        return id(tensor)
+    return tensor.untyped_storage().data_ptr()

@@ -17,11 +17,15 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.scale: torch.Tensor | None = None
 
     def pack(self) -> None:
-        """Precompute the effective float32 scale (1 + w) once the weight is loaded."""
+        """Precompute the effective float32 scale (1 + w) once the weight is loaded; the scale
+        replaces the stored weight (one copy)."""
+        if self.scale is not None:
+            return
         self.scale = (1.0 + self.weight.detach().float()).contiguous()
+        del self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self.scale if self.scale is not None else 1.0 + self.weight.float()
+        scale = self.scale if self.scale is not None else 1.0 + self.weight.float()  # before pack()
         return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(x.dtype)
 
 

@@ -18,7 +18,7 @@ from torch import nn
 from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.config import FULL_ATTENTION, ModelConfig
 from hybridserve.layers.attention import PagedKVCache, decode_attention, prefill_attention
-from hybridserve.layers.linear import PackedLinear
+from hybridserve.layers.linear import PackedLinear, drop_linears, tensor_bytes, tensor_key
 from hybridserve.layers.gated_delta import causal_conv_decode, causal_conv_prefill, chunked_gated_delta, \
     recurrent_gated_delta_step
 from hybridserve.layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
@@ -64,9 +64,13 @@ class MLP(nn.Module):
 
     def pack(self) -> None:
         """Repack the weights for inference (after loading); SiLU is fused into the gate GEMM,
-        which on CPU beats one fused gate|up GEMM followed by SiLU and product over strided halves."""
+        which on CPU beats one fused gate|up GEMM followed by SiLU and product over strided halves.
+        The Hugging Face-named linears are dropped: the packed ones own the only copy."""
+        if self.gate is not None:
+            return
         self.gate = PackedLinear([self.gate_proj], activation="silu")
         self.up, self.down = PackedLinear([self.up_proj]), PackedLinear([self.down_proj])
+        drop_linears(self, ["gate_proj", "up_proj", "down_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.gate is not None and self.up is not None and self.down is not None, "call pack() first"
@@ -95,8 +99,12 @@ class GatedAttention(nn.Module):
         self.out: PackedLinear | None = None
 
     def pack(self) -> None:
-        """Fuse q (with its gate), k and v projections; repack o_proj (after loading)."""
+        """Fuse q (with its gate), k and v projections; repack o_proj (after loading); drop the
+        Hugging Face-named linears."""
+        if self.qkv is not None:
+            return
         self.qkv, self.out = PackedLinear([self.q_proj, self.k_proj, self.v_proj]), PackedLinear([self.o_proj])
+        drop_linears(self, ["q_proj", "k_proj", "v_proj", "o_proj"])
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext,
                 cos_sin: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -172,9 +180,13 @@ class GatedDeltaNet(nn.Module):
         self.out: PackedLinear | None = None
 
     def pack(self) -> None:
-        """Fuse the four input projections (qkv, z, b, a); repack out_proj (after loading)."""
+        """Fuse the four input projections (qkv, z, b, a); repack out_proj (after loading); drop
+        the Hugging Face-named linears."""
+        if self.in_proj is not None:
+            return
         self.in_proj = PackedLinear([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
         self.out = PackedLinear([self.out_proj])
+        drop_linears(self, ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"])
 
     def _split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = mixed.shape[0]
@@ -293,14 +305,38 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def pack(self) -> None:
         """Repack loaded weights for inference: fused projections in the backend's fastest GEMM
-        layout (see `layers.linear`). Call once after loading; the HF-named parameters stay."""
+        layout (see `layers.linear`). Call once after loading. The Hugging Face-named linear and
+        norm parameters are dropped as they are packed, so every weight is held once; tied
+        embeddings keep one plain matrix for both the lookup and the head."""
+        if self.head is not None:
+            return
         for layer in self.model.layers:
             (layer.self_attn if layer.is_attention else layer.linear_attn).pack()
             layer.mlp.pack()
         for module in self.modules():
             if isinstance(module, ZeroCenteredRMSNorm):
                 module.pack()
-        self.head = PackedLinear([self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head])
+        if self.config.tie_word_embeddings:
+            self.head = PackedLinear([self.model.embed_tokens], allow_repack=False)
+        else:
+            self.head = PackedLinear([self.lm_head])
+            drop_linears(self, ["lm_head"])
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight the model holds (parameters, packed linears, precomputed norm
+        scales), each distinct memory block counted once; position tables are not weights."""
+        seen: dict[int, int] = {}
+        for module in self.modules():
+            tensors = list(module._parameters.values())
+            for value in vars(module).values():
+                if isinstance(value, PackedLinear):
+                    tensors.extend(value.tensors())
+                elif isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                    tensors.append(value)
+            for tensor in tensors:
+                if tensor is not None:
+                    seen[tensor_key(tensor)] = max(seen.get(tensor_key(tensor), 0), tensor_bytes(tensor))
+        return sum(seen.values())
 
     def forward(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app: `build_app(engine, ...)` returns a ready FastAPI instance.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE streaming),
-`GET /v1/models`, `GET /health`, `GET /metrics`. Every error, including unknown routes,
+`GET /v1/models`, `GET /health`, `GET /metrics`, and the OpenAPI schema at `GET /openapi.json`
+(interactive page `GET /docs`). Every error, including unknown routes,
 answers with the OpenAI envelope `{"error": {"message", "type", "param", "code"}}`.
 Two pure-ASGI middlewares guard the app: bearer-key auth on `/v1/*` and a body-size cap.
 A request whose client disconnects is aborted in the engine, streaming or not.
@@ -11,13 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -37,6 +37,7 @@ from hybridserve.engine.async_engine import (
     RequestStream,
 )
 from hybridserve.sampling_params import RequestOutput, SamplingParams
+from hybridserve.server.auth import ApiKeyring, TenantAuthMiddleware, request_tenant, tenant_cache_salt
 from hybridserve.server.chat import ChatRenderer, ChatTemplateError
 from hybridserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hybridserve.server.metrics import RequestTracker, ServerMetrics
@@ -124,6 +125,12 @@ def _engine_error(exc: Exception) -> APIError:
     return APIError(500, f"internal error: {exc}", code="engine_error")
 
 
+def _request_failed(output: RequestOutput) -> APIError:
+    """The error event of a request the engine ended with finish_reason "error"."""
+    return APIError(500, f"request {output.request_id} failed in the engine (non-finite logits, a sampler "
+                    f"or a detokenizer error); other requests are unaffected", code="request_failed")
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {"msg": "invalid request", "loc": (), "type": ""}
@@ -169,26 +176,6 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 # =========================================================================== middlewares
-class ApiKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on every `/v1/*` route."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
-            error = APIError(401, "invalid or missing API key", code="invalid_api_key",
-                             headers={"WWW-Authenticate": "Bearer"})
-            await error.send(send)
-            return
-        await self.app(scope, receive, send)
-
-    def _authorized(self, scope: Scope) -> bool:
-        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        return hmac.compare_digest(given, self._expected)
-
-
 class BodyLimitMiddleware:
     """Reads the whole request body up front (at most `max_body_bytes`, else 413) and replays it."""
 
@@ -388,6 +375,7 @@ class OpenAIServing:
                                       "max_tokens" in body.model_fields_set, default=16, param="prompt")
         echo = "" if not body.echo else (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids))
         job = self._job("cmpl", body, prompt_ids, max_tokens, body.logprobs, echo)
+        job.cache_salt = tenant_cache_salt(request_tenant(request.scope), job.cache_salt)
         streams = await self._submit(job)
         if body.stream:
             return self._event_stream(self._stream_completion(job, streams), streams)
@@ -407,6 +395,7 @@ class OpenAIServing:
         max_tokens = self._max_tokens(len(prompt_ids), body.requested_max_tokens,
                                       body.requested_max_tokens is not None, default=None, param="messages")
         job = self._job("chatcmpl", body, prompt_ids, max_tokens, body.num_logprobs, "")
+        job.cache_salt = tenant_cache_salt(request_tenant(request.scope), job.cache_salt)
         streams = await self._submit(job)
         if body.stream:
             return self._event_stream(self._stream_chat(job, streams), streams)
@@ -590,6 +579,8 @@ class OpenAIServing:
                 event = chunk(index, state, output)
                 if event is not None:
                     yield _sse(event)
+                if output.finished and output.finish_reason == "error":
+                    yield _sse(json.loads(_request_failed(output).envelope()))
             if job.include_usage:
                 yield _sse(usage_chunk(self._usage(job, [s.last for s in states])))
         except (EngineStepError, EngineDeadError) as exc:
@@ -662,12 +653,17 @@ def _lifespan(engine: AsyncLLMEngine, shutdown_engine: bool) -> Callable[[FastAP
     return lifespan
 
 
+# Documented in /openapi.json: every error answers with the OpenAI envelope.
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
+
+
 def _install_routes(app: FastAPI, serving: OpenAIServing) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **_ERROR_RESPONSES})
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         return await serving.completion(body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **_ERROR_RESPONSES})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat_completion(body, request)
 
@@ -687,22 +683,26 @@ def _install_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
 
 def build_app(engine: AsyncLLMEngine, *, model_name: str, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_engine: bool = False) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_engine: bool = False,
+              api_keys: Sequence[str] = ()) -> FastAPI:
     """Build the HTTP app around a started-or-not `AsyncLLMEngine`.
 
     The engine thread starts with the app; `shutdown_engine=True` stops it when the app stops.
-    `api_key` (if set) is required as a bearer token on `/v1/*`; bodies over `max_body_bytes`
-    are answered with 413.
+    With `api_key` and/or `api_keys`, one of them is required as a bearer token on `/v1/*`, and
+    each key's requests are cached under that key's own salt (see `server.auth`); bodies over
+    `max_body_bytes` are answered with 413. The OpenAPI schema is at `/openapi.json`, its
+    interactive page at `/docs`.
     """
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     serving = OpenAIServing(engine, model_name)
     app = FastAPI(title="hybridserve", lifespan=_lifespan(engine, shutdown_engine),
-                  openapi_url=None, docs_url=None, redoc_url=None)
+                  openapi_url="/openapi.json", docs_url="/docs", redoc_url=None)
     app.state.serving = serving
     _install_error_handlers(app)
     _install_routes(app, serving)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    keyring = ApiKeyring([*api_keys, *([api_key] if api_key else [])])
+    if len(keyring):
+        app.add_middleware(TenantAuthMiddleware, keyring=keyring)
     return app

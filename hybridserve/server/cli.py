@@ -16,6 +16,7 @@ from pathlib import Path
 
 from hybridserve.engine_args import add_engine_arguments, engine_config_from_args
 from hybridserve.server.app import DEFAULT_MAX_BODY_BYTES
+from hybridserve.server.auth import read_key_file
 
 logger = logging.getLogger("hybridserve.server")
 
@@ -29,8 +30,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser, model_positional=True)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
     parser.add_argument("--port", type=int, default=8000, help="port to bind")
-    parser.add_argument("--api-key", default=None,
-                        help=f"require 'Authorization: Bearer KEY' on /v1/*; falls back to ${API_KEY_ENV}")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on /v1/*; repeat for several tenants (each "
+                             f"key's requests get their own prefix-cache salt); falls back to ${API_KEY_ENV}")
+    parser.add_argument("--api-key-file", default=None,
+                        help="file with one API key per line (added to --api-key)")
     parser.add_argument("--served-model-name", default=None,
                         help="model name in the API; when unset, the model directory's name")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
@@ -53,6 +57,16 @@ def served_model_name(args: argparse.Namespace) -> str:
     if args.model:
         return Path(args.model).resolve().name
     return BUILTIN_MODEL_NAME
+
+
+def api_keys_from(args: argparse.Namespace) -> list[str]:
+    """Keys from `--api-key` (repeatable) and `--api-key-file`; else ${HYBRIDSERVE_API_KEY}."""
+    keys = list(args.api_key or [])
+    if getattr(args, "api_key_file", None):
+        keys += read_key_file(args.api_key_file)
+    if not keys and os.environ.get(API_KEY_ENV):
+        keys.append(os.environ[API_KEY_ENV])
+    return keys
 
 
 def _log_sizes(stats: dict[str, float], max_model_len: int) -> None:
@@ -86,16 +100,18 @@ def run_server(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(args.log_level.upper())  # also when the caller configured logging already
     try:
         config = engine_config_from_args(args)
+        api_keys_from(args)
+        engine = LLMEngine(config)
     except ValueError as exc:
-        logger.error("invalid configuration: %s", exc)
+        logger.error("cannot start: %s", exc)
         return 2
-    engine = LLMEngine(config)
     _log_sizes(engine.stats(), engine.max_model_len)  # the engine thread has not started yet
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests)
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_keys = api_keys_from(args)
     name = served_model_name(args)
-    app = build_app(async_engine, model_name=name, api_key=api_key, max_body_bytes=args.max_body_bytes)
-    logger.info("serving %s on http://%s:%d (auth %s)", name, args.host, args.port, "on" if api_key else "off")
+    app = build_app(async_engine, model_name=name, api_keys=api_keys, max_body_bytes=args.max_body_bytes)
+    logger.info("serving %s on http://%s:%d (auth %s)", name, args.host, args.port,
+                f"on, {len(api_keys)} key(s), per-key cache salt" if api_keys else "off")
     async_engine.start()
     _exit_on_sigterm()
     try:  # the engine's lifetime is managed here, so uvicorn's lifespan protocol is not needed

@@ -33,6 +33,13 @@ _GAUGES = (
     ("snapshots", "snapshot_slots_used", "GDN state snapshots held by the prefix cache."),
     ("snapshot_bytes", "snapshot_bytes", "Bytes held by GDN state snapshots."),
     ("bytes_per_snapshot", "bytes_per_snapshot", "Bytes of one GDN state snapshot."),
+    ("kv_pool_bytes", "kv_pool_bytes", "Capacity of the KV pool in bytes."),
+    ("kv_used_bytes", "kv_used_bytes", "Bytes of KV blocks held by running requests."),
+    ("kv_cached_free_bytes", "kv_cached_free_bytes", "Bytes of free KV blocks still holding a cached prefix."),
+    ("snapshot_pool_bytes", "snapshot_pool_bytes", "Capacity of the GDN snapshot pool in bytes."),
+    ("weight_bytes", "weight_bytes", "Bytes of model weights held on the device."),
+    ("snapshots_reserved", "snapshots_reserved", "Snapshot slots reserved by the running step."),
+    ("snapshots_pinned", "snapshots_pinned", "Snapshot pins held by the running step."),
 )
 _COUNTERS = (
     ("prefix_cache_queries", "prefix_cache_queries", "Requests that looked up the prefix cache."),

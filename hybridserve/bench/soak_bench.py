@@ -1,0 +1,383 @@
+"""`hybridserve bench soak`: mixed random traffic against a live server for a fixed time.
+
+A `hybridserve serve` subprocess (or `--url`) gets, from several concurrent clients, a random mix
+of streamed and non-streamed completions and chats, short and long prompts, prompts sharing a
+few common prefixes, streams abandoned mid-way (aborts), requests whose client gives up before the
+answer (disconnects) and bad requests; every `overload_every_s` a burst larger than the server's
+queue arrives at once (deliberate overload: 503 expected there and only there). The server's
+resident memory is sampled throughout.
+
+Pass criteria (`SoakResult.passed`): no 5xx other than 503 during an overload burst, no valid
+request answered 4xx, no bad request answered 2xx, no error event in a stream, every pool back to
+its initial free counts once idle (no KV block, state slot, snapshot reservation or pin held),
+and RSS growth under 5% between the second window (minute) and the last one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from hybridserve.bench.common import FIRST_PLAIN_ID, PLAIN_ID_SPAN, write_json
+from hybridserve.bench.serve_bench import ServerProcess
+
+KINDS = ("complete", "stream", "chat", "long", "shared", "abort", "disconnect", "bad")
+WEIGHTS = (3, 3, 2, 1, 3, 1, 1, 1)
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    """Sizes of the soak (token counts are prompt token ids)."""
+
+    duration_s: float = 300.0
+    clients: int = 6
+    overload_every_s: float = 45.0
+    overload_burst: int = 40
+    short_prompt_tokens: tuple[int, int] = (4, 64)
+    long_prompt_tokens: int = 1500
+    shared_prefixes: int = 3
+    shared_prefix_tokens: int = 512
+    max_tokens: tuple[int, int] = (1, 24)
+    rss_interval_s: float = 2.0
+    rss_window_s: float = 60.0
+    request_timeout_s: float = 120.0
+    idle_timeout_s: float = 60.0
+    warmup_long_prompts: int = 8
+    seed: int = 0
+
+
+@dataclass
+class SoakStats:
+    """Counters and samples collected during the run."""
+
+    outcomes: Counter = field(default_factory=Counter)          # (kind, class) -> count
+    latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    ttft: list[float] = field(default_factory=list)
+    rss: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, bytes)
+    bursts: list[tuple[float, float]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+
+class Traffic:
+    """Random requests of every kind, and the judgement of their answers."""
+
+    def __init__(self, client: httpx.AsyncClient, cfg: SoakConfig, stats: SoakStats, start: float) -> None:
+        self.client, self.cfg, self.stats, self.start = client, cfg, stats, start
+        rng = random.Random(cfg.seed)
+        self.prefixes = [self._ids(rng, cfg.shared_prefix_tokens) for _ in range(cfg.shared_prefixes)]
+
+    @staticmethod
+    def _ids(rng: random.Random, n: int) -> list[int]:
+        return [rng.randrange(FIRST_PLAIN_ID, FIRST_PLAIN_ID + PLAIN_ID_SPAN) for _ in range(n)]
+
+    def _in_burst(self, at: float) -> bool:
+        return any(start <= at <= end + 5.0 for start, end in self.stats.bursts)
+
+    def record(self, kind: str, status: int | None, sent: float, note: str = "") -> None:
+        """Classify one answer; anything outside the pass criteria is kept as a failure."""
+        now = time.monotonic()
+        if status is None:
+            outcome = "client_gone"
+        elif status == 503:
+            outcome = "503_overload" if self._in_burst(sent - self.start) or self._in_burst(now - self.start) \
+                else "503_unexpected"
+        elif status >= 500:
+            outcome = "5xx"
+        elif kind == "bad":
+            outcome = "4xx_expected" if 400 <= status < 500 else "bad_accepted"
+        else:
+            outcome = "ok" if status < 300 else "4xx_unexpected"
+        self.stats.outcomes[(kind, outcome)] += 1
+        if outcome in ("5xx", "503_unexpected", "4xx_unexpected", "bad_accepted"):
+            self.stats.failures.append(f"{kind}: HTTP {status} {note[:300]}")
+        if outcome == "ok":
+            self.stats.latencies[kind].append(now - sent)
+
+    def body(self, kind: str, rng: random.Random) -> tuple[str, dict[str, Any]]:
+        """Endpoint and JSON body of a valid request of `kind`."""
+        cfg = self.cfg
+        max_tokens = rng.randint(*cfg.max_tokens)
+        if kind == "chat":
+            text = " ".join(rng.choice(["cache", "state", "delta", "block", "prefix"]) for _ in range(rng.randint(2, 40)))
+            return "/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                                            "temperature": rng.choice([0.0, 0.7]), "stream": rng.random() < 0.5}
+        if kind == "long":
+            prompt = self._ids(rng, cfg.long_prompt_tokens)
+        elif kind == "shared":
+            prompt = rng.choice(self.prefixes) + self._ids(rng, rng.randint(1, 64))
+        else:
+            prompt = self._ids(rng, rng.randint(*cfg.short_prompt_tokens))
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": rng.choice([0.0, 1.0]),
+                "stream": kind in ("stream", "abort") or (kind == "shared" and rng.random() < 0.5)}
+        if body["stream"]:
+            body["stream_options"] = {"include_usage": True}
+        return "/v1/completions", body
+
+    @staticmethod
+    def bad_request(rng: random.Random) -> tuple[str, bytes]:
+        """A request the server must refuse with a 4xx."""
+        choices = [
+            ("/v1/completions", b"{not json"),
+            ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": -3}).encode()),
+            ("/v1/completions", json.dumps({"prompt": "", "max_tokens": 4}).encode()),
+            ("/v1/completions", json.dumps({"prompt": [1, 2, 99999999], "max_tokens": 4}).encode()),
+            ("/v1/completions", json.dumps({"model": "no-such-model", "prompt": "x"}).encode()),
+            ("/v1/completions", json.dumps({"prompt": "x", "temperature": -1}).encode()),
+            ("/v1/chat/completions", json.dumps({"messages": []}).encode()),
+            ("/v1/chat/completions", json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode()),
+            ("/v1/nowhere", b"{}"),
+        ]
+        return rng.choice(choices)
+
+    async def one(self, kind: str, rng: random.Random) -> None:
+        """Send one request of `kind` and record its outcome."""
+        sent = time.monotonic()
+        try:
+            if kind == "bad":
+                path, raw = self.bad_request(rng)
+                response = await self.client.post(path, content=raw, headers={"Content-Type": "application/json"})
+                self.record(kind, response.status_code, sent, response.text)
+            elif kind == "disconnect":
+                path, body = self.body("complete", rng)
+                body["max_tokens"] = self.cfg.max_tokens[1]
+                try:
+                    response = await asyncio.wait_for(self.client.post(path, json=body), timeout=rng.uniform(0.01, 0.3))
+                    self.record(kind, response.status_code, sent, response.text)
+                except asyncio.TimeoutError:
+                    self.record(kind, None, sent)
+            else:
+                path, body = self.body(kind, rng)
+                if body.get("stream"):
+                    await self._stream(kind, path, body, sent, abandon_after=rng.randint(1, 3) if kind == "abort" else None)
+                else:
+                    response = await self.client.post(path, json=body)
+                    self.record(kind, response.status_code, sent, response.text)
+        except httpx.HTTPError as exc:
+            self.stats.outcomes[(kind, "transport_error")] += 1
+            self.stats.failures.append(f"{kind}: transport error {exc!r}")
+
+    async def _stream(self, kind: str, path: str, body: dict[str, Any], sent: float, abandon_after: int | None) -> None:
+        async with self.client.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                self.record(kind, response.status_code, sent, (await response.aread()).decode(errors="replace"))
+                return
+            events = 0
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events += 1
+                if events == 1:
+                    self.stats.ttft.append(time.monotonic() - sent)
+                payload = line[len("data: "):]
+                if payload != "[DONE]" and "error" in json.loads(payload):
+                    self.stats.outcomes[(kind, "stream_error_event")] += 1
+                    self.stats.failures.append(f"{kind}: error event {payload[:300]}")
+                    return
+                if abandon_after is not None and events >= abandon_after:
+                    self.record(kind, None, sent)  # the client leaves mid-stream
+                    return
+            self.record(kind, 200, sent)
+
+
+async def _client_loop(traffic: Traffic, seed: int, deadline: float) -> None:
+    rng = random.Random(seed)
+    while time.monotonic() < deadline:
+        await traffic.one(rng.choices(KINDS, WEIGHTS)[0], rng)
+
+
+async def _overload_loop(traffic: Traffic, cfg: SoakConfig, deadline: float) -> None:
+    rng = random.Random(cfg.seed + 1000)
+    while time.monotonic() + cfg.overload_every_s < deadline:
+        await asyncio.sleep(cfg.overload_every_s)
+        begin = time.monotonic() - traffic.start
+        traffic.stats.bursts.append((begin, begin + 3600.0))
+        await asyncio.gather(*(traffic.one("complete", random.Random(rng.random())) for _ in range(cfg.overload_burst)))
+        traffic.stats.bursts[-1] = (begin, time.monotonic() - traffic.start)
+
+
+async def _rss_loop(pid: int | None, stats: SoakStats, start: float, interval: float, deadline: float) -> None:
+    while pid is not None and time.monotonic() < deadline:
+        stats.rss.append((time.monotonic() - start, _rss_bytes(pid)))
+        await asyncio.sleep(interval)
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as handle:
+        for line in handle:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"no VmRSS for {pid}")
+
+
+async def _engine_stats(client: httpx.AsyncClient) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (await client.get("/metrics")).text
+    return {sample.name.removeprefix("hybridserve_"): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+async def _wait_idle(client: httpx.AsyncClient, timeout: float) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = await _engine_stats(client)
+        if (stats.get("num_requests_running", 1) == 0 and stats.get("num_requests_waiting", 1) == 0
+                and stats.get("kv_blocks_used", 1) == 0) or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.5)
+
+
+async def _warm_up(traffic: Traffic, cfg: SoakConfig) -> None:
+    """Before the clock starts: one request of every kind, then twice `warmup_long_prompts` long
+    prompts at once (the largest steps the traffic can form: their activations set the heap's
+    high-water mark, which the allocator keeps) and one overload burst. Outcomes are not counted."""
+    rng = random.Random(cfg.seed - 1)
+    for kind in KINDS:
+        await traffic.one(kind, rng)
+    for _ in range(2):
+        await asyncio.gather(*(traffic.one("long", rng) for _ in range(cfg.warmup_long_prompts)))
+    await asyncio.gather(*(traffic.one("complete", rng) for _ in range(cfg.overload_burst)))
+
+
+async def run_soak_against(url: str, cfg: SoakConfig, server_pid: int | None) -> dict[str, Any]:
+    """Drive the soak against `url`; `server_pid` (when local) is sampled for RSS."""
+    limits = httpx.Limits(max_connections=cfg.clients + cfg.overload_burst + 8)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=cfg.request_timeout_s) as client:
+        stats = SoakStats()
+        await _warm_up(Traffic(client, cfg, SoakStats(), time.monotonic()), cfg)
+        initial = await _wait_idle(client, cfg.idle_timeout_s)
+        start = time.monotonic()
+        deadline = start + cfg.duration_s
+        traffic = Traffic(client, cfg, stats, start)
+        await asyncio.gather(_rss_loop(server_pid, stats, start, cfg.rss_interval_s, deadline),
+                             _overload_loop(traffic, cfg, deadline),
+                             *(_client_loop(traffic, cfg.seed + i, deadline) for i in range(cfg.clients)))
+        elapsed = time.monotonic() - start
+        final = await _wait_idle(client, cfg.idle_timeout_s)
+        if server_pid is not None:
+            stats.rss.append((time.monotonic() - start, _rss_bytes(server_pid)))
+    return summarize(cfg, stats, initial, final, elapsed)
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def _leaks(initial: dict[str, float], final: dict[str, float]) -> dict[str, float]:
+    """Pool counters that differ from their idle values after the run."""
+    leaks = {}
+    for name in ("kv_blocks_used", "num_requests_running", "num_requests_waiting", "snapshots_reserved",
+                 "snapshots_pinned"):
+        if final.get(name, 0) != 0:
+            leaks[name] = final[name]
+    for free, total in (("kv_blocks_free", "kv_blocks_total"), ("state_slots_free", "state_slots_total")):
+        if final.get(free) != initial.get(free) or final.get(free) != final.get(total):
+            leaks[free] = final.get(free, float("nan"))
+    return leaks
+
+
+def rss_growth(rss: list[tuple[float, int]], window_s: float) -> float:
+    """Relative growth of the mean RSS of the last window over the second window."""
+    if not rss:
+        return float("nan")
+    end = rss[-1][0]
+    second = [b for t, b in rss if window_s <= t < 2 * window_s]
+    last = [b for t, b in rss if t >= end - window_s]
+    if not second or not last:
+        return float("nan")
+    return (sum(last) / len(last)) / (sum(second) / len(second)) - 1.0
+
+
+def summarize(cfg: SoakConfig, stats: SoakStats, initial: dict[str, float], final: dict[str, float],
+              elapsed: float) -> dict[str, Any]:
+    """The figures of a soak run and its verdict."""
+    by_class: Counter = Counter()
+    for (_, outcome), count in stats.outcomes.items():
+        by_class[outcome] += count
+    leaks = _leaks(initial, final)
+    growth = rss_growth(stats.rss, cfg.rss_window_s)
+    all_latencies = [v for values in stats.latencies.values() for v in values]
+    latency = {kind: {"n": len(v), "p50": _percentile(v, 50), "p90": _percentile(v, 90), "p99": _percentile(v, 99)}
+               for kind, v in sorted(stats.latencies.items())}
+    latency["all"] = {"n": len(all_latencies), "p50": _percentile(all_latencies, 50),
+                      "p90": _percentile(all_latencies, 90), "p99": _percentile(all_latencies, 99)}
+    rss_ok = growth != growth or growth < 0.05  # NaN (run shorter than two windows) is not judged
+    passed = not stats.failures and not leaks and rss_ok and by_class["503_overload"] > 0
+    return {
+        "config": asdict(cfg), "elapsed_s": elapsed, "requests": sum(stats.outcomes.values()),
+        "by_class": dict(by_class), "by_kind": {f"{k}/{o}": c for (k, o), c in sorted(stats.outcomes.items())},
+        "latency_s": latency, "ttft_s": {"p50": _percentile(stats.ttft, 50), "p99": _percentile(stats.ttft, 99)},
+        "leaks": leaks, "rss_growth": growth, "rss": stats.rss, "bursts": stats.bursts,
+        "failures": stats.failures[:50], "initial": initial, "final": final, "passed": passed,
+    }
+
+
+def run_soak(cfg: SoakConfig, *, url: str | None = None, serve_args: Sequence[str] = ()) -> dict[str, Any]:
+    """Run against `url`, or against a `hybridserve serve` subprocess started with `serve_args`."""
+    if url is not None:
+        return asyncio.run(run_soak_against(url.rstrip("/"), cfg, None))
+    with ServerProcess(serve_args) as server:
+        assert server.proc is not None
+        result = asyncio.run(run_soak_against(server.url, cfg, server.proc.pid))
+        result["server_argv"] = server.argv[2:]
+        result["server_log_tail"] = server.log_tail(4000)
+        return result
+
+
+def format_soak_report(result: dict[str, Any]) -> str:
+    """A plain-text report."""
+    mib = 1 << 20
+    lines = [f"soak: {result['elapsed_s']:.0f} s, {result['requests']} requests, "
+             f"{'PASSED' if result['passed'] else 'FAILED'}",
+             "outcomes: " + ", ".join(f"{k}={v}" for k, v in sorted(result["by_class"].items())),
+             "latency (s, successful requests): " + "; ".join(
+                 f"{kind} n={v['n']} p50={v['p50']:.2f} p90={v['p90']:.2f} p99={v['p99']:.2f}"
+                 for kind, v in result["latency_s"].items()),
+             f"stream TTFT p50={result['ttft_s']['p50']:.3f} s p99={result['ttft_s']['p99']:.3f} s",
+             f"leaks after idle: {result['leaks'] or 'none'}"]
+    if result["rss"]:
+        rss = [b for _, b in result["rss"]]
+        lines.append(f"server RSS: start {rss[0] / mib:.0f} MiB, max {max(rss) / mib:.0f} MiB, end {rss[-1] / mib:.0f} "
+                     f"MiB; growth last window vs second window {100 * result['rss_growth']:+.2f}%")
+    lines += [f"failure: {f}" for f in result["failures"][:10]]
+    return "\n".join(lines)
+
+
+def plot_rss(result: dict[str, Any], path: str | Path) -> None:
+    """Server RSS over time, overload bursts shaded (matplotlib, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    times = [t for t, _ in result["rss"]]
+    ax.plot(times, [b / (1 << 20) for _, b in result["rss"]], label="server RSS")
+    for index, (start, end) in enumerate(result["bursts"]):
+        ax.axvspan(start, end, color="tab:red", alpha=0.15, label="overload burst" if index == 0 else None)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("MiB")
+    ax.set_title(f"hybridserve soak: {result['requests']} requests in {result['elapsed_s']:.0f} s, "
+                 f"RSS growth {100 * result['rss_growth']:+.1f}%")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def save(result: dict[str, Any], json_path: str | None) -> None:
+    """Write the figures as JSON (RSS samples included)."""
+    if json_path:
+        write_json(json_path, result)

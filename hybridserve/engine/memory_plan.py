@@ -1,0 +1,246 @@
+"""Start-up memory planning: how many bytes the KV pool and the GDN snapshot pool get.
+
+Like vLLM's `--gpu-memory-utilization`, the engine may be told a fraction of the device's memory
+(`memory_fraction`); it then loads the weights, profiles one forward of `max_num_batched_tokens`
+tokens on the actual device to measure the activation peak, and gives what remains of the
+fraction to the caches, split between KV and snapshots by `snapshot_memory_share`. An explicit
+total (`kv_cache_memory_bytes`) or explicit per-pool sizes (`kv_cache_mib`, `prefix_cache_mib`)
+skip the profile. Every plan is checked against the memory actually free before anything is
+allocated, so a model that cannot fit fails at start-up with the numbers, never mid-serving.
+
+Measurements: on CUDA `torch.cuda.mem_get_info` (free/total) and the allocator's peak; on CPU
+`MemAvailable` of /proc/meminfo and the process's peak resident set (VmHWM, reset before the
+profiled forward through /proc/self/clear_refs).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from hybridserve.config import CacheConfig
+
+logger = logging.getLogger(__name__)
+MIB = 1 << 20
+DEFAULT_CUDA_MEMORY_FRACTION = 0.9
+# CPU default when nothing is given: fixed sizes (as vLLM's CPU backend has a fixed KV space),
+# since a CPU server shares RAM with everything else on the machine.
+DEFAULT_CPU_KV_CACHE_MIB = 256.0
+DEFAULT_CPU_PREFIX_CACHE_MIB = 1024.0
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000 ** 2, "mb": 1000 ** 2,
+               "mib": MIB, "g": 1000 ** 3, "gb": 1000 ** 3, "gib": 1 << 30, "t": 1000 ** 4, "tb": 1000 ** 4,
+               "tib": 1 << 40}
+
+
+class DeviceMemory(NamedTuple):
+    """Memory of the serving device: total and currently free/available bytes."""
+
+    total_bytes: int
+    free_bytes: int
+
+
+class MemoryPlan(NamedTuple):
+    """The resolved cache sizes and the measurements they came from (all bytes)."""
+
+    source: str               # how the sizes were chosen
+    device_total: int         # device memory (CUDA) or RAM (CPU)
+    available: int            # free when the engine started (CUDA free memory / CPU MemAvailable)
+    weight_bytes: int
+    activation_bytes: int     # profiled peak of one max-size forward (0 when not profiled)
+    kv_bytes: int
+    snapshot_bytes: int
+    snapshot_share: float     # fraction of the cache memory given to snapshots
+
+    @property
+    def cache_bytes(self) -> int:
+        """KV pool plus snapshot pool."""
+        return self.kv_bytes + self.snapshot_bytes
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        return (f"memory plan ({self.source}): weights {self.weight_bytes / MIB:.1f} MiB, activation peak "
+                f"{self.activation_bytes / MIB:.1f} MiB, cache {self.cache_bytes / MIB:.1f} MiB = KV "
+                f"{self.kv_bytes / MIB:.1f} MiB + snapshots {self.snapshot_bytes / MIB:.1f} MiB "
+                f"(snapshot share {self.snapshot_share:.2f}); device {self.device_total / MIB:.0f} MiB, "
+                f"{self.available / MIB:.0f} MiB available at start")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '4GiB', '512MiB', '1.5G', '1000000' (decimal and binary units, case-insensitive)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"invalid size {text!r}; use bytes or a unit such as 512MiB, 4GiB, 2G")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def device_memory(device: torch.device) -> DeviceMemory:
+    """Total and free bytes of `device` (CUDA: the allocator's view; CPU: /proc/meminfo)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return DeviceMemory(int(total), int(free))
+    info = _meminfo()
+    return DeviceMemory(info["MemTotal"], info.get("MemAvailable", info["MemFree"]))
+
+
+def _meminfo() -> dict[str, int]:
+    values = {}
+    with open("/proc/meminfo") as handle:
+        for line in handle:
+            name, _, rest = line.partition(":")
+            values[name] = int(rest.split()[0]) * 1024
+    return values
+
+
+def _process_status(field: str) -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"{field} not in /proc/self/status")
+
+
+def measure_peak(device: torch.device, run: Callable[[], None]) -> int:
+    """Peak memory growth while `run()` executes: CUDA allocator peak, or CPU resident-set peak."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        run()
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - base)
+    base = _process_status("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")  # reset VmHWM to the current resident set
+    except OSError:
+        logger.warning("cannot reset the peak RSS; the activation estimate may be low")
+    run()
+    return max(0, _process_status("VmHWM") - base)
+
+
+class PlanInputs(NamedTuple):
+    """What planning needs besides the cache config."""
+
+    device: torch.device
+    memory_at_start: DeviceMemory      # measured before the weights were loaded
+    weight_bytes: int
+    kv_bytes_per_block: int
+    bytes_per_snapshot: int
+    min_kv_blocks: int                 # blocks one request of max_model_len tokens needs
+
+
+def plan_memory(cache: CacheConfig, inputs: PlanInputs, profile: Callable[[], int]) -> MemoryPlan:
+    """Resolve the pool sizes (see module doc); raises `ValueError` with numbers if they cannot fit.
+
+    `profile()` runs the max-size forward and returns its activation peak; it is called only when
+    sizes are derived from a memory fraction.
+    """
+    start = inputs.memory_at_start
+    share = cache.snapshot_memory_share if cache.prefix_cache_mib != 0 else 0.0
+    explicit_kv = None if cache.kv_cache_mib is None else int(cache.kv_cache_mib * MIB)
+    explicit_snap = None if cache.prefix_cache_mib is None else int(cache.prefix_cache_mib * MIB)
+    activation = 0
+    total: int | None = None
+    if explicit_kv is not None and explicit_snap is not None:
+        source = "explicit pool sizes"
+    elif cache.kv_cache_memory_bytes is not None:
+        total, source = cache.kv_cache_memory_bytes, "kv-cache-memory"
+    elif cache.memory_fraction is not None or inputs.device.type == "cuda":
+        fraction = cache.memory_fraction if cache.memory_fraction is not None else DEFAULT_CUDA_MEMORY_FRACTION
+        activation = profile()
+        total = _fraction_budget(fraction, start, inputs, activation)
+        source = f"memory fraction {fraction:g}"
+    else:
+        source = "CPU default pool sizes"
+    kv, snap = _split(total, explicit_kv, explicit_snap, share)
+    plan = MemoryPlan(source, start.total_bytes, start.free_bytes, inputs.weight_bytes, activation,
+                      kv, snap, share if total is not None else snap / max(1, kv + snap))
+    _check(plan, inputs, derived=total is not None and explicit_kv is None)
+    return plan
+
+
+def _fraction_budget(fraction: float, start: DeviceMemory, inputs: PlanInputs, activation: int) -> int:
+    """Cache bytes under a memory fraction: of total device memory on CUDA (as vLLM), of the RAM
+    available at start on CPU; minus the weights and the activation peak."""
+    base = start.total_bytes if inputs.device.type == "cuda" else start.free_bytes
+    requested = int(fraction * base)
+    if inputs.device.type == "cuda" and requested > start.free_bytes:
+        raise ValueError(f"--memory-fraction {fraction:g} asks for {requested / MIB:.0f} MiB of "
+                         f"{start.total_bytes / MIB:.0f} MiB device memory, but only {start.free_bytes / MIB:.0f} "
+                         f"MiB were free at start-up; lower --memory-fraction")
+    budget = requested - inputs.weight_bytes - activation
+    if budget <= 0:
+        raise ValueError(f"the model does not fit: memory fraction {fraction:g} gives {requested / MIB:.1f} MiB, "
+                         f"but the weights take {inputs.weight_bytes / MIB:.1f} MiB and a forward of "
+                         f"max_num_batched_tokens needs {activation / MIB:.1f} MiB more, leaving nothing for the "
+                         f"KV cache; raise --memory-fraction, lower --max-num-batched-tokens, or use a "
+                         f"device with more memory")
+    return budget
+
+
+def _split(total: int | None, kv: int | None, snap: int | None, share: float) -> tuple[int, int]:
+    """Pool bytes: explicit sizes win; a total is split by `share` (or by what the explicit pool
+    leaves); with neither, the CPU defaults."""
+    if total is None:
+        return (kv if kv is not None else int(DEFAULT_CPU_KV_CACHE_MIB * MIB),
+                snap if snap is not None else int(DEFAULT_CPU_PREFIX_CACHE_MIB * MIB))
+    explicit = (kv or 0) + (snap or 0)
+    if explicit > total:
+        raise ValueError(f"the explicit pool sizes ({explicit / MIB:.1f} MiB) exceed the planned cache memory "
+                         f"({total / MIB:.1f} MiB)")
+    if kv is not None:
+        return kv, total - kv
+    if snap is not None:
+        return total - snap, snap
+    snapshot = int(total * share)
+    return total - snapshot, snapshot
+
+
+def _check(plan: MemoryPlan, inputs: PlanInputs, derived: bool) -> None:
+    """Fail with numbers when the pools cannot work or cannot be allocated."""
+    kv_blocks = plan.kv_bytes // inputs.kv_bytes_per_block
+    if plan.kv_bytes <= 0 or kv_blocks < 1:
+        raise ValueError(f"the KV pool gets {plan.kv_bytes / MIB:.2f} MiB, less than one block "
+                         f"({inputs.kv_bytes_per_block} bytes); {plan.describe()}")
+    if derived and kv_blocks < inputs.min_kv_blocks:
+        raise ValueError(f"the KV pool ({plan.kv_bytes / MIB:.1f} MiB, {kv_blocks} blocks) cannot hold one request "
+                         f"of max_model_len tokens ({inputs.min_kv_blocks} blocks, "
+                         f"{inputs.min_kv_blocks * inputs.kv_bytes_per_block / MIB:.1f} MiB); raise "
+                         f"--memory-fraction or --kv-cache-memory, or lower --max-model-len. {plan.describe()}")
+    if 0 < plan.snapshot_bytes < inputs.bytes_per_snapshot:
+        raise ValueError(f"the snapshot pool gets {plan.snapshot_bytes} bytes, smaller than one GDN snapshot "
+                         f"({inputs.bytes_per_snapshot} bytes for this model); give it more memory or use "
+                         f"prefix_cache_mib=0 to disable the prefix cache")
+    free_now = device_memory(inputs.device).free_bytes
+    if plan.cache_bytes > free_now:
+        raise ValueError(f"the caches need {plan.cache_bytes / MIB:.1f} MiB (KV {plan.kv_bytes / MIB:.1f} + snapshots "
+                         f"{plan.snapshot_bytes / MIB:.1f}) but only {free_now / MIB:.1f} MiB of "
+                         f"{inputs.device.type} memory are free after loading {plan.weight_bytes / MIB:.1f} MiB "
+                         f"of weights; lower the cache sizes or --memory-fraction")
+
+
+def profile_forward(model: torch.nn.Module, num_tokens: int, block_size: int, dtype: torch.dtype,
+                    device: torch.device) -> int:
+    """Activation peak (bytes) of one prefill forward of `num_tokens` tokens on `device`, run on a
+    temporary runner whose KV pool holds exactly that prompt (freed afterwards)."""
+    from hybridserve.engine.request import Request
+    from hybridserve.engine.runner import ModelRunner
+    from hybridserve.engine.scheduler import Restore, ScheduledChunk, SchedulerOutput, blocks_for
+    from hybridserve.sampling_params import SamplingParams
+
+    num_blocks = blocks_for(num_tokens, block_size)
+    runner = ModelRunner(model, num_kv_blocks=num_blocks, block_size=block_size, num_state_slots=1,
+                         num_snapshot_slots=0, dtype=dtype, device=device)
+    request = Request("memory-profile", None, [0] * num_tokens, SamplingParams(max_tokens=1), block_size)
+    request.block_ids, request.state_slot = list(range(num_blocks)), 0
+    step = SchedulerOutput([ScheduledChunk(request, 0, num_tokens, [], [])], [Restore(request, 0, None, 0)], [])
+    peak = measure_peak(device, lambda: runner.execute(step))
+    del runner
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return peak
