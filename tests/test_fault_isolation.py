@@ -155,11 +155,11 @@ def test_schedule_failure_gives_back_what_it_took(text_checkpoint: Path, monkeyp
     original = type(pool).reserve
     calls = {"n": 0}
 
-    def failing_reserve(self, key, num_tokens):
+    def failing_reserve(self, key, num_tokens, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected schedule failure")
-        return original(self, key, num_tokens)
+        return original(self, key, num_tokens, *args, **kwargs)
 
     monkeypatch.setattr(type(pool), "reserve", failing_reserve)
     engine.add_request("a", shared + _prompt(50, seed=61), GREEDY)

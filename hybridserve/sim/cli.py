@@ -74,7 +74,10 @@ def run_sim(args: argparse.Namespace) -> int:
         for policy in policies:
             for budget in snapshot_budgets:
                 config = SimConfig(policy, int(kv * GIB), int(budget * GIB), args.block_size, args.snapshot_interval)
-                results.append(simulate(tokens, shape, config, progress=not args.no_progress))
+                result = simulate(tokens, shape, config, progress=not args.no_progress)
+                results.append(result)
+                print(f"[sim] {policy} KV {kv:g} GiB, snapshots {budget:g} GiB: {result.hit_rate:.2%} "
+                      f"({result.seconds:.1f} s)", file=sys.stderr, flush=True)
     report = sim_report(args, shape, len(records), ceiling / prompt_tokens, results)
     print(format_sim_report(report))
     if args.json:
