@@ -27,7 +27,7 @@ class ChatBenchConfig:
 
     conversations: int = 4
     turns: int = 8
-    system_tokens: int = 600
+    system_tokens: int = 1024
     message_tokens: int = 160
     reply_tokens: int = 48
     long_after_tokens: int = 2048   # turns whose history exceeds this form the headline figure

@@ -84,7 +84,7 @@ def _add_chat(subparsers: argparse._SubParsersAction) -> None:
                         "cache on vs off", run_chat)
     parser.add_argument("--conversations", type=int, default=4, help="conversations played round-robin")
     parser.add_argument("--turns", type=int, default=8, help="turns per conversation")
-    parser.add_argument("--system-tokens", type=int, default=600, help="system prompt length")
+    parser.add_argument("--system-tokens", type=int, default=1024, help="system prompt length")
     parser.add_argument("--message-tokens", type=int, default=160, help="new user tokens per turn")
     parser.add_argument("--reply-tokens", type=int, default=48, help="generated tokens per turn")
     parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random messages")
