@@ -46,7 +46,7 @@ def _check_parity(path: Path) -> None:
         ref_logits, ref_tokens = _reference_greedy(reference, prompt, 32)
         ours = llm.llm_engine.prompt_logits(prompt)
         assert (ours - ref_logits).abs().max().item() <= 1e-4
-        out = llm.generate([prompt], params)[0]
+        out = llm.generate([prompt], params)[0].outputs[0]
         assert out.token_ids == ref_tokens
     llm.llm_engine.check_integrity()
 

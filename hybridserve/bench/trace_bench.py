@@ -187,7 +187,7 @@ def run_trace_bench(engine_config: EngineConfig, cfg: TraceBenchConfig) -> dict[
         outputs = [o for o in replay.outputs if o is not None]
         assert len(outputs) == len(requests)
         runs[label] = _run_summary(replay.seconds, outputs, replay.engine)
-        tokens[label] = [o.token_ids for o in outputs]
+        tokens[label] = [o.outputs[0].token_ids for o in outputs]
     prompt_tokens = sum(len(r.prompt) for r in requests)
     interval = on_config.cache.snapshot_interval
     identical = sum(a == b for a, b in zip(tokens["on"], tokens["off"]))

@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature / top-k / top-p / min-p, penalties, per-request seeds, logprobs."""
+"""Token sampling: grammar masks, greedy, temperature / top-k / top-p / min-p, penalties, per-request
+seeds, logprobs."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from hybridserve.engine.request import Request
+from hybridserve.engine.structured_output import TokenMasker
 
 
 class SampleResult(NamedTuple):
@@ -16,13 +18,21 @@ class SampleResult(NamedTuple):
     logprobs: list[dict[int, float] | None]
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> SampleResult:
-    """Sample one token for each row of `logits` ([R, vocab], float32), row i for requests[i]."""
+def sample(logits: torch.Tensor, requests: list[Request], masker: TokenMasker | None = None) -> SampleResult:
+    """Sample one token for each row of `logits` ([R, vocab], float32), row i for requests[i].
+
+    Rows of requests with a grammar matcher are masked first (one batched mask for all of them);
+    logprobs are those of the model's distribution, before masks and penalties."""
     if not requests:
         return SampleResult([], [])
     processed = logits
-    if any(r.params.needs_penalties for r in requests):
+    constrained = [row for row, r in enumerate(requests) if r.matcher is not None]
+    if constrained:
+        assert masker is not None, "a request has a grammar matcher but the engine has no masker"
         processed = logits.clone()
+        masker.apply(processed, constrained, [requests[row].matcher for row in constrained])
+    if any(r.params.needs_penalties for r in requests):
+        processed = processed.clone() if processed is logits else processed
         for row, request in enumerate(requests):
             if request.params.needs_penalties:
                 _apply_penalties(processed[row], request)

@@ -1,0 +1,133 @@
+"""Structured outputs: grammars compiled by llguidance, applied as a batched token mask.
+
+`GrammarCompiler` turns a `StructuredOutputsParams` (JSON schema, JSON object, regex, choice,
+Lark grammar) into an llguidance `LLMatcher`; compiled matchers are cached per constraint (an
+LRU keyed by the canonical constraint text) and every request gets a cheap `deep_copy`.
+`TokenMasker` fills one bitmask row per constrained request (in parallel on llguidance's thread
+pool) and sets the logits of disallowed tokens to -inf, all rows of a batch at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from typing import NamedTuple
+
+import llguidance
+import llguidance.torch as llg_torch
+import torch
+
+from hybridserve.models.tokenizer import Tokenizer
+from hybridserve.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+# Compact JSON (no free whitespace): a random or weak model cannot wander off into endless spaces.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+DEFAULT_CACHE_SIZE = 256
+
+
+class CompileCacheInfo(NamedTuple):
+    """Grammar compile cache counters."""
+
+    hits: int
+    misses: int
+    size: int
+
+
+def grammar_text(spec: StructuredOutputsParams) -> str:
+    """The llguidance grammar (JSON-wrapped) for one constraint."""
+    if spec.json is not None:
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.json, defaults=JSON_OPTIONS)
+    if spec.json_object:
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if spec.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+    if spec.choice is not None:
+        alternatives = " | ".join(json.dumps(choice) for choice in spec.choice)
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}\n")
+    assert spec.grammar is not None
+    return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer; thread-safe, with a per-constraint LRU cache."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        self.vocab_size = vocab_size
+        self.ll_tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
+                                                   eos_token=list(tokenizer.eos_token_ids))
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+        self._hits = 0
+        self._misses = 0
+
+    def matcher(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """A fresh matcher for `spec` (ValueError if the grammar is invalid)."""
+        key = spec.key
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                self._hits += 1
+                return compiled.deep_copy()
+        compiled = self._compile(spec)
+        with self._lock:
+            self._misses += 1
+            self._cache[key] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled.deep_copy()
+
+    def _compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
+        try:
+            grammar = grammar_text(spec)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"invalid structured output constraint: {exc}") from None
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"invalid structured output constraint: {matcher.get_error()}")
+        return matcher
+
+    def cache_info(self) -> CompileCacheInfo:
+        """Hits, misses and entries of the compile cache."""
+        with self._lock:
+            return CompileCacheInfo(self._hits, self._misses, len(self._cache))
+
+
+class TokenMasker:
+    """Applies the matchers' allowed-token masks to a batch of logits rows."""
+
+    def __init__(self, vocab_size: int, num_threads: int | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.executor = llguidance.LLExecutor(num_threads)
+        self._bitmask = llg_torch.allocate_token_bitmask(1, vocab_size)
+        self._shifts = torch.arange(32, dtype=torch.int32)
+
+    def _buffer(self, rows: int) -> torch.Tensor:
+        if self._bitmask.shape[0] < rows:
+            self._bitmask = llg_torch.allocate_token_bitmask(rows, self.vocab_size)
+        return self._bitmask[:rows]
+
+    def allowed(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
+        """[len(matchers), vocab] bool: the tokens each matcher allows next."""
+        bitmask = self._buffer(len(matchers))
+        llg_torch.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        bits = (bitmask.unsqueeze(-1) >> self._shifts) & 1
+        return bits.reshape(len(matchers), -1)[:, :self.vocab_size].bool()
+
+    def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[llguidance.LLMatcher]) -> None:
+        """Set disallowed tokens of `logits[rows[i]]` to -inf, per `matchers[i]` (in place)."""
+        if not rows:
+            return
+        allowed = self.allowed(matchers).to(logits.device)
+        width = min(logits.shape[-1], allowed.shape[-1])
+        index = torch.tensor(rows, device=logits.device)
+        block = logits.index_select(0, index)
+        block[:, :width].masked_fill_(~allowed[:, :width], float("-inf"))
+        if logits.shape[-1] > width:
+            block[:, width:] = float("-inf")
+        logits.index_copy_(0, index, block)
