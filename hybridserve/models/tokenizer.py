@@ -21,7 +21,7 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 BYTE_LEVEL_SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 # Byte-level layout: ids 0-255 are the bytes, the special tokens follow at fixed ids, then the
-# trained merges, then `<|reserved_N|>` tokens up to the vocab size.
+# trained merges, then syllable pieces (printable text) up to the vocab size.
 ENDOFTEXT_ID = 256
 IM_START_ID = 257
 IM_END_ID = 258
@@ -97,6 +97,24 @@ def _bytes_to_unicode() -> dict[int, str]:
             mapping[b] = chr(256 + extra)
             extra += 1
     return mapping
+
+
+_ONSETS = ("", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "y", "z",
+           "br", "ch", "cl", "cr", "dr", "fl", "fr", "gr", "pl", "pr", "sh", "sl", "sp", "st", "th", "tr", "wh")
+_VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ee", "oo", "ou")
+_CODAS = ("", "n", "r", "s", "t", "l", "m", "nd", "st", "ng", "ck")
+
+
+def _syllable_pieces(byte_chars: Mapping[int, str]) -> Iterable[str]:
+    """Pronounceable pieces in byte-level spelling, each first as a word start (leading space)
+    then as a word continuation, in a fixed order (onset x vowel x coda)."""
+    space = byte_chars[ord(" ")]
+    for coda in _CODAS:
+        for onset in _ONSETS:
+            for vowel in _VOWELS:
+                syllable = onset + vowel + coda
+                yield space + syllable
+                yield syllable
 
 
 def _token_content(value: Any) -> str | None:
@@ -182,8 +200,9 @@ class Tokenizer:
         """Deterministic byte-level BPE tokenizer of exactly `vocab_size` ids (built-in model).
 
         Ids 0-255 are the bytes, 256-258 `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, then the
-        merges learned from `training_text` (as many as it yields and fit), then reserved special
-        tokens `<|reserved_N|>` up to `vocab_size`; every id decodes.
+        merges learned from `training_text` (as many as it yields and fit), then syllable pieces
+        (" bra", "stoo", ...) up to `vocab_size`, so every id decodes to visible text. The syllable
+        pieces are plain vocabulary entries: decoding them works, encoding text never yields them.
         """
         first_merge_id = 256 + len(BYTE_LEVEL_SPECIAL_TOKENS)
         if vocab_size < first_merge_id:
@@ -198,12 +217,15 @@ class Tokenizer:
             if left + right not in vocab:
                 vocab[left + right] = len(vocab)
                 merges.append((left, right))
-        reserved = [f"<|reserved_{n}|>" for n in range(vocab_size - len(vocab))]
-        vocab.update({tok: len(vocab) + i for i, tok in enumerate(reserved)})
+        for piece in _syllable_pieces(byte_chars):
+            if len(vocab) == vocab_size:
+                break
+            vocab.setdefault(piece, len(vocab))
+        if len(vocab) < vocab_size:
+            raise ValueError(f"byte-level vocab_size {vocab_size} is larger than this tokenizer can fill")
 
         backend = _byte_level_backend(models.BPE(vocab=vocab, merges=merges))
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t in (*BYTE_LEVEL_SPECIAL_TOKENS, *reserved)])
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BYTE_LEVEL_SPECIAL_TOKENS])
         return cls(backend, eos_token_ids=(ENDOFTEXT_ID, IM_END_ID), eos_token=IM_END,
                    chat_template=CHATML_TEMPLATE)
 
