@@ -83,6 +83,7 @@ class SamplingParams:
     `logprobs=k` returns, for every generated token, its log-probability and the top-k
     alternatives. `ignore_eos` keeps generating past EOS up to `max_tokens`.
     `structured_outputs` constrains the text with a grammar (JSON schema, regex, choice, Lark).
+    `logit_bias` adds a bias to the logits of the given token ids before sampling.
     """
 
     n: int = 1
@@ -103,6 +104,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -143,6 +145,9 @@ class SamplingParams:
                 raise SamplingParamsTypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
             raise SamplingParamsTypeError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
+        if self.logit_bias is not None and (not isinstance(self.logit_bias, dict) or not all(
+                _is_int(k) and _is_number(v) for k, v in self.logit_bias.items())):
+            raise SamplingParamsTypeError("logit_bias must be a dict of token id (int) -> bias (number)")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise SamplingParamsTypeError(f"stop_token_ids must be a list of integers, got "
                                           f"{type(self.stop_token_ids).__name__}")
@@ -168,6 +173,8 @@ class SamplingParams:
             (-2 <= self.frequency_penalty <= 2,
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty!r}"),
+            (all(k >= 0 and -100 <= v <= 100 for k, v in (self.logit_bias or {}).items()),
+             "logit_bias needs token ids >= 0 and biases in [-100, 100]"),
             (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
              "structured_outputs must be a StructuredOutputsParams"),
         ]

@@ -31,6 +31,14 @@ def sample(logits: torch.Tensor, requests: list[Request], masker: TokenMasker | 
         assert masker is not None, "a request has a grammar matcher but the engine has no masker"
         processed = logits.clone()
         masker.apply(processed, constrained, [requests[row].matcher for row in constrained])
+    biased = [row for row, r in enumerate(requests) if r.params.logit_bias]
+    if biased:
+        processed = processed.clone() if processed is logits else processed
+        for row in biased:
+            bias = requests[row].params.logit_bias or {}
+            ids = torch.tensor([t for t in bias if t < processed.shape[-1]], dtype=torch.long, device=processed.device)
+            values = torch.tensor([v for t, v in bias.items() if t < processed.shape[-1]], device=processed.device)
+            processed[row].index_add_(0, ids, values.to(processed.dtype))
     if any(r.params.needs_penalties for r in requests):
         processed = processed.clone() if processed is logits else processed
         for row, request in enumerate(requests):

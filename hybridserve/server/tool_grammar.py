@@ -58,11 +58,10 @@ def _function_rules(index: int, function: Mapping[str, Any]) -> tuple[str, list[
     return rule, lines
 
 
-def tool_call_grammar(tools: Sequence[Mapping[str, Any]], *, only: str | None = None, multiple: bool = False,
-                      prefix: str = "") -> str:
+def tool_call_grammar(tools: Sequence[Mapping[str, Any]], *, only: str | None = None,
+                      multiple: bool = False) -> str:
     """A Lark grammar forcing calls of `tools` (of the function named `only`, if given).
-    `multiple` allows up to `MAX_PARALLEL_CALLS` calls in a row; `prefix` is literal text before
-    them (e.g. the `</think>` that closes a thinking block the prompt opened)."""
+    `multiple` allows up to `MAX_PARALLEL_CALLS` calls in a row."""
     functions = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
     if not functions:
         raise ValueError(f"no tool named {only!r}" if only else "no tools to call")
@@ -76,5 +75,5 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], *, only: str | None = 
     calls = "call"
     for _ in range(MAX_PARALLEL_CALLS - 1 if multiple else 0):
         calls = f'call ("\\n" {calls})?'
-    lines.insert(0, f"start: {_literal(prefix) + ' ' if prefix else ''}{calls}")
+    lines.insert(0, f"start: {calls}")
     return "\n".join(lines) + "\n"
