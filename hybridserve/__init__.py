@@ -1,7 +1,7 @@
 """hybridserve: a serving engine for hybrid (Gated DeltaNet + attention) LLMs with a joint prefix cache."""
 
 from hybridserve.api import LLM
-from hybridserve.sampling_params import RequestOutput, SamplingParams
+from hybridserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
