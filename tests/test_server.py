@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,15 +15,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from hybridserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridserve.engine.async_engine import AsyncLLMEngine
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.server.app import build_app
 from hybridserve.engine_args import engine_config_from_args
 from hybridserve.server.cli import build_parser, served_model_names
+from tests.live_server import ServerThread, tiny_config
 
 MODEL = "tiny"
 API_KEY = "sekrit-key"
@@ -32,38 +30,6 @@ MAX_MODEL_LEN = 32768  # the built-in model's max_position_embeddings
 VOCAB = 4096
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def tiny_config(**scheduler: Any) -> EngineConfig:
-    """The small engine all server tests run on."""
-    sched = {"max_num_seqs": 8, "max_num_batched_tokens": 1024, **scheduler}
-    return EngineConfig(model=None,
-                        cache=CacheConfig(kv_cache_mib=32, prefix_cache_mib=64, snapshot_interval=256, block_size=16),
-                        scheduler=SchedulerConfig(**sched))
-
-
-class ServerThread:
-    """A uvicorn server for `app` on a free 127.0.0.1 port, in a daemon thread."""
-
-    def __init__(self, app: Any) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
-
-    def __enter__(self) -> "ServerThread":
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self._thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self._thread.join(10)
-        self._sock.close()
 
 
 def engine_stats(engine: AsyncLLMEngine) -> dict[str, float]:

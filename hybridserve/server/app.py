@@ -85,7 +85,13 @@ from hybridserve.server.reasoning_parser import (
     split_reasoning,
 )
 from hybridserve.server.tool_grammar import tool_call_grammar
-from hybridserve.server.tool_parser import ParsedToolCall, ToolCallStream, parse_tool_calls
+from hybridserve.server.tool_parser import (
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+    ParsedToolCall,
+    ToolCallStream,
+    parse_tool_calls,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -550,8 +556,7 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_structured_output") from exc
 
-    @staticmethod
-    def _chat_constraint(body: ChatCompletionRequest) -> StructuredOutputsParams | None:
+    def _chat_constraint(self, body: ChatCompletionRequest) -> StructuredOutputsParams | None:
         """The grammar of a chat request: forced tool calls, `response_format`, or vLLM's extras."""
         given = []
         extra = body.structured_output_params()
@@ -567,7 +572,9 @@ class OpenAIServing:
         if tools and (body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice)):
             only = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
             multiple = body.tool_choice == "required" and body.parallel_tool_calls is not False
-            given.append(StructuredOutputsParams(grammar=tool_call_grammar(tools, only=only, multiple=multiple)))
+            marker_tokens = all(self.tokenizer.token_to_id(m) is not None for m in (TOOL_CALL_START, TOOL_CALL_END))
+            grammar = tool_call_grammar(tools, only=only, multiple=multiple, marker_tokens=marker_tokens)
+            given.append(StructuredOutputsParams(grammar=grammar))
         if len(given) > 1:
             raise ValueError("give at most one output constraint (response_format, forced tool_choice, "
                              "structured_outputs or guided_*)")

@@ -5,7 +5,9 @@ The grammar (llguidance's Lark dialect) admits exactly the Qwen3.5 call markup t
 allowed functions, each parameter in the declared order, required ones always present. String
 values are raw text without `<` or newlines, at most `maxLength` characters (64 when the schema
 sets none) so that even a weak model finishes them; enums are literal alternatives; other types
-are JSON constrained by their schema (`%json`).
+are JSON constrained by their schema (`%json`). When the tokenizer has `<tool_call>` and
+`</tool_call>` as single (added) tokens, as Qwen's do, the grammar names those tokens (`<tool_call>`
+in llguidance's Lark) instead of spelling the text, since llguidance treats added tokens as special.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def _value_rule(schema: Mapping[str, Any]) -> str:
     return "%json " + json.dumps(dict(schema) or {}, sort_keys=True)
 
 
-def _function_rules(index: int, function: Mapping[str, Any]) -> tuple[str, list[str]]:
+def _function_rules(index: int, function: Mapping[str, Any], marker_tokens: bool) -> tuple[str, list[str]]:
     """(rule name, rule lines) for calls of one function."""
     name = function["name"]
     parameters = function.get("parameters") or {}
@@ -52,23 +54,28 @@ def _function_rules(index: int, function: Mapping[str, Any]) -> tuple[str, list[
                      f"{_literal(chr(10) + '</parameter>' + chr(10))}")
         parts.append(param_rule if key in required else f"{param_rule}?")
     rule = f"call{index}"
-    head = _literal(f"{TOOL_CALL_START}\n<function={name}>\n")
-    tail = _literal(f"</function>\n{TOOL_CALL_END}")
+    if marker_tokens:
+        head = f"{TOOL_CALL_START} {_literal(f'{chr(10)}<function={name}>{chr(10)}')}"
+        tail = f"{_literal(f'</function>{chr(10)}')} {TOOL_CALL_END}"
+    else:
+        head = _literal(f"{TOOL_CALL_START}\n<function={name}>\n")
+        tail = _literal(f"</function>\n{TOOL_CALL_END}")
     lines.append(f"{rule}: {head} {' '.join(parts)} {tail}")
     return rule, lines
 
 
 def tool_call_grammar(tools: Sequence[Mapping[str, Any]], *, only: str | None = None,
-                      multiple: bool = False) -> str:
+                      multiple: bool = False, marker_tokens: bool = False) -> str:
     """A Lark grammar forcing calls of `tools` (of the function named `only`, if given).
-    `multiple` allows up to `MAX_PARALLEL_CALLS` calls in a row."""
+    `multiple` allows up to `MAX_PARALLEL_CALLS` calls in a row; `marker_tokens` names the
+    `<tool_call>`/`</tool_call>` tokens instead of spelling them."""
     functions = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
     if not functions:
         raise ValueError(f"no tool named {only!r}" if only else "no tools to call")
     lines: list[str] = []
     names: list[str] = []
     for index, function in enumerate(functions):
-        rule, rule_lines = _function_rules(index, function)
+        rule, rule_lines = _function_rules(index, function, marker_tokens)
         names.append(rule)
         lines.extend(rule_lines)
     lines.insert(0, f"call: {' | '.join(names)}")
