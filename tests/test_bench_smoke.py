@@ -106,3 +106,16 @@ def test_cli_bench_subcommands(tmp_path: Path) -> None:
                  "--max-output-tokens", "1", "--no-progress", "--kv-cache-mib", "16", "--prefix-cache-mib", "64",
                  "--max-model-len", "1024", "--json", str(out)])
     assert code == 0 and json.loads(out.read_text())["num_requests"] == 2
+
+
+def test_structured_bench_runs() -> None:
+    from hybridserve.bench.structured_bench import StructuredBenchConfig, format_structured_report, \
+        run_structured_bench
+
+    cfg = StructuredBenchConfig(batch_sizes=(1, 2), prompt_tokens=8, decode_tokens=6, warmup=0, iterations=1)
+    result = run_structured_bench(small_engine_config(), cfg)
+    assert [row["batch"] for row in result["rows"]] == [1, 2]
+    assert all(row["pairs_measured"] > 0 and row["ratio"] > 0 for row in result["rows"])
+    assert result["compile_cache"]["misses"] == 1 and result["compile_cache"]["hits"] >= 3
+    assert "JSON schema ms/step" in format_structured_report(result)
+    assert build_parser().parse_args(["bench", "structured", "--batch-sizes", "1"]).batch_sizes == [1]

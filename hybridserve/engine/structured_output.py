@@ -3,8 +3,10 @@
 `GrammarCompiler` turns a `StructuredOutputsParams` (JSON schema, JSON object, regex, choice,
 Lark grammar) into an llguidance `LLMatcher`; compiled matchers are cached per constraint (an
 LRU keyed by the canonical constraint text) and every request gets a cheap `deep_copy`.
-`TokenMasker` fills one bitmask row per constrained request (in parallel on llguidance's thread
-pool) and sets the logits of disallowed tokens to -inf, all rows of a batch at once.
+`TokenMasker` fills one bitmask row per constrained request and sets the logits of disallowed
+tokens to -inf, all rows of a batch at once. Rows are filled on the calling thread: a mask takes
+well under a millisecond, and llguidance's thread pool would compete for the CPU cores with the
+model's own threads (on a 2-core machine that costs more than it saves).
 """
 
 from __future__ import annotations
@@ -101,9 +103,8 @@ class GrammarCompiler:
 class TokenMasker:
     """Applies the matchers' allowed-token masks to a batch of logits rows."""
 
-    def __init__(self, vocab_size: int, num_threads: int | None = None) -> None:
+    def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self.executor = llguidance.LLExecutor(num_threads)
         self._bitmask = llg_torch.allocate_token_bitmask(1, vocab_size)
         self._shifts = torch.arange(32, dtype=torch.int32)
 
@@ -115,7 +116,8 @@ class TokenMasker:
     def allowed(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
         """[len(matchers), vocab] bool: the tokens each matcher allows next."""
         bitmask = self._buffer(len(matchers))
-        llg_torch.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        for row, matcher in enumerate(matchers):
+            llg_torch.fill_next_token_bitmask(matcher, bitmask, row)
         bits = (bitmask.unsqueeze(-1) >> self._shifts) & 1
         return bits.reshape(len(matchers), -1)[:, :self.vocab_size].bool()
 
