@@ -137,3 +137,12 @@ def test_bad_api_arguments(llm: LLM) -> None:
     with pytest.raises(ValueError, match="got int"):
         llm.generate(5)  # type: ignore[arg-type]
     _idle(llm)
+
+
+def test_logit_bias(llm: LLM) -> None:
+    favourite = 4000
+    out = llm.generate("Bias me", SamplingParams(max_tokens=3, temperature=1.0, seed=0,
+                                                 logit_bias={favourite: 100.0}))[0]
+    assert out.outputs[0].token_ids == [favourite] * 3
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate("x", SamplingParams(logit_bias={10**6: 1.0}))
