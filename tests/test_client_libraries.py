@@ -66,7 +66,8 @@ def test_langchain_chat_stream_structured_and_tools(server: ServerThread) -> Non
     assert isinstance(called.tool_calls[0]["args"]["city"], str)
 
 
-def test_litellm_chat_stream_structured_and_tools(server: ServerThread) -> None:
+def test_litellm_chat_stream_structured_and_tools(server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download of the cost map at import
     import litellm
 
     common = {"model": f"openai/{MODEL}", "api_base": f"{server.url}/v1", "api_key": "unused",

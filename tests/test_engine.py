@@ -98,12 +98,14 @@ def test_stop_strings_eos_and_stop_tokens() -> None:
     base = llm.generate(["The engine"], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0].outputs[0]
     assert len(base.token_ids) == 24
     stop_token = base.token_ids[5]
-    out = llm.generate(["The engine"], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_token]))[0].outputs[0]
+    params = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_token])
+    out = llm.generate(["The engine"], params)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_token
     assert out.token_ids == base.token_ids[: base.token_ids.index(stop_token) + 1]
     stop_text = base.text[6:9]
     if stop_text:
-        out = llm.generate(["The engine"], SamplingParams(max_tokens=24, temperature=0.0, stop=[stop_text]))[0].outputs[0]
+        params = SamplingParams(max_tokens=24, temperature=0.0, stop=[stop_text])
+        out = llm.generate(["The engine"], params)[0].outputs[0]
         assert out.finish_reason == "stop" and out.stop_reason == stop_text
         assert out.text == base.text[: base.text.index(stop_text)]
     eos = llm.tokenizer.eos_token_ids[0]

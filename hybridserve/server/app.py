@@ -542,8 +542,8 @@ class OpenAIServing:
     def _render_chat(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,
                      kwargs: dict[str, Any] | None, add_generation_prompt: bool) -> str:
         try:
-            return self.chat.render([m.to_template_dict() for m in messages], add_generation_prompt=add_generation_prompt,
-                                    extra=kwargs, tools=tools)
+            return self.chat.render([m.to_template_dict() for m in messages],
+                                    add_generation_prompt=add_generation_prompt, extra=kwargs, tools=tools)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages", code="chat_template_error") from exc
         except ValueError as exc:
