@@ -10,7 +10,7 @@ TORCH_LOADED_BEFORE_HYBRIDSERVE = "torch" in sys.modules
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from hybridserve.api import LLM  # noqa: E402
-from hybridserve.sampling_params import RequestOutput, SamplingParams  # noqa: E402
+from hybridserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams  # noqa: E402,E501
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"

@@ -1,16 +1,23 @@
-"""`LLM`: the offline Python API in the vLLM shape."""
+"""`LLM`: the offline Python API in the vLLM shape (`generate`, `chat`, `get_tokenizer`)."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
 
 from hybridserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridserve.engine.engine import LLMEngine, PrefixCacheReport
 from hybridserve.engine.memory_plan import parse_size
+from hybridserve.models.tokenizer import Tokenizer
 from hybridserve.sampling_params import RequestOutput, SamplingParams
+from hybridserve.server.chat import ChatRenderer
 
 Prompt = str | list[int]
+Message = Mapping[str, Any]
+TQDM_MIN_PROMPTS = 2
 
 
 class LLM:
@@ -18,6 +25,7 @@ class LLM:
 
     >>> llm = LLM()
     >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    >>> out.outputs[0].text
     """
 
     def __init__(self, model: str | None = None, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
@@ -37,34 +45,71 @@ class LLM:
                                     max_prefill_tokens_during_decode=max_prefill_tokens_during_decode)
         self.llm_engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, seed=seed,
                                                  num_threads=num_threads, cache=cache, scheduler=scheduler))
+        self._chat = ChatRenderer(self.llm_engine.tokenizer.chat_template)
         self._ids = itertools.count()
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - hybridserve.models.tokenizer.Tokenizer
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (same as `get_tokenizer()`)."""
+        return self.llm_engine.tokenizer
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer: `encode`, `decode`, `apply_chat_template`, `eos_token_ids`."""
         return self.llm_engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
-                 | None = None, *, cache_salt: str | None = None) -> list[RequestOutput]:
+                 | None = None, *, cache_salt: str | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt (a string, a list of token ids, or a list of either) and
-        return the finished outputs in input order. All prompts are validated before any runs."""
+        return the finished `RequestOutput`s in input order, each with `n` completions in
+        `outputs`. All prompts are validated before any runs. A progress bar is shown for more
+        than one prompt when `use_tqdm` is true."""
         batch = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(batch))
         engine = self.llm_engine
-        requests = [engine.make_request(f"llm-{next(self._ids)}", prompt, param, cache_salt)
-                    for prompt, param in zip(batch, params)]
-        for request in requests:
-            engine.enqueue(request)
+        groups = [engine.make_request(f"llm-{next(self._ids)}", prompt, param, cache_salt)
+                  for prompt, param in zip(batch, params)]
+        for group in groups:
+            engine.enqueue(group)
         finished: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(groups), desc="Processed prompts", unit="prompt",
+                        disable=not use_tqdm or len(groups) < TQDM_MIN_PROMPTS)
         try:
-            while len(finished) < len(requests):
+            while len(finished) < len(groups):
                 for output in engine.step():
                     if output.finished:
                         finished[output.request_id] = output
+                        progress.update(1)
         finally:
-            for request in requests:
-                if request.request_id not in finished:
-                    engine.abort_request(request.request_id)
-        return [finished[r.request_id] for r in requests]
+            progress.close()
+            for group in groups:
+                if group.request_id not in finished:
+                    engine.abort_request(group.request_id)
+        return [finished[g.request_id] for g in groups]
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             chat_template_kwargs: Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
+             add_generation_prompt: bool = True, cache_salt: str | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Render one conversation (a list of `{"role", "content"}` messages) or a list of them
+        with the model's chat template (with `tools` in OpenAI's function format and
+        `chat_template_kwargs`, e.g. `{"enable_thinking": False}`) and generate a reply to each."""
+        conversations = _as_conversations(messages)
+        prompts = [self.render_chat(conversation, tools=tools, chat_template_kwargs=chat_template_kwargs,
+                                    add_generation_prompt=add_generation_prompt)
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params, cache_salt=cache_salt, use_tqdm=use_tqdm)
+
+    def render_chat(self, messages: Sequence[Message], *, tools: Sequence[Mapping[str, Any]] | None = None,
+                    chat_template_kwargs: Mapping[str, Any] | None = None,
+                    add_generation_prompt: bool = True) -> str:
+        """The prompt text the chat template makes of `messages` (ValueError if it cannot)."""
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise ValueError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+        if tools is not None and not isinstance(tools, (list, tuple)):
+            raise ValueError(f"tools must be a list, got {type(tools).__name__}")
+        return self._chat.render([dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+                                 extra=dict(chat_template_kwargs or {}), tools=list(tools) if tools else None)
 
     def prefix_cache_stats(self) -> PrefixCacheReport:
         """Joint prefix cache counters: queries, hits, misses by kind, snapshot residency."""
@@ -77,7 +122,8 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]  # one tokenized prompt
     if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of those")
+        raise ValueError(f"prompts must be a string, a list of token ids, or a non-empty list of those; "
+                         f"got {type(prompts).__name__}")
     return list(prompts)
 
 
@@ -86,7 +132,26 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, co
         return [SamplingParams() for _ in range(count)]
     if isinstance(params, SamplingParams):
         return [params] * count
+    if not isinstance(params, (list, tuple)):
+        raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
     params = list(params)
     if len(params) != count:
         raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+    bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+    if bad is not None:
+        raise ValueError(f"sampling_params must hold SamplingParams, got {type(bad).__name__}")
     return params
+
+
+def _as_conversations(messages: Sequence[Message] | Sequence[Sequence[Message]]) -> list[list[Message]]:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"messages must be a non-empty list of messages or of conversations, "
+                         f"got {type(messages).__name__}")
+    conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+    for conversation in conversations:
+        if not isinstance(conversation, (list, tuple)) or not conversation:
+            raise ValueError("each conversation must be a non-empty list of messages")
+        for message in conversation:
+            if not isinstance(message, Mapping) or "role" not in message:
+                raise ValueError(f"a message must be a dict with a 'role', got {message!r}")
+    return [list(c) for c in conversations]

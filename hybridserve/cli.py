@@ -38,15 +38,16 @@ def run_generate(args: argparse.Namespace) -> int:
     final = None
     while engine.has_unfinished_requests():
         for output in engine.step():
-            if first_token is None and output.token_ids:
+            if first_token is None and output.outputs[0].token_ids:
                 first_token = time.perf_counter()
             final = output if output.finished else final
     total = time.perf_counter() - start
     assert final is not None and first_token is not None
-    decode_tokens = max(len(final.token_ids) - 1, 1)
-    print(args.prompt + final.text)
-    print(f"[hybridserve] prompt_tokens={len(final.prompt_token_ids)} completion_tokens={len(final.token_ids)} "
-          f"finish_reason={final.finish_reason} ttft={1000 * (first_token - start):.1f} ms "
+    completion = final.outputs[0]
+    decode_tokens = max(len(completion.token_ids) - 1, 1)
+    print(args.prompt + completion.text)
+    print(f"[hybridserve] prompt_tokens={len(final.prompt_token_ids)} completion_tokens={len(completion.token_ids)} "
+          f"finish_reason={completion.finish_reason} ttft={1000 * (first_token - start):.1f} ms "
           f"decode={1000 * (total - (first_token - start)) / decode_tokens:.1f} ms/token total={total:.2f} s",
           file=sys.stderr)
     return 0

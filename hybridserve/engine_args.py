@@ -11,11 +11,10 @@ from hybridserve.engine.memory_plan import parse_size
 def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: bool = False) -> None:
     """Add model, device and pool-size flags (defaults shown with ArgumentDefaultsHelpFormatter)."""
     if model_positional:
-        parser.add_argument("model", nargs="?", default=None,
-                            help="model directory (Hugging Face layout); the built-in model when omitted")
-    else:
-        parser.add_argument("--model", default=None,
-                            help="model directory (Hugging Face layout); the built-in model when omitted")
+        parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
+                            help="model directory (Hugging Face layout); same as --model")
+    parser.add_argument("--model", default=None,
+                        help="model directory (Hugging Face layout); the built-in model when omitted")
     parser.add_argument("--prefix-cache-mib", type=float, default=None,
                         help="memory for GDN state snapshots of the joint prefix cache (0 disables it); when "
                              "unset, planned (see --memory-fraction), or 1024 on CPU")
@@ -56,6 +55,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
     parser.add_argument("--seed", type=int, default=0, help="seed of the engine's random state")
 
 
+def model_from_args(args: argparse.Namespace) -> str | None:
+    """The model directory: the positional MODEL or `--model` (ValueError if they disagree)."""
+    positional = getattr(args, "model_positional", None)
+    if positional is not None and args.model is not None and positional != args.model:
+        raise ValueError(f"two different models given: {positional!r} and --model {args.model!r}")
+    return positional if positional is not None else args.model
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The `EngineConfig` the flags describe (raises `ValueError` on invalid values)."""
     cache = CacheConfig(block_size=args.block_size, kv_cache_mib=args.kv_cache_mib,
@@ -66,5 +73,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 max_model_len=args.max_model_len, max_waiting_requests=args.max_waiting_requests,
                                 max_prefill_tokens_during_decode=args.max_prefill_tokens_during_decode)
-    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed,
+    return EngineConfig(model=model_from_args(args), device=args.device, dtype=args.dtype, seed=args.seed,
                         num_threads=args.threads, cache=cache, scheduler=scheduler)

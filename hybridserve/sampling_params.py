@@ -1,23 +1,93 @@
-"""`SamplingParams` (vLLM-shaped) and `RequestOutput`, the public request/response types."""
+"""`SamplingParams`, `StructuredOutputsParams` (vLLM-shaped) and `RequestOutput` / `CompletionOutput`,
+the public request/response types."""
 
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+MAX_N = 64
+
+
+class SamplingParamsTypeError(TypeError, ValueError):
+    """A sampling parameter has the wrong type. It is a `ValueError` too, the API's error for bad
+    input, so callers catching either see it."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output with a grammar (exactly one of the fields).
+
+    `json`: a JSON schema (dict or JSON text); `json_object`: any JSON object; `regex`: a regular
+    expression; `choice`: one of these strings; `grammar`: a Lark grammar (llguidance dialect).
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {given or 'none'}")
+        _check_type("structured_outputs.json", self.json, (dict, str, type(None)))
+        _check_type("structured_outputs.regex", self.regex, (str, type(None)))
+        _check_type("structured_outputs.grammar", self.grammar, (str, type(None)))
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            if not all(isinstance(c, str) for c in self.choice):
+                raise SamplingParamsTypeError("structured_outputs.choice must hold strings only")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", json.loads(self.json))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            if not isinstance(self.json, dict):
+                raise ValueError("structured_outputs.json must be a JSON object (a schema)")
+
+    @property
+    def key(self) -> str:
+        """Canonical text naming this constraint (the grammar compile cache key)."""
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name)},
+                          sort_keys=True)
+
+    @classmethod
+    def coerce(cls, value: "StructuredOutputsParams | dict[str, Any] | None") -> "StructuredOutputsParams | None":
+        """Accept an instance, a dict of its fields, or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {f.name for f in fields(cls)})
+            if unknown:
+                raise ValueError(f"unknown structured_outputs field(s): {', '.join(unknown)}")
+            return cls(**value)
+        raise SamplingParamsTypeError(f"structured_outputs must be a StructuredOutputsParams or a dict, "
+                                      f"got {type(value).__name__}")
 
 
 @dataclass
 class SamplingParams:
-    """How to sample one request's completion.
+    """How to sample one request's completions.
 
-    temperature 0 is greedy (deterministic). `seed` makes random sampling reproducible per
-    request. `stop` strings end generation and are cut from the text; `stop_token_ids` end it
-    on those tokens. `logprobs=k` returns, for every generated token, its log-probability and
-    the top-k alternatives. `ignore_eos` keeps generating past EOS up to `max_tokens`.
+    `n` completions share the prompt's prefill and KV/state (the prompt is computed once, then
+    forked). temperature 0 is greedy (deterministic). `seed` makes random sampling reproducible
+    (completion i uses seed + i). `max_tokens=None` generates up to the context length. `stop`
+    strings end generation and are cut from the text; `stop_token_ids` end it on those tokens.
+    `logprobs=k` returns, for every generated token, its log-probability and the top-k
+    alternatives. `ignore_eos` keeps generating past EOS up to `max_tokens`.
+    `structured_outputs` constrains the text with a grammar (JSON schema, regex, choice, Lark).
+    `logit_bias` adds a bias to the logits of the given token ids before sampling.
     """
 
-    max_tokens: int = 16
+    n: int = 1
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -33,12 +103,16 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
+        self._check_types()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)  # type: ignore[arg-type]
         self.validate()
 
     @classmethod
@@ -50,32 +124,59 @@ class SamplingParams:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**values)
 
+    def _check_types(self) -> None:
+        """Wrong types are reported with the type's name (e.g. temperature='0.5' is a str)."""
+        number, integer = "a number", "an integer"
+        for name, kind in (("temperature", number), ("top_p", number), ("min_p", number),
+                           ("presence_penalty", number), ("frequency_penalty", number),
+                           ("repetition_penalty", number), ("n", integer), ("top_k", integer),
+                           ("min_tokens", integer)):
+            value = getattr(self, name)
+            ok = _is_int(value) if kind == integer else _is_number(value)
+            if not ok:
+                raise SamplingParamsTypeError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
+        for name in ("max_tokens", "seed", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise SamplingParamsTypeError(f"{name} must be an integer or None, got {type(value).__name__} "
+                                              f"{value!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsTypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise SamplingParamsTypeError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
+        if self.logit_bias is not None and (not isinstance(self.logit_bias, dict) or not all(
+                _is_int(k) and _is_number(v) for k, v in self.logit_bias.items())):
+            raise SamplingParamsTypeError("logit_bias must be a dict of token id (int) -> bias (number)")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise SamplingParamsTypeError(f"stop_token_ids must be a list of integers, got "
+                                          f"{type(self.stop_token_ids).__name__}")
+
     def validate(self) -> None:
         """Raise `ValueError` with a clear message for any out-of-range field."""
+        self._check_types()
+        max_tokens = self.max_tokens
         checks = [
-            (isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 1,
-             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
-            (_is_number(self.temperature) and self.temperature >= 0,
-             f"temperature must be >= 0, got {self.temperature!r}"),
-            (_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
-            (isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
-             f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}"),
-            (_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
-            (self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-             f"seed must be an integer, got {self.seed!r}"),
+            (1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n!r}"),
+            (max_tokens is None or max_tokens >= 1, f"max_tokens must be an integer >= 1 or None, got {max_tokens!r}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
+            (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            (all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids must be non-negative integers"),
-            (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            (0 <= self.min_tokens <= (max_tokens if max_tokens is not None else self.min_tokens),
              f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}"),
-            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-             f"logprobs must be in [0, 20], got {self.logprobs!r}"),
-            (_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-             f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
-            (_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs!r}"),
+            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
+            (-2 <= self.frequency_penalty <= 2,
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
-            (_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-             f"repetition_penalty must be > 0, got {self.repetition_penalty!r}"),
+            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty!r}"),
+            (all(k >= 0 and -100 <= v <= 100 for k, v in (self.logit_bias or {}).items()),
+             "logit_bias needs token ids >= 0 and biases in [-100, 100]"),
+            (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs must be a StructuredOutputsParams"),
         ]
         for ok, message in checks:
             if not ok:
@@ -113,24 +214,51 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_type(name: str, value: Any, kinds: tuple[type, ...]) -> None:
+    if not isinstance(value, kinds):
+        raise SamplingParamsTypeError(f"{name} has the wrong type: {type(value).__name__}")
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request (cumulative: everything generated so far).
+
+    `finish_reason` is one of "stop", "length", "abort", "error" once finished; `stop_reason` is
+    the stop string or stop token id that ended it (None for EOS or length). `logprobs[i]` maps
+    token id -> log-probability for generated token i (the sampled token plus the top-k), when
+    asked; `cumulative_logprob` is the sum of the sampled tokens' log-probabilities then.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def finished(self) -> bool:
+        """True once this completion has a finish reason."""
+        return self.finish_reason is not None
+
+
 @dataclass
 class RequestOutput:
-    """State of one request after an engine step (cumulative, not a delta).
+    """State of one request after an engine step: its `n` completions in `outputs`.
 
-    `token_ids`/`text` hold everything generated so far; `finished` is set once with
-    `finish_reason` in {"stop", "length", "abort", "error"}. `num_cached_tokens` is the prompt
-    prefix restored from the joint prefix cache (0 on a cold start). `logprobs[i]` maps token
-    id -> log-probability for generated token i (the sampled token plus the top-k), when asked.
+    `finished` is set once every completion has finished. `num_cached_tokens` is the prompt
+    prefix restored from the joint prefix cache (0 on a cold start). `metrics` holds
+    `arrival_time` and `first_token_time` (time.monotonic seconds).
     """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
+    outputs: list[CompletionOutput]
     finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
     num_cached_tokens: int = 0
-    logprobs: list[dict[int, float]] | None = None
     metrics: dict[str, float] = field(default_factory=dict)

@@ -112,3 +112,16 @@ def test_chat_bench_smoke() -> None:
     summary = result["summary"]
     assert summary["turns_after_first"] == 4 and summary["turns_hitting_previous_end"] == 4
     assert summary["long_turns"] > 0 and "restored exactly" in format_chat_report(result)
+
+
+def test_structured_bench_runs() -> None:
+    from hybridserve.bench.structured_bench import StructuredBenchConfig, format_structured_report, \
+        run_structured_bench
+
+    cfg = StructuredBenchConfig(batch_sizes=(1, 2), prompt_tokens=8, decode_tokens=6, warmup=0, iterations=1)
+    result = run_structured_bench(small_engine_config(), cfg)
+    assert [row["batch"] for row in result["rows"]] == [1, 2]
+    assert all(row["pairs_measured"] > 0 and row["ratio"] > 0 for row in result["rows"])
+    assert result["compile_cache"]["misses"] == 1 and result["compile_cache"]["hits"] >= 3
+    assert "JSON schema ms/step" in format_structured_report(result)
+    assert build_parser().parse_args(["bench", "structured", "--batch-sizes", "1"]).batch_sizes == [1]

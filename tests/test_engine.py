@@ -39,7 +39,7 @@ def test_chunked_prefill_matches_single_pass(text_checkpoint: Path, budget: int)
     assert logits.shape == ref_logits.shape == (230, 4096)
     assert (logits - ref_logits).abs().max().item() <= 1e-4
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
-    a, b = single.generate([prompt], params)[0], chunked.generate([prompt], params)[0]
+    a, b = single.generate([prompt], params)[0].outputs[0], chunked.generate([prompt], params)[0].outputs[0]
     assert a.token_ids == b.token_ids
     for la, lb in zip(a.logprobs, b.logprobs):
         assert la.keys() == lb.keys()
@@ -54,8 +54,9 @@ def test_batched_decode_matches_each_alone(text_checkpoint: Path) -> None:
               for i in range(len(prompts))]
     llm = _llm(text_checkpoint, max_num_batched_tokens=96)
     together = llm.generate(prompts, params)
-    for prompt, param, out in zip(prompts, params, together):
-        alone = llm.generate([prompt], param)[0]
+    for prompt, param, request_output in zip(prompts, params, together):
+        out = request_output.outputs[0]
+        alone = llm.generate([prompt], param)[0].outputs[0]
         assert out.token_ids == alone.token_ids
         assert len(out.token_ids) == param.max_tokens and out.finish_reason == "length"
         for la, lb in zip(out.logprobs, alone.logprobs):
@@ -78,8 +79,8 @@ def test_requests_join_while_others_decode(text_checkpoint: Path) -> None:
         steps_with_both += len(outputs) == 2
         finished.update({o.request_id: o for o in outputs if o.finished})
     assert steps_with_both > 0
-    alone = llm.generate([_random_prompt(50, seed=6)], greedy)[0]
-    assert finished["second"].token_ids == alone.token_ids
+    alone = llm.generate([_random_prompt(50, seed=6)], greedy)[0].outputs[0]
+    assert finished["second"].outputs[0].token_ids == alone.token_ids
     _assert_idle(llm)
 
 
@@ -87,30 +88,32 @@ def test_seeded_sampling_is_reproducible(text_checkpoint: Path) -> None:
     llm = _llm(text_checkpoint)
     prompt = _random_prompt(20, seed=9)
     seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=42, ignore_eos=True)
-    a = llm.generate([prompt], seeded)[0].token_ids
+    a = llm.generate([prompt], seeded)[0].outputs[0].token_ids
     b = llm.generate([prompt, prompt], [seeded, seeded])
-    assert a == b[0].token_ids == b[1].token_ids
+    assert a == b[0].outputs[0].token_ids == b[1].outputs[0].token_ids
     other = SamplingParams(max_tokens=16, temperature=1.0, seed=43, ignore_eos=True)
-    assert llm.generate([prompt], other)[0].token_ids != a
+    assert llm.generate([prompt], other)[0].outputs[0].token_ids != a
     _assert_idle(llm)
 
 
 def test_stop_strings_eos_and_stop_tokens() -> None:
     llm = LLM(**CPU.engine_kwargs(), kv_cache_mib=16, prefix_cache_mib=0)
-    base = llm.generate(["The engine"], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    base = llm.generate(["The engine"], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0].outputs[0]
     assert len(base.token_ids) == 24
     stop_token = base.token_ids[5]
-    out = llm.generate(["The engine"], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_token]))[0]
+    params = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_token])
+    out = llm.generate(["The engine"], params)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_token
     assert out.token_ids == base.token_ids[: base.token_ids.index(stop_token) + 1]
     stop_text = base.text[6:9]
     if stop_text:
-        out = llm.generate(["The engine"], SamplingParams(max_tokens=24, temperature=0.0, stop=[stop_text]))[0]
+        params = SamplingParams(max_tokens=24, temperature=0.0, stop=[stop_text])
+        out = llm.generate(["The engine"], params)[0].outputs[0]
         assert out.finish_reason == "stop" and out.stop_reason == stop_text
         assert out.text == base.text[: base.text.index(stop_text)]
     eos = llm.tokenizer.eos_token_ids[0]
     forced = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=[],
-                                                      ignore_eos=False, logprobs=1))[0]
+                                                      ignore_eos=False, logprobs=1))[0].outputs[0]
     assert forced.finish_reason in ("stop", "length")
     assert eos not in forced.token_ids[:-1]
     _assert_idle(llm)
@@ -143,7 +146,7 @@ def test_preemption_under_a_tiny_kv_pool(text_checkpoint: Path) -> None:
     tight = _llm(text_checkpoint, kv_cache_mib=16 * 4 / 1024)
     assert tight.llm_engine.num_kv_blocks == 16
     outs = tight.generate(prompts, params)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in roomy]
     assert tight.llm_engine.scheduler.num_preemptions > 0
     _assert_idle(tight)
 
@@ -250,8 +253,8 @@ def test_prefill_is_capped_while_others_decode(text_checkpoint: Path, monkeypatc
         outputs.update({o.request_id: o for o in engine.step() if o.finished})
     assert all(prefill <= 32 for decode, prefill in seen if decode)
     assert any(decode and prefill == 32 for decode, prefill in seen)
-    alone = _llm(text_checkpoint).generate([_random_prompt(300, seed=2)], greedy)[0]
-    assert outputs["long"].token_ids == alone.token_ids
+    alone = _llm(text_checkpoint).generate([_random_prompt(300, seed=2)], greedy)[0].outputs[0]
+    assert outputs["long"].outputs[0].token_ids == alone.token_ids
     _assert_idle(llm)
 
 
@@ -264,6 +267,6 @@ def test_bfloat16_path_runs_and_tracks_float32(text_checkpoint: Path) -> None:
     assert bf16.llm_engine.runner.live_states.recurrent.dtype == torch.float32
     ref, low = fp32.llm_engine.prompt_logits(prompt), bf16.llm_engine.prompt_logits(prompt)
     assert torch.corrcoef(torch.stack([ref.flatten(), low.flatten()]))[0, 1] > 0.99
-    out = bf16.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    out = bf16.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 8
     _assert_idle(bf16)

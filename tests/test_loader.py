@@ -210,6 +210,18 @@ def test_tokenizer_decodes_every_id(builtin_tok: Tokenizer) -> None:
     assert builtin_tok.decode([72, 5000, -1, 105]) == "Hi"  # out-of-vocab ids are dropped
 
 
+def test_builtin_vocabulary_is_visible_text(builtin_tok: Tokenizer) -> None:
+    """Apart from the specials and single bytes, every built-in id decodes to printable text."""
+    from hybridserve.models.builtin import rare_token_ids
+
+    rare = set(rare_token_ids())
+    visible = [i for i in range(builtin_tok.vocab_size) if i not in rare]
+    assert len(visible) == builtin_tok.vocab_size - len(rare) > 3900
+    for token_id in visible:
+        text = builtin_tok.decode([token_id])
+        assert text and all(c.isprintable() or c in "\n\t" for c in text), (token_id, text)
+
+
 def test_tokenizer_eos_merge_and_errors(builtin_tok: Tokenizer, tmp_path: Path) -> None:
     merged = builtin_tok.with_extra_eos_token_ids([7, ENDOFTEXT_ID, 9])
     assert merged.eos_token_ids == (ENDOFTEXT_ID, IM_END_ID, 7, 9)
@@ -251,7 +263,9 @@ def test_builtin_tokenizer_layout_and_determinism(builtin_tok: Tokenizer) -> Non
 def test_chat_template_renders(builtin_tok: Tokenizer) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     prompt = builtin_tok.apply_chat_template(messages)
-    assert prompt == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    chatml = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert prompt == chatml + "<think>\n"  # Qwen3.5 layout: the generation prompt opens a thinking block
+    assert builtin_tok.apply_chat_template(messages, enable_thinking=False) == chatml + "<think>\n\n</think>\n\n"
     assert builtin_tok.apply_chat_template(messages, add_generation_prompt=False).endswith("Hi<|im_end|>\n")
     assert builtin_tok.encode(prompt).count(IM_START_ID) == 3
 

@@ -58,7 +58,7 @@ def _check_parity(path: Path, target: Target = CPU) -> None:
         ref_logits, ref_tokens = _reference_greedy(reference, prompt, 32)
         ours = llm.llm_engine.prompt_logits(prompt).cpu()
         assert (ours - ref_logits).abs().max().item() <= target.logit_atol
-        out = llm.generate([prompt], params)[0]
+        out = llm.generate([prompt], params)[0].outputs[0]
         if target.greedy_margin == 0.0:
             assert out.token_ids == ref_tokens
         else:

@@ -41,6 +41,8 @@ def _assert_idle(llm: LLM) -> None:
 
 
 def _same_logprobs(a, b, tolerance: float = 1e-4) -> None:
+    """Two RequestOutputs' first completions agree on tokens and logprobs."""
+    a, b = a.outputs[0], b.outputs[0]
     assert a.token_ids == b.token_ids
     for la, lb in zip(a.logprobs[:8], b.logprobs[:8]):
         for token in la:
@@ -87,7 +89,7 @@ def test_extension_hits_the_deepest_boundary_then_falls_back(text_checkpoint: Pa
     _same_logprobs(off.generate([b], GREEDY)[0], out)
     # Evict the snapshots at 384 and 320 (written by B) and 256: the next shorter boundary is used.
     engine = llm.llm_engine
-    request_hashes = engine.make_request("probe", b, GREEDY).block_hashes(len(b) // 16)
+    request_hashes = engine.make_request("probe", b, GREEDY).first.block_hashes(len(b) // 16)
     for boundary in (384, 320, 256):
         assert engine.scheduler.snapshots.evict(request_hashes[boundary // 16 - 1])
     out2 = llm.generate([b], GREEDY)[0]
@@ -144,7 +146,7 @@ def test_all_snapshots_pinned_skips_insertion(text_checkpoint: Path) -> None:
     snapshots = llm.llm_engine.scheduler.snapshots
     a, b = _tokens(257, seed=20), _tokens(257, seed=21)
     llm.generate([a], GREEDY)
-    slot = snapshots.lookup(llm.llm_engine.make_request("p", a, GREEDY).block_hashes(16)[-1])
+    slot = snapshots.lookup(llm.llm_engine.make_request("p", a, GREEDY).first.block_hashes(16)[-1])
     assert slot is not None
     snapshots.pin(slot)
     skipped = llm.prefix_cache_stats().snapshots_skipped
@@ -218,8 +220,8 @@ def test_persistent_forward_failure_finishes_requests_with_error(text_checkpoint
         raise RuntimeError("injected permanent failure")
 
     monkeypatch.setattr(type(model), "forward", broken)
-    out = llm.generate([[1, 2, 3]], GREEDY)[0]
-    assert out.finished and out.finish_reason == "error"
+    out = llm.generate([[1, 2, 3]], GREEDY)[0].outputs[0]
+    assert out.finished() and out.finish_reason == "error"
     _assert_idle(llm)
 
 
@@ -244,7 +246,7 @@ def test_full_pool_reclamation(text_checkpoint: Path) -> None:
     assert engine.scheduler.block_pool.num_cached_free_blocks > 0
     big = _tokens(630, seed=51)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    out_big = llm.generate([big], params)[0]
+    out_big = llm.generate([big], params)[0].outputs[0]
     assert len(out_big.token_ids) == 10
     again = llm.generate([first], GREEDY)[0]
     assert again.num_cached_tokens == 0
@@ -281,7 +283,7 @@ def test_differential_multi_turn_cache_on_equals_off(text_checkpoint: Path, seed
     for batch in _multi_turn_workload(seed):
         out_on = on.generate(batch, params)
         out_off = off.generate(batch, params)
-        assert [o.token_ids for o in out_on] == [o.token_ids for o in out_off]
+        assert [o.outputs[0].token_ids for o in out_on] == [o.outputs[0].token_ids for o in out_off]
         on.llm_engine.check_integrity()
     stats = on.prefix_cache_stats()
     assert stats.hits > 0 and stats.snapshots_evicted > 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,15 +15,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from hybridserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridserve.engine.async_engine import AsyncLLMEngine
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.server.app import build_app
 from hybridserve.engine_args import engine_config_from_args
-from hybridserve.server.cli import build_parser, served_model_name
+from hybridserve.server.cli import build_parser, served_model_names
+from tests.live_server import ServerThread, tiny_config
 from tests.targets import CPU
 
 MODEL = "tiny"
@@ -33,38 +31,6 @@ MAX_MODEL_LEN = 32768  # the built-in model's max_position_embeddings
 VOCAB = 4096
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def tiny_config(**scheduler: Any) -> EngineConfig:
-    """The small engine all server tests run on."""
-    sched = {"max_num_seqs": 8, "max_num_batched_tokens": 1024, **scheduler}
-    return EngineConfig(model=None, **CPU.engine_kwargs(),
-                        cache=CacheConfig(kv_cache_mib=32, prefix_cache_mib=64, snapshot_interval=256, block_size=16),
-                        scheduler=SchedulerConfig(**sched))
-
-
-class ServerThread:
-    """A uvicorn server for `app` on a free 127.0.0.1 port, in a daemon thread."""
-
-    def __init__(self, app: Any) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
-
-    def __enter__(self) -> "ServerThread":
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self._thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self._thread.join(10)
-        self._sock.close()
 
 
 def engine_stats(engine: AsyncLLMEngine) -> dict[str, float]:
@@ -142,7 +108,7 @@ def test_chat_completion(client: openai.OpenAI, engine: AsyncLLMEngine) -> None:
     assert out.object == "chat.completion"
     assert out.choices[0].message.role == "assistant" and isinstance(out.choices[0].message.content, str)
     rendered = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-    expected_prompt = engine.tokenizer.encode(rendered + "<|im_start|>assistant\n")
+    expected_prompt = engine.tokenizer.encode(rendered + "<|im_start|>assistant\n<think>\n")
     assert out.usage.prompt_tokens == len(expected_prompt)
     assert out.usage.prompt_tokens_details.cached_tokens == 0
 
@@ -283,13 +249,12 @@ BAD_REQUESTS: list[tuple[str, str, str, Any, int, str | None]] = [
     ("malformed-json", "POST", CMPL, b'{"model": "tiny", "prompt": ', 400, None),
     ("body-not-object", "POST", CMPL, [1, 2], 400, None),
     ("missing-prompt", "POST", CMPL, {"model": MODEL}, 400, "prompt"),
-    ("unknown-field", "POST", CMPL, {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
     ("negative-temperature", "POST", CMPL, {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("string-temperature", "POST", CMPL, {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("zero-max-tokens", "POST", CMPL, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("zero-n", "POST", CMPL, {"prompt": "hi", "n": 0}, 400, "n"),
     ("top-p-too-big", "POST", CMPL, {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
-    ("two-prompts", "POST", CMPL, {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("empty-batched-prompt", "POST", CMPL, {"prompt": [[1, 2], []]}, 400, "prompt"),
     ("empty-prompt", "POST", CMPL, {"prompt": ""}, 400, "prompt"),
     ("token-out-of-vocab", "POST", CMPL, {"prompt": [1, 999999], "max_tokens": 1}, 400, None),
     ("prompt-too-long", "POST", CMPL, {"prompt": LONG_PROMPT, "max_tokens": 1}, 400, "prompt"),
@@ -297,7 +262,8 @@ BAD_REQUESTS: list[tuple[str, str, str, Any, int, str | None]] = [
     ("logprobs-too-many", "POST", CMPL, {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
     ("stream-options-without-stream", "POST", CMPL, {"prompt": "hi", "stream_options": {"include_usage": True}},
      400, None),
-    ("logit-bias", "POST", CMPL, {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("logit-bias-not-an-id", "POST", CMPL, {"prompt": "hi", "logit_bias": {"x": 10}}, 400, "logit_bias"),
+    ("logit-bias-too-big", "POST", CMPL, {"prompt": "hi", "logit_bias": {"5": 1000}}, 400, "logit_bias"),
     ("string-seed", "POST", CMPL, {"prompt": "hi", "seed": "7"}, 400, "seed"),
     ("empty-stop", "POST", CMPL, {"prompt": "hi", "stop": [""]}, 400, "stop"),
     ("empty-cache-salt", "POST", CMPL, {"prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),
@@ -457,7 +423,10 @@ def test_serve_arguments() -> None:
     assert (args.host, args.port, args.model, args.max_body_bytes) == ("127.0.0.1", 8000, None, 4 * 1024 * 1024)
     config = engine_config_from_args(args)
     assert config.model is None and config.cache.snapshot_interval == 256 and config.scheduler.max_num_seqs == 32
-    assert served_model_name(build_parser().parse_args(["/models/Qwen3.5-0.8B"])) == "Qwen3.5-0.8B"
+    assert served_model_names(build_parser().parse_args(["/models/Qwen3.5-0.8B"])) == ["Qwen3.5-0.8B"]
+    assert served_model_names(build_parser().parse_args(["--model", "/models/Qwen3.5-0.8B"])) == ["Qwen3.5-0.8B"]
+    aliased = build_parser().parse_args(["--served-model-name", "a", "b", "--model", "/m/x"])
+    assert served_model_names(aliased) == ["a", "b"] and engine_config_from_args(aliased).model == "/m/x"
     assert "(default: 127.0.0.1)" in build_parser().format_help()
 
 

@@ -26,7 +26,7 @@ def test_builtin_model_parity_on_a_long_prompt(tmp_path: Path) -> None:
     llm = LLM(model=str(path), **CPU.engine_kwargs(), kv_cache_mib=32, prefix_cache_mib=0)
     ours = llm.llm_engine.prompt_logits(prompt)
     assert (ours - ref_logits).abs().max().item() <= 1e-4
-    out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].outputs[0]
     ids = torch.tensor([prompt])
     with torch.no_grad():
         for _ in range(16):

@@ -42,12 +42,12 @@ def _timed_turn(engine: LLMEngine, request_id: str, prompt: list[int], reply_tok
     ttft = None
     while engine.has_unfinished_requests():
         for output in engine.step():
-            if ttft is None and output.token_ids:
+            if ttft is None and output.outputs[0].token_ids:
                 ttft = time.perf_counter() - start
             if output.finished:
                 final = output
     assert ttft is not None
-    return ttft, final.token_ids, final.num_cached_tokens
+    return ttft, final.outputs[0].token_ids, final.num_cached_tokens
 
 
 def run_chat_bench(engine_config: EngineConfig, cfg: ChatBenchConfig) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""`hybridserve bench {engine,ttft,trace,serve,soak,threads,all}`: subcommands that print a table and optionally write JSON."""
+"""`hybridserve bench {engine,ttft,trace,chat,serve,structured,soak,threads,all}`: subcommands that print
+a table and optionally write JSON."""
 
 from __future__ import annotations
 
@@ -14,15 +15,16 @@ Handler = Callable[[argparse.Namespace], int]
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the `engine`, `ttft`, `trace`, `serve` and `all` benchmark subcommands to `parser`."""
+    """Add the `engine`, `ttft`, `trace`, `serve`, `structured` and `all` benchmark subcommands."""
     subparsers = parser.add_subparsers(dest="bench_command", required=True,
-                                       metavar="{engine,ttft,trace,chat,serve,soak,threads,all}")
+                                       metavar="{engine,ttft,trace,chat,serve,structured,soak,threads,all}")
     _add_engine(subparsers)
     _add_ttft(subparsers)
     _add_trace(subparsers)
     _add_chat(subparsers)
     add_serve_bench_arguments(_subparser(subparsers, "serve", "load test of a live OpenAI-compatible server: "
                                          "TTFT, ITL, throughput, cache share, mixed load", run_serve))
+    _add_structured(subparsers)
     _add_soak(subparsers)
     _add_threads(subparsers)
     _add_all(subparsers)
@@ -140,6 +142,17 @@ def run_threads(args: argparse.Namespace) -> int:
     return _finish(args, result, format_threads_report(result))
 
 
+def _add_structured(subparsers: argparse._SubParsersAction) -> None:
+    parser = _subparser(subparsers, "structured", "decode step time with a JSON schema active vs "
+                        "unconstrained, batch 1 and 16", run_structured)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="one row each")
+    parser.add_argument("--prompt-tokens", type=int, default=32, help="prompt length before decoding")
+    parser.add_argument("--decode-tokens", type=int, default=48, help="tokens generated per run")
+    parser.add_argument("--warmup", type=int, default=1, help="discarded iterations")
+    parser.add_argument("--iterations", type=int, default=4, help="measured iterations (alternating order)")
+    parser.add_argument("--bench-seed", type=int, default=0, help="seed of prompts and sampling")
+
+
 def _add_all(subparsers: argparse._SubParsersAction) -> None:
     parser = _subparser(subparsers, "all", "bench engine, then bench ttft (and bench trace with --with-trace), "
                         "each with its default sizes", run_all)
@@ -219,6 +232,22 @@ def run_trace(args: argparse.Namespace) -> int:
     _set_threads(args)
     result = run_trace_bench(engine_config_from_args(args), cfg)
     return _finish(args, result, format_trace_report(result))
+
+
+def run_structured(args: argparse.Namespace) -> int:
+    """Handler of `bench structured`."""
+    from hybridserve.bench.structured_bench import (
+        StructuredBenchConfig,
+        format_structured_report,
+        run_structured_bench,
+    )
+
+    cfg = StructuredBenchConfig(batch_sizes=tuple(args.batch_sizes), prompt_tokens=args.prompt_tokens,
+                                decode_tokens=args.decode_tokens, warmup=args.warmup, iterations=args.iterations,
+                                seed=args.bench_seed)
+    _set_threads(args)
+    result = run_structured_bench(engine_config_from_args(args), cfg)
+    return _finish(args, result, format_structured_report(result))
 
 
 def run_all(args: argparse.Namespace) -> int:

@@ -160,7 +160,7 @@ def _measure_decode(driver: EngineDriver, model: torch.nn.Module, cfg: EngineBen
             samples["hybridserve_b1_s"].extend(hs_b1)
             samples["transformers_b1_s"].extend(hf_b1)
             samples["hybridserve_batch_s"].extend(hs_batch)
-            samples["greedy_match"].append(_common_prefix(hs_out[0].token_ids, hf_tokens))
+            samples["greedy_match"].append(_common_prefix(hs_out[0].outputs[0].token_ids, hf_tokens))
     return samples
 
 

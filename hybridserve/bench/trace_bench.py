@@ -83,7 +83,7 @@ class _Replay:
                 index = self.index_of[output.request_id]
                 self.outputs[index] = output
                 if not self.tokens.has_output(index):
-                    self.tokens.set_output(index, output.token_ids)
+                    self.tokens.set_output(index, output.outputs[0].token_ids)
                 finished += 1
         return finished
 
@@ -145,7 +145,7 @@ def run_trace_bench(engine_config: EngineConfig, cfg: TraceBenchConfig) -> dict[
     ceiling, prompt_tokens = ceiling_hit_tokens(tokens)
     predicted = simulate_engine(on_engine, tokens) if cfg.max_concurrency == 1 else None
     live_hits = [o.num_cached_tokens for o in outputs["on"]]
-    identical = sum(a.token_ids == b.token_ids for a, b in zip(outputs["on"], outputs["off"]))
+    identical = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outputs["on"], outputs["off"]))
     return {
         "config": asdict(cfg) | {"trace_path": path}, "engine": on_engine.describe(), "machine": machine_line(),
         "num_requests": len(records), "prompt_tokens": prompt_tokens, "ceiling_hit_share": ceiling / prompt_tokens,
@@ -153,7 +153,7 @@ def run_trace_bench(engine_config: EngineConfig, cfg: TraceBenchConfig) -> dict[
         "cache_policy": on_config.cache.cache_policy, "runs": runs, "identical_outputs": identical,
         "outputs_match": identical == len(records),
         "mismatched_requests": [i for i, (a, b) in enumerate(zip(outputs["on"], outputs["off"]))
-                                if a.token_ids != b.token_ids],
+                                if a.outputs[0].token_ids != b.outputs[0].token_ids],
         "sim_hit_tokens": None if predicted is None else sum(predicted),
         "sim_matches_live": None if predicted is None else predicted == live_hits,
     }

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, TypeVar
 
 from hybridserve.engine.engine import QueueFullError
-from hybridserve.sampling_params import RequestOutput, SamplingParams
+from hybridserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -120,12 +120,10 @@ class RequestStream:
 
 def _snapshot(output: RequestOutput) -> RequestOutput:
     """Copy the mutable parts so the event loop never sees the engine thread mutate them."""
-    return dataclasses.replace(
-        output,
-        token_ids=list(output.token_ids),
-        logprobs=None if output.logprobs is None else list(output.logprobs),
-        metrics=dict(output.metrics),
-    )
+    outputs = [dataclasses.replace(o, token_ids=list(o.token_ids),
+                                   logprobs=None if o.logprobs is None else list(o.logprobs))
+               for o in output.outputs]
+    return dataclasses.replace(output, outputs=outputs, metrics=dict(output.metrics))
 
 
 class AsyncLLMEngine:
@@ -370,9 +368,12 @@ class AsyncLLMEngine:
 
 def _aborted_output(request_id: str, last: RequestOutput | None) -> RequestOutput:
     if last is not None:
-        return dataclasses.replace(last, finished=True, finish_reason="abort")
-    return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[], token_ids=[], text="",
-                         finished=True, finish_reason="abort")
+        outputs = [o if o.finish_reason is not None else dataclasses.replace(o, finish_reason="abort")
+                   for o in last.outputs]
+        return dataclasses.replace(last, outputs=outputs, finished=True)
+    return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[],
+                         outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="abort")],
+                         finished=True)
 
 
 def _max_request_tokens(engine: SyncEngine) -> int:

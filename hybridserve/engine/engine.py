@@ -22,17 +22,18 @@ from hybridserve.engine.detokenizer import IncrementalDetokenizer
 from hybridserve.engine.memory import retain_freed_activation_memory
 from hybridserve.engine.memory_plan import DeviceMemory, MemoryPlan, PlanInputs, device_memory, plan_memory, \
     profile_forward
-from hybridserve.engine.request import Request
+from hybridserve.engine.request import Request, RequestGroup, RequestStatus
 from hybridserve.engine.threads import configure_threads
 from hybridserve.engine.runner import ModelRunner
-from hybridserve.engine.sampling import sample_isolated
+from hybridserve.engine.sampling import SampledToken, sample_isolated
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput, blocks_for
+from hybridserve.engine.structured_output import GrammarCompiler, TokenMasker
 from hybridserve.layers.attention import PagedKVCache
 from hybridserve.models.builtin import BUILTIN_MODEL_CONFIG, builtin_tokenizer, init_builtin_weights
 from hybridserve.models.loader import load_weights, read_model_config
 from hybridserve.models.qwen3_5 import Qwen3_5ForCausalLM
 from hybridserve.models.tokenizer import Tokenizer
-from hybridserve.sampling_params import RequestOutput, SamplingParams
+from hybridserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 MIB = 1 << 20
@@ -109,7 +110,10 @@ class LLMEngine:
         snapshots = SnapshotPool(self.num_snapshot_slots) if self.num_snapshot_slots else None
         self.scheduler = Scheduler(cache, config.scheduler, BlockPool(self.num_kv_blocks),
                                    StateSlotPool(config.scheduler.max_num_seqs), snapshots, self._cache_policy())
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, RequestGroup] = {}
+        self._finished_groups: dict[str, RequestGroup] = {}  # finished this step, awaiting their output
+        self._grammars: GrammarCompiler | None = None
+        self._masker: TokenMasker | None = None
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
         logger.info("hybridserve engine: %s", self.describe())
 
@@ -171,25 +175,45 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     cache_salt: str | None = None) -> Request:
-        """Validate and tokenize without queueing anything (raises ValueError on bad input)."""
+                     cache_salt: str | None = None) -> RequestGroup:
+        """Validate and tokenize without queueing anything (raises ValueError on bad input).
+        Returns the request's group of `params.n` sequences."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
-            raise ValueError("params must be a SamplingParams")
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
         if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError("cache_salt must be a string")
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
         text, token_ids = self._tokenize(prompt)
-        self._check_lengths(len(token_ids), params)
+        max_tokens = self._check_lengths(len(token_ids), params)
+        sequences = [self._sequence(request_id, index, text, token_ids, params, cache_salt, max_tokens)
+                     for index in range(params.n)]
+        return RequestGroup(request_id, sequences)
+
+    def _sequence(self, request_id: str, index: int, text: str | None, token_ids: list[int],
+                  params: SamplingParams, cache_salt: str | None, max_tokens: int) -> Request:
         request = Request(request_id, text, token_ids, params, self.config.cache.block_size, cache_salt,
-                          block_hash=self.config.cache.block_hash)
-        request.generator = (torch.Generator(device=self.device).manual_seed(params.seed)
+                          index=index, max_tokens=max_tokens, block_hash=self.config.cache.block_hash)
+        request.generator = (torch.Generator(device=self.device).manual_seed(params.seed + index)
                              if params.seed is not None else self._generator)
         request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        if params.structured_outputs is not None:
+            request.matcher = self.grammars.matcher(params.structured_outputs)
         return request
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output grammar compiler (built on first use: ~0.1 s for the tokenizer)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+            self._masker = TokenMasker(self.model_config.vocab_size)
+        return self._grammars
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     cache_salt: str | None = None) -> None:
@@ -198,12 +222,12 @@ class LLMEngine:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting; try again later")
         self.enqueue(self.make_request(request_id, prompt, params, cache_salt))
 
-    def enqueue(self, request: Request) -> None:
-        """Queue a request built by `make_request`."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
-        self.scheduler.add(request)
+    def enqueue(self, group: RequestGroup) -> None:
+        """Queue a request built by `make_request` (its first sequence; the others fork from it)."""
+        if group.request_id in self.requests:
+            raise ValueError(f"request_id {group.request_id!r} is already in use")
+        self.requests[group.request_id] = group
+        self.scheduler.add(group.first)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -218,12 +242,20 @@ class LLMEngine:
             raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
         return None, list(prompt)
 
-    def _check_lengths(self, num_prompt: int, params: SamplingParams) -> None:
+    def _check_lengths(self, num_prompt: int, params: SamplingParams) -> int:
+        """Check the prompt and max_tokens against the context and the KV pool; returns
+        max_tokens resolved (None: as many as the context and KV pool leave room for)."""
         if num_prompt == 0:
             raise ValueError("prompt is empty after tokenization")
         if num_prompt >= self.max_model_len:
             raise ValueError(f"prompt has {num_prompt} tokens, but the maximum context length is "
                              f"{self.max_model_len} tokens (prompt plus at least one generated token)")
+        if params.max_tokens is None:
+            room = min(self.max_model_len, self.num_kv_blocks * self.config.cache.block_size) - num_prompt
+            if room < 1:
+                raise ValueError(f"prompt ({num_prompt} tokens) leaves no room in the KV pool "
+                                 f"({self.num_kv_blocks} blocks); raise kv_cache_mib")
+            return room
         if num_prompt + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
                              f"context length of {self.max_model_len} tokens")
@@ -231,12 +263,24 @@ class LLMEngine:
         if needed > self.num_kv_blocks:
             raise ValueError(f"request needs {needed} KV blocks but the KV pool has only {self.num_kv_blocks}; "
                              f"raise kv_cache_mib or lower max_tokens")
+        return params.max_tokens
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request and free everything it holds; unknown ids are ignored."""
-        request = self.requests.pop(request_id, None)
-        if request is not None and not request.is_finished:
-            self.scheduler.finish(request, "abort")
+        """Stop a request (all its sequences) and free everything it holds; unknown ids are ignored."""
+        group = self.requests.pop(request_id, None)
+        if group is None:
+            return
+        self._drop_unforked(group, "abort")
+        for request in group.sequences:
+            if not request.is_finished:
+                self.scheduler.finish(request, "abort")
+
+    def _drop_unforked(self, group: RequestGroup, reason: str) -> None:
+        """Finish sequences that never started (their parent ended before forking them)."""
+        for request in group.unforked:
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = reason
+        group.unforked.clear()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -258,6 +302,7 @@ class LLMEngine:
         non-finite logits, a sampler error or a detokenizer error end only the request they
         belong to. `schedule` gives back what it took before raising; that error propagates.
         """
+        self._finished_groups.clear()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
@@ -273,35 +318,73 @@ class LLMEngine:
             return self._fail_requests([chunk.request for chunk in scheduled.chunks])
         for request, logits in result.prompt_logits:
             request.prompt_logits.append(logits)
+        rows, sequences = self._fork_ready_groups(result.requests)
+        logits = result.logits if len(rows) == len(result.requests) else result.logits[rows]
         now = time.monotonic()
-        outputs = []
-        for request, sampled in zip(result.requests, sample_isolated(result.logits, result.requests)):
+        updated: dict[str, RequestGroup] = {}
+        for request, sampled in zip(sequences, sample_isolated(logits, sequences, self._masker)):
             if isinstance(sampled, Exception):
                 logger.error("request %s failed: %s", request.request_id, sampled)
-                outputs.extend(self._fail_requests([request]))
+                self._finish(request, "error", flush=False)
+            else:
+                try:
+                    self._accept(request, sampled, now)
+                except Exception:  # noqa: BLE001 - e.g. the detokenizer: only this request fails
+                    logger.exception("request %s failed after sampling", request.request_id)
+                    if not request.is_finished:
+                        self._finish(request, "error", flush=False)
+            group = self._group_of(request)
+            if group is not None:
+                updated[request.request_id] = group
+        return [self._output(group) for group in updated.values()]
+
+    def _accept(self, request: Request, sampled: SampledToken, now: float) -> None:
+        """Append a sampled token (and its logprobs), then apply the stop rules."""
+        request.append_token(sampled.token_id)
+        if request.logprobs is not None and sampled.logprobs is not None:
+            request.logprobs.append(sampled.logprobs)
+            request.cumulative_logprob += sampled.logprobs[sampled.token_id]
+        if request.first_token_time is None:
+            request.first_token_time = now
+        self._check_stop(request)
+
+    def _group_of(self, request: Request) -> RequestGroup | None:
+        """The group a sequence belongs to, still running or finished during this step."""
+        return self.requests.get(request.request_id) or self._finished_groups.get(request.request_id)
+
+    def _fork_ready_groups(self, requests: list[Request]) -> tuple[list[int], list[Request]]:
+        """Logits rows to sample and their sequences: a group's first sequence that just finished
+        its prompt forks the group's other sequences, which sample from the same logits row."""
+        rows: list[int] = []
+        sequences: list[Request] = []
+        for row, request in enumerate(requests):
+            rows.append(row)
+            sequences.append(request)
+            group = self.requests.get(request.request_id)
+            if group is None or not group.unforked or request.index != 0 or request.num_output_tokens:
                 continue
-            request.append_token(sampled.token_id)
-            if request.logprobs is not None and sampled.logprobs is not None:
-                request.logprobs.append(sampled.logprobs)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            try:
-                self._check_stop(request)
-            except Exception:  # noqa: BLE001 - e.g. the detokenizer: only this request fails
-                logger.exception("request %s failed after sampling", request.request_id)
-                outputs.extend(self._fail_requests([request]))
-                continue
-            outputs.append(self._output(request))
-        return outputs
+            for child in group.unforked:
+                fork = self.scheduler.fork(request, child)
+                if fork is None:
+                    self.scheduler.add(child)  # no room now: it prefills on its own later
+                    continue
+                self.runner.fork(fork)
+                rows.append(row)
+                sequences.append(child)
+            group.unforked.clear()
+        return rows, sequences
 
     def _fail_requests(self, requests: list[Request]) -> list[RequestOutput]:
-        """End each unfinished request with finish_reason "error" (freeing what it holds)."""
-        outputs = []
+        """End each unfinished request with finish_reason "error" (freeing what it holds); the
+        outputs of their groups."""
+        groups: dict[str, RequestGroup] = {}
         for request in requests:
             if not request.is_finished:
                 self._finish(request, "error", flush=False)
-                outputs.append(self._output(request))
-        return outputs
+            group = self._group_of(request)
+            if group is not None:
+                groups[request.request_id] = group
+        return [self._output(group) for group in groups.values()]
 
     def _after_failed_step(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
         self.scheduler.revert(scheduled)
@@ -310,7 +393,9 @@ class LLMEngine:
             request = chunk.request
             if request.failed_steps >= MAX_FAILED_STEPS and not request.is_finished:
                 self._finish(request, "error")
-                outputs.append(self._output(request))
+                group = self._finished_groups.pop(request.request_id, None) or self.requests.get(request.request_id)
+                if group is not None:
+                    outputs.append(self._output(group))
         return outputs
 
     def _check_stop(self, request: Request) -> None:
@@ -322,6 +407,13 @@ class LLMEngine:
         enough = request.num_output_tokens >= params.min_tokens
         if enough and not params.ignore_eos and token in self.tokenizer.eos_token_ids:
             return self._finish(request, "stop")
+        if request.matcher is not None:
+            if not request.matcher.consume_token(token):
+                logger.warning("request %s: grammar rejected token %d (%s)", request.request_id, token,
+                               request.matcher.get_error())
+                return self._finish(request, "error")
+            if request.matcher.is_stopped():  # the grammar is complete: only EOS could follow
+                return self._finish(request, "stop")
         if enough and token in params.stop_token_ids:
             return self._finish(request, "stop", token)
         if enough and params.stop and delta:
@@ -331,7 +423,7 @@ class LLMEngine:
                 end = index + len(stop) if params.include_stop_str_in_output else index
                 request.output_text = detokenizer.text[:end]
                 return self._finish(request, "stop", stop, flush=False)
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return self._finish(request, "length")
         return None
 
@@ -345,27 +437,40 @@ class LLMEngine:
             copied = self.runner.save_state(capture.state_slot, capture.reservation.slot)
             self.scheduler.complete_end_capture(capture, copied)
         request.stop_reason = stop_reason
-        self.requests.pop(request.request_id, None)
+        group = self.requests.get(request.request_id)
+        if group is None:
+            return
+        if request.index == 0 and group.unforked:
+            self._drop_unforked(group, reason)  # e.g. the prompt failed: its forks cannot start
+        if group.is_finished:
+            del self.requests[request.request_id]
+            self._finished_groups[request.request_id] = group
 
-    def _output(self, request: Request) -> RequestOutput:
-        metrics = {"arrival_time": request.arrival_time}
-        if request.first_token_time is not None:
-            metrics["first_token_time"] = request.first_token_time
+    def _output(self, group: RequestGroup) -> RequestOutput:
+        first = group.first
+        metrics = {"arrival_time": first.arrival_time}
+        first_tokens = [s.first_token_time for s in group.sequences if s.first_token_time is not None]
+        if first_tokens:
+            metrics["first_token_time"] = min(first_tokens)
+        outputs = [CompletionOutput(
+            index=s.index, text=s.output_text, token_ids=list(s.output_token_ids),
+            cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+            logprobs=list(s.logprobs) if s.logprobs is not None else None,
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in group.sequences]
         return RequestOutput(
-            request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids), text=request.output_text, finished=request.is_finished,
-            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
-            num_cached_tokens=request.num_cached_tokens or 0,
-            logprobs=list(request.logprobs) if request.logprobs is not None else None, metrics=metrics)
+            request_id=group.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+            outputs=outputs, finished=group.is_finished, num_cached_tokens=first.num_cached_tokens or 0,
+            metrics=metrics)
 
     def prompt_logits(self, prompt: str | list[int], cache_salt: str | None = None) -> torch.Tensor:
         """Logits at every computed prompt position ([n, vocab], float32) through the normal paged,
         chunked path (for parity checks and scoring); runs the engine until done. On a prefix
         cache hit of b tokens only positions [b, prompt_len) are computed, so n = prompt_len - b."""
-        request = self.make_request(f"prompt-logits-{id(prompt)}-{time.monotonic_ns()}", prompt,
-                                    SamplingParams(max_tokens=1, temperature=0.0), cache_salt)
+        group = self.make_request(f"prompt-logits-{id(prompt)}-{time.monotonic_ns()}", prompt,
+                                  SamplingParams(max_tokens=1, temperature=0.0), cache_salt)
+        request = group.first
         request.keep_prompt_logits = True
-        self.enqueue(request)
+        self.enqueue(group)
         while not request.is_finished:
             self.step()
         return torch.cat(request.prompt_logits)

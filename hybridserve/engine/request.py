@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +39,9 @@ class Request:
     block_size: int
     cache_salt: str | None = None
     block_hash: str = "xxh3_128"                # hash algorithm of its KV blocks (cache.block_hash)
+    index: int = 0                             # completion index within its RequestGroup
+    max_tokens: int = 16                       # params.max_tokens, resolved (None -> up to the context)
+    matcher: Any = None                        # llguidance LLMatcher when structured outputs are asked
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -51,6 +55,7 @@ class Request:
     snapshot_depth: int = 0                    # deepest snapshot on this request's path (restored or taken)
     snapshot_key: BlockHash | None = None      # ... and its key (the parent of the next one taken)
     logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
     output_text: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -110,3 +115,25 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
+
+
+@dataclass(eq=False)
+class RequestGroup:
+    """The `n` sequences of one request. Sequence 0 prefills the prompt; the others wait in
+    `unforked` and are forked from it (sharing its KV blocks and copying its GDN state) when its
+    prefill completes, so the prompt is computed once."""
+
+    request_id: str
+    sequences: list[Request]
+    unforked: list[Request] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.unforked = list(self.sequences[1:])
+
+    @property
+    def first(self) -> Request:
+        return self.sequences[0]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.sequences)

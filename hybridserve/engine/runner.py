@@ -13,7 +13,7 @@ import torch
 
 from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.engine.request import Request
-from hybridserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+from hybridserve.engine.scheduler import Fork, ScheduledChunk, SchedulerOutput
 from hybridserve.layers.attention import PagedKVCache
 from hybridserve.models.batch import DecodeGroup, ForwardBatch, PrefillChunk
 from hybridserve.models.qwen3_5 import ForwardContext, Qwen3_5ForCausalLM, StateWrite
@@ -98,6 +98,16 @@ class ModelRunner:
             logger.exception("saving live slot %d into snapshot slot %d failed", state_slot, snapshot_slot)
             return False
         return True
+
+    def fork(self, fork: Fork) -> None:
+        """Copy a parent sequence's live GDN state (and partial KV block) to its forked child."""
+        self.live_states.copy_slot(fork.dst_state_slot, self.live_states, fork.src_state_slot)
+        if fork.src_block is not None and fork.dst_block is not None:
+            size = self.block_size
+            src = slice(fork.src_block * size, (fork.src_block + 1) * size)
+            dst = slice(fork.dst_block * size, (fork.dst_block + 1) * size)
+            self.kv_cache.keys[:, dst].copy_(self.kv_cache.keys[:, src])
+            self.kv_cache.values[:, dst].copy_(self.kv_cache.values[:, src])
 
     def _commit(self, writes: list[StateWrite]) -> None:
         for write in writes:

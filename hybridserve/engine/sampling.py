@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature / top-k / top-p / min-p, penalties, per-request seeds, logprobs."""
+"""Token sampling: grammar masks, logit bias, greedy, temperature / top-k / top-p / min-p,
+penalties, per-request seeds, logprobs — with failures isolated per request."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from hybridserve.engine.request import Request
+from hybridserve.engine.structured_output import TokenMasker
 
 
 class SampleResult(NamedTuple):
@@ -27,11 +29,15 @@ class NonFiniteLogitsError(FloatingPointError):
     """A request's logits contain NaN or infinity: nothing meaningful can be sampled."""
 
 
-def sample_isolated(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken | Exception]:
+def sample_isolated(logits: torch.Tensor, requests: list[Request],
+                    masker: TokenMasker | None = None) -> list[SampledToken | Exception]:
     """Sample one token for each row of `logits` ([R, vocab], float32), row i for requests[i],
-    isolating failures: a row with non-finite logits, or whose penalties, sampling or logprobs
-    raise, yields its exception; the other rows are sampled exactly as they would be alone
-    (each random draw happens once, from the request's own generator)."""
+    isolating failures: a row with non-finite logits, or whose mask, bias, penalties, sampling or
+    logprobs raise, yields its exception; the other rows are sampled exactly as they would be
+    alone (each random draw happens once, from the request's own generator).
+
+    Rows of requests with a grammar matcher are masked first (one batched mask for all of them);
+    logprobs are those of the model's distribution, before masks, bias and penalties."""
     results: list[SampledToken | Exception] = [
         NonFiniteLogitsError("the model produced non-finite logits") for _ in requests]
     if not requests:
@@ -39,15 +45,28 @@ def sample_isolated(logits: torch.Tensor, requests: list[Request]) -> list[Sampl
     finite = torch.isfinite(logits).all(dim=-1).tolist()
     healthy = [row for row, ok in enumerate(finite) if ok]
     processed = logits
-    if any(requests[row].params.needs_penalties for row in healthy):
+    constrained = [row for row in healthy if requests[row].matcher is not None]
+    if constrained:
+        assert masker is not None, "a request has a grammar matcher but the engine has no masker"
         processed = logits.clone()
-        for row in list(healthy):
-            if requests[row].params.needs_penalties:
-                try:
-                    _apply_penalties(processed[row], requests[row])
-                except Exception as exc:  # noqa: BLE001 - this request's failure only
-                    results[row] = exc
-                    healthy.remove(row)
+        try:
+            masker.apply(processed, constrained, [requests[row].matcher for row in constrained])
+        except Exception as exc:  # noqa: BLE001 - the grammar rows fail, the others go on
+            for row in constrained:
+                results[row] = exc
+                healthy.remove(row)
+    for row in list(healthy):
+        request = requests[row]
+        if not (request.params.logit_bias or request.params.needs_penalties):
+            continue
+        processed = processed.clone() if processed is logits else processed
+        try:
+            _apply_bias(processed[row], request)
+            if request.params.needs_penalties:
+                _apply_penalties(processed[row], request)
+        except Exception as exc:  # noqa: BLE001 - this request's failure only
+            results[row] = exc
+            healthy.remove(row)
     greedy = processed.argmax(dim=-1).tolist()
     wanted = [row for row in healthy if requests[row].params.logprobs is not None]
     all_logprobs = torch.log_softmax(logits[wanted], dim=-1) if wanted else None
@@ -64,14 +83,24 @@ def sample_isolated(logits: torch.Tensor, requests: list[Request]) -> list[Sampl
     return results
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+def sample(logits: torch.Tensor, requests: list[Request], masker: TokenMasker | None = None) -> SampleResult:
     """Sample one token for each row; raises the first row's failure (see `sample_isolated`)."""
-    results = sample_isolated(logits, requests)
+    results = sample_isolated(logits, requests, masker)
     for result in results:
         if isinstance(result, Exception):
             raise result
     tokens = [r.token_id for r in results if isinstance(r, SampledToken)]
     return SampleResult(tokens, [r.logprobs for r in results if isinstance(r, SampledToken)])
+
+
+def _apply_bias(row: torch.Tensor, request: Request) -> None:
+    """OpenAI logit_bias: add each listed token's bias (ids were checked against the vocabulary)."""
+    bias = request.params.logit_bias
+    if not bias:
+        return
+    ids = torch.tensor([t for t in bias if t < row.shape[-1]], dtype=torch.long, device=row.device)
+    values = torch.tensor([v for t, v in bias.items() if t < row.shape[-1]], device=row.device)
+    row.index_add_(0, ids, values.to(row.dtype))
 
 
 def _top_logprobs(row_logprobs: torch.Tensor, chosen: int, top: int) -> dict[int, float]:

@@ -64,6 +64,16 @@ class SchedulerOutput(NamedTuple):
         return not self.chunks
 
 
+class Fork(NamedTuple):
+    """A sequence placed beside its running parent: copy the parent's live GDN state slot, and its
+    partially filled last KV block when the prompt does not end on a block boundary."""
+
+    src_state_slot: int
+    dst_state_slot: int
+    src_block: int | None
+    dst_block: int | None
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -298,6 +308,32 @@ class Scheduler:
         """A cached KV block was reclaimed: a snapshot keyed by the prefix it ends is now useless."""
         if self.snapshots is not None:
             self.snapshots.evict(block_hash)
+
+    def fork(self, parent: Request, child: Request) -> Fork | None:
+        """Run `child` (same tokens as `parent`, whose computed tokens are all its tokens) from the
+        parent's computed state: full blocks are shared (one more reference each), the partial
+        last block is copied into a new block. None when no state slot or block is free; the
+        caller then queues the child to compute its prompt itself."""
+        assert parent.status is RequestStatus.RUNNING and parent.num_computed_tokens == parent.num_tokens
+        assert child.token_ids == parent.token_ids and child.status is RequestStatus.WAITING
+        num_full = parent.num_computed_tokens // self.block_size
+        partial = len(parent.block_ids) > num_full
+        if (self.state_slots.num_free_slots == 0 or len(self.running) >= self.config.max_num_seqs
+                or (partial and not self.block_pool.can_allocate(1))):
+            return None
+        shared = parent.block_ids[:num_full]
+        self.block_pool.touch(shared)
+        copied = self.block_pool.allocate(1) if partial else []
+        child.block_ids = list(shared) + copied
+        child.num_registered_blocks = min(parent.num_registered_blocks, num_full)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.state_slot = self.state_slots.allocate()
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+        assert parent.state_slot is not None
+        return Fork(parent.state_slot, child.state_slot, parent.block_ids[num_full] if partial else None,
+                    copied[0] if partial else None)
 
     # -- transaction end --------------------------------------------------------------------
     def apply(self, output: SchedulerOutput, failed_snapshot_slots: set[int]) -> list[Request]:

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from hybridserve.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
-from hybridserve.models.tokenizer import ENDOFTEXT_ID, IM_END_ID, Tokenizer
+from hybridserve.models.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, Tokenizer
 
 BUILTIN_MODEL_CONFIG = ModelConfig(
     vocab_size=4096,
@@ -44,7 +44,7 @@ BUILTIN_MODEL_CONFIG = ModelConfig(
 WEIGHT_STD = 0.02
 CONV_STD = 0.3
 A_RANGE = (1.0, 16.0)
-RESERVED_ROW_SCALE = 0.05
+RARE_ROW_SCALE = 0.05  # embedding rows of ids that should rarely be sampled (specials, raw bytes)
 
 
 def builtin_tokenizer() -> Tokenizer:
@@ -103,12 +103,13 @@ def _attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def builtin_init_tensor(
-    name: str, shape: tuple[int, ...], seed: int = 0, *, reserved_from: int | None = None
+    name: str, shape: tuple[int, ...], seed: int = 0, *, rare_ids: list[int] | None = None
 ) -> torch.Tensor:
     """Deterministic float32 CPU initial value of parameter `name` (seeded by seed and name).
 
-    Embedding rows of ids >= `reserved_from` (reserved tokens, which decode to nothing) are
-    scaled down so that the tied output head rarely picks them and sampled text stays visible.
+    Embedding rows of `rare_ids` (special tokens and bytes that alone decode to no visible
+    character) are scaled down so that the tied output head rarely picks them and sampled text
+    reads as text.
     """
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     if name.endswith("linear_attn.norm.weight"):  # gated norm multiplies by w directly
@@ -126,29 +127,31 @@ def builtin_init_tensor(
     if len(shape) < 2:
         raise ValueError(f"no built-in initialisation rule for parameter {name!r} of shape {list(shape)}")
     weight = torch.empty(shape).normal_(0.0, WEIGHT_STD, generator=generator)
-    if reserved_from is not None and name in ("model.embed_tokens.weight", "lm_head.weight"):
-        weight[reserved_from:] *= RESERVED_ROW_SCALE
+    if rare_ids and name in ("model.embed_tokens.weight", "lm_head.weight"):
+        weight[rare_ids] *= RARE_ROW_SCALE
     return weight
 
 
-def _reserved_from() -> int:
-    """First reserved id of the built-in tokenizer."""
-    reserved = builtin_tokenizer().token_to_id("<|reserved_0|>")
-    return BUILTIN_MODEL_CONFIG.vocab_size if reserved is None else reserved
+def rare_token_ids() -> list[int]:
+    """Built-in ids that should rarely be sampled: the special tokens and the bytes that decode
+    to no visible character on their own (control bytes other than newline, and 0x7F-0xFF,
+    which are only parts of multi-byte characters)."""
+    control = [b for b in range(0x20) if b != ord("\n")]
+    return [*control, *range(0x7F, 0x100), ENDOFTEXT_ID, IM_START_ID, IM_END_ID]
 
 
 def init_builtin_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """Fill every parameter of `model` with its built-in random value (on its device/dtype)."""
-    reserved_from = _reserved_from()
+    rare_ids = rare_token_ids()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(builtin_init_tensor(name, tuple(param.shape), seed, reserved_from=reserved_from))
+            param.copy_(builtin_init_tensor(name, tuple(param.shape), seed, rare_ids=rare_ids))
 
 
 def builtin_state_dict(config: ModelConfig = BUILTIN_MODEL_CONFIG, seed: int = 0) -> dict[str, torch.Tensor]:
     """The built-in random weights of `config` as a float32 state dict (no model needed)."""
-    reserved_from = _reserved_from()
-    return {name: builtin_init_tensor(name, shape, seed, reserved_from=reserved_from)
+    rare_ids = rare_token_ids()
+    return {name: builtin_init_tensor(name, shape, seed, rare_ids=rare_ids)
             for name, shape in parameter_shapes(config).items()}
 
 

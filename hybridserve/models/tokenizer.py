@@ -21,10 +21,13 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 BYTE_LEVEL_SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 # Byte-level layout: ids 0-255 are the bytes, the special tokens follow at fixed ids, then the
-# trained merges, then `<|reserved_N|>` tokens up to the vocab size.
+# trained merges, then syllable pieces (printable text) up to the vocab size.
 ENDOFTEXT_ID = 256
 IM_START_ID = 257
 IM_END_ID = 258
+# Markup the Qwen3.5 chat template and parsers use; plain (non-special) tokens at the end of the
+# built-in vocabulary, so they survive decoding with skip_special_tokens.
+TEXT_MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -32,6 +35,50 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+# The built-in model's template, in the Qwen3.5 layout: tools listed in the system turn, calls in
+# `<tool_call><function=...><parameter=...>` markup, tool results as `<tool_response>` user
+# turns, and a thinking block the generation prompt opens (closed empty when
+# `enable_thinking` is false).
+QWEN3_5_STYLE_TEMPLATE = """\
+{%- set first_system = messages and messages[0].role == 'system' -%}
+{%- if tools -%}
+{{- '<|im_start|>system\\n' -}}
+{%- if first_system -%}{{- messages[0].content + '\\n\\n' -}}{%- endif -%}
+{{- '# Tools\\n\\nYou may call one or more functions. Their signatures are in <tools></tools>:\\n<tools>' -}}
+{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}
+{{- '\\n</tools>\\n\\nTo call a function, reply with:\\n<tool_call>\\n<function=NAME>\\n' -}}
+{{- '<parameter=PARAMETER>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call><|im_end|>\\n' -}}
+{%- elif first_system -%}
+{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' -}}
+{%- endif -%}
+{%- for message in messages -%}
+{%- if message.role == 'system' and loop.first -%}
+{%- elif message.role == 'assistant' -%}
+{{- '<|im_start|>assistant\\n' -}}
+{%- if message.reasoning_content -%}{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' -}}{%- endif -%}
+{{- message.content or '' -}}
+{%- for call in message.tool_calls or [] -%}
+{%- set function = call.function if call.function is defined else call -%}
+{{- '\\n<tool_call>\\n<function=' + function.name + '>\\n' -}}
+{%- for name, value in (function.arguments or {}) | items -%}
+{{- '<parameter=' + name + '>\\n' + (value if value is string else (value | tojson)) + '\\n</parameter>\\n' -}}
+{%- endfor -%}
+{{- '</function>\\n</tool_call>' -}}
+{%- endfor -%}
+{{- '<|im_end|>\\n' -}}
+{%- elif message.role == 'tool' -%}
+{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' -}}
+{%- else -%}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|im_start|>assistant\\n' -}}
+{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}
+{%- else -%}{{- '<think>\\n' -}}{%- endif -%}
+{%- endif -%}
+"""
 
 # Qwen's pre-tokenization regex (letters, digits one at a time, punctuation runs, whitespace).
 _PRETOKENIZE_REGEX = (
@@ -97,6 +144,24 @@ def _bytes_to_unicode() -> dict[int, str]:
             mapping[b] = chr(256 + extra)
             extra += 1
     return mapping
+
+
+_ONSETS = ("", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "y", "z",
+           "br", "ch", "cl", "cr", "dr", "fl", "fr", "gr", "pl", "pr", "sh", "sl", "sp", "st", "th", "tr", "wh")
+_VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ee", "oo", "ou")
+_CODAS = ("", "n", "r", "s", "t", "l", "m", "nd", "st", "ng", "ck")
+
+
+def _syllable_pieces(byte_chars: Mapping[int, str]) -> Iterable[str]:
+    """Pronounceable pieces in byte-level spelling, each first as a word start (leading space)
+    then as a word continuation, in a fixed order (onset x vowel x coda)."""
+    space = byte_chars[ord(" ")]
+    for coda in _CODAS:
+        for onset in _ONSETS:
+            for vowel in _VOWELS:
+                syllable = onset + vowel + coda
+                yield space + syllable
+                yield syllable
 
 
 def _token_content(value: Any) -> str | None:
@@ -182,8 +247,11 @@ class Tokenizer:
         """Deterministic byte-level BPE tokenizer of exactly `vocab_size` ids (built-in model).
 
         Ids 0-255 are the bytes, 256-258 `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, then the
-        merges learned from `training_text` (as many as it yields and fit), then reserved special
-        tokens `<|reserved_N|>` up to `vocab_size`; every id decodes.
+        merges learned from `training_text` (as many as it yields and fit), then syllable pieces
+        (" bra", "stoo", ...), then the `TEXT_MARKERS` (`<think>`, `<tool_call>`, ...) as the last
+        ids, so every id decodes to visible text. The syllable pieces are plain vocabulary
+        entries: decoding them works, encoding text never yields them. The chat template is
+        Qwen3.5-style (tools, tool calls, thinking).
         """
         first_merge_id = 256 + len(BYTE_LEVEL_SPECIAL_TOKENS)
         if vocab_size < first_merge_id:
@@ -198,14 +266,20 @@ class Tokenizer:
             if left + right not in vocab:
                 vocab[left + right] = len(vocab)
                 merges.append((left, right))
-        reserved = [f"<|reserved_{n}|>" for n in range(vocab_size - len(vocab))]
-        vocab.update({tok: len(vocab) + i for i, tok in enumerate(reserved)})
+        pieces_end = vocab_size - len(TEXT_MARKERS)
+        for piece in _syllable_pieces(byte_chars):
+            if len(vocab) >= pieces_end:
+                break
+            vocab.setdefault(piece, len(vocab))
+        if len(vocab) < pieces_end:
+            raise ValueError(f"byte-level vocab_size {vocab_size} is larger than this tokenizer can fill")
+        vocab.update({marker: pieces_end + i for i, marker in enumerate(TEXT_MARKERS)})
 
         backend = _byte_level_backend(models.BPE(vocab=vocab, merges=merges))
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t in (*BYTE_LEVEL_SPECIAL_TOKENS, *reserved)])
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BYTE_LEVEL_SPECIAL_TOKENS])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in TEXT_MARKERS])
         return cls(backend, eos_token_ids=(ENDOFTEXT_ID, IM_END_ID), eos_token=IM_END,
-                   chat_template=CHATML_TEMPLATE)
+                   chat_template=QWEN3_5_STYLE_TEMPLATE)
 
     def with_extra_eos_token_ids(self, ids: Iterable[int]) -> "Tokenizer":
         """A copy whose eos ids are this tokenizer's plus `ids` (e.g. the model config's)."""

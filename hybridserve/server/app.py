@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP app: `build_app(engine, ...)` returns a ready FastAPI instance.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE streaming),
-`GET /v1/models`, `GET /health`, `GET /metrics`, and the OpenAPI schema at `GET /openapi.json`
-(interactive page `GET /docs`). Every error, including unknown routes,
+`GET /v1/models`, `GET /v1/models/{id}`, `POST /tokenize`, `POST /detokenize`, `GET /version`,
+`GET /health`, `GET /metrics`, and the OpenAPI schema at `GET /openapi.json` (interactive page
+`GET /docs`). Every error, including unknown routes,
 answers with the OpenAI envelope `{"error": {"message", "type", "param", "code"}}`.
 Two pure-ASGI middlewares guard the app: bearer-key auth on `/v1/*` and a body-size cap.
 A request whose client disconnects is aborted in the engine, streaming or not.
@@ -19,7 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,7 +37,8 @@ from hybridserve.engine.async_engine import (
     EngineStepError,
     RequestStream,
 )
-from hybridserve.sampling_params import RequestOutput, SamplingParams
+import hybridserve
+from hybridserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams
 from hybridserve.server.auth import ApiKeyring, TenantAuthMiddleware, request_tenant, tenant_cache_salt
 from hybridserve.server.chat import ChatRenderer, ChatTemplateError
 from hybridserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -48,6 +50,7 @@ from hybridserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
+    ChatMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
     CompletionChoice,
@@ -55,14 +58,40 @@ from hybridserve.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
+    FunctionCallOut,
+    LenientModel,
     ModelCard,
     ModelList,
+    NamedToolChoice,
     PromptTokensDetails,
+    TokenizeRequest,
+    TokenizeResponse,
+    ToolCallOut,
     TopLogprob,
     UsageInfo,
+    VersionResponse,
+)
+from hybridserve.server.reasoning_parser import (
+    REASONING_PARSERS,
+    THINK_END,
+    ReasoningStream,
+    prompt_opens_thinking,
+    split_reasoning,
+)
+from hybridserve.server.tool_grammar import tool_call_grammar
+from hybridserve.server.tool_parser import (
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+    ParsedToolCall,
+    ToolCallStream,
+    parse_tool_calls,
 )
 
 logger = logging.getLogger(__name__)
@@ -310,41 +339,63 @@ _TokenEntry = tuple[str, float, list[tuple[str, float]]]
 
 
 @dataclasses.dataclass
+class _ChatOptions:
+    """How a chat job's output text becomes a message."""
+
+    tools: list[dict[str, Any]] | None     # parse tool calls against these (None: no parsing)
+    split_reasoning: bool                   # a reasoning parser is configured
+    thinking_open: bool                     # the prompt ends inside an open <think> block
+
+
+@dataclasses.dataclass
 class _Job:
-    """One HTTP request's engine work: n engine requests over the same prompt."""
+    """One HTTP request's engine work: one engine request (with `n` completions) per prompt."""
 
     request_id: str
-    prompt_ids: list[int]
-    params: list[SamplingParams]
+    model: str
+    prompts: list[list[int]]
+    params: SamplingParams
     cache_salt: str | None
     num_logprobs: int | None
     include_usage: bool
-    echo_text: str = ""
+    echo_texts: list[str]
+    chat: _ChatOptions | None = None
     arrival: float = dataclasses.field(default_factory=time.monotonic)
 
-    def engine_id(self, index: int) -> str:
-        """Engine request id of choice `index`."""
-        return f"{self.request_id}-{index}"
+    def engine_id(self, prompt_index: int) -> str:
+        """Engine request id of prompt `prompt_index`."""
+        return f"{self.request_id}-{prompt_index}"
+
+    def choice_index(self, prompt_index: int, completion_index: int) -> int:
+        """OpenAI choice index: prompt-major, then completion."""
+        return prompt_index * self.params.n + completion_index
 
 
 @dataclasses.dataclass
 class _ChoiceState:
     """What has been streamed so far for one choice."""
 
-    tracker: RequestTracker
     sent_text: str = ""
     sent_tokens: int = 0
     text_offset: int = 0
     started: bool = False
     holdback: int = 0
-    last: RequestOutput | None = None
+    done: bool = False
+    reasoning: ReasoningStream | None = None
+    tools: ToolCallStream | None = None
+    sent_content: str = ""
 
-    def text_delta(self, output: RequestOutput) -> str:
-        """New text since the last chunk. While unfinished, the last `holdback` characters stay
-        back: they may be the start of a stop string that the engine will cut."""
+    def visible_text(self, output: CompletionOutput) -> str:
+        """The text that may be sent: while unfinished, the last `holdback` characters stay back
+        (they may be the start of a stop string that the engine will cut)."""
         text = output.text
-        if not output.finished and self.holdback:
+        if output.finish_reason is None and self.holdback:
             text = text[:max(len(self.sent_text), len(text) - self.holdback)]
+        return text
+
+    def text_delta(self, output: CompletionOutput) -> str:
+        """New text since the last chunk."""
+        text = self.visible_text(output)
         if not text.startswith(self.sent_text):
             return ""
         delta = text[len(self.sent_text):]
@@ -352,13 +403,28 @@ class _ChoiceState:
         return delta
 
 
+class _MessageParts(NamedTuple):
+    """A chat completion's text split into content, reasoning and tool calls."""
+
+    content: str
+    reasoning: str | None
+    tool_calls: list[ParsedToolCall]
+
+
 # =========================================================================== serving
 class OpenAIServing:
     """Turns protocol requests into engine requests and engine outputs into responses."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_names: str | Sequence[str],
+                 reasoning_parser: str | None = None) -> None:
         self.engine = engine
-        self.model_name = model_name
+        self.model_names = [model_names] if isinstance(model_names, str) else list(model_names)
+        if not self.model_names:
+            raise ValueError("at least one served model name is needed")
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r} (known: {', '.join(REASONING_PARSERS)})")
+        self.model_name = self.model_names[0]
+        self.reasoning_parser = reasoning_parser
         self.tokenizer = engine.tokenizer
         self.metrics = ServerMetrics()
         self.chat = ChatRenderer(getattr(engine.tokenizer, "chat_template", None))
@@ -367,14 +433,18 @@ class OpenAIServing:
 
     # ------------------------------------------------------------- entry points
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
-        """`POST /v1/completions`."""
-        self._check_model(body.model)
-        prompt = body.prompt_input
-        prompt_ids = await self._encode(prompt) if isinstance(prompt, str) else list(prompt)
-        max_tokens = self._max_tokens(len(prompt_ids), body.max_tokens,
-                                      "max_tokens" in body.model_fields_set, default=16, param="prompt")
-        echo = "" if not body.echo else (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids))
-        job = self._job("cmpl", body, prompt_ids, max_tokens, body.logprobs, echo)
+        """`POST /v1/completions` (one prompt or a batch of them)."""
+        model = self._check_model(body.model)
+        self._log_ignored("completion", body)
+        prompts = [await self._encode(p) if isinstance(p, str) else list(p) for p in body.prompt_inputs]
+        max_tokens = min(self._max_tokens(len(ids), body.max_tokens, "max_tokens" in body.model_fields_set,
+                                          default=16, param="prompt") for ids in prompts)
+        echo = [""] * len(prompts)
+        if body.echo:
+            echo = [p if isinstance(p, str) else self.tokenizer.decode(ids)
+                    for p, ids in zip(body.prompt_inputs, prompts)]
+        structured = self._constraint(body.structured_output_params)
+        job = self._job("cmpl", model, body, prompts, max_tokens, body.logprobs, echo, structured)
         job.cache_salt = tenant_cache_salt(request_tenant(request.scope), job.cache_salt)
         streams = await self._submit(job)
         if body.stream:
@@ -384,23 +454,46 @@ class OpenAIServing:
 
     async def chat_completion(self, body: ChatCompletionRequest, request: Request) -> Response:
         """`POST /v1/chat/completions`."""
-        self._check_model(body.model)
-        try:
-            text = self.chat.render([m.to_template_dict() for m in body.messages],
-                                    add_generation_prompt=body.add_generation_prompt,
-                                    extra=body.chat_template_kwargs)
-        except ChatTemplateError as exc:
-            raise APIError(400, str(exc), param="messages", code="chat_template_error") from exc
+        model = self._check_model(body.model)
+        self._log_ignored("chat completion", body)
+        structured = self._constraint(lambda: self._chat_constraint(body))
+        text = self._render_chat(body.messages, body.tool_dicts, body.chat_template_kwargs,
+                                 body.add_generation_prompt)
+        if structured is not None and prompt_opens_thinking(text):
+            text += f"{THINK_END}\n\n"  # a grammar constrains the answer: close the thinking block first
         prompt_ids = await self._encode(text)
         max_tokens = self._max_tokens(len(prompt_ids), body.requested_max_tokens,
                                       body.requested_max_tokens is not None, default=None, param="messages")
-        job = self._job("chatcmpl", body, prompt_ids, max_tokens, body.num_logprobs, "")
+        options = _ChatOptions(tools=body.tool_dicts, split_reasoning=self.reasoning_parser is not None,
+                               thinking_open=prompt_opens_thinking(text))
+        job = self._job("chatcmpl", model, body, [prompt_ids], max_tokens, body.num_logprobs, [""], structured)
+        job.chat = options
         job.cache_salt = tenant_cache_salt(request_tenant(request.scope), job.cache_salt)
         streams = await self._submit(job)
         if body.stream:
             return self._event_stream(self._stream_chat(job, streams), streams)
         finals = await self._collect(job, streams, request)
-        return _json(self._chat_response(job, finals))
+        return _json(self._chat_response(job, finals[0]))
+
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        """`POST /tokenize`: token ids of a prompt, or of chat messages rendered by the template."""
+        self._check_model(body.model)
+        if body.messages is not None:
+            tools = [tool.template_dict() for tool in body.tools] if body.tools else None
+            text = self._render_chat(body.messages, tools, body.chat_template_kwargs, body.add_generation_prompt)
+        else:
+            text = body.prompt or ""
+        ids = list(await asyncio.to_thread(self.tokenizer.encode, text)) if text else []
+        strs = [self._token_text(t) for t in ids] if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids, token_strs=strs)
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        """`POST /detokenize`: the text of token ids."""
+        self._check_model(body.model)
+        bad = [t for t in body.tokens if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))
 
     async def render_metrics(self) -> bytes:
         """Prometheus text with fresh engine stats."""
@@ -411,14 +504,70 @@ class OpenAIServing:
         return self.metrics.render(stats)
 
     def models(self) -> ModelList:
-        """`GET /v1/models`."""
-        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.engine.max_model_len)])
+        """`GET /v1/models`: every served name (aliases of the one model)."""
+        return ModelList(data=[self.model_card(name) for name in self.model_names])
+
+    def model_card(self, name: str) -> ModelCard:
+        """`GET /v1/models/{name}`."""
+        self._check_model(name)
+        return ModelCard(id=name, max_model_len=self.engine.max_model_len)
 
     # ------------------------------------------------------------- request preparation
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model `{model}` does not exist (serving `{self.model_name}`)",
+    def _check_model(self, model: str | None) -> str:
+        """The served name a request uses (404 for an unknown one)."""
+        if model is None:
+            return self.model_name
+        if model not in self.model_names:
+            raise APIError(404, f"the model `{model}` does not exist (serving {', '.join(self.model_names)})",
                            param="model", code="model_not_found")
+        return model
+
+    @staticmethod
+    def _log_ignored(kind: str, body: LenientModel) -> None:
+        ignored = body.ignored_fields()
+        if ignored:
+            logger.warning("%s request: ignored unknown field(s): %s", kind, ", ".join(sorted(ignored)))
+
+    def _render_chat(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,
+                     kwargs: dict[str, Any] | None, add_generation_prompt: bool) -> str:
+        try:
+            return self.chat.render([m.to_template_dict() for m in messages],
+                                    add_generation_prompt=add_generation_prompt, extra=kwargs, tools=tools)
+        except ChatTemplateError as exc:
+            raise APIError(400, str(exc), param="messages", code="chat_template_error") from exc
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from exc
+
+    @staticmethod
+    def _constraint(build: Callable[[], StructuredOutputsParams | None]) -> StructuredOutputsParams | None:
+        try:
+            return build()
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_structured_output") from exc
+
+    def _chat_constraint(self, body: ChatCompletionRequest) -> StructuredOutputsParams | None:
+        """The grammar of a chat request: forced tool calls, `response_format`, or vLLM's extras."""
+        given = []
+        extra = body.structured_output_params()
+        if extra is not None:
+            given.append(extra)
+        response_format = body.response_format
+        if response_format is not None and response_format.type == "json_object":
+            given.append(StructuredOutputsParams(json_object=True))
+        elif response_format is not None and response_format.type == "json_schema":
+            assert response_format.json_schema is not None
+            given.append(StructuredOutputsParams(json=response_format.json_schema.json_schema))
+        tools = body.tool_dicts
+        if tools and (body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice)):
+            only = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
+            multiple = body.tool_choice == "required" and body.parallel_tool_calls is not False
+            marker_tokens = all(self.tokenizer.token_to_id(m) is not None for m in (TOOL_CALL_START, TOOL_CALL_END))
+            grammar = tool_call_grammar(tools, only=only, multiple=multiple, marker_tokens=marker_tokens)
+            given.append(StructuredOutputsParams(grammar=grammar))
+        if len(given) > 1:
+            raise ValueError("give at most one output constraint (response_format, forced tool_choice, "
+                             "structured_outputs or guided_*)")
+        return given[0] if given else None
 
     async def _encode(self, text: str) -> list[int]:
         if not text:
@@ -444,24 +593,27 @@ class OpenAIServing:
         wanted = requested if requested is not None else default
         return room if wanted is None else min(wanted, room)
 
-    def _job(self, prefix: str, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
-             max_tokens: int, num_logprobs: int | None, echo_text: str) -> _Job:
+    def _job(self, prefix: str, model: str, body: CompletionRequest | ChatCompletionRequest,
+             prompts: list[list[int]], max_tokens: int, num_logprobs: int | None, echo_texts: list[str],
+             structured: StructuredOutputsParams | None) -> _Job:
         try:
-            params = [body.sampling_params(max_tokens, num_logprobs, i) for i in range(body.n)]
+            params = body.sampling_params(max_tokens, num_logprobs, structured)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
-        for p in params:
-            if self.vocab_size is not None and p.top_k > self.vocab_size:
-                p.top_k = -1
-        return _Job(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, body.cache_salt,
-                    num_logprobs, body.include_usage, echo_text)
+        if self.vocab_size is not None and params.top_k > self.vocab_size:
+            params.top_k = -1
+        if self.vocab_size is not None and any(t >= self.vocab_size for t in params.logit_bias or {}):
+            raise APIError(400, f"logit_bias names a token id outside the vocabulary [0, {self.vocab_size})",
+                           param="logit_bias")
+        return _Job(f"{prefix}-{uuid.uuid4().hex}", model, prompts, params, body.cache_salt,
+                    num_logprobs, body.include_usage, echo_texts)
 
     async def _submit(self, job: _Job) -> list[RequestStream]:
         streams: list[RequestStream] = []
         try:
-            for index, params in enumerate(job.params):
-                streams.append(await self.engine.add_request(job.engine_id(index), job.prompt_ids,
-                                                             params, job.cache_salt))
+            for index, prompt_ids in enumerate(job.prompts):
+                streams.append(await self.engine.add_request(job.engine_id(index), prompt_ids,
+                                                             job.params, job.cache_salt))
         except BaseException as exc:
             for stream in streams:
                 self.engine.abort(stream.request_id)
@@ -498,17 +650,17 @@ class OpenAIServing:
                 self.engine.abort(stream.request_id)
 
     def _usage(self, job: _Job, finals: list[RequestOutput | None]) -> UsageInfo:
-        completion = sum(len(f.token_ids) for f in finals if f is not None)
-        cached = finals[0].num_cached_tokens if finals and finals[0] is not None else 0
-        prompt = len(job.prompt_ids)
+        completion = sum(len(o.token_ids) for f in finals if f is not None for o in f.outputs)
+        cached = sum(f.num_cached_tokens for f in finals if f is not None)
+        prompt = sum(len(ids) for ids in job.prompts)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     # ------------------------------------------------------------- logprobs
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _token_entries(self, output: RequestOutput, start: int, k: int) -> list[_TokenEntry]:
+    def _token_entries(self, output: CompletionOutput, start: int, k: int) -> list[_TokenEntry]:
         """(token text, its logprob, top-k alternatives) for generated tokens from `start` on."""
         entries = []
         table = output.logprobs or []
@@ -520,7 +672,7 @@ class OpenAIServing:
                             [(self._token_text(t), _finite(v)) for t, v in top]))
         return entries
 
-    def _completion_logprobs(self, output: RequestOutput, start: int, k: int, offset: int) -> CompletionLogprobs:
+    def _completion_logprobs(self, output: CompletionOutput, start: int, k: int, offset: int) -> CompletionLogprobs:
         result = CompletionLogprobs()
         for text, logprob, top in self._token_entries(output, start, k):
             result.tokens.append(text)
@@ -530,7 +682,7 @@ class OpenAIServing:
             offset += len(text)
         return result
 
-    def _chat_logprobs(self, output: RequestOutput, start: int, k: int) -> ChatChoiceLogprobs:
+    def _chat_logprobs(self, output: CompletionOutput, start: int, k: int) -> ChatChoiceLogprobs:
         content = [
             ChatTokenLogprob(token=text, logprob=logprob, bytes=list(text.encode()),
                              top_logprobs=[TopLogprob(token=t, logprob=v, bytes=list(t.encode())) for t, v in top])
@@ -538,26 +690,58 @@ class OpenAIServing:
         ]
         return ChatChoiceLogprobs(content=content)
 
+    # ------------------------------------------------------------- chat message parts
+    def _message_parts(self, options: _ChatOptions, text: str) -> _MessageParts:
+        """Split a finished completion into content, reasoning and tool calls (never raises)."""
+        content, reasoning = text, None
+        if options.split_reasoning:
+            split = split_reasoning(text, options.thinking_open)
+            content, reasoning = split.content, split.reasoning
+        calls: list[ParsedToolCall] = []
+        if options.tools:
+            parsed = parse_tool_calls(content, options.tools)
+            content, calls = parsed.content, parsed.tool_calls
+        return _MessageParts(content, reasoning, calls)
+
+    @staticmethod
+    def _tool_call_id(job: _Job, choice: int, call: int) -> str:
+        return f"call_{job.request_id.rsplit('-', 1)[-1][:16]}_{choice}_{call}"
+
+    @staticmethod
+    def _chat_finish_reason(reason: str | None, has_calls: bool) -> str | None:
+        return "tool_calls" if has_calls and reason == "stop" else reason
+
     # ------------------------------------------------------------- non-streamed responses
     def _completion_response(self, job: _Job, finals: list[RequestOutput]) -> CompletionResponse:
         choices = []
-        for index, out in enumerate(finals):
-            logprobs = None
-            if job.num_logprobs is not None:
-                logprobs = self._completion_logprobs(out, 0, job.num_logprobs, len(job.echo_text))
-            choices.append(CompletionChoice(index=index, text=job.echo_text + out.text, logprobs=logprobs,
-                                            finish_reason=out.finish_reason, stop_reason=out.stop_reason))
-        return CompletionResponse(id=job.request_id, model=self.model_name, choices=choices,
+        for prompt_index, final in enumerate(finals):
+            echo = job.echo_texts[prompt_index]
+            for out in final.outputs:
+                logprobs = None
+                if job.num_logprobs is not None:
+                    logprobs = self._completion_logprobs(out, 0, job.num_logprobs, len(echo))
+                choices.append(CompletionChoice(index=job.choice_index(prompt_index, out.index), text=echo + out.text,
+                                                logprobs=logprobs, finish_reason=out.finish_reason,
+                                                stop_reason=out.stop_reason))
+        return CompletionResponse(id=job.request_id, model=job.model, choices=choices,
                                   usage=self._usage(job, list(finals)))
 
-    def _chat_response(self, job: _Job, finals: list[RequestOutput]) -> ChatCompletionResponse:
+    def _chat_response(self, job: _Job, final: RequestOutput) -> ChatCompletionResponse:
+        assert job.chat is not None
         choices = []
-        for index, out in enumerate(finals):
+        for out in final.outputs:
             logprobs = None if job.num_logprobs is None else self._chat_logprobs(out, 0, job.num_logprobs)
-            choices.append(ChatChoice(index=index, message=AssistantMessage(content=out.text), logprobs=logprobs,
-                                      finish_reason=out.finish_reason, stop_reason=out.stop_reason))
-        return ChatCompletionResponse(id=job.request_id, model=self.model_name, choices=choices,
-                                      usage=self._usage(job, list(finals)))
+            parts = self._message_parts(job.chat, out.text)
+            calls = [ToolCallOut(id=self._tool_call_id(job, out.index, i),
+                                 function=FunctionCallOut(name=c.name, arguments=c.arguments))
+                     for i, c in enumerate(parts.tool_calls)]
+            message = AssistantMessage(content=parts.content if parts.content or not calls else None,
+                                       reasoning_content=parts.reasoning, tool_calls=calls)
+            choices.append(ChatChoice(index=out.index, message=message, logprobs=logprobs,
+                                      finish_reason=self._chat_finish_reason(out.finish_reason, bool(calls)),
+                                      stop_reason=out.stop_reason))
+        return ChatCompletionResponse(id=job.request_id, model=job.model, choices=choices,
+                                      usage=self._usage(job, [final]))
 
     # ------------------------------------------------------------- streamed responses
     def _event_stream(self, chunks: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
@@ -567,22 +751,29 @@ class OpenAIServing:
                                  background=BackgroundTask(self._abort_unfinished, streams))
 
     async def _stream_events(self, job: _Job, streams: list[RequestStream],
-                             chunk: Callable[[int, _ChoiceState, RequestOutput], BaseModel | None],
-                             usage_chunk: Callable[[UsageInfo], BaseModel]) -> AsyncIterator[str]:
-        holdback = max((len(stop) for stop in job.params[0].stop), default=1) - 1
-        states = [_ChoiceState(self.metrics.tracker(job.arrival), holdback=holdback) for _ in streams]
+                             chunk: Callable[[int, _ChoiceState, CompletionOutput], BaseModel | None],
+                             usage_chunk: Callable[[UsageInfo], BaseModel],
+                             new_state: Callable[[], _ChoiceState]) -> AsyncIterator[str]:
+        states: dict[int, _ChoiceState] = {}
+        trackers = [self.metrics.tracker(job.arrival) for _ in streams]
+        lasts: list[RequestOutput | None] = [None] * len(streams)
         try:
-            async for index, output in _merge(streams):
-                state = states[index]
-                state.tracker.observe(output)
-                state.last = output
-                event = chunk(index, state, output)
-                if event is not None:
-                    yield _sse(event)
-                if output.finished and output.finish_reason == "error":
+            async for prompt_index, output in _merge(streams):
+                trackers[prompt_index].observe(output)
+                lasts[prompt_index] = output
+                for completion in output.outputs:
+                    index = job.choice_index(prompt_index, completion.index)
+                    state = states.setdefault(index, new_state())
+                    if state.done:
+                        continue
+                    event = chunk(index, state, completion)
+                    state.done = completion.finish_reason is not None
+                    if event is not None:
+                        yield _sse(event)
+                if output.finished and any(c.finish_reason == "error" for c in output.outputs):
                     yield _sse(json.loads(_request_failed(output).envelope()))
             if job.include_usage:
-                yield _sse(usage_chunk(self._usage(job, [s.last for s in states])))
+                yield _sse(usage_chunk(self._usage(job, lasts)))
         except (EngineStepError, EngineDeadError) as exc:
             error = _engine_error(exc)
             yield _sse(json.loads(error.envelope()))
@@ -590,49 +781,86 @@ class OpenAIServing:
             self._abort_unfinished(streams)
         yield "data: [DONE]\n\n"
 
+    def _holdback(self, job: _Job) -> int:
+        return max((len(stop) for stop in job.params.stop), default=1) - 1
+
     def _stream_completion(self, job: _Job, streams: list[RequestStream]) -> AsyncIterator[str]:
-        def chunk(index: int, state: _ChoiceState, out: RequestOutput) -> BaseModel | None:
+        def chunk(index: int, state: _ChoiceState, out: CompletionOutput) -> BaseModel | None:
             prefix = ""
             if not state.started:
-                prefix, state.started, state.text_offset = job.echo_text, True, len(job.echo_text)
+                echo = job.echo_texts[index // job.params.n]
+                prefix, state.started, state.text_offset = echo, True, len(echo)
             text = prefix + state.text_delta(out)
             logprobs = None
             if job.num_logprobs is not None:
                 logprobs = self._completion_logprobs(out, state.sent_tokens, job.num_logprobs, state.text_offset)
                 state.text_offset += sum(len(token) for token in logprobs.tokens)
             state.sent_tokens = len(out.token_ids)
-            if not text and not out.finished and not (logprobs and logprobs.tokens):
+            finished = out.finish_reason is not None
+            if not text and not finished and not (logprobs and logprobs.tokens):
                 return None
-            choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                      finish_reason=out.finish_reason if out.finished else None,
-                                      stop_reason=out.stop_reason if out.finished else None)
-            return CompletionStreamResponse(id=job.request_id, model=self.model_name, choices=[choice])
+            choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
+                                      stop_reason=out.stop_reason if finished else None)
+            return CompletionStreamResponse(id=job.request_id, model=job.model, choices=[choice])
 
         def usage_chunk(usage: UsageInfo) -> BaseModel:
-            return CompletionStreamResponse(id=job.request_id, model=self.model_name, choices=[], usage=usage)
+            return CompletionStreamResponse(id=job.request_id, model=job.model, choices=[], usage=usage)
 
-        return self._stream_events(job, streams, chunk, usage_chunk)
+        return self._stream_events(job, streams, chunk, usage_chunk, lambda: _ChoiceState(holdback=self._holdback(job)))
+
+    def _new_chat_state(self, job: _Job) -> _ChoiceState:
+        assert job.chat is not None
+        state = _ChoiceState(holdback=self._holdback(job))
+        if job.chat.split_reasoning:
+            state.reasoning = ReasoningStream(job.chat.thinking_open)
+        if job.chat.tools:
+            state.tools = ToolCallStream(job.chat.tools)
+        return state
+
+    def _chat_delta(self, job: _Job, index: int, state: _ChoiceState, out: CompletionOutput) -> DeltaMessage:
+        """The message delta of one choice: reasoning, content and completed tool calls."""
+        final = out.finish_reason is not None
+        text = state.visible_text(out)
+        delta = DeltaMessage()
+        if state.reasoning is not None:
+            reasoning_delta, text = state.reasoning.update(text, final)
+            delta.reasoning_content = reasoning_delta or None
+        if state.tools is not None:
+            tools_delta = state.tools.update(text, final)
+            delta.content = tools_delta.content or None
+            delta.tool_calls = [DeltaToolCall(index=i, id=self._tool_call_id(job, index, i), type="function",
+                                              function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                                for i, c in tools_delta.tool_calls] or None
+        elif text.startswith(state.sent_content):
+            delta.content = text[len(state.sent_content):] or None
+            state.sent_content = text
+        return delta
 
     def _stream_chat(self, job: _Job, streams: list[RequestStream]) -> AsyncIterator[str]:
-        def chunk(index: int, state: _ChoiceState, out: RequestOutput) -> BaseModel | None:
-            delta = DeltaMessage(content=state.text_delta(out))
+        def chunk(index: int, state: _ChoiceState, out: CompletionOutput) -> BaseModel | None:
+            delta = self._chat_delta(job, index, state, out)
             if not state.started:
                 delta.role = "assistant"
+                if delta.content is None and delta.reasoning_content is None and not delta.tool_calls:
+                    delta.content = ""
                 state.started = True
             logprobs = None
             if job.num_logprobs is not None:
                 logprobs = self._chat_logprobs(out, state.sent_tokens, job.num_logprobs)
             state.sent_tokens = len(out.token_ids)
-            if not delta.content and delta.role is None and not out.finished and not (logprobs and logprobs.content):
+            finished = out.finish_reason is not None
+            empty = delta.content is None and delta.reasoning_content is None and not delta.tool_calls
+            if empty and delta.role is None and not finished and not (logprobs and logprobs.content):
                 return None
+            has_calls = state.tools is not None and state.tools.num_calls > 0
             choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
-                                      finish_reason=out.finish_reason if out.finished else None)
-            return ChatCompletionStreamResponse(id=job.request_id, model=self.model_name, choices=[choice])
+                                      finish_reason=self._chat_finish_reason(out.finish_reason, has_calls))
+            return ChatCompletionStreamResponse(id=job.request_id, model=job.model, choices=[choice])
 
         def usage_chunk(usage: UsageInfo) -> BaseModel:
-            return ChatCompletionStreamResponse(id=job.request_id, model=self.model_name, choices=[], usage=usage)
+            return ChatCompletionStreamResponse(id=job.request_id, model=job.model, choices=[], usage=usage)
 
-        return self._stream_events(job, streams, chunk, usage_chunk)
+        return self._stream_events(job, streams, chunk, usage_chunk, lambda: self._new_chat_state(job))
 
 
 def _json(model: BaseModel, status: int = 200) -> Response:
@@ -671,6 +899,22 @@ def _install_routes(app: FastAPI, serving: OpenAIServing) -> None:
     async def list_models() -> Response:
         return _json(serving.models())
 
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> Response:
+        return _json(serving.model_card(model_id))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return _json(await serving.tokenize(body))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return _json(await serving.detokenize(body))
+
+    @app.get("/version")
+    async def version() -> Response:
+        return _json(VersionResponse(version=hybridserve.__version__))
+
     @app.get("/health")
     async def health() -> Response:
         if not serving.engine.is_running:
@@ -682,20 +926,21 @@ def _install_routes(app: FastAPI, serving: OpenAIServing) -> None:
         return Response(await serving.render_metrics(), media_type=METRICS_CONTENT_TYPE)
 
 
-def build_app(engine: AsyncLLMEngine, *, model_name: str, api_key: str | None = None,
+def build_app(engine: AsyncLLMEngine, *, model_name: str | Sequence[str], api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_engine: bool = False,
-              api_keys: Sequence[str] = ()) -> FastAPI:
+              reasoning_parser: str | None = None, api_keys: Sequence[str] = ()) -> FastAPI:
     """Build the HTTP app around a started-or-not `AsyncLLMEngine`.
 
-    The engine thread starts with the app; `shutdown_engine=True` stops it when the app stops.
-    With `api_key` and/or `api_keys`, one of them is required as a bearer token on `/v1/*`, and
-    each key's requests are cached under that key's own salt (see `server.auth`); bodies over
-    `max_body_bytes` are answered with 413. The OpenAPI schema is at `/openapi.json`, its
-    interactive page at `/docs`.
+    `model_name` is the served name, or several aliases (the first is the default). The engine
+    thread starts with the app; `shutdown_engine=True` stops it when the app stops. With
+    `api_key` and/or `api_keys`, one of them is required as a bearer token on `/v1/*`, and each
+    key's requests are cached under that key's own salt (see `server.auth`); bodies over
+    `max_body_bytes` are answered with 413. `reasoning_parser="qwen3"` moves thinking text into
+    `reasoning_content`. The OpenAPI schema is at `/openapi.json`, its interactive page at `/docs`.
     """
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
-    serving = OpenAIServing(engine, model_name)
+    serving = OpenAIServing(engine, model_name, reasoning_parser)
     app = FastAPI(title="hybridserve", lifespan=_lifespan(engine, shutdown_engine),
                   openapi_url="/openapi.json", docs_url="/docs", redoc_url=None)
     app.state.serving = serving

@@ -66,10 +66,13 @@ class ChatRenderer:
                 logger.warning("model chat template does not compile (%s); using built-in ChatML", exc)
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-               extra: dict[str, Any] | None = None) -> str:
-        """Render `messages`; `extra` (chat_template_kwargs) cannot override the messages."""
+               extra: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None) -> str:
+        """Render `messages` (and `tools`, OpenAI function specs); `extra` (chat_template_kwargs,
+        e.g. `enable_thinking`) cannot override the messages or tools."""
         context = dict(extra or {})
         context.update(messages=messages, add_generation_prompt=add_generation_prompt)
+        if tools:
+            context["tools"] = tools
         context.setdefault("tools", None)
         try:
             return self._template.render(**context)

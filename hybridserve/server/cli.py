@@ -1,8 +1,9 @@
-"""`hybridserve serve [MODEL_DIR]`: argument definitions and the server runner.
+"""`hybridserve serve [MODEL]` / `hybridserve serve --model MODEL`: flags and the server runner.
 
 `add_serve_arguments(parser)` adds the flags to a (sub)parser created with
-`argparse.ArgumentDefaultsHelpFormatter`; `run_server(args)` builds the engine, logs the
-resolved pool sizes and serves the app with uvicorn until interrupted.
+`argparse.ArgumentDefaultsHelpFormatter`; `run_server(args)` binds the port, builds the engine,
+logs the resolved pool sizes and serves the app with uvicorn until interrupted. A start-up
+failure (port in use, bad model directory, invalid flags) is one error line and a non-zero exit.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import threading
 from pathlib import Path
 
-from hybridserve.engine_args import add_engine_arguments, engine_config_from_args
+from hybridserve.engine_args import add_engine_arguments, engine_config_from_args, model_from_args
 from hybridserve.server.app import DEFAULT_MAX_BODY_BYTES
 from hybridserve.server.auth import read_key_file
+from hybridserve.server.reasoning_parser import REASONING_PARSERS
 
 logger = logging.getLogger("hybridserve.server")
 
@@ -35,8 +38,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              f"key's requests get their own prefix-cache salt); falls back to ${API_KEY_ENV}")
     parser.add_argument("--api-key-file", default=None,
                         help="file with one API key per line (added to --api-key)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="model name in the API; when unset, the model directory's name")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="model name(s) in the API (aliases; the first is reported); when unset, the model "
+                             "directory's name")
+    parser.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                        help="move the model's thinking into reasoning_content")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest accepted request body; larger ones get 413")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level")
@@ -50,13 +56,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def served_model_name(args: argparse.Namespace) -> str:
-    """`--served-model-name`, else the model directory's name, else the built-in model's name."""
+def served_model_names(args: argparse.Namespace) -> list[str]:
+    """`--served-model-name` (one or more), else the model directory's name, else the built-in
+    model's name."""
     if args.served_model_name:
-        return args.served_model_name
-    if args.model:
-        return Path(args.model).resolve().name
-    return BUILTIN_MODEL_NAME
+        return list(args.served_model_name)
+    model = model_from_args(args)
+    if model:
+        return [Path(model).resolve().name]
+    return [BUILTIN_MODEL_NAME]
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready socket bound to host:port (OSError when the port is taken)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def api_keys_from(args: argparse.Namespace) -> list[str]:
@@ -89,7 +110,8 @@ def _raise_system_exit(signum: int, _frame: object) -> None:
 
 
 def run_server(args: argparse.Namespace) -> int:
-    """Build the engine and serve until interrupted; returns a process exit code."""
+    """Bind, build the engine and serve until interrupted; returns a process exit code
+    (0 after a clean shutdown, 1 when the port cannot be bound, 2 for a bad configuration)."""
     import uvicorn
 
     from hybridserve.engine.async_engine import AsyncLLMEngine
@@ -100,26 +122,38 @@ def run_server(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(args.log_level.upper())  # also when the caller configured logging already
     try:
         config = engine_config_from_args(args)
-        api_keys_from(args)
-        engine = LLMEngine(config)
+        names = served_model_names(args)
+        api_keys = api_keys_from(args)
     except ValueError as exc:
         logger.error("cannot start: %s", exc)
         return 2
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        logger.error("cannot listen on %s:%d: %s", args.host, args.port, exc.strerror or exc)
+        return 1
+    try:
+        engine = LLMEngine(config)
+    except (ValueError, OSError) as exc:
+        sock.close()
+        logger.error("cannot load the model: %s", exc)
+        return 2
     _log_sizes(engine.stats(), engine.max_model_len)  # the engine thread has not started yet
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests)
-    api_keys = api_keys_from(args)
-    name = served_model_name(args)
-    app = build_app(async_engine, model_name=name, api_keys=api_keys, max_body_bytes=args.max_body_bytes)
-    logger.info("serving %s on http://%s:%d (auth %s)", name, args.host, args.port,
+    app = build_app(async_engine, model_name=names, api_keys=api_keys, max_body_bytes=args.max_body_bytes,
+                    reasoning_parser=args.reasoning_parser)
+    logger.info("serving %s on http://%s:%d (auth %s)", ", ".join(names), args.host, args.port,
                 f"on, {len(api_keys)} key(s), per-key cache salt" if api_keys else "off")
     async_engine.start()
     _exit_on_sigterm()
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, lifespan="off"))
     try:  # the engine's lifetime is managed here, so uvicorn's lifespan protocol is not needed
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off")
+        server.run(sockets=[sock])
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:
         async_engine.shutdown()
+        sock.close()
         logger.info("engine stopped")
     return 0
 

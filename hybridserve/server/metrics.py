@@ -85,8 +85,10 @@ class RequestTracker:
         self._done = False
 
     def observe(self, output: RequestOutput) -> None:
-        """Record TTFT / inter-token latency for tokens new since the last call."""
-        new = len(output.token_ids) - self._num_tokens
+        """Record TTFT / inter-token latency for tokens new since the last call (over all of the
+        request's completions)."""
+        num_tokens = sum(len(o.token_ids) for o in output.outputs)
+        new = num_tokens - self._num_tokens
         if new > 0:
             now = time.monotonic()
             if self._last_time is None:
@@ -97,7 +99,7 @@ class RequestTracker:
                 for _ in range(new):
                     self._metrics.itl.observe(gap)
             self._last_time = now
-            self._num_tokens = len(output.token_ids)
+            self._num_tokens = num_tokens
         if output.finished:
             self.finish(output)
 
@@ -107,9 +109,10 @@ class RequestTracker:
             return
         self._done = True
         self._metrics.prompt_tokens.inc(len(output.prompt_token_ids))
-        self._metrics.generation_tokens.inc(len(output.token_ids))
+        self._metrics.generation_tokens.inc(sum(len(o.token_ids) for o in output.outputs))
         self._metrics.e2e.observe(time.monotonic() - self._arrival)
-        self._metrics.success.labels(finished_reason=output.finish_reason or "unknown").inc()
+        for completion in output.outputs:
+            self._metrics.success.labels(finished_reason=completion.finish_reason or "unknown").inc()
 
 
 class ServerMetrics:

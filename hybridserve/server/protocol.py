@@ -1,28 +1,42 @@
-"""Pydantic models of the OpenAI-compatible HTTP protocol (requests strict, responses plain).
+"""Pydantic models of the OpenAI-compatible HTTP protocol (requests lenient, responses plain).
 
-Requests use `extra="forbid"` and strict types, so unknown fields and wrongly typed values are
-rejected with a 400 that names the field. A few fields that the official clients may send are
-accepted when they are harmless (`user`, `suffix=None`, `best_of == n`, empty `logit_bias`,
-`response_format={"type": "text"}`); vLLM-style sampling extras map onto `SamplingParams`.
+Requests accept unknown fields, as vLLM does: they are ignored and the server logs their names
+once per request (`ignored_fields`). Fields that are supported are validated strictly (types are
+not coerced; ranges are checked) and a bad value is a 400 naming the field. vLLM's extras map
+onto `SamplingParams`: sampling knobs, `structured_outputs` / `guided_*`, `chat_template_kwargs`.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from hybridserve.sampling_params import SamplingParams
+from hybridserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 16
 MAX_LOGPROBS = 20
 
 
-class StrictModel(BaseModel):
-    """Base of all request models: unknown fields and type coercions are errors."""
+class LenientModel(BaseModel):
+    """Base of all request models: unknown fields are kept aside (and ignored); known fields
+    are strictly typed."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+
+    def ignored_fields(self, prefix: str = "") -> list[str]:
+        """Dotted names of the unknown fields here and in nested request models."""
+        names = [prefix + key for key in (self.model_extra or {})]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            items = value if isinstance(value, list) else [value]
+            for index, item in enumerate(items):
+                if isinstance(item, LenientModel):
+                    where = f"{prefix}{name}[{index}]." if isinstance(value, list) else f"{prefix}{name}."
+                    names.extend(item.ignored_fields(where))
+        return names
 
 
 # --------------------------------------------------------------------------- errors
@@ -42,19 +56,45 @@ class ErrorResponse(BaseModel):
 
 
 # --------------------------------------------------------------------------- requests
-class StreamOptions(StrictModel):
+class StreamOptions(LenientModel):
     """`stream_options`: `include_usage` adds a final chunk with usage and no choices."""
 
     include_usage: bool = False
 
 
-class ResponseFormat(StrictModel):
-    """Only plain text responses are supported."""
+class JsonSchemaFormat(LenientModel):
+    """`response_format.json_schema`: a named JSON schema."""
 
-    type: Literal["text"]
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
 
 
-class _SamplingRequest(StrictModel):
+class ResponseFormat(LenientModel):
+    """`response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError("response_format json_schema needs json_schema.schema")
+        return self
+
+
+class StructuredOutputsRequest(LenientModel):
+    """vLLM's `structured_outputs` request field (exactly one constraint)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class _SamplingRequest(LenientModel):
     """Fields shared by completion and chat-completion requests."""
 
     model: str | None = None
@@ -71,11 +111,18 @@ class _SamplingRequest(StrictModel):
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    stream: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1)
     logit_bias: dict[str, float] | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("top_k")
     @classmethod
@@ -95,8 +142,11 @@ class _SamplingRequest(StrictModel):
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         return value
 
     @model_validator(mode="after")
@@ -110,13 +160,31 @@ class _SamplingRequest(StrictModel):
         """Whether a streamed response ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
-        """`SamplingParams` for choice `index` (seeded requests use seed + index)."""
+    def structured_output_params(self) -> StructuredOutputsParams | None:
+        """The output constraint from `structured_outputs` or the `guided_*` extras (at most one)."""
+        given: list[StructuredOutputsParams] = []
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            given.append(StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice,
+                                                 grammar=so.grammar, json_object=so.json_object))
+        for name, field in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                            ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                given.append(StructuredOutputsParams(**{field: getattr(self, name)}))
+        if len(given) > 1:
+            raise ValueError("give at most one output constraint (structured_outputs, guided_*, response_format)")
+        return given[0] if given else None
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        structured: StructuredOutputsParams | None) -> SamplingParams:
+        """`SamplingParams` of this request's `n` completions (completion i uses seed + i)."""
         values: dict[str, Any] = {
-            "max_tokens": max_tokens, "logprobs": logprobs, "ignore_eos": self.ignore_eos,
-            "min_tokens": min(self.min_tokens, max_tokens),
-            "stop": self.stop, "stop_token_ids": self.stop_token_ids,
-            "seed": None if self.seed is None else self.seed + index,
+            "n": self.n, "max_tokens": max_tokens, "logprobs": logprobs, "ignore_eos": self.ignore_eos,
+            "min_tokens": min(self.min_tokens, max_tokens), "seed": self.seed,
+            "stop": self.stop, "stop_token_ids": self.stop_token_ids, "structured_outputs": structured,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()} or None,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
@@ -126,55 +194,82 @@ class _SamplingRequest(StrictModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    """`POST /v1/completions`."""
+    """`POST /v1/completions`; `prompt` is one prompt (text or token ids) or a batch of them."""
 
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: None = None
+    suffix: str | None = None
     best_of: int | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _check_prompt(cls, value: str | list[str] | list[int]) -> str | list[str] | list[int]:
+    def _check_prompt(cls, value: Any) -> Any:
+        items = value if isinstance(value, list) and value and not isinstance(value[0], int) else [value]
         if isinstance(value, list) and not value:
             raise ValueError("prompt must not be empty")
-        if isinstance(value, list) and isinstance(value[0], str) and len(value) != 1:
-            raise ValueError("a list prompt must hold exactly one string (batched prompts are not supported)")
-        if isinstance(value, list) and isinstance(value[0], int) and min(value) < 0:
-            raise ValueError("prompt token ids must be non-negative")
+        for item in items:
+            if isinstance(item, list) and (not item or min(item) < 0):
+                raise ValueError("token-id prompts must be non-empty lists of non-negative ids")
         return value
 
     @model_validator(mode="after")
     def _check_best_of(self) -> "CompletionRequest":
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (it must be omitted or equal n)")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
         if self.echo and self.logprobs is not None:
             raise ValueError("echo together with logprobs is not supported (no prompt logprobs)")
         return self
 
     @property
-    def prompt_input(self) -> str | list[int]:
-        """The single prompt, as text or token ids."""
-        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str):
-            return self.prompt[0]
-        return self.prompt  # type: ignore[return-value]
+    def prompt_inputs(self) -> list[str | list[int]]:
+        """The prompts of this request, as text or token ids."""
+        value = self.prompt
+        if isinstance(value, str) or (value and isinstance(value[0], int)):
+            return [value]  # type: ignore[list-item]
+        return list(value)  # type: ignore[arg-type]
 
 
-class TextContentPart(StrictModel):
-    """A `{"type": "text", "text": ...}` message content part (the only kind supported)."""
+class ContentPart(LenientModel):
+    """A message content part; only `{"type": "text", "text": ...}` is supported."""
 
-    type: Literal["text"]
-    text: str
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _check_text(self) -> "ContentPart":
+        if self.type != "text" or self.text is None:
+            raise ValueError(f"content part type {self.type!r} is not supported (text only)")
+        return self
 
 
-class ChatMessage(StrictModel):
+class FunctionCall(LenientModel):
+    """A function call inside an assistant message's `tool_calls`."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallParam(LenientModel):
+    """`tool_calls[i]` of an assistant message in the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(LenientModel):
     """One chat message; content is a string or a list of text parts."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _check_content(self) -> "ChatMessage":
@@ -183,14 +278,58 @@ class ChatMessage(StrictModel):
         return self
 
     def to_template_dict(self) -> dict[str, Any]:
-        """Plain dict for the chat template (text parts joined into one string)."""
+        """Plain dict for the chat template (text parts joined; call arguments parsed to dicts)."""
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = "".join(part.text or "" for part in content)
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name
+        for name in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
+        if self.tool_calls:
+            message["tool_calls"] = [_template_tool_call(call) for call in self.tool_calls]
         return message
+
+
+def _template_tool_call(call: ToolCallParam) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments) if call.function.arguments else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"tool call arguments are not valid JSON: {exc}") from None
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+
+
+class FunctionDefinition(LenientModel):
+    """`tools[i].function`: a callable function and its JSON-schema parameters."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(LenientModel):
+    """`tools[i]`."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def template_dict(self) -> dict[str, Any]:
+        """The tool as the chat template sees it (OpenAI's shape)."""
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedFunction(LenientModel):
+    """`tool_choice.function`."""
+
+    name: str
+
+
+class NamedToolChoice(LenientModel):
+    """`tool_choice` naming one function to call."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -199,16 +338,25 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _check_logprobs(self) -> "ChatCompletionRequest":
-        if self.top_logprobs is not None and not self.logprobs:
+    def _check_logprobs_and_tools(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice requires tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {tool.function.name for tool in self.tools or []}
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
         return self
 
     @property
@@ -220,6 +368,38 @@ class ChatCompletionRequest(_SamplingRequest):
     def num_logprobs(self) -> int | None:
         """Top-k alternatives to return per token, or None when logprobs are off."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools for the chat template and parsers, unless `tool_choice` is `none`."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.template_dict() for tool in self.tools]
+
+
+class TokenizeRequest(LenientModel):
+    """`POST /tokenize`: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _check_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(LenientModel):
+    """`POST /detokenize`."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 # --------------------------------------------------------------------------- responses
@@ -304,11 +484,28 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCallOut(BaseModel):
+    """A called function and its arguments (JSON text)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    """`message.tool_calls[i]` of a response."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
-    """The generated message."""
+    """The generated message: content, the reasoning (with a reasoning parser) and tool calls."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -332,11 +529,29 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    """Function part of a streamed tool call."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A tool call in a chat stream chunk (index identifies the call across chunks)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     """Incremental message content of a chat stream chunk."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):
@@ -374,3 +589,24 @@ class ModelList(BaseModel):
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    """`POST /tokenize`."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    """`POST /detokenize`."""
+
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    """`GET /version`."""
+
+    version: str

@@ -1,0 +1,155 @@
+"""`hybridserve bench structured`: decode cost of a JSON-schema constraint.
+
+Two identical engines decode the same prompts, one unconstrained and one with a JSON schema
+active (llguidance mask per row, applied in the sampler). Their steps alternate (A, B, A, B...)
+so that both see the same machine load; each adjacent pair of steady decode steps (every request
+of the batch decoding) gives one ratio. Reported per batch size: the median step time of each
+mode and the median of the paired ratios, the median time the token mask itself took per
+constrained step (fill + apply, timed around the engine's `TokenMasker.apply`), the grammar
+compile time and the compile cache's hits. Every request gets the same seed in both modes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hybridserve.bench.common import EngineDriver, format_table, goal_mark, machine_line, median, random_token_ids
+from hybridserve.config import EngineConfig
+from hybridserve.engine.engine import LLMEngine
+from hybridserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+GOAL_RATIO = 1.15
+EVENT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 80},
+        "priority": {"type": "string", "enum": ["low", "medium", "high"]},
+        "attendees": {"type": "array", "maxItems": 8, "items": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0},
+                           "confirmed": {"type": "boolean"}},
+            "required": ["name", "age", "confirmed"], "additionalProperties": False}},
+        "notes": {"type": "string", "maxLength": 400},
+    },
+    "required": ["title", "priority", "attendees", "notes"],
+    "additionalProperties": False,
+}
+
+
+@dataclass(frozen=True)
+class StructuredBenchConfig:
+    """Sizes of the structured-output decode benchmark."""
+
+    batch_sizes: tuple[int, ...] = (1, 16)
+    prompt_tokens: int = 32
+    decode_tokens: int = 48
+    warmup: int = 1
+    iterations: int = 4
+    seed: int = 0
+
+
+def _params(constrained: bool, cfg: StructuredBenchConfig) -> SamplingParams:
+    """Same sampling in both modes; the constrained one carries the schema."""
+    structured = StructuredOutputsParams(json=EVENT_SCHEMA) if constrained else None
+    return SamplingParams(max_tokens=cfg.decode_tokens, temperature=1.0, seed=cfg.seed, ignore_eos=True,
+                          structured_outputs=structured)
+
+
+class _Run:
+    """One engine decoding one batch; `step()` records the time of steady decode steps."""
+
+    def __init__(self, driver: EngineDriver, prompts: list[list[int]], params: SamplingParams) -> None:
+        self.engine = driver.engine
+        self.ids = [driver.next_id() for _ in prompts]
+        for request_id, prompt in zip(self.ids, prompts):
+            self.engine.add_request(request_id, prompt, params)
+        self.started: set[str] = set()
+
+    @property
+    def done(self) -> bool:
+        return not self.engine.has_unfinished_requests()
+
+    def step(self) -> float | None:
+        """One engine step; its seconds when every request decoded in it (none finished)."""
+        all_started = len(self.started) == len(self.ids)
+        begin = time.perf_counter()
+        outputs = self.engine.step()
+        elapsed = time.perf_counter() - begin
+        self.started.update(o.request_id for o in outputs)
+        steady = all_started and len(outputs) == len(self.ids) and not any(o.finished for o in outputs)
+        return elapsed if steady else None
+
+
+def _paired_steps(drivers: tuple[EngineDriver, EngineDriver], prompts: list[list[int]],
+                  cfg: StructuredBenchConfig) -> list[tuple[float, float]]:
+    """Alternate steps of the unconstrained and the constrained run; (free, constrained) times of
+    adjacent steady steps."""
+    free, constrained = _Run(drivers[0], prompts, _params(False, cfg)), _Run(drivers[1], prompts, _params(True, cfg))
+    pairs = []
+    while not (free.done and constrained.done):
+        a = free.step() if not free.done else None
+        b = constrained.step() if not constrained.done else None
+        if a is not None and b is not None:
+            pairs.append((a, b))
+    return pairs
+
+
+def _time_mask(engine: LLMEngine, seconds: list[float]) -> None:
+    """Record the duration of every `TokenMasker.apply` call of `engine` into `seconds`."""
+    masker = engine._masker  # noqa: SLF001 - benchmark instrumentation
+    assert masker is not None
+    apply = masker.apply
+
+    def timed(*args: Any) -> None:
+        begin = time.perf_counter()
+        apply(*args)
+        seconds.append(time.perf_counter() - begin)
+
+    masker.apply = timed  # type: ignore[method-assign]
+
+
+def run_structured_bench(engine_config: EngineConfig, cfg: StructuredBenchConfig) -> dict[str, Any]:
+    """Measure both modes at every batch size; returns the figures as a dict."""
+    engines = (LLMEngine(engine_config), LLMEngine(engine_config))
+    drivers = (EngineDriver(engines[0], "free"), EngineDriver(engines[1], "json"))
+    vocab = engines[0].model_config.vocab_size
+    start = time.perf_counter()
+    engines[1].grammars.matcher(StructuredOutputsParams(json=EVENT_SCHEMA))
+    first_compile_s = time.perf_counter() - start
+    mask_seconds: list[float] = []
+    _time_mask(engines[1], mask_seconds)
+    rows = []
+    for batch in cfg.batch_sizes:
+        prompts = [random_token_ids(cfg.prompt_tokens, cfg.seed * 1009 + batch * 31 + j, vocab) for j in range(batch)]
+        pairs: list[tuple[float, float]] = []
+        masks: list[float] = []
+        for iteration in range(cfg.warmup + cfg.iterations):
+            mask_seconds.clear()
+            measured = _paired_steps(drivers, prompts, cfg)
+            if iteration >= cfg.warmup:
+                pairs.extend(measured)
+                masks.extend(mask_seconds)
+        free, constrained = median(a for a, _ in pairs), median(b for _, b in pairs)
+        ratio = median(b / a for a, b in pairs)
+        rows.append({"batch": batch, "unconstrained_step_ms": 1000 * free, "json_schema_step_ms": 1000 * constrained,
+                     "ratio": ratio, "mask_ms": 1000 * median(masks), "pairs_measured": len(pairs),
+                     "goal_met": ratio <= GOAL_RATIO})
+    for engine in engines:
+        engine.check_integrity()
+    cache = engines[1].grammars.cache_info()
+    return {"config": asdict(cfg), "engine": engines[0].describe(), "machine": machine_line(),
+            "first_compile_ms": 1000 * first_compile_s, "compile_cache": cache._asdict(), "rows": rows}
+
+
+def format_structured_report(result: dict[str, Any]) -> str:
+    """The figures as a text table."""
+    table = format_table(
+        ["batch", "unconstrained ms/step", "JSON schema ms/step", "paired ratio (median)", "mask ms/step",
+         "pairs", f"goal <= {GOAL_RATIO}x"],
+        [[r["batch"], f"{r['unconstrained_step_ms']:.2f}", f"{r['json_schema_step_ms']:.2f}", f"{r['ratio']:.3f}",
+          f"{r['mask_ms']:.3f}", r["pairs_measured"], goal_mark(r["goal_met"])] for r in result["rows"]])
+    cache = result["compile_cache"]
+    return (f"{table}\n\nschema compiled once in {result['first_compile_ms']:.1f} ms; compile cache: "
+            f"{cache['misses']} miss(es), {cache['hits']} hit(s)\n{result['engine']}\n{result['machine']}")

@@ -1,0 +1,145 @@
+"""Structured outputs: grammars compiled by llguidance, applied as a batched token mask.
+
+`GrammarCompiler` turns a `StructuredOutputsParams` (JSON schema, JSON object, regex, choice,
+Lark grammar) into an llguidance `LLMatcher`; compiled matchers are cached per constraint (an
+LRU keyed by the canonical constraint text) and every request gets a cheap `deep_copy`.
+`TokenMasker` fills one bitmask row per constrained request and sets the logits of disallowed
+tokens to -inf, all rows of a batch at once. The work is kept off parallel thread pools: rows are
+filled on the calling thread (a row takes ~0.1 ms) and the bits are unpacked by numpy, because on
+a busy CPU a tiny op that torch or llguidance splits across threads waits on descheduled
+threads for far longer than the op itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from typing import NamedTuple
+
+import llguidance
+import llguidance.torch as llg_torch
+import numpy as np
+import torch
+
+from hybridserve.models.tokenizer import Tokenizer
+from hybridserve.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+# Compact JSON (no free whitespace): a random or weak model cannot wander off into endless spaces.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+DEFAULT_CACHE_SIZE = 256
+
+
+class CompileCacheInfo(NamedTuple):
+    """Grammar compile cache counters."""
+
+    hits: int
+    misses: int
+    size: int
+
+
+def grammar_text(spec: StructuredOutputsParams) -> str:
+    """The llguidance grammar (JSON-wrapped) for one constraint."""
+    if spec.json is not None:
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.json, defaults=JSON_OPTIONS)
+    if spec.json_object:
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if spec.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+    if spec.choice is not None:
+        alternatives = " | ".join(json.dumps(choice) for choice in spec.choice)
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}\n")
+    assert spec.grammar is not None
+    return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer; thread-safe, with a per-constraint LRU cache."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        self.vocab_size = vocab_size
+        self.ll_tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
+                                                   eos_token=list(tokenizer.eos_token_ids))
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+        self._hits = 0
+        self._misses = 0
+
+    def matcher(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """A fresh matcher for `spec` (ValueError if the grammar is invalid)."""
+        key = spec.key
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                self._hits += 1
+                return compiled.deep_copy()
+        compiled = self._compile(spec)
+        with self._lock:
+            self._misses += 1
+            self._cache[key] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled.deep_copy()
+
+    def _compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
+        try:
+            grammar = grammar_text(spec)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"invalid structured output constraint: {exc}") from None
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"invalid structured output constraint: {matcher.get_error()}")
+        return matcher
+
+    def cache_info(self) -> CompileCacheInfo:
+        """Hits, misses and entries of the compile cache."""
+        with self._lock:
+            return CompileCacheInfo(self._hits, self._misses, len(self._cache))
+
+
+class TokenMasker:
+    """Applies the matchers' allowed-token masks to a batch of logits rows."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._bitmask = llg_torch.allocate_token_bitmask(1, vocab_size)
+
+    def _buffer(self, rows: int) -> torch.Tensor:
+        if self._bitmask.shape[0] < rows:
+            self._bitmask = llg_torch.allocate_token_bitmask(rows, self.vocab_size)
+        return self._bitmask[:rows]
+
+    def _unpacked(self, matchers: list[llguidance.LLMatcher]) -> np.ndarray:
+        """[len(matchers), vocab] uint8: 1 where the matcher allows the token next."""
+        bitmask = self._buffer(len(matchers))
+        for row, matcher in enumerate(matchers):
+            llg_torch.fill_next_token_bitmask(matcher, bitmask, row)
+        packed = bitmask.numpy().view(np.uint8)  # little-endian words: bit i of the row is token i
+        return np.unpackbits(packed, axis=1, count=self.vocab_size, bitorder="little")
+
+    def allowed(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
+        """[len(matchers), vocab] bool: the tokens each matcher allows next."""
+        return torch.from_numpy(self._unpacked(matchers)).bool()
+
+    def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[llguidance.LLMatcher]) -> None:
+        """Set disallowed tokens of `logits[rows[i]]` to -inf, per `matchers[i]` (in place)."""
+        if not rows:
+            return
+        disallowed = self._unpacked(matchers) == 0
+        width = min(logits.shape[-1], disallowed.shape[-1])
+        if logits.device.type == "cpu":
+            values = logits.numpy()  # shares memory; numpy's masked writes run on this thread
+            for row, mask in zip(rows, disallowed):
+                values[row, :width][mask[:width]] = -np.inf
+                values[row, width:] = -np.inf
+            return
+        index = torch.tensor(rows, device=logits.device)
+        block = logits.index_select(0, index)
+        block[:, :width].masked_fill_(torch.from_numpy(disallowed[:, :width]).to(logits.device), float("-inf"))
+        block[:, width:] = float("-inf")
+        logits.index_copy_(0, index, block)

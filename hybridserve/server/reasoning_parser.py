@@ -1,0 +1,70 @@
+"""`--reasoning-parser qwen3`: the thinking text of Qwen3/Qwen3.5 outputs -> `reasoning_content`.
+
+The model thinks inside `<think> ... </think>`; Qwen3.5 chat templates already open the block in
+the prompt (the generation prompt ends with `<think>\\n`), so the output often holds only the
+closing tag. Text before `</think>` is reasoning, text after it is content. Without a closing
+tag the output is all reasoning when the prompt left a block open (thinking was cut short), and
+all content otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+REASONING_PARSERS = ("qwen3",)
+
+
+class ReasoningSplit(NamedTuple):
+    """An output split into its reasoning and its content."""
+
+    reasoning: str
+    content: str
+
+
+def prompt_opens_thinking(prompt: str) -> bool:
+    """True when the prompt ends inside an open `<think>` block."""
+    return prompt.rfind(THINK_START) > prompt.rfind(THINK_END)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def split_reasoning(text: str, thinking_open: bool, *, final: bool = True) -> ReasoningSplit:
+    """Split one output. With `final=False` a trailing partial `</think>` is held back."""
+    body = text
+    opened = thinking_open
+    stripped = body.lstrip()
+    if stripped.startswith(THINK_START):
+        body, opened = stripped[len(THINK_START):], True
+    end = body.find(THINK_END)
+    if end >= 0:
+        return ReasoningSplit(body[:end].strip("\n"), body[end + len(THINK_END):].lstrip("\n"))
+    if not opened:
+        return ReasoningSplit("", text)
+    if not final:
+        body = body[:len(body) - _partial_suffix(body, THINK_END)]
+    return ReasoningSplit(body.lstrip("\n"), "")
+
+
+class ReasoningStream:
+    """Incremental splitter over one choice's cumulative text."""
+
+    def __init__(self, thinking_open: bool) -> None:
+        self.thinking_open = thinking_open
+        self.sent_reasoning = ""
+
+    def update(self, text: str, final: bool) -> ReasoningSplit:
+        """(new reasoning delta, cumulative content so far)."""
+        split = split_reasoning(text, self.thinking_open, final=final)
+        reasoning = split.reasoning.rstrip("\n")  # newlines before </think> may not belong to the reasoning
+        delta = ""
+        if reasoning.startswith(self.sent_reasoning):
+            delta = reasoning[len(self.sent_reasoning):]
+            self.sent_reasoning = reasoning
+        return ReasoningSplit(delta, split.content)

@@ -1,0 +1,86 @@
+"""Grammars that force tool calls (`tool_choice="required"` or a named function).
+
+The grammar (llguidance's Lark dialect) admits exactly the Qwen3.5 call markup that
+`tool_parser` reads back: one call (or several, for `required` with parallel calls) of the
+allowed functions, each parameter in the declared order, required ones always present. String
+values are raw text without `<` or newlines, at most `maxLength` characters (64 when the schema
+sets none) so that even a weak model finishes them; enums are literal alternatives; other types
+are JSON constrained by their schema (`%json`). When the tokenizer has `<tool_call>` and
+`</tool_call>` as single (added) tokens, as Qwen's do, the grammar names those tokens (`<tool_call>`
+in llguidance's Lark) instead of spelling the text, since llguidance treats added tokens as special.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from hybridserve.server.tool_parser import TOOL_CALL_END, TOOL_CALL_START
+
+DEFAULT_STRING_CHARS = 64
+MAX_PARALLEL_CALLS = 4  # a forced grammar with parallel calls admits at most this many, then ends
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text)
+
+
+def _value_rule(schema: Mapping[str, Any]) -> str:
+    """The Lark body of one parameter value."""
+    if isinstance(schema.get("enum"), list) and schema["enum"] and all(isinstance(v, str) for v in schema["enum"]):
+        return " | ".join(_literal(v) for v in schema["enum"])
+    if schema.get("type") == "string":
+        longest = schema.get("maxLength", DEFAULT_STRING_CHARS)
+        shortest = max(1, int(schema.get("minLength", 1)))
+        longest = max(shortest, int(longest))
+        return f"/[^<\\n]{{{shortest},{longest}}}/"
+    return "%json " + json.dumps(dict(schema) or {}, sort_keys=True)
+
+
+def _function_rules(index: int, function: Mapping[str, Any], marker_tokens: bool) -> tuple[str, list[str]]:
+    """(rule name, rule lines) for calls of one function."""
+    name = function["name"]
+    parameters = function.get("parameters") or {}
+    properties = parameters.get("properties") or {}
+    required = set(parameters.get("required") or [])
+    lines: list[str] = []
+    parts: list[str] = []
+    for number, (key, schema) in enumerate(properties.items()):
+        value_rule = f"v{index}_{number}"
+        param_rule = f"p{index}_{number}"
+        lines.append(f"{value_rule}: {_value_rule(schema if isinstance(schema, Mapping) else {})}")
+        lines.append(f"{param_rule}: {_literal(f'<parameter={key}>' + chr(10))} {value_rule} "
+                     f"{_literal(chr(10) + '</parameter>' + chr(10))}")
+        parts.append(param_rule if key in required else f"{param_rule}?")
+    rule = f"call{index}"
+    if marker_tokens:
+        head = f"{TOOL_CALL_START} {_literal(f'{chr(10)}<function={name}>{chr(10)}')}"
+        tail = f"{_literal(f'</function>{chr(10)}')} {TOOL_CALL_END}"
+    else:
+        head = _literal(f"{TOOL_CALL_START}\n<function={name}>\n")
+        tail = _literal(f"</function>\n{TOOL_CALL_END}")
+    lines.append(f"{rule}: {head} {' '.join(parts)} {tail}")
+    return rule, lines
+
+
+def tool_call_grammar(tools: Sequence[Mapping[str, Any]], *, only: str | None = None,
+                      multiple: bool = False, marker_tokens: bool = False) -> str:
+    """A Lark grammar forcing calls of `tools` (of the function named `only`, if given).
+    `multiple` allows up to `MAX_PARALLEL_CALLS` calls in a row; `marker_tokens` names the
+    `<tool_call>`/`</tool_call>` tokens instead of spelling them."""
+    functions = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
+    if not functions:
+        raise ValueError(f"no tool named {only!r}" if only else "no tools to call")
+    lines: list[str] = []
+    names: list[str] = []
+    for index, function in enumerate(functions):
+        rule, rule_lines = _function_rules(index, function, marker_tokens)
+        names.append(rule)
+        lines.extend(rule_lines)
+    lines.insert(0, f"call: {' | '.join(names)}")
+    calls = "call"
+    for _ in range(MAX_PARALLEL_CALLS - 1 if multiple else 0):
+        calls = f'call ("\\n" {calls})?'
+    lines.insert(0, f"start: {calls}")
+    return "\n".join(lines) + "\n"
