@@ -161,7 +161,7 @@ def _conversation_turns(llm: LLM, seeds: list[int], params: SamplingParams) -> l
         out = llm.generate([prompt], params)[0]
         if history:
             pairs.append((len(history) - 1, out.num_cached_tokens))
-        history = prompt + out.token_ids
+        history = prompt + out.outputs[0].token_ids
     return pairs
 
 
@@ -177,8 +177,8 @@ def test_multi_turn_hits_the_end_of_the_previous_turn(text_checkpoint: Path, pol
         prompt = history + _tokens(30 + 7 * turn, seed)
         warm = on.generate([prompt], params)[0]
         cold = off.generate([prompt], params)[0]
-        assert warm.token_ids == cold.token_ids
-        history = prompt + cold.token_ids
+        assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+        history = prompt + cold.outputs[0].token_ids
     on.llm_engine.check_integrity()
 
 
@@ -206,9 +206,9 @@ def test_differential_cache_on_equals_off_for_every_policy(text_checkpoint: Path
         batch = [c for c in conversations if rng.random() < 0.85]
         out_on = on.generate(batch, params)
         out_off = off.generate(batch, params)
-        assert [o.token_ids for o in out_on] == [o.token_ids for o in out_off]
+        assert [o.outputs[0].token_ids for o in out_on] == [o.outputs[0].token_ids for o in out_off]
         for conversation, out in zip(batch, out_off):
-            conversation.extend(out.token_ids + _tokens(rng.randint(3, 30), turn * 100 + len(conversation)))
+            conversation.extend(out.outputs[0].token_ids + _tokens(rng.randint(3, 30), turn * 100 + len(conversation)))
         on.llm_engine.check_integrity()
     stats = on.prefix_cache_stats()
     assert stats.hits > 0

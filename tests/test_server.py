@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hybridserve.engine.async_engine import AsyncLLMEngine
 from hybridserve.engine.engine import LLMEngine
+from hybridserve.sampling_params import SamplingParams
 from hybridserve.server.app import build_app
 from hybridserve.engine_args import engine_config_from_args
 from hybridserve.server.cli import build_parser, served_model_names
@@ -431,35 +432,60 @@ def test_serve_arguments() -> None:
 
 
 # --------------------------------------------------------------------------- multi-turn chat
-def test_multi_turn_chat_restores_the_previous_turn(client: openai.OpenAI, engine: AsyncLLMEngine) -> None:
-    """Turn N+1 restores the deepest joint boundary the earlier turns left: the end of turn N
-    (its prompt and reply, less the last sampled token) whenever the template reproduces the reply's
-    tokens, else at least the last block boundary of turn N's prompt."""
+def _chat_turns(client: openai.OpenAI, engine: AsyncLLMEngine, renderer_template: str | None,
+                reply_tokens: int = 6) -> list[tuple[int, int, int, bool]]:
+    """Four chat turns; per turn after the first: (cached, previous prompt, previous prompt +
+    reply - 1, whether the new prompt starts with the previous prompt and reply tokens)."""
     from hybridserve.server.chat import ChatRenderer
 
     tokenizer = engine.engine.tokenizer
-    renderer = ChatRenderer(tokenizer.chat_template)
-    block = engine.engine.config.cache.block_size
+    renderer = ChatRenderer(renderer_template)
     messages = [{"role": "system", "content": "You serve hybrid models with a joint prefix cache. " * 12}]
     previous: tuple[list[int], str, int] | None = None  # prompt ids, reply text, reply tokens
-    full_end_hits = 0
+    turns = []
     for question in ["What is a snapshot?", "And a block?", "Why both?", "Thanks!"]:
         messages.append({"role": "user", "content": question})
         prompt_ids = tokenizer.encode(renderer.render(messages))
-        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=reply_tokens,
+                                               temperature=0)
         assert reply.usage.prompt_tokens == len(prompt_ids)
-        cached = reply.usage.prompt_tokens_details.cached_tokens
         if previous is not None:
             earlier, text, count = previous
-            assert prompt_ids[:len(earlier)] == earlier            # the template reproduces the prompt
             replayed = prompt_ids[len(earlier):len(earlier) + count]
-            if tokenizer.decode(replayed, skip_special_tokens=False) == text:
-                assert cached == len(earlier) + count - 1          # the previous turn's end, exactly
-                full_end_hits += 1
-            else:
-                assert cached >= (len(earlier) - 1) // block * block
+            reproduced = (prompt_ids[:len(earlier)] == earlier
+                          and tokenizer.decode(replayed, skip_special_tokens=False) == text)
+            turns.append((reply.usage.prompt_tokens_details.cached_tokens, len(earlier),
+                          len(earlier) + count - 1, reproduced))
         content = reply.choices[0].message.content or ""
         previous = (prompt_ids, content, reply.usage.completion_tokens)
         messages.append({"role": "assistant", "content": content})
-    assert full_end_hits >= 1, "no turn re-rendered the previous reply's tokens"
     wait_until(lambda: is_idle(engine))
+    return turns
+
+
+def test_multi_turn_through_the_server_restores_the_end_of_the_previous_turn(client: openai.OpenAI) -> None:
+    """Turn N+1 = turn N's prompt + the tokens the model generated + a new message restores exactly
+    the end of turn N (prompt + reply - 1 tokens), a boundary inside a KV block. The generated ids
+    come from an offline engine with the same weights (greedy is deterministic)."""
+    offline = LLMEngine(tiny_config())
+    history: list[int] = []
+    for turn in range(4):
+        prompt = history + random_ids(200 + turn, 37 + 5 * turn)
+        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=7, temperature=0)
+        if history:
+            assert reply.usage.prompt_tokens_details.cached_tokens == len(history) - 1
+        offline.add_request(f"turn-{turn}", prompt, SamplingParams(max_tokens=7, temperature=0.0))
+        while offline.has_unfinished_requests():
+            outputs = offline.step()
+        generated = outputs[-1].outputs[0].token_ids
+        assert offline.tokenizer.decode(generated) == reply.choices[0].text
+        history = prompt + generated
+
+
+def test_multi_turn_chat_with_a_thinking_template(client: openai.OpenAI, engine: AsyncLLMEngine) -> None:
+    """The built-in Qwen3.5-style template opens `<think>` in the generation prompt but not in
+    the history, so turn N+1 leaves turn N's path inside its last tokens: it still restores turn
+    N's prompt mark (the last block boundary before its prompt end)."""
+    block = engine.engine.config.cache.block_size
+    for cached, previous_prompt, _, _ in _chat_turns(client, engine, engine.engine.tokenizer.chat_template):
+        assert cached >= (previous_prompt - 1) // block * block - block
