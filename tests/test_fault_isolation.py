@@ -57,11 +57,11 @@ def reference(text_checkpoint: Path) -> dict[str, RequestOutput]:
 
 def _assert_only_victim_failed(finished: dict[str, RequestOutput], reference: dict[str, RequestOutput],
                                victim: str) -> None:
-    assert finished[victim].finish_reason == "error"
+    assert finished[victim].outputs[0].finish_reason == "error"
     for request_id, ref in reference.items():
         if request_id != victim:
-            assert finished[request_id].finish_reason == "length"
-            assert finished[request_id].token_ids == ref.token_ids, request_id
+            assert finished[request_id].outputs[0].finish_reason == "length"
+            assert finished[request_id].outputs[0].token_ids == ref.outputs[0].token_ids, request_id
 
 
 def test_nan_logits_end_only_that_request(text_checkpoint: Path, reference: dict[str, RequestOutput],
@@ -83,7 +83,7 @@ def test_nan_logits_end_only_that_request(text_checkpoint: Path, reference: dict
     finished = _run(engine, PROMPTS)
     assert poisoned["steps"] == 1
     _assert_only_victim_failed(finished, reference, "r5")
-    assert len(finished["r5"].token_ids) == 4
+    assert len(finished["r5"].outputs[0].token_ids) == 4
 
 
 def test_sampler_error_ends_only_that_request(text_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -106,7 +106,7 @@ def test_detokenizer_error_ends_only_that_request(text_checkpoint: Path, referen
     original = engine_module.IncrementalDetokenizer.update
 
     def flaky_update(self, token_ids: list[int]) -> str:
-        if token_ids and token_ids == reference["r0"].token_ids[:6]:
+        if token_ids and token_ids == reference["r0"].outputs[0].token_ids[:6]:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected detokenizer failure")
         return original(self, token_ids)
 
@@ -137,12 +137,12 @@ def test_apply_failure_leaves_no_leak(text_checkpoint: Path, monkeypatch: pytest
     # "hit" restores the 96-token snapshot (a pin) and reserves a capture at 128.
     finished = _run(engine, {"hit": shared + _prompt(60, seed=51), "other": _prompt(70, seed=52)})
     assert not state["armed"] and state["saw_reservation"]
-    assert finished["hit"].finish_reason == "error"
-    assert finished["other"].finish_reason in ("error", "length")  # it may share the failed step
+    assert finished["hit"].outputs[0].finish_reason == "error"
+    assert finished["other"].outputs[0].finish_reason in ("error", "length")  # it may share the failed step
     snapshots = engine.scheduler.snapshots
     assert snapshots.num_pinned == 0 and snapshots.num_reserved == 0
     after = _run(engine, {"later": shared + _prompt(30, seed=53)})
-    assert after["later"].finish_reason == "length" and after["later"].num_cached_tokens == 96
+    assert after["later"].outputs[0].finish_reason == "length" and after["later"].num_cached_tokens == 96
 
 
 def test_schedule_failure_gives_back_what_it_took(text_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -173,7 +173,7 @@ def test_schedule_failure_gives_back_what_it_took(text_checkpoint: Path, monkeyp
     finished = {}
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
-    assert {o.finish_reason for o in finished.values()} == {"length"}
+    assert {o.outputs[0].finish_reason for o in finished.values()} == {"length"}
     assert finished["a"].num_cached_tokens == 64
     engine.check_integrity()
 
@@ -203,7 +203,7 @@ def test_stats_count_once_across_a_reverted_step(text_checkpoint: Path, monkeypa
 
     monkeypatch.setattr(ModelRunner, "execute", flaky)
     finished = _run(engine, {"x": _prompt(50, seed=80), "y": _prompt(40, seed=81)})
-    assert calls["n"] > 1 and {o.finish_reason for o in finished.values()} == {"length"}
+    assert calls["n"] > 1 and {o.outputs[0].finish_reason for o in finished.values()} == {"length"}
     assert engine.prefix_cache_stats().queries == 2
 
 

@@ -99,7 +99,7 @@ def test_sha256_block_hash(text_checkpoint: Path) -> None:
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     cold = llm.generate([prompt], params)[0]
     warm = llm.generate([prompt], params)[0]
-    assert warm.num_cached_tokens == 96 and warm.token_ids == cold.token_ids
+    assert warm.num_cached_tokens == 96 and warm.outputs[0].token_ids == cold.outputs[0].token_ids
     pool = llm.llm_engine.scheduler.block_pool
     hashes = [pool.block_hash(b) for b in range(pool.num_blocks) if pool.block_hash(b) is not None]
     assert hashes and all(len(h) == 32 for h in hashes)
