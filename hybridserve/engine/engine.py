@@ -321,7 +321,6 @@ class LLMEngine:
         rows, sequences = self._fork_ready_groups(result.requests)
         logits = result.logits if len(rows) == len(result.requests) else result.logits[rows]
         now = time.monotonic()
-        updated: dict[str, RequestGroup] = {}
         for request, sampled in zip(sequences, sample_isolated(logits, sequences, self._masker)):
             if isinstance(sampled, Exception):
                 logger.error("request %s failed: %s", request.request_id, sampled)
@@ -333,10 +332,7 @@ class LLMEngine:
                     logger.exception("request %s failed after sampling", request.request_id)
                     if not request.is_finished:
                         self._finish(request, "error", flush=False)
-            group = self._group_of(request)
-            if group is not None:
-                updated[request.request_id] = group
-        return [self._output(group) for group in updated.values()]
+        return self._group_outputs(sequences)
 
     def _accept(self, request: Request, sampled: SampledToken, now: float) -> None:
         """Append a sampled token (and its logprobs), then apply the stop rules."""
@@ -377,13 +373,14 @@ class LLMEngine:
     def _fail_requests(self, requests: list[Request]) -> list[RequestOutput]:
         """End each unfinished request with finish_reason "error" (freeing what it holds); the
         outputs of their groups."""
-        groups: dict[str, RequestGroup] = {}
         for request in requests:
             if not request.is_finished:
                 self._finish(request, "error", flush=False)
-            group = self._group_of(request)
-            if group is not None:
-                groups[request.request_id] = group
+        return self._group_outputs(requests)
+
+    def _group_outputs(self, requests: list[Request]) -> list[RequestOutput]:
+        """One output per group that these sequences belong to (running or finished this step)."""
+        groups = {r.request_id: group for r in requests if (group := self._group_of(r)) is not None}
         return [self._output(group) for group in groups.values()]
 
     def _after_failed_step(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
