@@ -15,7 +15,7 @@ from hybridserve.cache.policy import PrefixCost, RequestView, make_policy
 from hybridserve.cache.snapshots import ReserveStatus, SnapshotPool
 from hybridserve.config import POLICY_NAMES, CacheConfig
 from hybridserve.sim.shapes import model_shape
-from hybridserve.sim.simulator import SimConfig, _AccountingRun
+from hybridserve.sim.simulator import AccountingRun, SimConfig
 
 COST = PrefixCost(1e9, 1e3, 1024, 1 << 20)
 SHAPE = model_shape("builtin")
@@ -26,8 +26,8 @@ def _tokens(length: int, seed: int) -> list[int]:
 
 
 def _run(policy: str, snapshot_slots: int, kv_blocks: int = 4096, block_size: int = 16,
-         interval: int = 256) -> _AccountingRun:
-    return _AccountingRun(SimConfig(policy, kv_blocks * block_size * SHAPE.cost.kv_bytes_per_token,
+         interval: int = 256) -> AccountingRun:
+    return AccountingRun(SimConfig(policy, kv_blocks * block_size * SHAPE.cost.kv_bytes_per_token,
                                     snapshot_slots * SHAPE.cost.snapshot_bytes, block_size, interval), SHAPE)
 
 

@@ -62,8 +62,9 @@ class SimResult(NamedTuple):
         return self.hit_tokens / max(self.prompt_tokens, 1)
 
 
-class _AccountingRun:
-    """The scheduler and pools of one replay, stepped without a model."""
+class AccountingRun:
+    """The scheduler, pools and policy of one replay, stepped by an accounting-only runner: `serve`
+    admits, prefills, decodes and finishes one request at a time (tests build traces with it)."""
 
     def __init__(self, config: SimConfig, shape: ModelShape) -> None:
         if config.kv_bytes <= 0 or config.snapshot_bytes <= 0:
@@ -122,7 +123,7 @@ def simulate(tokens: TraceTokens, shape: ModelShape, config: SimConfig, indices:
              progress: bool = False, check: bool = False, stepwise: bool = False) -> SimResult:
     """Replay `tokens`' requests (all, or `indices`) under one cache configuration; `check`
     verifies every pool's integrity at the end (O(pool size))."""
-    run = _AccountingRun(config, shape)
+    run = AccountingRun(config, shape)
     order = list(range(len(tokens.records))) if indices is None else list(indices)
     start = time.perf_counter()
     prompt_tokens = hit_tokens = hit_requests = skipped = 0
