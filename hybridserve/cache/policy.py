@@ -43,13 +43,13 @@ class PrefixCost(NamedTuple):
     @classmethod
     def from_model(cls, config: "ModelConfig", kv_bytes_per_token: int, snapshot_bytes: int) -> "PrefixCost":
         """Derive the costs of a Qwen3.5 decoder of this shape."""
-        hidden, layers = config.hidden_size, config
+        hidden = config.hidden_size
         attention = hidden * config.head_dim * (2 * config.num_attention_heads + 2 * config.num_key_value_heads) \
             + config.num_attention_heads * config.head_dim * hidden
         gdn = hidden * (2 * config.gdn_key_dim + 2 * config.gdn_value_dim + 2 * config.linear_num_value_heads) \
             + config.gdn_value_dim * hidden
         mlp = 3 * hidden * config.intermediate_size
-        num_attn, num_gdn = len(layers.attention_layer_ids), len(layers.gdn_layer_ids)
+        num_attn, num_gdn = len(config.attention_layer_ids), len(config.gdn_layer_ids)
         params = num_attn * attention + num_gdn * gdn + config.num_hidden_layers * mlp
         # Gated delta rule: ~4 state-sized products per token per layer (read, update, query, decay).
         gdn_state = num_gdn * 4 * config.linear_num_value_heads * config.linear_key_head_dim \
