@@ -35,7 +35,7 @@ def _run(policy: str, snapshot_slots: int, kv_blocks: int = 4096, block_size: in
 
 
 def test_admission_boundaries_of_each_policy() -> None:
-    view = RequestView(num_prompt_tokens=700, num_tokens=700, hit_tokens=0, branch_point=320, deepest_snapshot=0)
+    view = RequestView(num_prompt_tokens=700, num_tokens=700, branch_point=320, deepest_snapshot=0)
     assert make_policy("interval", 16, COST, 256).captures(view, 0, 700) == [256, 512]
     assert make_policy("last-block", 16, COST, 256).captures(view, 0, 700) == [688]
     assert make_policy("marconi", 16, COST, 256).captures(view, 0, 700) == [320]

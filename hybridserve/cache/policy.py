@@ -68,7 +68,6 @@ class RequestView(NamedTuple):
 
     num_prompt_tokens: int
     num_tokens: int
-    hit_tokens: int        # restored from the cache at admission
     branch_point: int      # KV matched this deep but no snapshot did (0: none)
     deepest_snapshot: int  # deepest boundary with a snapshot on the request's path (hit or captured)
 

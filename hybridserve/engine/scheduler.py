@@ -296,8 +296,8 @@ class Scheduler:
 
     @staticmethod
     def _view(request: Request) -> RequestView:
-        return RequestView(request.num_prompt_tokens, request.num_tokens, request.num_cached_tokens or 0,
-                           request.branch_point, request.snapshot_depth)
+        return RequestView(request.num_prompt_tokens, request.num_tokens, request.branch_point,
+                           request.snapshot_depth)
 
     @staticmethod
     def _parent_key(request: Request, boundary: int) -> BlockHash | None:
