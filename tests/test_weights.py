@@ -31,9 +31,11 @@ def test_every_weight_is_held_once(fixture: str | None, dtype: str, request: pyt
     element_size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     expected = _parameter_bytes(engine, element_size)
     held = model.weight_bytes()
-    # RMSNorm scales are kept in float32 (1 + w precomputed); in bf16 they are the only growth.
-    norm_growth = 0 if dtype == "float32" else sum(
-        m.scale.numel() * (4 - element_size) for m in model.modules() if isinstance(getattr(m, "scale", None), torch.Tensor))
+    # RMSNorm scales (1 + w) and GDN decay rates (-exp(A_log)) are precomputed in float32; in
+    # bf16 they are the only growth.
+    float32_kept = [getattr(m, name) for m in model.modules() for name in ("scale", "neg_decay_rate")
+                    if isinstance(getattr(m, name, None), torch.Tensor)]
+    norm_growth = 0 if dtype == "float32" else sum(t.numel() * (4 - element_size) for t in float32_kept)
     assert held == expected + norm_growth, (held, expected)
     assert engine.weight_bytes == held
     # the Hugging Face-named linears are gone once packed; their memory lives in the packed GEMMs

@@ -110,8 +110,10 @@ class ModelRunner:
             self.kv_cache.values[:, dst].copy_(self.kv_cache.values[:, src])
 
     def _commit(self, writes: list[StateWrite]) -> None:
+        conv_dtype = self.live_states.conv.dtype
         for write in writes:
-            self.live_states.conv[write.layer].index_copy_(0, write.slots, write.conv.to(self.live_states.conv.dtype))
+            conv = write.conv if write.conv.dtype == conv_dtype else write.conv.to(conv_dtype)
+            self.live_states.conv[write.layer].index_copy_(0, write.slots, conv)
             self.live_states.recurrent[write.layer].index_copy_(0, write.slots, write.recurrent)
 
     # -- batch construction -----------------------------------------------------------------------

@@ -23,7 +23,10 @@ class ChunkedResult(NamedTuple):
     captured: list[torch.Tensor]  # one [Hv, Dk, Dv] per requested boundary, same order
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6, scale: float = 1.0) -> torch.Tensor:
+L2_NORM_EPS = 1e-6
+
+
+def l2_normalize(x: torch.Tensor, eps: float = L2_NORM_EPS, scale: float = 1.0) -> torch.Tensor:
     """scale * x / sqrt(sum(x^2) + eps) over the last dim (the reference kernels' convention),
     as one fused rms_norm: rms_norm(x, eps / d) = sqrt(d) * x / sqrt(sum(x^2) + eps)."""
     dim = x.shape[-1]
@@ -47,15 +50,11 @@ def causal_conv_decode(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """One-token causal conv + SiLU for a batch. x: [B, C]; conv_state: [B, C, K-1]; weight: [C, K].
     Returns (SiLU(conv) [B, C], new conv state [B, C, K-1])."""
-    window = torch.cat([conv_state.to(x.dtype), x.unsqueeze(-1)], dim=-1)
-    out = (window * weight.unsqueeze(0)).sum(-1)
+    if conv_state.dtype != x.dtype:
+        conv_state = conv_state.to(x.dtype)
+    window = torch.cat([conv_state, x.unsqueeze(-1)], dim=-1)
+    out = (window * weight).sum(-1)
     return F.silu(out), window[..., 1:]
-
-
-def _expand_heads(x: torch.Tensor, num_value_heads: int) -> torch.Tensor:
-    """Each q/k head serves num_value_heads // num_key_heads consecutive value heads."""
-    repeat = num_value_heads // x.shape[-2]
-    return x if repeat == 1 else x.repeat_interleave(repeat, dim=-2)
 
 
 def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -156,16 +155,39 @@ def _state_inside_chunk(state: torch.Tensor, k: torch.Tensor, v_new: torch.Tenso
     return torch.baddbmm(state * last.exp(), keys.transpose(-1, -2), v_new[:, :used])
 
 
-def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                               beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step for a batch: q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv];
-    state [B, Hv, Dk, Dv] (float32). Returns (output [B, Hv, Dv] float32, new state)."""
-    num_v_heads = v.shape[1]
-    q = _expand_heads(l2_normalize(q.float(), scale=q.shape[-1] ** -0.5), num_v_heads)
-    k = _expand_heads(l2_normalize(k.float()), num_v_heads)
-    state = state * g.float().exp()[..., None, None]
-    predicted = (k.unsqueeze(-2) @ state).squeeze(-2)              # [B, Hv, Dv]
-    delta = (v.float() - predicted) * beta.float().unsqueeze(-1)
-    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    out = (q.unsqueeze(-2) @ state).squeeze(-2)
-    return out, state
+def recurrent_gated_delta_step(qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                               state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step for a batch: qk [B, 2*Hk, Dk] (the query heads, then the key heads, not
+    yet normalised); v [B, Hv, Dv]; g, beta [B, Hv] float32; state [B, Hv, Dk, Dv] (float32).
+    Returns (output [B, Hv, Dv] float32, new state).
+
+    Value heads are handled as [Hk, G] groups so q and k are never repeated per value head, and
+    q and k are normalised by one call: a decode step is dominated by per-op dispatch, not FLOPs.
+    """
+    batch, num_v_heads, head_v = v.shape
+    num_k_heads, head_k = qk.shape[1] // 2, qk.shape[2]
+    group = num_v_heads // num_k_heads
+    # l2_normalize of both halves at once: q also takes the attention scale head_k ** -0.5.
+    qk = F.rms_norm(qk.float(), (head_k,), None, L2_NORM_EPS / head_k)
+    qk = qk * _qk_factors(num_k_heads, head_k, qk.device)
+    q = qk[:, :num_k_heads, None, None, :]                              # [B, Hk, 1, 1, Dk]
+    k = qk[:, num_k_heads:, None, None, :]
+    grouped = (batch, num_k_heads, group, 1, head_v)
+    state = (state * g.exp()[..., None, None]).view(batch, num_k_heads, group, head_k, head_v)
+    delta = (v.float().view(grouped) - k @ state).mul_(beta.view(batch, num_k_heads, group, 1, 1))
+    state.addcmul_(k.transpose(-1, -2), delta)
+    out = (q @ state).view(batch, num_v_heads, head_v)
+    return out, state.view(batch, num_v_heads, head_k, head_v)
+
+
+_QK_FACTORS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _qk_factors(num_k_heads: int, head_k: int, device: torch.device) -> torch.Tensor:
+    """[2*Hk, 1] factors turning rms_norm(x, eps/d) into l2_normalize: 1/d for q heads (which
+    carry the d ** -0.5 attention scale), 1/sqrt(d) for k heads."""
+    key = (num_k_heads, head_k, device)
+    if key not in _QK_FACTORS:
+        factors = [head_k ** -0.5 / head_k ** 0.5] * num_k_heads + [1.0 / head_k ** 0.5] * num_k_heads
+        _QK_FACTORS[key] = torch.tensor(factors, dtype=torch.float32, device=device)[:, None]
+    return _QK_FACTORS[key]

@@ -26,6 +26,8 @@ class ZeroCenteredRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.scale if self.scale is not None else 1.0 + self.weight.float()  # before pack()
+        if x.dtype == torch.float32:  # skips two no-op conversions, which cost dispatch in decode
+            return F.rms_norm(x, (x.shape[-1],), scale, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(x.dtype)
 
 
@@ -39,5 +41,8 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # The same products in the same order as below, without the no-op conversions.
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps).mul_(F.silu(gate))
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(dtype)
         return (self.weight * normed * F.silu(gate.float())).to(dtype)

@@ -62,14 +62,15 @@ class MLP(nn.Module):
         self.up: PackedLinear | None = None
         self.down: PackedLinear | None = None
 
-    def pack(self) -> None:
+    def pack(self, quantization: str | None = None) -> None:
         """Repack the weights for inference (after loading); SiLU is fused into the gate GEMM,
         which on CPU beats one fused gate|up GEMM followed by SiLU and product over strided halves.
         The Hugging Face-named linears are dropped: the packed ones own the only copy."""
         if self.gate is not None:
             return
-        self.gate = PackedLinear([self.gate_proj], activation="silu")
-        self.up, self.down = PackedLinear([self.up_proj]), PackedLinear([self.down_proj])
+        self.gate = PackedLinear([self.gate_proj], activation="silu", quantization=quantization)
+        self.up = PackedLinear([self.up_proj], quantization=quantization)
+        self.down = PackedLinear([self.down_proj], quantization=quantization)
         drop_linears(self, ["gate_proj", "up_proj", "down_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,12 +99,13 @@ class GatedAttention(nn.Module):
         self.qkv: PackedLinear | None = None
         self.out: PackedLinear | None = None
 
-    def pack(self) -> None:
+    def pack(self, quantization: str | None = None) -> None:
         """Fuse q (with its gate), k and v projections; repack o_proj (after loading); drop the
         Hugging Face-named linears."""
         if self.qkv is not None:
             return
-        self.qkv, self.out = PackedLinear([self.q_proj, self.k_proj, self.v_proj]), PackedLinear([self.o_proj])
+        self.qkv = PackedLinear([self.q_proj, self.k_proj, self.v_proj], quantization=quantization)
+        self.out = PackedLinear([self.o_proj], quantization=quantization)
         drop_linears(self, ["q_proj", "k_proj", "v_proj", "o_proj"])
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext,
@@ -178,14 +180,18 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
         self.in_proj: PackedLinear | None = None
         self.out: PackedLinear | None = None
+        self.neg_decay_rate: torch.Tensor | None = None  # -exp(A_log), float32, set by pack()
 
-    def pack(self) -> None:
+    def pack(self, quantization: str | None = None) -> None:
         """Fuse the four input projections (qkv, z, b, a); repack out_proj (after loading); drop
-        the Hugging Face-named linears."""
+        the Hugging Face-named linears; replace A_log by the per-head decay rate -exp(A_log)."""
         if self.in_proj is not None:
             return
-        self.in_proj = PackedLinear([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
-        self.out = PackedLinear([self.out_proj])
+        self.neg_decay_rate = -self.A_log.detach().float().exp()
+        del self.A_log  # the precomputed rate replaces it (one copy)
+        self.in_proj = PackedLinear([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a],
+                                    quantization=quantization)
+        self.out = PackedLinear([self.out_proj], quantization=quantization)
         drop_linears(self, ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"])
 
     def _split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -200,32 +206,48 @@ class GatedDeltaNet(nn.Module):
         assert self.in_proj is not None and self.out is not None, "call pack() after loading weights"
         num_tokens = x.shape[0]
         mixed, z, b, a = self.in_proj.split(x)
-        beta = torch.sigmoid(b).float()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        beta, g = self._beta_and_decay(a, b)
         weight = self.conv1d.weight.squeeze(1)
-        core = torch.empty(num_tokens, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=x.device)
-        if batch.decode is not None:
-            self._decode(mixed, g, beta, weight, batch, ctx, core)
-        for chunk in batch.prefills:
-            self._prefill(chunk, mixed, g, beta, weight, ctx, core)
+        if not batch.prefills:  # decode only: the step's output is the whole core, no scatter
+            core = self._decode(mixed, g, beta, weight, batch, ctx)
+        else:
+            core = torch.empty(num_tokens, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=x.device)
+            if batch.decode is not None:
+                core[:batch.num_decode] = self._decode(mixed, g, beta, weight, batch, ctx)
+            for chunk in batch.prefills:
+                self._prefill(chunk, mixed, g, beta, weight, ctx, core)
         if rows is not None:
             core, z = core.index_select(0, rows), z.index_select(0, rows)
-        out = self.norm(core.to(x.dtype).reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        if core.dtype != x.dtype:
+            core = core.to(x.dtype)
+        out = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out(out.reshape(core.shape[0], self.value_dim))
 
+    def _beta_and_decay(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """beta = sigmoid(b) and log-decay g = -exp(A_log) * softplus(a + dt_bias), float32 [T, Hv]."""
+        assert self.neg_decay_rate is not None
+        if a.dtype != torch.float32:
+            a, b = a.float(), b.float()
+        dt_bias = self.dt_bias if self.dt_bias.dtype == torch.float32 else self.dt_bias.float()
+        return torch.sigmoid(b), self.neg_decay_rate * F.softplus(a + dt_bias)
+
     def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor,
-                batch: ForwardBatch, ctx: ForwardContext, core: torch.Tensor) -> None:
+                batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+        """Advance the decode group's state by one token; return its output [B, Hv, Dv] float32."""
         group, rows, layer = batch.decode, batch.num_decode, self.state_layer
         assert group is not None
         conv_state = ctx.live_states.conv[layer].index_select(0, group.state_slots)
         state = ctx.live_states.recurrent[layer].index_select(0, group.state_slots)
         conv_out, new_conv = causal_conv_decode(mixed[:rows], conv_state, weight)
-        q, k, v = self._split_qkv(conv_out)
-        core[:rows], new_state = recurrent_gated_delta_step(q, k, v, g[:rows], beta[:rows], state)
+        qk, v = conv_out.split([2 * self.key_dim, self.value_dim], dim=-1)
+        core, new_state = recurrent_gated_delta_step(
+            qk.view(rows, 2 * self.num_k_heads, self.head_k_dim), v.view(rows, self.num_v_heads, self.head_v_dim),
+            g[:rows], beta[:rows], state)
         ctx.state_writes.append(StateWrite(layer, group.state_slots, new_conv, new_state))
         if ctx.snapshot_sink is not None:
             for row, snapshot_slot in group.captures:
                 ctx.snapshot_sink.write(layer, snapshot_slot, new_conv[row], new_state[row])
+        return core
 
     def _prefill(self, chunk: PrefillChunk, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  weight: torch.Tensor, ctx: ForwardContext, core: torch.Tensor) -> None:
@@ -303,16 +325,17 @@ class Qwen3_5ForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.head: PackedLinear | None = None
 
-    def pack(self) -> None:
+    def pack(self, quantization: str | None = None) -> None:
         """Repack loaded weights for inference: fused projections in the backend's fastest GEMM
-        layout (see `layers.linear`). Call once after loading. The Hugging Face-named linear and
+        layout, or int8 with `quantization="int8"` (see `layers.linear`; the LM head and the
+        embeddings stay in the model dtype). Call once after loading. The Hugging Face-named linear and
         norm parameters are dropped as they are packed, so every weight is held once; tied
         embeddings keep one plain matrix for both the lookup and the head."""
         if self.head is not None:
             return
         for layer in self.model.layers:
-            (layer.self_attn if layer.is_attention else layer.linear_attn).pack()
-            layer.mlp.pack()
+            (layer.self_attn if layer.is_attention else layer.linear_attn).pack(quantization)
+            layer.mlp.pack(quantization)
         for module in self.modules():
             if isinstance(module, ZeroCenteredRMSNorm):
                 module.pack()
