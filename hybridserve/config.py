@@ -216,10 +216,13 @@ class EngineConfig:
     dtype: str = "auto"
     seed: int = 0
     num_threads: int | None = None  # CPU threads for torch; None: see engine.threads.default_num_threads
+    quantization: str | None = None  # "int8": weight-only int8 linears (see layers.linear)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"),
                  f"dtype must be one of auto/float32/bfloat16/float16, got {self.dtype!r}")
+        _require(self.quantization in (None, "int8"),
+                 f"quantization must be None or 'int8', got {self.quantization!r}")
         _require(self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")

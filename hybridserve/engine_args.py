@@ -51,6 +51,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
                         help="queued requests beyond which new ones are refused")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="weight and activation dtype (auto: float32 on CPU, bfloat16 on GPU)")
+    parser.add_argument("--quantization", default=None, choices=("int8",),
+                        help="weight-only int8 linears (per-channel scales, quantized at load; on CPU the "
+                             "GEMM input is rounded to bfloat16, see BENCHMARKS.md for the quality cost)")
     parser.add_argument("--device", default="auto", help="torch device (auto, cpu, cuda, cuda:1, ...)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the engine's random state")
 
@@ -74,4 +77,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                 max_model_len=args.max_model_len, max_waiting_requests=args.max_waiting_requests,
                                 max_prefill_tokens_during_decode=args.max_prefill_tokens_during_decode)
     return EngineConfig(model=model_from_args(args), device=args.device, dtype=args.dtype, seed=args.seed,
-                        num_threads=args.threads, cache=cache, scheduler=scheduler)
+                        num_threads=args.threads, quantization=args.quantization, cache=cache,
+                        scheduler=scheduler)

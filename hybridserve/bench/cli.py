@@ -1,4 +1,4 @@
-"""`hybridserve bench {engine,ttft,trace,chat,serve,structured,soak,threads,all}`: subcommands that print
+"""`hybridserve bench {engine,decode,ttft,trace,chat,serve,structured,soak,threads,all}`: subcommands that print
 a table and optionally write JSON."""
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ Handler = Callable[[argparse.Namespace], int]
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `engine`, `ttft`, `trace`, `serve`, `structured` and `all` benchmark subcommands."""
     subparsers = parser.add_subparsers(dest="bench_command", required=True,
-                                       metavar="{engine,ttft,trace,chat,serve,structured,soak,threads,all}")
+                                       metavar="{engine,decode,ttft,trace,chat,serve,structured,soak,threads,all}")
     _add_engine(subparsers)
+    _add_decode(subparsers)
     _add_ttft(subparsers)
     _add_trace(subparsers)
     _add_chat(subparsers)
@@ -50,6 +51,21 @@ def _add_engine(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="discarded iterations")
     parser.add_argument("--iterations", type=int, default=5, help="measured iterations")
     parser.add_argument("--matmul-size", type=int, default=2048, help="side of the matmul that sets the peak")
+    parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
+
+
+def _add_decode(subparsers: argparse._SubParsersAction) -> None:
+    parser = _subparser(subparsers, "decode", "batch-1 decode vs the time to read the weights once, for "
+                        "float32, bfloat16 and int8 weights side by side, and their quality against float32",
+                        run_decode)
+    parser.add_argument("--variants", nargs="+", default=["float32", "bfloat16", "int8"],
+                        choices=["float32", "bfloat16", "int8"], help="weight formats to compare")
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length before decoding")
+    parser.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per measured request")
+    parser.add_argument("--quality-prompts", type=int, default=4, help="prompts of the quality comparison")
+    parser.add_argument("--greedy-tokens", type=int, default=64, help="greedy tokens compared per prompt")
+    parser.add_argument("--warmup", type=int, default=1, help="discarded rounds")
+    parser.add_argument("--iterations", type=int, default=5, help="measured rounds")
     parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
 
 
@@ -187,6 +203,19 @@ def run_engine(args: argparse.Namespace) -> int:
     _set_threads(args)
     result = run_engine_bench(engine_config_from_args(args), cfg)
     return _finish(args, result, format_engine_report(result))
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    """Handler of `bench decode`."""
+    from hybridserve.bench.decode_bench import DecodeBenchConfig, format_decode_report, run_decode_bench
+
+    cfg = DecodeBenchConfig(variants=tuple(args.variants), prompt_tokens=args.prompt_tokens,
+                            decode_tokens=args.decode_tokens, quality_prompts=args.quality_prompts,
+                            greedy_tokens=args.greedy_tokens, warmup=args.warmup, iterations=args.iterations,
+                            seed=args.bench_seed)
+    _set_threads(args)
+    result = run_decode_bench(engine_config_from_args(args), cfg)
+    return _finish(args, result, format_decode_report(result))
 
 
 def run_ttft(args: argparse.Namespace) -> int:

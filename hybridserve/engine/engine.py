@@ -132,7 +132,7 @@ class LLMEngine:
             init_builtin_weights(model, seed=self.config.seed)
         else:
             load_weights(model, self.config.model, self.model_config)
-        model.pack()
+        model.pack(self.config.quantization)
 
     def _cache_policy(self) -> CachePolicy:
         """The configured admission/eviction policy, costed for this model's shape."""

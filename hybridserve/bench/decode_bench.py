@@ -1,0 +1,141 @@
+"""`bench decode`: batch-1 decode against the memory-bandwidth floor, and what lower precision costs.
+
+For each weight format (float32, bfloat16, int8 weight-only) one engine is built on the same
+checkpoint; the rounds alternate between them. Speed: the median ms per decoded token of a
+batch-1 request, next to the floor, the time to read that engine's weight bytes once (a torch
+sum over a buffer of that size, larger than the caches for float32). Quality, against float32 on
+the same prompts: the largest and mean absolute logit error over every prompt position, top-1
+agreement over those positions, and greedy agreement (positions until the first differing token,
+and whole-sequence matches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, NamedTuple
+
+import torch
+
+from hybridserve.bench.common import EngineDriver, format_table, greedy, machine_line, median, random_token_ids
+from hybridserve.config import EngineConfig
+from hybridserve.engine.engine import LLMEngine
+
+VARIANTS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("float32", "int8")}
+
+
+class DecodeBenchConfig(NamedTuple):
+    """Sizes of `bench decode`."""
+
+    variants: tuple[str, ...] = ("float32", "bfloat16", "int8")
+    prompt_tokens: int = 64
+    decode_tokens: int = 64
+    quality_prompts: int = 4
+    quality_prompt_tokens: int = 256
+    greedy_tokens: int = 64
+    warmup: int = 1
+    iterations: int = 5
+    seed: int = 0
+
+
+def variant_config(base: EngineConfig, variant: str) -> EngineConfig:
+    """`base` in one of the benchmark's weight formats (ValueError for an unknown one)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    dtype, quantization = VARIANTS[variant]
+    return dataclasses.replace(base, dtype=dtype, quantization=quantization)
+
+
+def weight_read_seconds(num_bytes: int, repeats: int = 7) -> float:
+    """Median seconds to read `num_bytes` once with a torch reduction (the decode floor)."""
+    buffer = torch.ones(max(1, num_bytes // 4), dtype=torch.float32)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - start)
+    return median(times[1:])
+
+
+def _decode_ms_per_token(driver: EngineDriver, prompt: list[int], num_tokens: int) -> float:
+    result = driver.run(prompt, greedy(num_tokens))
+    return 1000 * median(result.decode_step_s)
+
+
+def measure_speed(engines: dict[str, LLMEngine], cfg: DecodeBenchConfig) -> dict[str, dict[str, float]]:
+    """Alternating rounds over the engines: decode ms/token and the floor of each."""
+    vocab = next(iter(engines.values())).model_config.vocab_size
+    drivers = {name: EngineDriver(engine, f"decode-{name}") for name, engine in engines.items()}
+    decode: dict[str, list[float]] = {name: [] for name in engines}
+    floor: dict[str, list[float]] = {name: [] for name in engines}
+    for round_index in range(cfg.warmup + cfg.iterations):
+        prompt = random_token_ids(cfg.prompt_tokens, cfg.seed + round_index, vocab)
+        for name, driver in drivers.items():
+            ms = _decode_ms_per_token(driver, prompt, cfg.decode_tokens)
+            read_ms = 1000 * weight_read_seconds(engines[name].weight_bytes)
+            if round_index >= cfg.warmup:
+                decode[name].append(ms)
+                floor[name].append(read_ms)
+    result = {}
+    for name, engine in engines.items():
+        ms, read = median(decode[name]), median(floor[name])
+        result[name] = {"decode_ms_per_token": ms, "weight_read_ms": read, "weight_mib": engine.weight_bytes / 2**20,
+                        "decode_over_floor": ms / read}
+    return result
+
+
+def measure_quality(reference: LLMEngine, engine: LLMEngine, cfg: DecodeBenchConfig) -> dict[str, float]:
+    """Logit error, top-1 and greedy agreement of `engine` against the float32 `reference`."""
+    vocab = reference.model_config.vocab_size
+    max_err, abs_err, positions, top1 = 0.0, 0.0, 0, 0
+    agreed_prefix, exact = [], 0
+    for index in range(cfg.quality_prompts):
+        prompt = random_token_ids(cfg.quality_prompt_tokens, 1000 + cfg.seed + index, vocab)
+        salt = f"quality-{index}-{time.monotonic_ns()}"  # no prefix hit: every position is computed
+        ref_logits, logits = reference.prompt_logits(prompt, salt), engine.prompt_logits(prompt, salt)
+        diff = (logits - ref_logits).abs()
+        max_err = max(max_err, float(diff.max()))
+        abs_err += float(diff.mean()) * diff.shape[0]
+        positions += diff.shape[0]
+        top1 += int((logits.argmax(-1) == ref_logits.argmax(-1)).sum())
+        ref_ids = _greedy_ids(reference, prompt, cfg.greedy_tokens)
+        ids = _greedy_ids(engine, prompt, cfg.greedy_tokens)
+        agreed_prefix.append(next((i for i, (a, b) in enumerate(zip(ref_ids, ids)) if a != b), len(ids)))
+        exact += ids == ref_ids
+    return {"max_abs_logit_error": max_err, "mean_abs_logit_error": abs_err / positions,
+            "top1_agreement": top1 / positions, "greedy_agreed_tokens_median": median(agreed_prefix),
+            "greedy_exact": exact, "greedy_sequences": cfg.quality_prompts}
+
+
+def _greedy_ids(engine: LLMEngine, prompt: list[int], num_tokens: int) -> list[int]:
+    driver = EngineDriver(engine, f"greedy-{id(engine)}-{time.monotonic_ns()}")
+    return list(driver.run(prompt, greedy(num_tokens)).output.outputs[0].token_ids)
+
+
+def run_decode_bench(base: EngineConfig, cfg: DecodeBenchConfig) -> dict[str, Any]:
+    """Build one engine per variant, measure speed side by side, then quality against float32."""
+    engines = {name: LLMEngine(variant_config(base, name)) for name in cfg.variants}
+    speed = measure_speed(engines, cfg)
+    quality: dict[str, dict[str, float]] = {}
+    reference = engines.get("float32")
+    if reference is not None:
+        for name, engine in engines.items():
+            if name != "float32":
+                quality[name] = measure_quality(reference, engine, cfg)
+    return {"machine": machine_line(), "config": cfg._asdict(), "speed": speed, "quality": quality}
+
+
+def format_decode_report(result: dict[str, Any]) -> str:
+    """Speed table (ms/token vs floor) and quality table (against float32)."""
+    speed_rows = [[name, f"{s['weight_mib']:.1f}", f"{s['weight_read_ms']:.2f}", f"{s['decode_ms_per_token']:.2f}",
+                   f"{s['decode_over_floor']:.2f}x"] for name, s in result["speed"].items()]
+    lines = [result["machine"], "batch-1 decode (offline engine), medians of alternating rounds:",
+             format_table(["weights", "MiB", "read once ms", "decode ms/token", "decode / read"], speed_rows)]
+    if result["quality"]:
+        quality_rows = [[name, f"{q['max_abs_logit_error']:.4f}", f"{q['mean_abs_logit_error']:.5f}",
+                         f"{100 * q['top1_agreement']:.2f}%", f"{q['greedy_agreed_tokens_median']:.0f}",
+                         f"{q['greedy_exact']}/{q['greedy_sequences']}"] for name, q in result["quality"].items()]
+        lines += ["", "against float32 (prompt logits at every position; greedy continuations):",
+                  format_table(["weights", "max |dlogit|", "mean |dlogit|", "top-1 agree", "greedy tokens agreed",
+                                "greedy exact"], quality_rows)]
+    return "\n".join(lines)
