@@ -3,7 +3,8 @@
 For each weight format (float32, bfloat16, int8 weight-only) one engine is built on the same
 checkpoint; the rounds alternate between them. Speed: the median ms per decoded token of a
 batch-1 request, next to the floor, the time to read that engine's weight bytes once (a torch
-sum over a buffer of that size, larger than the caches for float32). Quality, against float32 on
+sum over a buffer of that size, larger than the caches for float32), and the time of the
+model's linears alone on one row (what the GEMV kernels cost without anything around them). Quality, against float32 on
 the same prompts: the largest and mean absolute logit error over every prompt position, top-1
 agreement over those positions, and greedy agreement (positions until the first differing token,
 and whole-sequence matches).
@@ -20,6 +21,7 @@ import torch
 from hybridserve.bench.common import EngineDriver, format_table, greedy, machine_line, median, random_token_ids
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
+from hybridserve.layers.linear import PackedLinear
 
 VARIANTS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("float32", "int8")}
 
@@ -57,6 +59,22 @@ def weight_read_seconds(num_bytes: int, repeats: int = 7) -> float:
     return median(times[1:])
 
 
+def linears_seconds(engine: LLMEngine, repeats: int = 7) -> float:
+    """Median seconds of one pass of every packed linear of the model (LM head included) on a
+    single row, back to back: the decode step's GEMV work with no other op around it."""
+    model = engine.runner.model
+    linears = [v for m in model.modules() for v in vars(m).values() if isinstance(v, PackedLinear)]
+    inputs = [torch.zeros(1, lin.weight.shape[1], dtype=engine.dtype, device=engine.device) for lin in linears]
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            for lin, x in zip(linears, inputs):
+                lin(x)
+            times.append(time.perf_counter() - start)
+    return median(times[1:])
+
+
 def _decode_ms_per_token(driver: EngineDriver, prompt: list[int], num_tokens: int) -> float:
     result = driver.run(prompt, greedy(num_tokens))
     return 1000 * median(result.decode_step_s)
@@ -68,19 +86,23 @@ def measure_speed(engines: dict[str, LLMEngine], cfg: DecodeBenchConfig) -> dict
     drivers = {name: EngineDriver(engine, f"decode-{name}") for name, engine in engines.items()}
     decode: dict[str, list[float]] = {name: [] for name in engines}
     floor: dict[str, list[float]] = {name: [] for name in engines}
+    gemv: dict[str, list[float]] = {name: [] for name in engines}
     for round_index in range(cfg.warmup + cfg.iterations):
         prompt = random_token_ids(cfg.prompt_tokens, cfg.seed + round_index, vocab)
         for name, driver in drivers.items():
             ms = _decode_ms_per_token(driver, prompt, cfg.decode_tokens)
             read_ms = 1000 * weight_read_seconds(engines[name].weight_bytes)
+            linears_ms = 1000 * linears_seconds(engines[name])
             if round_index >= cfg.warmup:
                 decode[name].append(ms)
                 floor[name].append(read_ms)
+                gemv[name].append(linears_ms)
     result = {}
     for name, engine in engines.items():
         ms, read = median(decode[name]), median(floor[name])
         result[name] = {"decode_ms_per_token": ms, "weight_read_ms": read, "weight_mib": engine.weight_bytes / 2**20,
-                        "decode_over_floor": ms / read}
+                        "linears_ms": median(gemv[name]), "decode_over_floor": ms / read,
+                        "linears_over_floor": median(gemv[name]) / read}
     return result
 
 
@@ -127,10 +149,12 @@ def run_decode_bench(base: EngineConfig, cfg: DecodeBenchConfig) -> dict[str, An
 
 def format_decode_report(result: dict[str, Any]) -> str:
     """Speed table (ms/token vs floor) and quality table (against float32)."""
-    speed_rows = [[name, f"{s['weight_mib']:.1f}", f"{s['weight_read_ms']:.2f}", f"{s['decode_ms_per_token']:.2f}",
-                   f"{s['decode_over_floor']:.2f}x"] for name, s in result["speed"].items()]
+    speed_rows = [[name, f"{s['weight_mib']:.1f}", f"{s['weight_read_ms']:.2f}", f"{s['linears_ms']:.2f}",
+                   f"{s['decode_ms_per_token']:.2f}", f"{s['linears_over_floor']:.2f}x", f"{s['decode_over_floor']:.2f}x"]
+                  for name, s in result["speed"].items()]
     lines = [result["machine"], "batch-1 decode (offline engine), medians of alternating rounds:",
-             format_table(["weights", "MiB", "read once ms", "decode ms/token", "decode / read"], speed_rows)]
+             format_table(["weights", "MiB", "read once ms", "linears ms", "decode ms/token", "linears / read",
+                           "decode / read"], speed_rows)]
     if result["quality"]:
         quality_rows = [[name, f"{q['max_abs_logit_error']:.4f}", f"{q['mean_abs_logit_error']:.5f}",
                          f"{100 * q['top1_agreement']:.2f}%", f"{q['greedy_agreed_tokens_median']:.0f}",
