@@ -6,7 +6,8 @@ batch-1 request, next to the floor, the time to read that engine's weight bytes 
 sum over a buffer of that size, larger than the caches for float32), and the time of the
 model's linears alone on one row (what the GEMV kernels cost without anything around them). Quality, against float32 on
 the same prompts: the largest and mean absolute logit error over every prompt position, top-1
-agreement over those positions, and greedy agreement (positions until the first differing token,
+agreement over those positions (next to float32's median gap between its best two logits, which
+says how easily a top-1 flips), and greedy agreement (positions until the first differing token,
 and whole-sequence matches).
 """
 
@@ -109,7 +110,7 @@ def measure_speed(engines: dict[str, LLMEngine], cfg: DecodeBenchConfig) -> dict
 def measure_quality(reference: LLMEngine, engine: LLMEngine, cfg: DecodeBenchConfig) -> dict[str, float]:
     """Logit error, top-1 and greedy agreement of `engine` against the float32 `reference`."""
     vocab = reference.model_config.vocab_size
-    max_err, abs_err, positions, top1 = 0.0, 0.0, 0, 0
+    max_err, abs_err, positions, top1, margins = 0.0, 0.0, 0, 0, []
     agreed_prefix, exact = [], 0
     for index in range(cfg.quality_prompts):
         prompt = random_token_ids(cfg.quality_prompt_tokens, 1000 + cfg.seed + index, vocab)
@@ -120,12 +121,15 @@ def measure_quality(reference: LLMEngine, engine: LLMEngine, cfg: DecodeBenchCon
         abs_err += float(diff.mean()) * diff.shape[0]
         positions += diff.shape[0]
         top1 += int((logits.argmax(-1) == ref_logits.argmax(-1)).sum())
+        best_two = ref_logits.topk(2, dim=-1).values
+        margins.extend((best_two[:, 0] - best_two[:, 1]).tolist())
         ref_ids = _greedy_ids(reference, prompt, cfg.greedy_tokens)
         ids = _greedy_ids(engine, prompt, cfg.greedy_tokens)
         agreed_prefix.append(next((i for i, (a, b) in enumerate(zip(ref_ids, ids)) if a != b), len(ids)))
         exact += ids == ref_ids
     return {"max_abs_logit_error": max_err, "mean_abs_logit_error": abs_err / positions,
-            "top1_agreement": top1 / positions, "greedy_agreed_tokens_median": median(agreed_prefix),
+            "top1_agreement": top1 / positions, "float32_top1_margin_median": median(margins),
+            "greedy_agreed_tokens_median": median(agreed_prefix),
             "greedy_exact": exact, "greedy_sequences": cfg.quality_prompts}
 
 
@@ -157,9 +161,11 @@ def format_decode_report(result: dict[str, Any]) -> str:
                            "decode / read"], speed_rows)]
     if result["quality"]:
         quality_rows = [[name, f"{q['max_abs_logit_error']:.4f}", f"{q['mean_abs_logit_error']:.5f}",
-                         f"{100 * q['top1_agreement']:.2f}%", f"{q['greedy_agreed_tokens_median']:.0f}",
+                         f"{100 * q['top1_agreement']:.2f}%", f"{q['float32_top1_margin_median']:.4f}",
+                         f"{q['greedy_agreed_tokens_median']:.0f}",
                          f"{q['greedy_exact']}/{q['greedy_sequences']}"] for name, q in result["quality"].items()]
         lines += ["", "against float32 (prompt logits at every position; greedy continuations):",
-                  format_table(["weights", "max |dlogit|", "mean |dlogit|", "top-1 agree", "greedy tokens agreed",
+                  format_table(["weights", "max |dlogit|", "mean |dlogit|", "top-1 agree", "f32 top-1 margin",
+                                "greedy tokens agreed",
                                 "greedy exact"], quality_rows)]
     return "\n".join(lines)
