@@ -125,3 +125,18 @@ def test_structured_bench_runs() -> None:
     assert result["compile_cache"]["misses"] == 1 and result["compile_cache"]["hits"] >= 3
     assert "JSON schema ms/step" in format_structured_report(result)
     assert build_parser().parse_args(["bench", "structured", "--batch-sizes", "1"]).batch_sizes == [1]
+
+
+def test_decode_bench_smoke() -> None:
+    from hybridserve.bench.decode_bench import DecodeBenchConfig, format_decode_report, run_decode_bench
+
+    cfg = DecodeBenchConfig(variants=("float32", "int8"), prompt_tokens=8, decode_tokens=3, quality_prompts=1,
+                            quality_prompt_tokens=16, greedy_tokens=3, warmup=0, iterations=1)
+    result = run_decode_bench(small_engine_config(), cfg)
+    speed = result["speed"]
+    assert speed["int8"]["weight_mib"] < 0.5 * speed["float32"]["weight_mib"]
+    assert all(s["decode_ms_per_token"] > 0 and s["weight_read_ms"] > 0 for s in speed.values())
+    quality = result["quality"]["int8"]
+    assert 0 < quality["mean_abs_logit_error"] <= quality["max_abs_logit_error"]
+    assert 0 <= quality["top1_agreement"] <= 1
+    assert "decode / read" in format_decode_report(result)
