@@ -216,6 +216,7 @@ class EngineConfig:
     dtype: str = "auto"
     seed: int = 0
     num_threads: int | None = None  # CPU threads for torch; None: see engine.threads.default_num_threads
+    tensor_parallel_size: int = 1   # model ranks (worker processes when > 1); see hybridserve.distributed
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -223,3 +224,6 @@ class EngineConfig:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"),
                  f"dtype must be one of auto/float32/bfloat16/float16, got {self.dtype!r}")
         _require(self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
+        _require(isinstance(self.tensor_parallel_size, int) and not isinstance(self.tensor_parallel_size, bool)
+                 and self.tensor_parallel_size >= 1,
+                 f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
