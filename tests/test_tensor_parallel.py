@@ -207,3 +207,63 @@ def test_multimodal_checkpoint_greedy_tokens_match(multimodal_checkpoint: Path) 
         _idle(one, two)
     finally:
         two.llm_engine.shutdown()
+
+
+class _DyingEngine:
+    """A sync engine whose first step reports a dead worker (as `LLMEngine` does after one)."""
+
+    def __init__(self) -> None:
+        from hybridserve.models.builtin import builtin_tokenizer
+
+        self.tokenizer, self.max_model_len, self.dead_reason = builtin_tokenizer(), 64, None
+        self.pending: list[str] = []
+
+    def add_request(self, request_id, prompt, params, cache_salt=None) -> None:
+        self.pending.append(request_id)
+
+    def step(self):
+        from hybridserve.sampling_params import CompletionOutput, RequestOutput
+
+        self.dead_reason = "tensor-parallel worker failure: worker hybridserve-tp1 exited with code -9"
+        done, self.pending = self.pending, []
+        return [RequestOutput(request_id=r, prompt=None, prompt_token_ids=[1], finished=True,
+                              outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="error")])
+                for r in done]
+
+    def abort_request(self, request_id) -> None:
+        pass
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.pending)
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+def test_server_answers_503_after_a_worker_died() -> None:
+    import asyncio
+
+    import httpx
+
+    from hybridserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+    from hybridserve.server.app import build_app
+
+    async def scenario() -> None:
+        engine = AsyncLLMEngine(_DyingEngine())
+        app = build_app(engine, model_name="m")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            outputs = [o async for o in engine.generate("r1", [1, 2], GREEDY)]
+            assert outputs[-1].outputs[0].finish_reason == "error"
+            for _ in range(100):
+                if not engine.is_running:
+                    break
+                await asyncio.sleep(0.01)
+            health = await http.get("/health")
+            assert health.status_code == 503 and "exited with code -9" in health.text
+            with pytest.raises(EngineDeadError):
+                await engine.add_request("r2", [1, 2], GREEDY)
+            reply = await http.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
+            assert reply.status_code == 503
+        engine.shutdown()
+
+    asyncio.run(scenario())
