@@ -2,7 +2,8 @@
 
 `TensorParallelExecutor` offers what the engine asks of a `ModelRunner` (`execute`, `save_state`,
 `fork`), so the scheduler, block pool, snapshot pool and policy stay in the engine unchanged. Each
-call becomes one command to rank 0 (a pipe), which broadcasts it to every rank. While waiting for
+call becomes one command, pickled once and written to every local rank's pipe (under torchrun, to
+rank 0, which broadcasts it); rank 0 answers. While waiting for
 the answer the controller also watches every local worker process: a worker that dies raises
 `WorkerDiedError` within a poll interval, and the executor kills the others (no orphans, no hang
 in a collective).
@@ -16,6 +17,7 @@ import os
 import socket
 import time
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple
 
 from hybridserve.distributed.worker import RankCapacity, StepReply, WorkerSpec, worker_main
@@ -61,6 +63,7 @@ class TensorParallelExecutor:
         loaded its shard. Raises RuntimeError with the failing rank's message otherwise."""
         context = multiprocessing.get_context("spawn")
         self.world_size = specs[0].world_size
+        self.broadcast_commands = specs[0].broadcast_commands
         self.processes: list[Any] = []
         self.conns: list[Connection] = []
         self.dead_reason: str | None = None
@@ -121,12 +124,16 @@ class TensorParallelExecutor:
 
     # -- transport ----------------------------------------------------------------------------------
     def _call(self, command: tuple) -> Any:
+        """Send a command to every rank (rank 0 only when it broadcasts), return rank 0's answer."""
         if self.dead_reason is not None:
             raise WorkerDiedError(self.dead_reason)
-        try:
-            self.conns[0].send(command)
-        except (OSError, EOFError) as exc:
-            self._die(f"tensor-parallel rank 0 is gone ({exc})")
+        payload = ForkingPickler.dumps(command)
+        targets = self.conns[:1] if self.broadcast_commands else self.conns
+        for rank, conn in enumerate(targets):
+            try:
+                conn.send_bytes(payload)
+            except (OSError, EOFError) as exc:
+                self._die(f"tensor-parallel rank {rank} is gone ({exc})")
         return self._receive(self.conns[0], "ok", None)
 
     def _receive(self, conn: Connection, kind: str, timeout: float | None) -> Any:
@@ -175,13 +182,14 @@ class TensorParallelExecutor:
         raise WorkerDiedError(reason)
 
     def shutdown(self) -> None:
-        """Stop every worker: a polite stop to rank 0, then kill whatever is still running."""
+        """Stop every worker: a polite stop, then kill whatever is still running."""
         if self.dead_reason is None:
             self.dead_reason = "the engine was shut down"
-            try:
-                self.conns[0].send(("stop",))
-            except (OSError, EOFError, IndexError):
-                pass
+            for conn in self.conns[:1] if self.broadcast_commands else self.conns:
+                try:
+                    conn.send(("stop",))
+                except (OSError, EOFError):
+                    pass
             deadline = time.monotonic() + STOP_GRACE_SECONDS
             for process in self.processes:
                 process.join(max(0.0, deadline - time.monotonic()))

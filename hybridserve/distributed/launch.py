@@ -49,7 +49,7 @@ def tensor_parallel_specs(config: EngineConfig, model_config: ModelConfig, max_m
     def spec(rank: int, local_rank: int, init_method: str) -> WorkerSpec:
         rank_device = f"cuda:{local_rank}" if device.type == "cuda" else str(device)
         return WorkerSpec(rank, world, init_method, config, model_config, max_model_len, threads, rank_device,
-                          dtype_name, chunk_size)
+                          dtype_name, chunk_size, broadcast_commands=env is not None)
 
     if env is None:
         from hybridserve.distributed.executor import free_port

@@ -2,10 +2,10 @@
 
 Each rank builds the model shape of `sharding.local_config`, reads only its part of every weight,
 sizes its own KV pages, live slots and snapshot slots, and then agrees with the other ranks on the
-smallest capacity (the logical cache the controller owns must fit on every rank). Rank 0 receives
-commands from the controller over a pipe and broadcasts each to the other ranks over
-torch.distributed, so every rank executes the same step plan; the forwards all-reduce the
-row-parallel outputs. Ranks report per-rank success of restores and snapshot saves, and the
+smallest capacity (the logical cache the controller owns must fit on every rank). Every rank
+receives the same commands (spawned locally: each over its own pipe from the controller; under
+torchrun: rank 0 over its pipe, broadcast to the others), so every rank executes the same step
+plan; the forwards all-reduce the row-parallel outputs. Ranks report per-rank success of restores and snapshot saves, and the
 results are combined so that a snapshot counts only when every rank holds it.
 """
 
@@ -54,6 +54,7 @@ class WorkerSpec(NamedTuple):
     device: str
     dtype: str                 # torch dtype name, e.g. "float32"
     chunk_size: int
+    broadcast_commands: bool = False  # commands reach rank 0 only and are broadcast (torchrun); else a pipe each
 
 
 class RankCapacity(NamedTuple):
@@ -164,13 +165,14 @@ class Worker:
     def execute(self, plan: StepPlan) -> StepReply:
         """Restore (a hit only if every rank restored), forward, combine failed snapshot copies."""
         error = None
-        try:
-            self.runner.restore(plan)
-        except Exception as exc:  # noqa: BLE001 - reported, and the step is skipped on every rank
-            logger.exception("rank %d: restore failed", self.rank)
-            error = f"rank {self.rank}: restore failed: {exc}"
-        if not self.all_ranks_agree(error is None):
-            return StepReply(None, error or "another rank failed to restore; the step is skipped", 0.0, 0.0)
+        if plan.restores:
+            try:
+                self.runner.restore(plan)
+            except Exception as exc:  # noqa: BLE001 - reported, and the step is skipped on every rank
+                logger.exception("rank %d: restore failed", self.rank)
+                error = f"rank {self.rank}: restore failed: {exc}"
+            if not self.all_ranks_agree(error is None):
+                return StepReply(None, error or "another rank failed to restore; the step is skipped", 0.0, 0.0)
         self.comm.seconds = 0.0
         start = time.perf_counter()
         try:
@@ -179,7 +181,7 @@ class Worker:
             logger.exception("rank %d: forward failed", self.rank)
             result, error = None, f"rank {self.rank}: forward failed: {exc}"
         elapsed = time.perf_counter() - start
-        failed = self.gather_failed(result.failed_snapshot_slots if result is not None else set(), error)
+        failed = self.combine_failed(plan, result.failed_snapshot_slots if result is not None else set(), error)
         if failed is None:
             return StepReply(None, error or "the forward failed on another rank", self.comm.seconds, elapsed)
         assert result is not None
@@ -191,13 +193,15 @@ class Worker:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.control)
         return bool(flag.item())
 
-    def gather_failed(self, failed: set[int], error: str | None) -> set[int] | None:
-        """The union of every rank's failed snapshot slots (None if any rank's forward failed)."""
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (error is None, sorted(failed)), group=self.control)
-        if not all(ok for ok, _ in gathered):
+    def combine_failed(self, plan: StepPlan, failed: set[int], error: str | None) -> set[int] | None:
+        """The snapshot slots of the plan that failed on any rank (None if any rank's forward
+        failed): one MAX all-reduce over [forward failed, capture 0 failed, capture 1 failed, ...]."""
+        slots = [slot for chunk in plan.chunks for _, slot in chunk.captures]
+        flags = torch.tensor([error is not None] + [slot in failed for slot in slots], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control)
+        if flags[0]:
             return None
-        return {slot for _, slots in gathered for slot in slots}
+        return {slot for slot, bad in zip(slots, flags[1:].tolist()) if bad}
 
     def set_snapshot_fault(self, fail: bool) -> None:
         """Fault injection for tests: make this rank's snapshot copies raise (restores still work)."""
@@ -214,16 +218,17 @@ class Worker:
             store.__dict__.pop("copy_slot", None)
 
     def serve(self, conn: Connection | None) -> None:
-        """The command loop: rank 0 reads the controller's pipe and broadcasts; the others follow."""
+        """The command loop. Spawned locally, every rank reads the controller's pipe (no collective
+        per command); under torchrun rank 0 reads it and broadcasts. Rank 0 answers."""
         while True:
             box: list[Any] = [None]
-            if self.rank == 0:
-                assert conn is not None
+            if conn is not None:
                 try:
                     box[0] = conn.recv()
                 except EOFError:  # the controller is gone
                     box[0] = ("stop",)
-            dist.broadcast_object_list(box, src=0, group=self.control)
+            if self.spec.broadcast_commands:
+                dist.broadcast_object_list(box, src=0, group=self.control)
             command = box[0]
             if command[0] == "stop":
                 return
@@ -271,7 +276,7 @@ def worker_main(spec: WorkerSpec, conn: Connection | None, parent_pid: int | Non
             conn.send(("error", f"rank {spec.rank} failed to start: {exc}\n{traceback.format_exc()}"))
         raise
     try:
-        worker.serve(conn if spec.rank == 0 else None)
+        worker.serve(conn if spec.rank == 0 or not spec.broadcast_commands else None)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
