@@ -157,6 +157,7 @@ class TensorParallelExecutor:
             for item in ready:
                 if item in sentinels:
                     process = sentinels[item]
+                    process.join(STOP_GRACE_SECONDS)  # reap it, so its exit code is known
                     self._die(f"tensor-parallel worker {process.name} (pid {process.pid}) exited with code "
                               f"{process.exitcode}")
                 message = self._recv(item)  # another rank: its start-up report or error
