@@ -267,3 +267,18 @@ def test_server_answers_503_after_a_worker_died() -> None:
         engine.shutdown()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_kv_heads_replicated_when_ranks_exceed_them(tmp_path: Path) -> None:
+    from tests.checkpoints import make_text_checkpoint
+
+    path = make_text_checkpoint(tmp_path / "one_kv_head", seed=4, kv_heads=1)  # 2 ranks, 1 KV head each copy
+    one, two = _pair(str(path))
+    try:
+        prompts = [_tokens(n, seed=n) for n in (9, 130)]
+        for a, b in zip(one.generate(prompts, GREEDY, use_tqdm=False), two.generate(prompts, GREEDY, use_tqdm=False)):
+            _same(a, b)
+        _idle(one, two)
+    finally:
+        two.llm_engine.shutdown()
