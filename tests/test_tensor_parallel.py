@@ -282,3 +282,21 @@ def test_kv_heads_replicated_when_ranks_exceed_them(tmp_path: Path) -> None:
         _idle(one, two)
     finally:
         two.llm_engine.shutdown()
+
+
+@pytest.mark.slow
+def test_torchrun_environment_gives_the_same_tokens(tmp_path: Path) -> None:
+    """The multi-node path (RANK/WORLD_SIZE/MASTER_* from torchrun), on one machine: rank 0's
+    process serves, rank 1's process becomes its worker."""
+    import subprocess
+    import sys
+
+    bin_dir = Path(sys.executable).parent
+    command = ["generate", "-tp", "2", "--prompt", PROMPTS[1], "--max-tokens", "8", "--kv-cache-mib", "16",
+               "--prefix-cache-mib", "8", "--device", CPU.device, "--dtype", CPU.dtype]
+    run = subprocess.run([str(bin_dir / "torchrun"), "--nnodes", "1", "--nproc-per-node", "2", "--master-port",
+                          "29641", str(bin_dir / "hybridserve"), *command],
+                         capture_output=True, text=True, timeout=300, check=True)
+    expected = LLM(kv_cache_mib=16, prefix_cache_mib=16, **CPU.engine_kwargs()).generate(
+        [PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)[0].outputs[0].text
+    assert PROMPTS[1] + expected in run.stdout
