@@ -9,8 +9,17 @@ import sys
 TORCH_LOADED_BEFORE_HYBRIDSERVE = "torch" in sys.modules
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from hybridserve.api import LLM  # noqa: E402
 from hybridserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams  # noqa: E402,E501
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """`LLM` loads on first use, so processes that only need the model (tensor-parallel
+    workers) do not import the engine, its grammar library and the tokenizer stack."""
+    if name == "LLM":
+        from hybridserve.api import LLM
+
+        return LLM
+    raise AttributeError(f"module 'hybridserve' has no attribute {name!r}")

@@ -34,7 +34,8 @@ class LLM:
                  max_model_len: int | None = None, max_prefill_tokens_during_decode: int = 32,
                  memory_fraction: float | None = None, kv_cache_memory: int | str | None = None,
                  snapshot_memory_share: float = 0.5, block_hash: str = "xxh3_128",
-                 num_threads: int | None = None, quantization: str | None = None) -> None:
+                 num_threads: int | None = None, quantization: str | None = None,
+                 tensor_parallel_size: int = 1) -> None:
         memory = parse_size(str(kv_cache_memory)) if kv_cache_memory is not None else None
         cache = CacheConfig(block_size=block_size, kv_cache_mib=kv_cache_mib, prefix_cache_mib=prefix_cache_mib,
                             snapshot_interval=snapshot_interval, kv_cache_memory_bytes=memory,
@@ -45,7 +46,8 @@ class LLM:
                                     max_prefill_tokens_during_decode=max_prefill_tokens_during_decode)
         self.llm_engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, seed=seed,
                                                  num_threads=num_threads, quantization=quantization,
-                                                 cache=cache, scheduler=scheduler))
+                                                 tensor_parallel_size=tensor_parallel_size, cache=cache,
+                                                 scheduler=scheduler))
         self._chat = ChatRenderer(self.llm_engine.tokenizer.chat_template)
         self._ids = itertools.count()
 

@@ -217,6 +217,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # CPU threads for torch; None: see engine.threads.default_num_threads
     quantization: str | None = None  # "int8": weight-only int8 linears (see layers.linear)
+    tensor_parallel_size: int = 1   # model ranks (worker processes when > 1); see hybridserve.distributed
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -226,3 +227,6 @@ class EngineConfig:
         _require(self.quantization in (None, "int8"),
                  f"quantization must be None or 'int8', got {self.quantization!r}")
         _require(self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
+        _require(isinstance(self.tensor_parallel_size, int) and not isinstance(self.tensor_parallel_size, bool)
+                 and self.tensor_parallel_size >= 1,
+                 f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")

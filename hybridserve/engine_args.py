@@ -39,6 +39,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for the forward (when unset: every available core, idle OpenMP "
                              "workers sleeping; all cores but one if torch was imported before hybridserve)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="split the model over N ranks (worker processes; gloo on CPU with the threads "
+                             "divided among them, NCCL on GPUs; multi-node under torchrun, see README)")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="most requests running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
                         help="most tokens in one step (while requests decode, prefill is further capped)")
@@ -77,5 +80,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                 max_model_len=args.max_model_len, max_waiting_requests=args.max_waiting_requests,
                                 max_prefill_tokens_during_decode=args.max_prefill_tokens_during_decode)
     return EngineConfig(model=model_from_args(args), device=args.device, dtype=args.dtype, seed=args.seed,
-                        num_threads=args.threads, quantization=args.quantization, cache=cache,
-                        scheduler=scheduler)
+                        num_threads=args.threads, quantization=args.quantization,
+                        tensor_parallel_size=args.tensor_parallel_size, cache=cache, scheduler=scheduler)

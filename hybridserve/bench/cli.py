@@ -17,7 +17,7 @@ Handler = Callable[[argparse.Namespace], int]
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `engine`, `ttft`, `trace`, `serve`, `structured` and `all` benchmark subcommands."""
     subparsers = parser.add_subparsers(dest="bench_command", required=True,
-                                       metavar="{engine,decode,ttft,trace,chat,serve,structured,soak,threads,all}")
+                                       metavar="{engine,decode,ttft,trace,chat,serve,structured,soak,threads,tp,all}")
     _add_engine(subparsers)
     _add_decode(subparsers)
     _add_ttft(subparsers)
@@ -28,6 +28,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     _add_structured(subparsers)
     _add_soak(subparsers)
     _add_threads(subparsers)
+    _add_tp(subparsers)
     _add_all(subparsers)
 
 
@@ -132,6 +133,24 @@ def _add_threads(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--decode-tokens", type=int, default=48, help="tokens decoded per run")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON here")
     parser.set_defaults(handler=run_threads)
+
+
+def _add_tp(subparsers: argparse._SubParsersAction) -> None:
+    parser = _subparser(subparsers, "tp", "prefill and decode at TP=1 (1 and 2 threads) vs TP=2 (1 thread per "
+                        "rank), with the all-reduce and transport shares of a step", run_tp)
+    parser.add_argument("--prompt-tokens", type=int, default=1024, help="cold prefill prompt length")
+    parser.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded per run")
+    parser.add_argument("--iterations", type=int, default=3, help="measured iterations (alternating order)")
+    parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
+
+
+def run_tp(args: argparse.Namespace) -> int:
+    """Handler of `bench tp`."""
+    from hybridserve.bench.tp_bench import TPBenchConfig, format_tp_report, run_tp_bench
+
+    cfg = TPBenchConfig(args.prompt_tokens, args.decode_tokens, args.iterations, args.bench_seed)
+    result = run_tp_bench(engine_config_from_args(args), cfg)
+    return _finish(args, result, format_tp_report(result))
 
 
 def run_soak(args: argparse.Namespace) -> int:

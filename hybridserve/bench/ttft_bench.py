@@ -123,7 +123,10 @@ def run_ttft_bench(engine_config: EngineConfig, cfg: TTFTBenchConfig) -> dict[st
     throughput = _measure_throughput(off, on, cfg, seeds, vocab)
     for engine in (off_engine, on_engine):
         engine.check_integrity()
-    return _summarize(rows, throughput, cfg, on_engine)
+    summary = _summarize(rows, throughput, cfg, on_engine)
+    for engine in (off_engine, on_engine):
+        engine.shutdown()  # tensor-parallel workers
+    return summary
 
 
 def _summarize(rows: list[dict[str, Any]], throughput: dict[str, Any], cfg: TTFTBenchConfig,

@@ -163,11 +163,19 @@ class AsyncLLMEngine:
         """True while the engine thread is alive and not shutting down."""
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine stopped serving (a worker died, or it was shut down); None while it runs."""
+        reason = getattr(self.engine, "dead_reason", None)
+        if reason is not None:
+            return str(reason)
+        return "engine has been shut down" if self._stopping else None
+
     def start(self) -> None:
         """Start the engine thread (idempotent)."""
         with self._cond:
             if self._stopping:
-                raise EngineDeadError("engine has been shut down")
+                raise EngineDeadError(self.dead_reason or "engine has been shut down")
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="hybridserve-engine", daemon=True)
                 self._thread.start()
@@ -179,6 +187,9 @@ class AsyncLLMEngine:
             self._cond.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        stop = getattr(self.engine, "shutdown", None)
+        if stop is not None:
+            stop()  # tensor-parallel workers
 
     # ----------------------------------------------------------------- public API
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -239,7 +250,7 @@ class AsyncLLMEngine:
     def _submit(self, command: _Add | _Abort | _Call, is_add: bool = False) -> None:
         with self._cond:
             if self._stopping or self._thread is None:
-                raise EngineDeadError("engine is not running")
+                raise EngineDeadError(getattr(self.engine, "dead_reason", None) or "engine is not running")
             if is_add:
                 self._check_capacity()
                 self._pending_adds += 1
@@ -331,6 +342,10 @@ class AsyncLLMEngine:
             return
         for output in outputs:
             self._deliver(output)
+        if getattr(self.engine, "dead_reason", None) is not None:  # e.g. a tensor-parallel worker died
+            logger.error("engine stopped: %s", self.engine.dead_reason)
+            with self._cond:
+                self._stopping = True
 
     def _deliver(self, output: RequestOutput) -> None:
         sink = self._sinks.get(output.request_id)

@@ -25,6 +25,8 @@ from hybridserve.engine.memory_plan import DeviceMemory, MemoryPlan, PlanInputs,
 from hybridserve.engine.request import Request, RequestGroup, RequestStatus
 from hybridserve.engine.threads import configure_threads
 from hybridserve.engine.runner import ModelRunner
+from hybridserve.distributed.executor import StepFailedError, TensorParallelExecutor, WorkerDiedError
+from hybridserve.distributed.launch import tensor_parallel_specs
 from hybridserve.engine.sampling import SampledToken, sample_isolated
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput, blocks_for
 from hybridserve.engine.structured_output import GrammarCompiler, TokenMasker
@@ -43,6 +45,10 @@ GDN_CHUNK_SIZE = 64   # chunked gated-delta prefill; snapshots are taken at any 
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at `max_waiting_requests`; retry later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped (a tensor-parallel worker died, or it was shut down); restart it."""
 
 
 class PrefixCacheReport(NamedTuple):
@@ -95,20 +101,14 @@ class LLMEngine:
         self.model_config, self.tokenizer = self._load_model_config_and_tokenizer()
         model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = model_len
-        cache = config.cache
-        self.bytes_per_snapshot = GDNStateTensors.bytes_per_slot(self.model_config, self.dtype)
-        memory_at_start = device_memory(self.device)
-        model = Qwen3_5ForCausalLM(self.model_config, chunk_size=GDN_CHUNK_SIZE, max_positions=model_len)
-        self._load_weights(model)
-        self.weight_bytes = model.weight_bytes()
-        self.memory_plan = self._plan_memory(model, memory_at_start)
-        self.num_kv_blocks = self.memory_plan.kv_bytes // self.kv_bytes_per_block
-        self.num_snapshot_slots = self.memory_plan.snapshot_bytes // self.bytes_per_snapshot
-        self.runner = ModelRunner(model, num_kv_blocks=self.num_kv_blocks,
-                                  block_size=cache.block_size, num_state_slots=config.scheduler.max_num_seqs,
-                                  num_snapshot_slots=self.num_snapshot_slots, dtype=self.dtype, device=self.device)
+        self.tensor_parallel_size = config.tensor_parallel_size
+        self.dead_reason: str | None = None
+        if self.tensor_parallel_size == 1:
+            self.runner: ModelRunner | TensorParallelExecutor = self._start_local_runner()
+        else:
+            self.runner = self._start_tensor_parallel()
         snapshots = SnapshotPool(self.num_snapshot_slots) if self.num_snapshot_slots else None
-        self.scheduler = Scheduler(cache, config.scheduler, BlockPool(self.num_kv_blocks),
+        self.scheduler = Scheduler(config.cache, config.scheduler, BlockPool(self.num_kv_blocks),
                                    StateSlotPool(config.scheduler.max_num_seqs), snapshots, self._cache_policy())
         self.requests: dict[str, RequestGroup] = {}
         self._finished_groups: dict[str, RequestGroup] = {}  # finished this step, awaiting their output
@@ -118,6 +118,44 @@ class LLMEngine:
         logger.info("hybridserve engine: %s", self.describe())
 
     # -- construction -------------------------------------------------------------------------
+    def _start_local_runner(self) -> ModelRunner:
+        """TP=1: the model and its physical cache live in this process."""
+        cache, model_len = self.config.cache, self.max_model_len
+        self.bytes_per_snapshot = GDNStateTensors.bytes_per_slot(self.model_config, self.dtype)
+        self.kv_bytes_per_block = self.config.cache.block_size * PagedKVCache.bytes_per_token(
+            len(self.model_config.attention_layer_ids), self.model_config.num_key_value_heads,
+            self.model_config.head_dim, self.dtype)
+        memory_at_start = device_memory(self.device)
+        model = Qwen3_5ForCausalLM(self.model_config, chunk_size=GDN_CHUNK_SIZE, max_positions=model_len)
+        self._load_weights(model)
+        self.weight_bytes = model.weight_bytes()
+        self.memory_plan = self._plan_memory(model, memory_at_start)
+        self.num_kv_blocks = self.memory_plan.kv_bytes // self.kv_bytes_per_block
+        self.num_snapshot_slots = self.memory_plan.snapshot_bytes // self.bytes_per_snapshot
+        return ModelRunner(model, num_kv_blocks=self.num_kv_blocks, block_size=cache.block_size,
+                           num_state_slots=self.config.scheduler.max_num_seqs,
+                           num_snapshot_slots=self.num_snapshot_slots, dtype=self.dtype, device=self.device)
+
+    def _start_tensor_parallel(self) -> TensorParallelExecutor:
+        """TP=N: check the plan (before any process starts), then start the ranks and take the
+        capacity they agreed on (the smallest rank's). Sizes are summed over the ranks."""
+        specs = tensor_parallel_specs(self.config, self.model_config, self.max_model_len, self.device,
+                                      self.dtype, self.num_threads, GDN_CHUNK_SIZE)
+        executor = TensorParallelExecutor(specs)
+        capacity = executor.capacity
+        self.bytes_per_snapshot = capacity.bytes_per_snapshot
+        self.kv_bytes_per_block = capacity.kv_bytes_per_block
+        self.weight_bytes = capacity.weight_bytes * self.tensor_parallel_size
+        self.memory_plan = capacity.memory_plan
+        self.num_kv_blocks, self.num_snapshot_slots = capacity.num_kv_blocks, capacity.num_snapshot_slots
+        return executor
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (a no-op with TP=1); the engine cannot step afterwards."""
+        if isinstance(self.runner, TensorParallelExecutor):
+            self.runner.shutdown()
+            self.dead_reason = self.dead_reason or "the engine was shut down"
+
     def _load_model_config_and_tokenizer(self) -> tuple[ModelConfig, Tokenizer]:
         if self.config.model is None:
             return BUILTIN_MODEL_CONFIG, builtin_tokenizer()
@@ -142,13 +180,6 @@ class LLMEngine:
         cost = PrefixCost.from_model(cfg, kv_per_token, self.bytes_per_snapshot)
         return make_policy(cache.cache_policy, cache.block_size, cost, cache.snapshot_interval)
 
-    @property
-    def kv_bytes_per_block(self) -> int:
-        """Bytes of one KV block across every attention layer."""
-        cfg = self.model_config
-        return self.config.cache.block_size * PagedKVCache.bytes_per_token(
-            len(cfg.attention_layer_ids), cfg.num_key_value_heads, cfg.head_dim, self.dtype)
-
     def _plan_memory(self, model: Qwen3_5ForCausalLM, memory_at_start: DeviceMemory) -> MemoryPlan:
         """Size the KV and snapshot pools (profiling a max-size forward when a memory fraction
         is used); raises ValueError with the numbers when they cannot fit."""
@@ -165,7 +196,7 @@ class LLMEngine:
         """One line with the resolved sizes (printed at start-up)."""
         cache = self.config.cache
         return (f"device={self.device} dtype={str(self.dtype).removeprefix('torch.')} "
-                f"threads={self.num_threads} "
+                f"threads={self.num_threads} tensor_parallel_size={self.tensor_parallel_size} "
                 f"weights={self.weight_bytes / MIB:.1f}MiB kv_pool={self.memory_plan.kv_bytes / MIB:.1f}MiB "
                 f"snapshot_pool={self.memory_plan.snapshot_bytes / MIB:.1f}MiB ({self.memory_plan.source}) "
                 f"max_model_len={self.max_model_len} kv_blocks={self.num_kv_blocks}x{cache.block_size} tokens "
@@ -217,7 +248,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     cache_salt: str | None = None) -> None:
-        """Validate and queue a request. ValueError on bad input; QueueFullError when saturated."""
+        """Validate and queue a request. ValueError on bad input; QueueFullError when saturated;
+        EngineDeadError after a worker died."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting_requests:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting; try again later")
         self.enqueue(self.make_request(request_id, prompt, params, cache_salt))
@@ -303,11 +337,18 @@ class LLMEngine:
         belong to. `schedule` gives back what it took before raising; that error propagates.
         """
         self._finished_groups.clear()
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
         try:
             result = self.runner.execute(scheduled)
+        except WorkerDiedError as exc:
+            return self._after_worker_death(scheduled, str(exc))
+        except StepFailedError as exc:  # the ranks agreed: revert, as for any failed forward
+            logger.error("step failed on the tensor-parallel ranks (%s); step reverted", exc)
+            return self._after_failed_step(scheduled)
         except Exception:  # noqa: BLE001 - revert, keep serving, and fail only repeat offenders
             logger.exception("forward failed; step reverted")
             return self._after_failed_step(scheduled)
@@ -382,6 +423,16 @@ class LLMEngine:
         """One output per group that these sequences belong to (running or finished this step)."""
         groups = {r.request_id: group for r in requests if (group := self._group_of(r)) is not None}
         return [self._output(group) for group in groups.values()]
+
+    def _after_worker_death(self, scheduled: SchedulerOutput, reason: str) -> list[RequestOutput]:
+        """A worker died: revert the step, end every request with an error (freeing its blocks and
+        slots, so the pools stay consistent), and mark the engine dead."""
+        logger.error("tensor-parallel worker failure: %s; failing %d request(s)", reason, len(self.requests))
+        self.dead_reason = f"tensor-parallel worker failure: {reason}"
+        self.scheduler.revert(scheduled)
+        sequences = [r for group in list(self.requests.values()) for r in group.sequences
+                     if not r.is_finished and r not in group.unforked]
+        return self._fail_requests(sequences)
 
     def _after_failed_step(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
         self.scheduler.revert(scheduled)

@@ -13,7 +13,8 @@ import torch
 
 from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.engine.request import Request
-from hybridserve.engine.scheduler import Fork, ScheduledChunk, SchedulerOutput
+from hybridserve.engine.scheduler import Fork, SchedulerOutput
+from hybridserve.engine.step_plan import PlanChunk, StepPlan, ordered_requests, plan_step
 from hybridserve.layers.attention import PagedKVCache
 from hybridserve.models.batch import DecodeGroup, ForwardBatch, PrefillChunk
 from hybridserve.models.qwen3_5 import ForwardContext, Qwen3_5ForCausalLM, StateWrite
@@ -28,6 +29,15 @@ class StepResult(NamedTuple):
     requests: list[Request]
     failed_snapshot_slots: set[int]
     prompt_logits: list[tuple[Request, torch.Tensor]]  # every position's logits, where a request asked
+
+
+class PlanResult(NamedTuple):
+    """What one rank's execution of a `StepPlan` produced (picklable; rows follow plan order)."""
+
+    logits: torch.Tensor              # [R, vocab] float32, one row per chunk with `samples`
+    sample_chunks: list[int]          # the plan index of each logits row
+    failed_snapshot_slots: set[int]
+    prompt_logits: list[tuple[int, torch.Tensor]]  # (plan index, every position's logits)
 
 
 class SnapshotWriter:
@@ -68,7 +78,14 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> StepResult:
         """Restore admitted states, run the forward, commit state. Raises on failure having
         committed nothing to live state (restored slots belong to requests the scheduler reverts)."""
-        for restore in output.restores:
+        requests = ordered_requests(output)
+        result = self.execute_plan(plan_step(output))
+        return StepResult(result.logits, [requests[i] for i in result.sample_chunks], result.failed_snapshot_slots,
+                          [(requests[i], logits) for i, logits in result.prompt_logits])
+
+    def restore(self, plan: StepPlan) -> None:
+        """Load the plan's admitted live slots (from snapshots, or zeroed for a cold start)."""
+        for restore in plan.restores:
             if restore.kv_copy is not None:
                 self.kv_cache.copy_block(*restore.kv_copy)
             if restore.snapshot_slot is None:
@@ -76,16 +93,22 @@ class ModelRunner:
             else:
                 assert self.snapshots is not None
                 self.live_states.copy_slot(restore.state_slot, self.snapshots, restore.snapshot_slot)
-        batch, sample_requests, full_rows = self._build_batch(output.chunks)
+
+    @torch.inference_mode()
+    def execute_plan(self, plan: StepPlan, restored: bool = False) -> PlanResult:
+        """Restore (unless `restored`), run the forward over the plan's chunks, commit state."""
+        if not restored:
+            self.restore(plan)
+        batch, sample_chunks, full_rows = self._build_batch(plan.chunks)
         writer = SnapshotWriter(self.snapshots) if self.snapshots is not None else None
         writes: list[StateWrite] = []
         logits = self.model(batch, ForwardContext(self.kv_cache, self.live_states, writer, writes))
         self._commit(writes)
         failed = writer.failed if writer is not None else set()
-        num_sampled = len(sample_requests)
-        prompt_logits = [(request, logits[num_sampled + first:num_sampled + first + count])
-                         for request, first, count in full_rows]
-        return StepResult(logits[:num_sampled], sample_requests, failed, prompt_logits)
+        num_sampled = len(sample_chunks)
+        prompt_logits = [(index, logits[num_sampled + first:num_sampled + first + count])
+                         for index, first, count in full_rows]
+        return PlanResult(logits[:num_sampled], sample_chunks, failed, prompt_logits)
 
     @torch.inference_mode()
     def save_state(self, state_slot: int, snapshot_slot: int | None) -> bool:
@@ -117,30 +140,30 @@ class ModelRunner:
             self.live_states.recurrent[write.layer].index_copy_(0, write.slots, write.recurrent)
 
     # -- batch construction -----------------------------------------------------------------------
-    def _build_batch(self, chunks: list[ScheduledChunk]
-                     ) -> tuple[ForwardBatch, list[Request], list[tuple[Request, int, int]]]:
-        decodes = [c for c in chunks if c.length == 1]
-        prefills = [c for c in chunks if c.length > 1]
-        ordered = decodes + prefills
+    def _build_batch(self, ordered: list[PlanChunk]) -> tuple[ForwardBatch, list[int], list[tuple[int, int, int]]]:
+        """The forward batch of plan chunks (decodes first), the plan index of each sampled row,
+        and (plan index, first row, count) of the chunks that keep every position's logits."""
+        decodes = [c for c in ordered if c.length == 1]
+        prefills = [c for c in ordered if c.length > 1]
         input_ids: list[int] = []
         positions: list[int] = []
         logit_rows: list[int] = []
-        sample_requests: list[Request] = []
+        sample_chunks: list[int] = []
         full_rows: list[int] = []
-        full_requests: list[tuple[Request, int, int]] = []
-        for chunk in ordered:
+        full_chunks: list[tuple[int, int, int]] = []
+        for index, chunk in enumerate(ordered):
             row_end = len(input_ids) + chunk.length
-            if chunk.request.keep_prompt_logits:
-                full_requests.append((chunk.request, len(full_rows), chunk.length))
+            if chunk.keep_prompt_logits:
+                full_chunks.append((index, len(full_rows), chunk.length))
                 full_rows.extend(range(row_end - chunk.length, row_end))
-            input_ids.extend(chunk.request.token_ids[chunk.start:chunk.start + chunk.length])
+            input_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start, chunk.start + chunk.length))
-            if chunk.start + chunk.length == chunk.request.num_tokens:
+            if chunk.samples:
                 logit_rows.append(row_end - 1)
-                sample_requests.append(chunk.request)
+                sample_chunks.append(index)
         device = self.device
         positions_t = torch.tensor(positions, dtype=torch.long, device=device)
-        tables = self._block_tables([c.request.block_ids for c in ordered])
+        tables = self._block_tables([c.block_ids for c in ordered])
         chunk_index = torch.repeat_interleave(torch.arange(len(ordered), device=device),
                                               torch.tensor([c.length for c in ordered], device=device))
         write_slots = self._slots(tables[chunk_index], positions_t)
@@ -153,7 +176,7 @@ class ModelRunner:
             logits_rows=torch.tensor(logit_rows + full_rows, dtype=torch.long, device=device),
             logits_only_last_layer=not full_rows,
         )
-        return batch, sample_requests, full_requests
+        return batch, sample_chunks, full_chunks
 
     def _block_tables(self, block_lists: list[list[int]]) -> torch.Tensor:
         width = max(len(b) for b in block_lists)
@@ -170,28 +193,28 @@ class ModelRunner:
         offsets = torch.arange(self.block_size, device=self.device)
         return (tables[:, :, None] * self.block_size + offsets).reshape(tables.shape[0], -1)[:, :length]
 
-    def _decode_group(self, decodes: list[ScheduledChunk], tables: torch.Tensor) -> DecodeGroup:
+    def _decode_group(self, decodes: list[PlanChunk], tables: torch.Tensor) -> DecodeGroup:
         lengths = torch.tensor([c.start + 1 for c in decodes], device=self.device)
         longest = int(lengths.max())
-        captures = [(row, r.slot) for row, c in enumerate(decodes) for r in c.captures]
+        captures = [(row, slot) for row, c in enumerate(decodes) for _, slot in c.captures]
         return DecodeGroup(
-            state_slots=torch.tensor([c.request.state_slot for c in decodes], dtype=torch.long, device=self.device),
+            state_slots=torch.tensor([c.state_slot for c in decodes], dtype=torch.long, device=self.device),
             context_kv_slots=self._context_slots(tables, longest),
             context_valid=torch.arange(longest, device=self.device)[None, :] < lengths[:, None],
             captures=captures,
         )
 
-    def _prefill_chunks(self, prefills: list[ScheduledChunk], tables: torch.Tensor, offset: int
+    def _prefill_chunks(self, prefills: list[PlanChunk], tables: torch.Tensor, offset: int
                         ) -> list[PrefillChunk]:
         result = []
         for index, chunk in enumerate(prefills):
             prefix = self._context_slots(tables[index:index + 1], chunk.start)[0] if chunk.start > 0 else None
             result.append(PrefillChunk(
                 token_offset=offset, length=chunk.length, start_position=chunk.start,
-                state_slot=chunk.request.state_slot,  # type: ignore[arg-type]
+                state_slot=chunk.state_slot,
                 prefix_kv_slots=prefix,
-                captures=[(r.num_tokens, r.slot) for r in chunk.captures],  # type: ignore[misc]
-                emits_logits=chunk.start + chunk.length == chunk.request.num_tokens,
+                captures=list(chunk.captures),
+                emits_logits=chunk.samples,
             ))
             offset += chunk.length
         return result

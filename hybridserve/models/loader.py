@@ -17,6 +17,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from hybridserve.config import ModelConfig
+from hybridserve.distributed.sharding import ShardSpec, local_shape, read_shard, shard_spec
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -33,6 +34,8 @@ class _Entry:
     file: Path
     source: str
     target: str
+    shape: tuple[int, ...] = ()      # full checkpoint shape
+    spec: ShardSpec | None = None    # this rank's part (None: the whole tensor)
 
 
 def read_model_config(model_dir: str | Path) -> ModelConfig:
@@ -53,14 +56,17 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
 
 
 def load_weights(
-    model: torch.nn.Module, model_dir: str | Path, config: ModelConfig, *, show_progress: bool = True
+    model: torch.nn.Module, model_dir: str | Path, config: ModelConfig, *, show_progress: bool = True,
+    rank: int = 0, world_size: int = 1,
 ) -> None:
     """Copy the checkpoint tensors of `model_dir` into `model` (converted to each target's
     dtype and device). Raises `ValueError` naming every missing, unexpected, duplicated or
-    mis-shaped tensor; nothing is copied unless the whole checkpoint matches."""
+    mis-shaped tensor; nothing is copied unless the whole checkpoint matches. With
+    `world_size > 1`, `model` is rank `rank`'s shard (`distributed.sharding`) and only that
+    part of each tensor is read from the file."""
     files = checkpoint_files(model_dir)
     targets = _load_targets(model)
-    entries = _plan(files, targets, config)
+    entries = _plan(files, targets, config, rank, world_size)
     total_bytes = sum(f.stat().st_size for f in files)
     progress = tqdm(total=len(entries), desc="loading weights", unit="tensor",
                     disable=not show_progress or total_bytes <= PROGRESS_MIN_BYTES)
@@ -68,7 +74,11 @@ def load_weights(
         for file in files:
             with safe_open(str(file), framework="pt") as handle:
                 for entry in (e for e in entries if e.file == file):
-                    targets[entry.target].copy_(handle.get_tensor(entry.source))
+                    if entry.spec is None:
+                        targets[entry.target].copy_(handle.get_tensor(entry.source))
+                    else:
+                        part = read_shard(handle.get_slice(entry.source), entry.shape, entry.spec)
+                        targets[entry.target].copy_(part)
                     progress.update(1)
 
 
@@ -117,7 +127,8 @@ def _load_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return targets
 
 
-def _plan(files: list[Path], targets: dict[str, torch.Tensor], config: ModelConfig) -> list[_Entry]:
+def _plan(files: list[Path], targets: dict[str, torch.Tensor], config: ModelConfig, rank: int = 0,
+          world_size: int = 1) -> list[_Entry]:
     """Map every checkpoint tensor to a model tensor, checking names and shapes."""
     entries: dict[str, _Entry] = {}
     unexpected: list[str] = []
@@ -136,9 +147,11 @@ def _plan(files: list[Path], targets: dict[str, torch.Tensor], config: ModelConf
                     duplicated.append(f"{source} (and {entries[target].source})")
                     continue
                 shape = tuple(handle.get_slice(source).get_shape())
-                if shape != tuple(targets[target].shape):
-                    mis_shaped.append(f"{source}: checkpoint {list(shape)}, model {list(targets[target].shape)}")
-                entries[target] = _Entry(file, source, target)
+                spec = shard_spec(target, config, rank, world_size)
+                if local_shape(shape, spec) != tuple(targets[target].shape):
+                    mis_shaped.append(f"{source}: checkpoint {list(shape)}, model {list(targets[target].shape)}"
+                                      + (f" (rank {rank} of {world_size})" if world_size > 1 else ""))
+                entries[target] = _Entry(file, source, target, shape, spec)
     missing = [name for name in targets if name not in entries]
     _raise_if_mismatched(missing, unexpected, duplicated, mis_shaped)
     return list(entries.values())

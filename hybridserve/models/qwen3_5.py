@@ -9,7 +9,7 @@ succeeded (schedule -> forward -> apply | revert). Snapshot captures go to a `Sn
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -274,8 +274,11 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block: token mixer (GDN or attention) then MLP."""
 
     def __init__(self, config: ModelConfig, layer_id: int, mixer_index: int, rotary: PartialRotaryEmbedding,
-                 chunk_size: int) -> None:
+                 chunk_size: int, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
+        # Tensor parallel: the mixer's output projection and the MLP's down projection are
+        # row-parallel, so their partial sums are all-reduced over the ranks.
+        self.all_reduce = all_reduce
         self.is_attention = config.layer_types[layer_id] == FULL_ATTENTION
         if self.is_attention:
             self.self_attn = GatedAttention(config, mixer_index, rotary)
@@ -294,21 +297,25 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, batch, ctx, cos_sin, rows)
         else:
             h = self.linear_attn(h, batch, ctx, rows)
+        if self.all_reduce is not None:
+            h = self.all_reduce(h)
         x = (x if rows is None else x.index_select(0, rows)) + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + (h if self.all_reduce is None else self.all_reduce(h))
 
 
 class Qwen3_5TextModel(nn.Module):
     """Embeddings, decoder stack and final norm."""
 
-    def __init__(self, config: ModelConfig, chunk_size: int, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, chunk_size: int, max_positions: int,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = PartialRotaryEmbedding(config.head_dim, config.rotary_dim, config.rope_theta, max_positions)
         attention_ids, gdn_ids = config.attention_layer_ids, config.gdn_layer_ids
         self.layers = nn.ModuleList([
             DecoderLayer(config, i, attention_ids.index(i) if i in attention_ids else gdn_ids.index(i),
-                         self.rotary, chunk_size)
+                         self.rotary, chunk_size, all_reduce)
             for i in range(config.num_hidden_layers)
         ])
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -317,10 +324,14 @@ class Qwen3_5TextModel(nn.Module):
 class Qwen3_5ForCausalLM(nn.Module):
     """The full causal LM; `forward` returns logits only for `batch.logits_rows`."""
 
-    def __init__(self, config: ModelConfig, *, chunk_size: int = 64, max_positions: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, *, chunk_size: int = 64, max_positions: int | None = None,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """`config` is the shape this model holds: one tensor-parallel rank's (see
+        `distributed.sharding.local_config`) with `all_reduce` summing row-parallel outputs."""
         super().__init__()
         self.config = config
-        self.model = Qwen3_5TextModel(config, chunk_size, max_positions or config.max_position_embeddings)
+        self.model = Qwen3_5TextModel(config, chunk_size, max_positions or config.max_position_embeddings,
+                                      all_reduce)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.head: PackedLinear | None = None

@@ -918,7 +918,9 @@ def _install_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.get("/health")
     async def health() -> Response:
         if not serving.engine.is_running:
-            raise APIError(503, "engine is not running", code="engine_unavailable")
+            reason = getattr(serving.engine, "dead_reason", None)
+            raise APIError(503, f"engine is not running: {reason}" if reason else "engine is not running",
+                           code="engine_unavailable")
         return Response(b'{"status":"ok"}', media_type="application/json")
 
     @app.get("/metrics")

@@ -1,0 +1,100 @@
+"""`hybridserve bench tp`: prefill and decode at TP=1 vs TP=2 on this machine, with the share of
+a TP step spent in all-reduces (rank 0's time inside `dist.all_reduce`) and in the controller's
+transport (a step's wall time beyond rank 0's forward: plan pickling, pipe, broadcast, logits back).
+
+Engines run side by side in one process and alternate per iteration; figures are medians.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+from hybridserve.bench.common import EngineDriver, format_table, greedy, median, random_token_ids
+from hybridserve.config import EngineConfig
+from hybridserve.distributed.executor import CommStats, TensorParallelExecutor
+from hybridserve.engine.engine import LLMEngine
+
+
+class TPBenchConfig(NamedTuple):
+    """What `bench tp` measures."""
+
+    prompt_tokens: int = 1024
+    decode_tokens: int = 32
+    iterations: int = 3
+    seed: int = 0
+
+
+SETUPS = (("TP=1, 1 thread", 1, 1), ("TP=1, 2 threads", 1, 2), ("TP=2, 1 thread per rank", 2, 2))
+
+
+def _comm(engine: LLMEngine) -> CommStats | None:
+    runner = engine.runner
+    return runner.comm_stats() if isinstance(runner, TensorParallelExecutor) else None
+
+
+def _delta(after: CommStats | None, before: CommStats | None) -> tuple[float, float]:
+    """(seconds in all-reduces, seconds in rank 0's forwards) between two readings."""
+    if after is None or before is None:
+        return 0.0, 0.0
+    return after.comm_seconds - before.comm_seconds, after.forward_seconds - before.forward_seconds
+
+
+def run_tp_bench(engine_config: EngineConfig, cfg: TPBenchConfig) -> dict[str, Any]:
+    """Measure every setup: cold prefill TTFT, decode ms/token, and the communication shares."""
+    engines = [LLMEngine(dataclasses.replace(engine_config, tensor_parallel_size=tp, num_threads=threads))
+               for _, tp, threads in SETUPS]
+    drivers = [EngineDriver(engine, f"tp{i}") for i, engine in enumerate(engines)]
+    vocab = engines[0].model_config.vocab_size
+    samples: list[dict[str, list[float]]] = [{k: [] for k in ("prefill", "decode", "prefill_comm", "prefill_fwd",
+                                                                "decode_comm", "decode_fwd", "decode_wall")}
+                                               for _ in SETUPS]
+    for driver in drivers:  # warm-up
+        driver.run(random_token_ids(64, cfg.seed - 1, vocab), greedy(2))
+    for iteration in range(cfg.iterations):
+        order = range(len(SETUPS)) if iteration % 2 == 0 else reversed(range(len(SETUPS)))
+        for index in order:
+            engine, driver, out = engines[index], drivers[index], samples[index]
+            before = _comm(engine)
+            prefill = driver.run(random_token_ids(cfg.prompt_tokens, cfg.seed + iteration, vocab), greedy(1))
+            comm, forward = _delta(_comm(engine), before)
+            out["prefill"].append(prefill.ttft_s)
+            out["prefill_comm"].append(comm)
+            out["prefill_fwd"].append(forward)
+            before = _comm(engine)
+            decode = driver.run(random_token_ids(32, cfg.seed + 100 + iteration, vocab), greedy(cfg.decode_tokens))
+            comm, forward = _delta(_comm(engine), before)
+            out["decode"].append(median(decode.decode_step_s))
+            out["decode_comm"].append(comm)
+            out["decode_fwd"].append(forward)
+            out["decode_wall"].append(decode.total_s)
+    for engine in engines:
+        engine.check_integrity()
+        engine.shutdown()
+    rows = []
+    for (name, tp, threads), out in zip(SETUPS, samples):
+        row = {"setup": name, "tensor_parallel_size": tp, "threads": threads,
+               "prefill_ttft_s": median(out["prefill"]), "decode_ms_per_token": 1000 * median(out["decode"])}
+        if tp > 1:
+            row["prefill_comm_share"] = sum(out["prefill_comm"]) / sum(out["prefill"])
+            row["decode_comm_share"] = sum(out["decode_comm"]) / sum(out["decode_wall"])
+            row["decode_transport_share"] = 1 - sum(out["decode_fwd"]) / sum(out["decode_wall"])
+        rows.append(row)
+    return {"config": cfg._asdict(), "rows": rows}
+
+
+def format_tp_report(result: dict[str, Any]) -> str:
+    """Markdown table of `run_tp_bench`'s figures."""
+    base = result["rows"][1]
+    body = []
+    for row in result["rows"]:
+        share = (lambda key: f"{100 * row[key]:.1f}%" if key in row else "-")
+        body.append([row["setup"], f"{1000 * row['prefill_ttft_s']:.0f} ms",
+                     f"{base['prefill_ttft_s'] / row['prefill_ttft_s']:.2f}x", f"{row['decode_ms_per_token']:.1f} ms",
+                     f"{base['decode_ms_per_token'] / row['decode_ms_per_token']:.2f}x",
+                     share("prefill_comm_share"), share("decode_comm_share"), share("decode_transport_share")])
+    cfg = result["config"]
+    return (f"prefill: {cfg['prompt_tokens']}-token cold prompt; decode: ms/token of one sequence "
+            f"({cfg['decode_tokens']} tokens); p50 of {cfg['iterations']}\n"
+            + format_table(["setup", "prefill TTFT", "vs TP=1/2t", "decode", "vs TP=1/2t", "all-reduce share "
+                            "(prefill)", "all-reduce share (decode)", "transport share (decode)"], body))

@@ -1,0 +1,1 @@
+"""Tensor parallelism: weight sharding, per-rank model shapes, worker processes and collectives."""

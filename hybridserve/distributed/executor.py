@@ -1,0 +1,212 @@
+"""The controller's side of tensor parallelism: start the rank processes, send them step plans.
+
+`TensorParallelExecutor` offers what the engine asks of a `ModelRunner` (`execute`, `save_state`,
+`fork`), so the scheduler, block pool, snapshot pool and policy stay in the engine unchanged. Each
+call becomes one command, pickled once and written to every local rank's pipe (under torchrun, to
+rank 0, which broadcasts it); rank 0 answers. While waiting for
+the answer the controller also watches every local worker process: a worker that dies raises
+`WorkerDiedError` within a poll interval, and the executor kills the others (no orphans, no hang
+in a collective).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import socket
+import time
+from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, NamedTuple
+
+from hybridserve.distributed.worker import RankCapacity, StepReply, WorkerSpec, worker_main
+from hybridserve.engine.runner import StepResult
+from hybridserve.engine.scheduler import Fork, SchedulerOutput
+from hybridserve.engine.step_plan import ordered_requests, plan_step
+
+logger = logging.getLogger(__name__)
+START_TIMEOUT_SECONDS = 600.0
+STOP_GRACE_SECONDS = 5.0
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker died or the ranks fell out of step; the engine cannot continue."""
+
+
+class StepFailedError(RuntimeError):
+    """Every rank failed the same step consistently (e.g. a restore failed on one rank): the
+    step is reverted and the ranks stay usable."""
+
+
+class CommStats(NamedTuple):
+    """Time rank 0 spent in forwards and, within them, in all-reduces (since start)."""
+
+    steps: int
+    forward_seconds: float
+    comm_seconds: float
+
+
+def free_port() -> int:
+    """A free TCP port on this machine for the rendezvous of local workers."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class TensorParallelExecutor:
+    """Rank processes (spawned here, or joined through a torch.distributed environment) that execute
+    every step together; answers come from rank 0."""
+
+    def __init__(self, specs: list[WorkerSpec]) -> None:
+        """Start a process for each spec (rank 0 first in `specs`); blocks until every local rank
+        loaded its shard. Raises RuntimeError with the failing rank's message otherwise."""
+        context = multiprocessing.get_context("spawn")
+        self.world_size = specs[0].world_size
+        self.broadcast_commands = specs[0].broadcast_commands
+        self.processes: list[Any] = []
+        self.conns: list[Connection] = []
+        self.dead_reason: str | None = None
+        self.steps, self.forward_seconds, self.comm_seconds = 0, 0.0, 0.0
+        self._inbox: dict[int, tuple] = {}  # a message that arrived while waiting on another rank
+        for spec in specs:
+            parent, child = context.Pipe()
+            process = context.Process(target=worker_main, args=(spec, child, os.getpid()),
+                                      name=f"hybridserve-tp{spec.rank}", daemon=False)
+            process.start()
+            child.close()
+            self.processes.append(process)
+            self.conns.append(parent)
+        try:
+            capacities = [self._receive(conn, "ready", START_TIMEOUT_SECONDS) for conn in self.conns]
+        except BaseException:
+            self.shutdown()
+            raise
+        self.capacity: RankCapacity = capacities[0]
+
+    # -- the runner interface ---------------------------------------------------------------------
+    def execute(self, output: SchedulerOutput) -> StepResult:
+        """Run a step on every rank; rank 0's logits. StepFailedError when the ranks agreed that the
+        step failed (revert it), WorkerDiedError when a rank is gone or out of step."""
+        requests = ordered_requests(output)
+        reply: StepReply = self._call(("execute", plan_step(output)))
+        self.steps += 1
+        self.forward_seconds += reply.forward_seconds
+        self.comm_seconds += reply.comm_seconds
+        if reply.result is None:
+            raise StepFailedError(reply.error or "the step failed on a rank")
+        result = reply.result
+        return StepResult(result.logits, [requests[i] for i in result.sample_chunks], result.failed_snapshot_slots,
+                          [(requests[i], logits) for i, logits in result.prompt_logits])
+
+    def save_state(self, state_slot: int, snapshot_slot: int | None) -> bool:
+        """Copy a live slot into a snapshot slot on every rank: True only if every rank saved it."""
+        if snapshot_slot is None or self.dead_reason is not None:
+            return False
+        return bool(self._call(("save", state_slot, snapshot_slot)))
+
+    def fork(self, fork: Fork) -> None:
+        """Copy a parent's live state (and partial block) to its forked child on every rank."""
+        self._call(("fork", fork))
+
+    def inject_snapshot_fault(self, rank: int, fail: bool = True) -> None:
+        """Tests: make snapshot copies on `rank` fail (or work again)."""
+        self._call(("fault", rank, fail))
+
+    def comm_stats(self) -> CommStats:
+        """Forward and all-reduce time of rank 0 so far."""
+        return CommStats(self.steps, self.forward_seconds, self.comm_seconds)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the local workers."""
+        return [p.pid for p in self.processes]
+
+    # -- transport ----------------------------------------------------------------------------------
+    def _call(self, command: tuple) -> Any:
+        """Send a command to every rank (rank 0 only when it broadcasts), return rank 0's answer."""
+        if self.dead_reason is not None:
+            raise WorkerDiedError(self.dead_reason)
+        payload = ForkingPickler.dumps(command)
+        targets = self.conns[:1] if self.broadcast_commands else self.conns
+        for rank, conn in enumerate(targets):
+            try:
+                conn.send_bytes(payload)
+            except (OSError, EOFError) as exc:
+                self._die(f"tensor-parallel rank {rank} is gone ({exc})")
+        return self._receive(self.conns[0], "ok", None)
+
+    def _receive(self, conn: Connection, kind: str, timeout: float | None) -> Any:
+        """The next message of `conn`, watching every local worker: one that exits, or a start-up
+        error from any rank, stops the engine."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        sentinels = {p.sentinel: p for p in self.processes}
+        early = self._inbox.pop(id(conn), None)
+        if early is not None:
+            return early[1]
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                self._die(f"tensor-parallel workers did not answer within {timeout:.0f} s")
+            ready = wait([conn, *(c for c in self.conns if c is not conn), *sentinels], timeout=left)
+            if conn in ready:
+                message = self._recv(conn)
+                if message[0] == kind:
+                    return message[1]
+                self._die(str(message[1]))
+            for item in ready:
+                if item in sentinels:
+                    process = sentinels[item]
+                    process.join(STOP_GRACE_SECONDS)  # reap it, so its exit code is known
+                    self._die(f"tensor-parallel worker {process.name} (pid {process.pid}) exited with code "
+                              f"{process.exitcode}")
+                message = self._recv(item)  # another rank: its start-up report or error
+                if message[0] == "error":
+                    self._die(str(message[1]))
+                self._inbox[id(item)] = message
+
+    def _recv(self, conn: Connection) -> tuple:
+        try:
+            return conn.recv()
+        except (EOFError, OSError):
+            index = self.conns.index(conn)
+            process = self.processes[index]
+            process.join(STOP_GRACE_SECONDS)
+            self._die(f"tensor-parallel worker {process.name} (pid {process.pid}) closed its pipe "
+                      f"(exit code {process.exitcode})")
+        raise AssertionError("unreachable")
+
+    def _die(self, reason: str) -> None:
+        self.dead_reason = reason
+        logger.error("%s; stopping every worker", reason)
+        self.shutdown()
+        raise WorkerDiedError(reason)
+
+    def shutdown(self) -> None:
+        """Stop every worker: a polite stop, then kill whatever is still running."""
+        if self.dead_reason is None:
+            self.dead_reason = "the engine was shut down"
+            for conn in self.conns[:1] if self.broadcast_commands else self.conns:
+                try:
+                    conn.send(("stop",))
+                except (OSError, EOFError):
+                    pass
+            deadline = time.monotonic() + STOP_GRACE_SECONDS
+            for process in self.processes:
+                process.join(max(0.0, deadline - time.monotonic()))
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+        for process in self.processes:
+            process.join(STOP_GRACE_SECONDS)
+        for conn in self.conns:
+            conn.close()
+        self.conns = []
+
+    def __del__(self) -> None:
+        try:
+            if self.processes and any(p.is_alive() for p in self.processes):
+                self.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+

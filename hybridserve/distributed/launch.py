@@ -1,0 +1,68 @@
+"""Where the tensor-parallel ranks run: checked plans and one `WorkerSpec` per local rank.
+
+Single machine (the default): the engine spawns every rank itself and they meet on a free local
+port. Multi-node: every process of a `torchrun` launch (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
+`MASTER_PORT`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE` in the environment) runs the same command; the
+process of `RANK` 0 becomes the controller and spawns rank 0's worker, every other process
+becomes its rank's worker (`run_env_worker`) and never returns to the command.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hybridserve.config import EngineConfig, ModelConfig
+from hybridserve.distributed.sharding import validate_tensor_parallel
+from hybridserve.distributed.worker import WorkerSpec, worker_main
+from hybridserve.engine.threads import available_cores
+
+
+def distributed_env() -> tuple[int, int, int, int] | None:
+    """(rank, world size, local rank, local world size) from a torchrun-style environment, or None."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return rank, world, local_rank, local_world
+
+
+def tensor_parallel_specs(config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                          device: torch.device, dtype: torch.dtype, num_threads: int, chunk_size: int
+                          ) -> list[WorkerSpec]:
+    """Validate the plan (ValueError saying why, before any process starts) and return the specs of
+    the ranks this process spawns. Under torchrun, a process of rank > 0 runs its worker here and exits."""
+    world = config.tensor_parallel_size
+    env = distributed_env()
+    if env is not None and env[1] != world:
+        raise ValueError(f"--tensor-parallel-size {world} differs from WORLD_SIZE={env[1]} in the environment")
+    local_world = env[3] if env is not None else world
+    num_devices = (torch.cuda.device_count() if device.type == "cuda" else available_cores())
+    validate_tensor_parallel(model_config, world, device.type, num_devices if env is None else None)
+    if env is not None and local_world > num_devices:
+        raise ValueError(f"{local_world} ranks on this node but only {num_devices} {device.type} devices/cores")
+    threads = max(1, num_threads // local_world) if device.type == "cpu" else 1
+    dtype_name = str(dtype).removeprefix("torch.")
+
+    def spec(rank: int, local_rank: int, init_method: str) -> WorkerSpec:
+        rank_device = f"cuda:{local_rank}" if device.type == "cuda" else str(device)
+        return WorkerSpec(rank, world, init_method, config, model_config, max_model_len, threads, rank_device,
+                          dtype_name, chunk_size, broadcast_commands=env is not None)
+
+    if env is None:
+        from hybridserve.distributed.executor import free_port
+
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        return [spec(rank, rank, init_method) for rank in range(world)]
+    rank, _, local_rank, _ = env
+    if rank != 0:
+        run_env_worker(spec(rank, local_rank, "env://"))
+    return [spec(0, local_rank, "env://")]
+
+
+def run_env_worker(spec: WorkerSpec) -> None:
+    """Serve as one rank of a torchrun launch until the controller stops; then exit the process."""
+    worker_main(spec, None)
+    raise SystemExit(0)

@@ -1,0 +1,66 @@
+"""The tensor-free, picklable description of one step that every model rank executes.
+
+The controller turns a `SchedulerOutput` (which refers to `Request` objects) into a `StepPlan`:
+the tokens, positions, block ids, state slots, snapshot captures and restores of the step and
+nothing else. Every rank receives the same plan, so their KV pages, live slots and snapshot slots
+stay in step with the one logical cache the controller owns.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from hybridserve.engine.scheduler import SchedulerOutput
+
+
+class PlanChunk(NamedTuple):
+    """Tokens [start, start + length) of one sequence."""
+
+    token_ids: list[int]                 # the chunk's tokens only
+    start: int
+    block_ids: list[int]
+    state_slot: int
+    captures: list[tuple[int, int]]      # (boundary in tokens, snapshot slot)
+    samples: bool                        # the chunk ends at the sequence's last token: it has a logits row
+    keep_prompt_logits: bool
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+
+class PlanRestore(NamedTuple):
+    """Load a live slot from a snapshot slot (None: zero it), after an optional KV block copy."""
+
+    state_slot: int
+    snapshot_slot: int | None
+    kv_copy: tuple[int, int] | None
+
+
+class StepPlan(NamedTuple):
+    """One step for every rank: restores first, then the forward over `chunks` (in this order)."""
+
+    chunks: list[PlanChunk]
+    restores: list[PlanRestore]
+
+
+def plan_step(output: SchedulerOutput) -> StepPlan:
+    """The plan of a scheduled step (decodes first, then prefill chunks, as the batch lays them out)."""
+    ordered = [c for c in output.chunks if c.length == 1] + [c for c in output.chunks if c.length > 1]
+    chunks = []
+    for chunk in ordered:
+        request = chunk.request
+        assert request.state_slot is not None
+        chunks.append(PlanChunk(
+            token_ids=request.token_ids[chunk.start:chunk.start + chunk.length], start=chunk.start,
+            block_ids=list(request.block_ids), state_slot=request.state_slot,
+            captures=[(r.num_tokens, r.slot) for r in chunk.captures],  # type: ignore[misc]
+            samples=chunk.start + chunk.length == request.num_tokens,
+            keep_prompt_logits=request.keep_prompt_logits))
+    restores = [PlanRestore(r.state_slot, r.snapshot_slot, r.kv_copy) for r in output.restores]
+    return StepPlan(chunks, restores)
+
+
+def ordered_requests(output: SchedulerOutput) -> list:
+    """The requests of `output` in plan order (decodes first)."""
+    return [c.request for c in output.chunks if c.length == 1] + [c.request for c in output.chunks if c.length > 1]
