@@ -1,9 +1,10 @@
 """`hybridserve bench serve --compare-offline`: the server against `LLM.generate`, in one run.
 
-The same requests (token-id prompts from the same seeds, greedy, EOS ignored) go first through
-`LLM.generate` in this process, then through a `hybridserve serve` subprocess for each
-`--engine-process` mode asked for (streamed `/v1/completions`, no logprobs). Each figure is the
-median of `repeats` measured runs after `warmup` discarded ones:
+The same requests (token-id prompts from the same seeds, greedy, EOS ignored) go through
+`LLM.generate` in this process and through a `hybridserve serve` subprocess for each
+`--engine-process` mode asked for (streamed `/v1/completions`, no logprobs). The backends take
+turns run by run (the machine's other load falls on all alike). Each figure is the median of
+`repeats` measured runs after `warmup` discarded ones:
 
   * decode ms/token at batch 1: (wall of a 1 + D token request - wall of a 1-token request) / D,
     so per-request costs cancel and only the per-token cost remains;
@@ -20,11 +21,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
+import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -142,62 +143,74 @@ class ServerBackend(Backend):
     def close(self) -> None:
         """Close the HTTP client and the loop."""
         self.loop.run_until_complete(self.client.aclose())
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         self.loop.close()
 
 
-def _median_of(cfg: CompareConfig, measure: Callable[[], float]) -> tuple[float, list[float]]:
-    for _ in range(cfg.warmup):
-        measure()
-    values = [measure() for _ in range(cfg.repeats)]
-    return statistics.median(values), values
+class _Figures:
+    """The three measures of one backend, each drawing fresh prompts from its own source (every
+    backend's source has the same seed, so the n-th prompt is the same everywhere)."""
 
+    def __init__(self, backend: Backend, cfg: CompareConfig) -> None:
+        self.backend = backend
+        self.cfg = cfg
+        self.prompts = Prompts(cfg.seed)
+        self.prefix = self.prompts.fresh(cfg.ttft_prefix_tokens)
+        backend.one(self.prefix + self.prompts.fresh(cfg.ttft_suffix_tokens), 1)  # makes the prefix warm
 
-def measure_backend(backend: Backend, cfg: CompareConfig) -> dict[str, Any]:
-    """The three figures of one backend (fresh prompts from the same seed as every other backend)."""
-    prompts = Prompts(cfg.seed)
-
-    def decode_ms() -> float:
-        _, short = backend.one(prompts.fresh(cfg.decode_prompt_tokens), 1)
-        _, long = backend.one(prompts.fresh(cfg.decode_prompt_tokens), 1 + cfg.decode_tokens)
+    def decode_ms(self) -> float:
+        cfg = self.cfg
+        _, short = self.backend.one(self.prompts.fresh(cfg.decode_prompt_tokens), 1)
+        _, long = self.backend.one(self.prompts.fresh(cfg.decode_prompt_tokens), 1 + cfg.decode_tokens)
         return 1000.0 * (long - short) / cfg.decode_tokens
 
-    prefix = prompts.fresh(cfg.ttft_prefix_tokens)
-    backend.one(prefix + prompts.fresh(cfg.ttft_suffix_tokens), 1)  # makes the prefix warm
+    def ttft_ms(self) -> float:
+        return 1000.0 * self.backend.one(self.prefix + self.prompts.fresh(self.cfg.ttft_suffix_tokens), 1)[0]
 
-    def ttft_ms() -> float:
-        return 1000.0 * backend.one(prefix + prompts.fresh(cfg.ttft_suffix_tokens), 1)[0]
-
-    def tokens_per_s() -> float:
-        batch = [prompts.fresh(cfg.client_prompt_tokens) for _ in range(cfg.clients)]
-        tokens, wall = backend.batch(batch, cfg.client_max_tokens)
+    def tokens_per_s(self) -> float:
+        batch = [self.prompts.fresh(self.cfg.client_prompt_tokens) for _ in range(self.cfg.clients)]
+        tokens, wall = self.backend.batch(batch, self.cfg.client_max_tokens)
         return tokens / wall
 
-    decode, decode_runs = _median_of(cfg, decode_ms)
-    ttft, ttft_runs = _median_of(cfg, ttft_ms)
-    rate, rate_runs = _median_of(cfg, tokens_per_s)
-    return {"decode_ms_per_token": round(decode, 3), "warm_ttft_ms": round(ttft, 2),
-            "tokens_per_s": round(rate, 1), "runs": {"decode": decode_runs, "ttft": ttft_runs, "rate": rate_runs}}
+
+def measure_interleaved(backends: dict[str, Backend], cfg: CompareConfig) -> dict[str, dict[str, Any]]:
+    """Every figure of every backend; the backends take turns run by run, so that load from
+    other processes on a shared machine falls on all of them alike."""
+    figures = {name: _Figures(backend, cfg) for name, backend in backends.items()}
+    results: dict[str, dict[str, Any]] = {name: {"runs": {}} for name in backends}
+    for key, measure in (("decode", _Figures.decode_ms), ("ttft", _Figures.ttft_ms), ("rate", _Figures.tokens_per_s)):
+        runs: dict[str, list[float]] = {name: [] for name in backends}
+        for round_index in range(cfg.warmup + cfg.repeats):
+            for name, fig in figures.items():
+                value = measure(fig)
+                if round_index >= cfg.warmup:
+                    runs[name].append(round(value, 3))
+        for name in backends:
+            results[name]["runs"][key] = runs[name]
+    for name, result in results.items():
+        runs = result["runs"]
+        result.update(decode_ms_per_token=round(statistics.median(runs["decode"]), 3),
+                      warm_ttft_ms=round(statistics.median(runs["ttft"]), 2),
+                      tokens_per_s=round(statistics.median(runs["rate"]), 1))
+    return results
 
 
 def run_compare(cfg: CompareConfig, config: Any, serve_args: Sequence[str]) -> dict[str, Any]:
-    """Offline first, then one server per mode; every figure with its ratio to offline."""
+    """`LLM.generate` and one server per mode, measured in turns; every figure with its ratio to
+    offline."""
     from hybridserve.bench.serve_bench import ServerProcess
 
-    print("[bench] offline LLM.generate ...", file=sys.stderr)
-    offline = OfflineBackend(config)
-    results: dict[str, Any] = {"offline": measure_backend(offline, cfg)}
-    del offline
-    gc.collect()
-    for mode in cfg.modes:
-        print(f"[bench] server, --engine-process {mode} ...", file=sys.stderr)
-        with ServerProcess([*serve_args, "--engine-process", mode]) as server:
+    with contextlib.ExitStack() as stack:
+        backends: dict[str, Backend] = {"offline": OfflineBackend(config)}
+        for mode in cfg.modes:
+            server = stack.enter_context(ServerProcess([*serve_args, "--engine-process", mode]))
             backend = ServerBackend(server.url, cfg.clients)
-            try:
-                results[f"server-{mode}"] = measure_backend(backend, cfg)
-            finally:
-                backend.close()
+            stack.callback(backend.close)
+            backends[f"server-{mode}"] = backend
+        print(f"[bench] measuring {', '.join(backends)} in turns ...", file=sys.stderr)
+        results = measure_interleaved(backends, cfg)
     base = results["offline"]
-    for name, figures in results.items():
+    for figures in results.values():
         figures["decode_ratio"] = round(figures["decode_ms_per_token"] / base["decode_ms_per_token"], 3)
         figures["ttft_delta_ms"] = round(figures["warm_ttft_ms"] - base["warm_ttft_ms"], 2)
         figures["throughput_ratio"] = round(figures["tokens_per_s"] / base["tokens_per_s"], 3)
