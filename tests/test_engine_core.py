@@ -142,7 +142,7 @@ def test_disconnect_mid_stream_aborts(core: EngineCoreClient, server: ServerThre
     check_clean(core)
 
 
-def test_core_death_fails_requests_and_health(tmp_path: object) -> None:
+def test_core_death_fails_requests_and_health() -> None:
     client = EngineCoreClient(tiny_config(), max_waiting_requests=8)
     client.start()
     pid = client.pid
@@ -178,3 +178,18 @@ def test_bad_model_dir_fails_start_with_the_engine_error() -> None:
         client.start()
     assert client.pid is not None and process_gone(client.pid)
     client.shutdown()
+
+
+def test_core_exits_when_the_api_process_is_killed() -> None:
+    from hybridserve.bench.serve_bench import ServerProcess
+
+    with ServerProcess(["--kv-cache-mib", "16", "--prefix-cache-mib", "16", "--max-model-len", "1024",
+                        "--threads", "1"]) as server:
+        assert server.proc is not None
+        pid = server.proc.pid
+        with open(f"/proc/{pid}/task/{pid}/children") as children:
+            cores = [int(c) for c in children.read().split()]
+        assert cores, "the server has no engine core child"
+        os.kill(pid, signal.SIGKILL)
+        server.proc.wait(10)
+        wait_until(lambda: all(process_gone(c) for c in cores), timeout=10)

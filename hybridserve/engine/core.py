@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import time
 from typing import Any
 
@@ -236,6 +237,7 @@ def core_info(engine: Any) -> CoreInfo:
 def run_engine_core(config: Any, input_address: str, output_address: str, parent_pid: int,
                     log_level: int = logging.WARNING) -> None:
     """Process entry point: build the engine, report `Ready` (or `StartupFailed`), then loop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
     logging.getLogger().setLevel(log_level)
     context = zmq.Context(1)
