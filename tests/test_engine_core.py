@@ -180,6 +180,7 @@ def test_bad_model_dir_fails_start_with_the_engine_error() -> None:
     client.shutdown()
 
 
+@pytest.mark.slow
 def test_core_exits_when_the_api_process_is_killed() -> None:
     from hybridserve.bench.serve_bench import ServerProcess
 

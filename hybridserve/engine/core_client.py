@@ -422,8 +422,9 @@ class EngineCoreClient:
                     self._on_added(message)
                 elif isinstance(message, UtilityResult):
                     self._on_result(message)
-                elif isinstance(message, StepFailed):
-                    error = EngineStepError(message.message)
+                elif isinstance(message, StepFailed):  # at shutdown the core fails what is left
+                    error = (EngineDeadError("engine has been shut down") if self._stopping
+                             else EngineStepError(message.message))
                     for request_id in message.request_ids:
                         stream = self._streams.pop(request_id, None)
                         if stream is not None:
