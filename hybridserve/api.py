@@ -44,11 +44,21 @@ class LLM:
         scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                     max_model_len=max_model_len,
                                     max_prefill_tokens_during_decode=max_prefill_tokens_during_decode)
-        self.llm_engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, seed=seed,
-                                                 num_threads=num_threads, quantization=quantization,
-                                                 tensor_parallel_size=tensor_parallel_size, cache=cache,
-                                                 scheduler=scheduler))
-        self._chat = ChatRenderer(self.llm_engine.tokenizer.chat_template)
+        self._attach(LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, seed=seed,
+                                            num_threads=num_threads, quantization=quantization,
+                                            tensor_parallel_size=tensor_parallel_size, cache=cache,
+                                            scheduler=scheduler)))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        """An `LLM` on an engine built from a full `EngineConfig` (e.g. from command-line flags)."""
+        llm = cls.__new__(cls)
+        llm._attach(LLMEngine(config))
+        return llm
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self.llm_engine = engine
+        self._chat = ChatRenderer(engine.tokenizer.chat_template)
         self._ids = itertools.count()
 
     @property

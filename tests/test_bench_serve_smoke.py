@@ -35,6 +35,8 @@ def test_percentile_and_summary() -> None:
 def test_bench_serve_parses() -> None:
     args = build_parser().parse_args(["bench", "serve", "--kv-cache-mib", "16"])
     assert callable(args.handler) and args.concurrency == [1, 4, 8, 16] and args.url is None
+    compare = build_parser().parse_args(["bench", "serve", "--compare-offline", "--compare-modes", "on"])
+    assert compare.compare_offline and compare.compare_modes == ["on"] and not args.compare_offline
 
 
 def test_bench_serve_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Any
 
 from hybridserve.bench.common import FIRST_PLAIN_ID, PLAIN_ID_SPAN, format_table, goal_mark, random_token_ids, \
     write_json
-from hybridserve.engine_args import add_engine_arguments
+from hybridserve.bench.serve_compare import add_compare_arguments
+from hybridserve.engine_args import add_engine_arguments, engine_config_from_args
 
 if TYPE_CHECKING:
     import httpx
@@ -492,6 +493,7 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--level-timeout", type=float, default=900.0,
                         help="seconds after which a level stops issuing requests")
     parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
+    add_compare_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
@@ -523,10 +525,23 @@ def serve_args_from(args: argparse.Namespace) -> list[str]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Handler of `bench serve`."""
+    """Handler of `bench serve` (`--compare-offline`: the server against `LLM.generate`)."""
+    if args.compare_offline:
+        return _run_compare(args)
     result = run_serve_bench(config_from_args(args), url=args.url, serve_args=serve_args_from(args),
                              api_key=args.api_key)
     print(format_serve_report(result))
+    if args.json:
+        write_json(args.json, result)
+        print(f"[bench] figures written to {args.json}", file=sys.stderr)
+    return 0
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from hybridserve.bench.serve_compare import compare_config_from_args, format_compare_report, run_compare
+
+    result = run_compare(compare_config_from_args(args), engine_config_from_args(args), serve_args_from(args))
+    print(format_compare_report(result))
     if args.json:
         write_json(args.json, result)
         print(f"[bench] figures written to {args.json}", file=sys.stderr)

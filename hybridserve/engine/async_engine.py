@@ -118,14 +118,6 @@ class RequestStream:
         return item
 
 
-def _snapshot(output: RequestOutput) -> RequestOutput:
-    """Copy the mutable parts so the event loop never sees the engine thread mutate them."""
-    outputs = [dataclasses.replace(o, token_ids=list(o.token_ids),
-                                   logprobs=None if o.logprobs is None else list(o.logprobs))
-               for o in output.outputs]
-    return dataclasses.replace(output, outputs=outputs, metrics=dict(output.metrics))
-
-
 class AsyncLLMEngine:
     """Runs a synchronous engine on its own thread and exposes it to asyncio code.
 
@@ -340,22 +332,30 @@ class AsyncLLMEngine:
             logger.exception("engine step failed; failing %d in-flight request(s)", len(self._sinks))
             self._fail_all(EngineStepError(f"engine step failed: {exc}"))
             return
-        for output in outputs:
-            self._deliver(output)
+        self._deliver(outputs)
         if getattr(self.engine, "dead_reason", None) is not None:  # e.g. a tensor-parallel worker died
             logger.error("engine stopped: %s", self.engine.dead_reason)
             with self._cond:
                 self._stopping = True
 
-    def _deliver(self, output: RequestOutput) -> None:
-        sink = self._sinks.get(output.request_id)
-        if sink is None:
-            return
-        snapshot = _snapshot(output)
-        sink.last = snapshot
-        if output.finished:
-            del self._sinks[output.request_id]
-        sink.put(snapshot)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs over with one wake-up per event loop, not one per request.
+        `LLMEngine.step` builds fresh output objects (own lists) each step, so they are handed
+        over as they are: the engine never mutates them afterwards."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for output in outputs:
+            sink = self._sinks.get(output.request_id)
+            if sink is None:
+                continue
+            sink.last = output
+            if output.finished:
+                del self._sinks[output.request_id]
+            by_loop.setdefault(sink.loop, []).append((sink.queue, output))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is closed: its callers are gone
+                pass
 
     def _fail_all(self, error: BaseException) -> None:
         sinks, self._sinks = self._sinks, {}
@@ -379,6 +379,11 @@ class AsyncLLMEngine:
             if future is not None and future.set_running_or_notify_cancel():
                 future.set_exception(error)
         self._fail_all(error)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, output in items:
+        queue.put_nowait(output)
 
 
 def _aborted_output(request_id: str, last: RequestOutput | None) -> RequestOutput:

@@ -329,7 +329,12 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns outputs of requests that got a new token or finished.
+        """Run one scheduling step; returns outputs of requests that got a new token or finished."""
+        return [self._output(group) for group in self.step_groups()]
+
+    def step_groups(self) -> list[RequestGroup]:
+        """Run one scheduling step; returns the groups that got a new token or finished (their
+        sequences hold the cumulative state; no output objects are built).
 
         Fault isolation: a failed forward is reverted (requests in three failed steps in a row
         end with "error"); a failure while committing ends the step's requests with "error";
@@ -373,7 +378,7 @@ class LLMEngine:
                     logger.exception("request %s failed after sampling", request.request_id)
                     if not request.is_finished:
                         self._finish(request, "error", flush=False)
-        return self._group_outputs(sequences)
+        return self._groups(sequences)
 
     def _accept(self, request: Request, sampled: SampledToken, now: float) -> None:
         """Append a sampled token (and its logprobs), then apply the stop rules."""
@@ -411,20 +416,20 @@ class LLMEngine:
             group.unforked.clear()
         return rows, sequences
 
-    def _fail_requests(self, requests: list[Request]) -> list[RequestOutput]:
-        """End each unfinished request with finish_reason "error" (freeing what it holds); the
-        outputs of their groups."""
+    def _fail_requests(self, requests: list[Request]) -> list[RequestGroup]:
+        """End each unfinished request with finish_reason "error" (freeing what it holds); their
+        groups."""
         for request in requests:
             if not request.is_finished:
                 self._finish(request, "error", flush=False)
-        return self._group_outputs(requests)
+        return self._groups(requests)
 
-    def _group_outputs(self, requests: list[Request]) -> list[RequestOutput]:
-        """One output per group that these sequences belong to (running or finished this step)."""
+    def _groups(self, requests: list[Request]) -> list[RequestGroup]:
+        """The groups these sequences belong to (running or finished this step), once each."""
         groups = {r.request_id: group for r in requests if (group := self._group_of(r)) is not None}
-        return [self._output(group) for group in groups.values()]
+        return list(groups.values())
 
-    def _after_worker_death(self, scheduled: SchedulerOutput, reason: str) -> list[RequestOutput]:
+    def _after_worker_death(self, scheduled: SchedulerOutput, reason: str) -> list[RequestGroup]:
         """A worker died: revert the step, end every request with an error (freeing its blocks and
         slots, so the pools stay consistent), and mark the engine dead."""
         logger.error("tensor-parallel worker failure: %s; failing %d request(s)", reason, len(self.requests))
@@ -434,7 +439,7 @@ class LLMEngine:
                      if not r.is_finished and r not in group.unforked]
         return self._fail_requests(sequences)
 
-    def _after_failed_step(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+    def _after_failed_step(self, scheduled: SchedulerOutput) -> list[RequestGroup]:
         self.scheduler.revert(scheduled)
         outputs = []
         for chunk in scheduled.chunks:
@@ -443,7 +448,7 @@ class LLMEngine:
                 self._finish(request, "error")
                 group = self._finished_groups.pop(request.request_id, None) or self.requests.get(request.request_id)
                 if group is not None:
-                    outputs.append(self._output(group))
+                    outputs.append(group)
         return outputs
 
     def _check_stop(self, request: Request) -> None:

@@ -15,6 +15,7 @@ import signal
 import socket
 import threading
 from pathlib import Path
+from typing import Any
 
 from hybridserve.engine_args import add_engine_arguments, engine_config_from_args, model_from_args
 from hybridserve.server.app import DEFAULT_MAX_BODY_BYTES
@@ -46,6 +47,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest accepted request body; larger ones get 413")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level")
+    parser.add_argument("--engine-process", default="on", choices=("on", "off"),
+                        help="on: run the engine core in its own process (API process: HTTP, JSON, SSE); "
+                             "off: run it on a thread of the API process")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,8 +118,6 @@ def run_server(args: argparse.Namespace) -> int:
     (0 after a clean shutdown, 1 when the port cannot be bound, 2 for a bad configuration)."""
     import uvicorn
 
-    from hybridserve.engine.async_engine import AsyncLLMEngine
-    from hybridserve.engine.engine import LLMEngine
     from hybridserve.server.app import build_app
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -133,18 +135,21 @@ def run_server(args: argparse.Namespace) -> int:
         logger.error("cannot listen on %s:%d: %s", args.host, args.port, exc.strerror or exc)
         return 1
     try:
-        engine = LLMEngine(config)
+        async_engine, stats = _start_engine(config, args)
     except (ValueError, OSError) as exc:
         sock.close()
         logger.error("cannot load the model: %s", exc)
         return 2
-    _log_sizes(engine.stats(), engine.max_model_len)  # the engine thread has not started yet
-    async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests)
+    except (RuntimeError, TimeoutError) as exc:
+        sock.close()
+        logger.error("cannot start the engine: %s", exc)
+        return 1
+    _log_sizes(stats, async_engine.max_model_len)
     app = build_app(async_engine, model_name=names, api_keys=api_keys, max_body_bytes=args.max_body_bytes,
                     reasoning_parser=args.reasoning_parser)
-    logger.info("serving %s on http://%s:%d (auth %s)", ", ".join(names), args.host, args.port,
-                f"on, {len(api_keys)} key(s), per-key cache salt" if api_keys else "off")
-    async_engine.start()
+    logger.info("serving %s on http://%s:%d (auth %s, engine %s)", ", ".join(names), args.host, args.port,
+                f"on, {len(api_keys)} key(s), per-key cache salt" if api_keys else "off",
+                "core process" if args.engine_process == "on" else "thread")
     _exit_on_sigterm()
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, lifespan="off"))
     try:  # the engine's lifetime is managed here, so uvicorn's lifespan protocol is not needed
@@ -156,6 +161,25 @@ def run_server(args: argparse.Namespace) -> int:
         sock.close()
         logger.info("engine stopped")
     return 0
+
+
+def _start_engine(config: Any, args: argparse.Namespace) -> tuple[Any, dict[str, float]]:
+    """The started engine front end (`--engine-process on`: a core process; off: a thread) and
+    its start-up stats. Raises the engine's ValueError/OSError for a bad model or configuration."""
+    if args.engine_process == "on":
+        from hybridserve.engine.core_client import EngineCoreClient
+
+        client = EngineCoreClient(config, max_waiting_requests=args.max_waiting_requests)
+        client.start()
+        return client, client.startup_stats
+    from hybridserve.engine.async_engine import AsyncLLMEngine
+    from hybridserve.engine.engine import LLMEngine
+
+    engine = LLMEngine(config)
+    stats = engine.stats()  # the engine thread has not started yet
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests)
+    async_engine.start()
+    return async_engine, stats
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,257 @@
+"""`hybridserve bench serve --compare-offline`: the server against `LLM.generate`, in one run.
+
+The same requests (token-id prompts from the same seeds, greedy, EOS ignored) go through
+`LLM.generate` in this process and through a `hybridserve serve` subprocess for each
+`--engine-process` mode asked for (streamed `/v1/completions`, no logprobs). The backends take
+turns run by run (the machine's other load falls on all alike). Each figure is the median of
+`repeats` measured runs after `warmup` discarded ones:
+
+  * decode ms/token at batch 1: (wall of a 1 + D token request - wall of a 1-token request) / D,
+    so per-request costs cancel and only the per-token cost remains;
+  * warm TTFT: a 4096-token prefix is sent once, then prefix + a fresh 64-token suffix is timed
+    to its first token (offline: `generate` of one token);
+  * 16 concurrent streams: output tokens / wall of 16 requests sent at once (offline: one
+    `generate` call with the 16 prompts).
+
+Ratios to offline are printed next to the goals: decode <= 1.05x, TTFT <= offline + 5 ms,
+throughput >= 0.9x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hybridserve.bench.common import FIRST_PLAIN_ID, PLAIN_ID_SPAN, format_table, goal_mark, random_token_ids
+
+DECODE_GOAL = 1.05
+TTFT_GOAL_MS = 5.0
+THROUGHPUT_GOAL = 0.9
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """Sizes of the comparison."""
+
+    decode_prompt_tokens: int = 64
+    decode_tokens: int = 128
+    ttft_prefix_tokens: int = 4096
+    ttft_suffix_tokens: int = 64
+    clients: int = 16
+    client_prompt_tokens: int = 64
+    client_max_tokens: int = 64
+    warmup: int = 1
+    repeats: int = 5
+    modes: tuple[str, ...] = ("off", "on")
+    seed: int = 0
+
+
+class Prompts:
+    """Deterministic fresh prompts: the n-th call returns the same ids in every backend."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed * 1_000_003
+        self.count = 0
+
+    def fresh(self, num_tokens: int) -> list[int]:
+        """`num_tokens` ids never handed out before by this source."""
+        self.count += 1
+        return random_token_ids(num_tokens, self.seed + self.count, FIRST_PLAIN_ID + PLAIN_ID_SPAN)
+
+
+class Backend:
+    """What a measurement needs: one timed request, and a timed concurrent batch."""
+
+    def one(self, prompt: list[int], max_tokens: int) -> tuple[float, float]:
+        """(seconds to the first token, seconds to the end) of one request."""
+        raise NotImplementedError
+
+    def batch(self, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+        """(output tokens, wall seconds) of the prompts run concurrently."""
+        raise NotImplementedError
+
+
+class OfflineBackend(Backend):
+    """`LLM.generate` in this process."""
+
+    def __init__(self, config: Any) -> None:
+        from hybridserve.api import LLM
+
+        self.llm = LLM.from_config(config)
+
+    def one(self, prompt: list[int], max_tokens: int) -> tuple[float, float]:
+        from hybridserve.bench.common import greedy
+
+        start = time.perf_counter()
+        self.llm.generate([prompt], greedy(max_tokens), use_tqdm=False)
+        wall = time.perf_counter() - start
+        return wall, wall
+
+    def batch(self, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+        from hybridserve.bench.common import greedy
+
+        start = time.perf_counter()
+        outs = self.llm.generate(prompts, greedy(max_tokens), use_tqdm=False)
+        wall = time.perf_counter() - start
+        return sum(len(c.token_ids) for o in outs for c in o.outputs), wall
+
+
+class ServerBackend(Backend):
+    """Streamed `/v1/completions` against a running server."""
+
+    def __init__(self, url: str, clients: int) -> None:
+        self.url = url
+        self.clients = clients
+        self.loop = asyncio.new_event_loop()
+        self.api = self.loop.run_until_complete(self._connect())
+
+    async def _connect(self) -> Any:
+        import httpx
+
+        from hybridserve.bench.serve_bench import CompletionClient
+
+        limits = httpx.Limits(max_connections=self.clients + 4, max_keepalive_connections=self.clients + 4)
+        self.client = httpx.AsyncClient(base_url=self.url, limits=limits, timeout=httpx.Timeout(300.0))
+        models = (await self.client.get("/v1/models")).json()["data"]
+        return CompletionClient(self.client, models[0]["id"], token_logprobs=False)
+
+    def one(self, prompt: list[int], max_tokens: int) -> tuple[float, float]:
+        record = self.loop.run_until_complete(self.api.stream(prompt, max_tokens))
+        if record.error:
+            raise RuntimeError(f"request failed: {record.error}")
+        return record.ttft, record.end - record.start
+
+    def batch(self, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+        async def run() -> tuple[int, float]:
+            start = time.perf_counter()
+            records = await asyncio.gather(*(self.api.stream(p, max_tokens) for p in prompts))
+            wall = time.perf_counter() - start
+            errors = [r.error for r in records if r.error]
+            if errors:
+                raise RuntimeError(f"request failed: {errors[0]}")
+            return sum(r.completion_tokens for r in records), wall
+
+        return self.loop.run_until_complete(run())
+
+    def close(self) -> None:
+        """Close the HTTP client and the loop."""
+        self.loop.run_until_complete(self.client.aclose())
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
+
+
+class _Figures:
+    """The three measures of one backend, each drawing fresh prompts from its own source (every
+    backend's source has the same seed, so the n-th prompt is the same everywhere)."""
+
+    def __init__(self, backend: Backend, cfg: CompareConfig) -> None:
+        self.backend = backend
+        self.cfg = cfg
+        self.prompts = Prompts(cfg.seed)
+        self.prefix = self.prompts.fresh(cfg.ttft_prefix_tokens)
+        backend.one(self.prefix + self.prompts.fresh(cfg.ttft_suffix_tokens), 1)  # makes the prefix warm
+
+    def decode_ms(self) -> float:
+        cfg = self.cfg
+        _, short = self.backend.one(self.prompts.fresh(cfg.decode_prompt_tokens), 1)
+        _, long = self.backend.one(self.prompts.fresh(cfg.decode_prompt_tokens), 1 + cfg.decode_tokens)
+        return 1000.0 * (long - short) / cfg.decode_tokens
+
+    def ttft_ms(self) -> float:
+        return 1000.0 * self.backend.one(self.prefix + self.prompts.fresh(self.cfg.ttft_suffix_tokens), 1)[0]
+
+    def tokens_per_s(self) -> float:
+        batch = [self.prompts.fresh(self.cfg.client_prompt_tokens) for _ in range(self.cfg.clients)]
+        tokens, wall = self.backend.batch(batch, self.cfg.client_max_tokens)
+        return tokens / wall
+
+
+def measure_interleaved(backends: dict[str, Backend], cfg: CompareConfig) -> dict[str, dict[str, Any]]:
+    """Every figure of every backend; the backends take turns run by run, so that load from
+    other processes on a shared machine falls on all of them alike."""
+    figures = {name: _Figures(backend, cfg) for name, backend in backends.items()}
+    results: dict[str, dict[str, Any]] = {name: {"runs": {}} for name in backends}
+    for key, measure in (("decode", _Figures.decode_ms), ("ttft", _Figures.ttft_ms), ("rate", _Figures.tokens_per_s)):
+        runs: dict[str, list[float]] = {name: [] for name in backends}
+        for round_index in range(cfg.warmup + cfg.repeats):
+            for name, fig in figures.items():
+                value = measure(fig)
+                if round_index >= cfg.warmup:
+                    runs[name].append(round(value, 3))
+        for name in backends:
+            results[name]["runs"][key] = runs[name]
+    for name, result in results.items():
+        runs = result["runs"]
+        result.update(decode_ms_per_token=round(statistics.median(runs["decode"]), 3),
+                      warm_ttft_ms=round(statistics.median(runs["ttft"]), 2),
+                      tokens_per_s=round(statistics.median(runs["rate"]), 1))
+    return results
+
+
+def run_compare(cfg: CompareConfig, config: Any, serve_args: Sequence[str]) -> dict[str, Any]:
+    """`LLM.generate` and one server per mode, measured in turns; every figure with its ratio to
+    offline."""
+    from hybridserve.bench.serve_bench import ServerProcess
+
+    with contextlib.ExitStack() as stack:
+        backends: dict[str, Backend] = {"offline": OfflineBackend(config)}
+        for mode in cfg.modes:
+            server = stack.enter_context(ServerProcess([*serve_args, "--engine-process", mode]))
+            backend = ServerBackend(server.url, cfg.clients)
+            stack.callback(backend.close)
+            backends[f"server-{mode}"] = backend
+        print(f"[bench] measuring {', '.join(backends)} in turns ...", file=sys.stderr)
+        results = measure_interleaved(backends, cfg)
+    base = results["offline"]
+    for figures in results.values():
+        figures["decode_ratio"] = round(figures["decode_ms_per_token"] / base["decode_ms_per_token"], 3)
+        figures["ttft_delta_ms"] = round(figures["warm_ttft_ms"] - base["warm_ttft_ms"], 2)
+        figures["throughput_ratio"] = round(figures["tokens_per_s"] / base["tokens_per_s"], 3)
+    return {"config": asdict(cfg), "results": results}
+
+
+def format_compare_report(result: dict[str, Any]) -> str:
+    """One row per backend, with the goal checks of the server rows."""
+    cfg = result["config"]
+    headers = ["backend", "decode ms/tok", "x offline", "warm TTFT ms", "+ms", "tok/s @" + str(cfg["clients"]),
+               "x offline", "goals (decode, TTFT, tok/s)"]
+    rows = []
+    for name, f in result["results"].items():
+        goals = "-" if name == "offline" else ", ".join(goal_mark(ok) for ok in (
+            f["decode_ratio"] <= DECODE_GOAL, f["ttft_delta_ms"] <= TTFT_GOAL_MS,
+            f["throughput_ratio"] >= THROUGHPUT_GOAL))
+        rows.append([name, f"{f['decode_ms_per_token']:.2f}", f"{f['decode_ratio']:.3f}", f"{f['warm_ttft_ms']:.1f}",
+                     f"{f['ttft_delta_ms']:+.1f}", f"{f['tokens_per_s']:.0f}", f"{f['throughput_ratio']:.3f}", goals])
+    head = (f"hybridserve bench serve --compare-offline: decode {cfg['decode_tokens']} tokens after a "
+            f"{cfg['decode_prompt_tokens']}-token prompt; warm TTFT {cfg['ttft_prefix_tokens']}+"
+            f"{cfg['ttft_suffix_tokens']} tokens; {cfg['clients']} streams x {cfg['client_max_tokens']} tokens; "
+            f"medians of {cfg['repeats']} (goals: decode <= {DECODE_GOAL}x, TTFT <= +{TTFT_GOAL_MS:g} ms, "
+            f"tok/s >= {THROUGHPUT_GOAL}x)")
+    return "\n".join([head, format_table(headers, rows)])
+
+
+def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of the comparison (used with `--compare-offline`)."""
+    parser.add_argument("--compare-offline", action="store_true",
+                        help="compare the server with LLM.generate on the same requests (decode ms/token, "
+                             "warm TTFT, 16-stream tok/s) instead of the load test")
+    parser.add_argument("--compare-modes", nargs="+", choices=("off", "on"), default=["off", "on"],
+                        help="--engine-process modes of the servers compared")
+    parser.add_argument("--compare-repeats", type=int, default=5, help="measured runs per figure")
+    parser.add_argument("--compare-clients", type=int, default=16, help="concurrent streams")
+    parser.add_argument("--compare-decode-tokens", type=int, default=128, help="tokens of the decode measure")
+    parser.add_argument("--compare-ttft-prefix", type=int, default=4096, help="warm prefix of the TTFT measure")
+
+
+def compare_config_from_args(args: argparse.Namespace) -> CompareConfig:
+    """The `CompareConfig` the flags describe."""
+    return CompareConfig(decode_tokens=args.compare_decode_tokens, ttft_prefix_tokens=args.compare_ttft_prefix,
+                         clients=args.compare_clients, repeats=args.compare_repeats,
+                         modes=tuple(args.compare_modes), seed=args.bench_seed)

@@ -1,0 +1,273 @@
+"""The engine core process: `LLMEngine`'s busy loop, alone in its own process.
+
+`run_engine_core` is the process entry point (started by `EngineCoreClient` with the 'spawn'
+context). It builds the `LLMEngine` from the `EngineConfig` it receives — so whatever the engine
+starts internally (threads, worker processes) lives under this process — then loops: drain the
+input socket (add / abort / utility calls), run one step while there is work, push that step's
+*incremental* outputs. It never waits on the API process: HTTP, JSON and SSE happen there, on
+the other side of two ZMQ PUSH/PULL sockets.
+
+The process is deliberately not daemonic (a daemonic process may not start children, and
+tensor-parallel workers hang off this one). Instead it exits when its parent goes away: it
+checks the parent pid at least once a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import time
+from typing import Any
+
+import zmq
+
+from hybridserve.engine.core_messages import (
+    AbortRequests,
+    AddRequest,
+    AddResult,
+    CompletionDelta,
+    CoreInfo,
+    EngineDead,
+    Ready,
+    RequestDelta,
+    Shutdown,
+    StartupFailed,
+    StepFailed,
+    StepOutputs,
+    UtilityCall,
+    UtilityResult,
+    input_decoder,
+    input_encoder,
+)
+
+logger = logging.getLogger(__name__)
+
+PARENT_CHECK_S = 1.0
+
+
+class _Sent:
+    """How much of one completion the API process has been told about."""
+
+    __slots__ = ("tokens", "text", "logprobs")
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.text = ""
+        self.logprobs = 0
+
+
+class DeltaTracker:
+    """Turns the engine's cumulative per-sequence state into per-step `RequestDelta`s."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, list[_Sent]] = {}
+
+    def deltas(self, groups: list[Any]) -> list[RequestDelta]:
+        """The deltas of the groups a step touched; finished groups are forgotten."""
+        return [self._delta(group) for group in groups]
+
+    def forget(self, request_id: str) -> None:
+        """Drop what is tracked for an aborted request."""
+        self._sent.pop(request_id, None)
+
+    def _delta(self, group: Any) -> RequestDelta:
+        first = group.first
+        sent = self._sent.get(group.request_id)
+        prompt_ids = None
+        if sent is None:
+            sent = self._sent[group.request_id] = [_Sent() for _ in group.sequences]
+            prompt_ids = first.prompt_token_ids
+        completions = [_completion_delta(seq, mark) for seq, mark in zip(group.sequences, sent)]
+        finished = group.is_finished
+        if finished:
+            del self._sent[group.request_id]
+        first_tokens = [s.first_token_time for s in group.sequences if s.first_token_time is not None]
+        return RequestDelta(group.request_id, completions, finished, first.num_cached_tokens or 0,
+                            min(first_tokens) if first_tokens else None, prompt_ids)
+
+
+def _completion_delta(seq: Any, sent: _Sent) -> CompletionDelta:
+    ids = seq.output_token_ids
+    new_ids = ids[sent.tokens:]
+    sent.tokens = len(ids)
+    text = seq.output_text
+    if text.startswith(sent.text):
+        start, new_text = len(sent.text), text[len(sent.text):]
+    else:  # a stop string cut text that was already reported
+        start, new_text = 0, text
+    sent.text = text
+    rows = None
+    if seq.logprobs is not None:
+        rows = seq.logprobs[sent.logprobs:]
+        sent.logprobs = len(seq.logprobs)
+    cumulative = seq.cumulative_logprob if seq.logprobs is not None else None
+    return CompletionDelta(seq.index, new_ids, start, new_text, rows, cumulative, seq.finish_reason,
+                           seq.stop_reason)
+
+
+class EngineCore:
+    """The busy loop around one `LLMEngine`, fed and drained through two ZMQ sockets."""
+
+    def __init__(self, engine: Any, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
+        self.engine = engine
+        self.inputs = inputs
+        self.outputs = outputs
+        self.parent_pid = parent_pid
+        self.tracker = DeltaTracker()
+        self._encoder = input_encoder()
+        self._decoder = input_decoder()
+        self._live: set[str] = set()
+        self._stopping = False
+        self._next_parent_check = 0.0
+
+    def send(self, message: Any) -> None:
+        """Encode and push one message to the API process."""
+        self.outputs.send(self._encoder.encode(message), copy=False)
+
+    def run(self) -> None:
+        """Loop until `Shutdown` or until the parent process is gone."""
+        while not self._stopping:
+            busy = self.engine.has_unfinished_requests()
+            self._drain_inputs(block=not busy)
+            if self._stopping or self._parent_gone():
+                break
+            if self.engine.has_unfinished_requests():
+                self._step()
+        self._fail_all("engine core shut down")
+
+    # ------------------------------------------------------------------ inputs
+    def _drain_inputs(self, block: bool) -> None:
+        if block and not self.inputs.poll(int(PARENT_CHECK_S * 1000)):
+            return
+        while not self._stopping:
+            try:
+                frame = self.inputs.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(self._decoder.decode(frame.buffer))
+
+    def _handle(self, message: Any) -> None:
+        if isinstance(message, AddRequest):
+            self._add(message)
+        elif isinstance(message, AbortRequests):
+            for request_id in message.request_ids:
+                self._abort(request_id)
+        elif isinstance(message, UtilityCall):
+            self._call(message)
+        elif isinstance(message, Shutdown):
+            self._stopping = True
+
+    def _add(self, message: AddRequest) -> None:
+        try:
+            params = pickle.loads(message.params)
+            self.engine.add_request(message.request_id, message.prompt, params, cache_salt=message.cache_salt)
+        except Exception as exc:  # noqa: BLE001 - handed back to the caller
+            self.send(AddResult(message.request_id, error_kind(exc), str(exc)))
+            return
+        self._live.add(message.request_id)
+        self.send(AddResult(message.request_id))
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        self.tracker.forget(request_id)
+        self._live.discard(request_id)
+
+    def _call(self, message: UtilityCall) -> None:
+        try:
+            fn = pickle.loads(message.fn)
+            value = getattr(self.engine, fn[0])(*fn[1:]) if isinstance(fn, tuple) else fn(self.engine)
+            self.send(UtilityResult(message.call_id, pickle.dumps(value)))
+        except Exception as exc:  # noqa: BLE001 - handed back to the caller
+            self.send(UtilityResult(message.call_id, error_kind=error_kind(exc), message=str(exc)))
+
+    # ------------------------------------------------------------------ steps
+    def _step(self) -> None:
+        try:
+            groups = self.engine.step_groups()
+        except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
+            logger.exception("engine step failed; failing %d in-flight request(s)", len(self._live))
+            self._fail_all(f"engine step failed: {exc}")
+            return
+        if not groups:
+            return
+        deltas = self.tracker.deltas(groups)
+        for delta in deltas:
+            if delta.finished:
+                self._live.discard(delta.request_id)
+        self.send(StepOutputs(deltas, int(self.engine.num_waiting_requests)))
+        reason = getattr(self.engine, "dead_reason", None)
+        if reason is not None:  # its requests have just been ended with an error
+            logger.error("engine stopped: %s", reason)
+            self.send(EngineDead(reason))
+            self._stopping = True
+
+    def _fail_all(self, message: str) -> None:
+        failed = sorted(self._live)
+        for request_id in failed:
+            try:
+                self._abort(request_id)
+            except Exception:  # noqa: BLE001
+                logger.exception("abort of %s failed", request_id)
+        if failed:
+            self.send(StepFailed(failed, message))
+
+    def _parent_gone(self) -> bool:
+        now = time.monotonic()
+        if now < self._next_parent_check:
+            return False
+        self._next_parent_check = now + PARENT_CHECK_S
+        return os.getppid() != self.parent_pid
+
+
+def error_kind(exc: BaseException) -> str:
+    """The category an exception is raised as on the API side: "QueueFullError", "ValueError"
+    (also the engine's TypeError-and-ValueError), "OSError", "AssertionError", else "RuntimeError"."""
+    from hybridserve.engine.engine import QueueFullError
+
+    for kind in (QueueFullError, ValueError, OSError, AssertionError):
+        if isinstance(exc, kind):
+            return kind.__name__
+    return "RuntimeError"
+
+
+def core_info(engine: Any) -> CoreInfo:
+    """What the client needs to know about a freshly built engine."""
+    from hybridserve.engine.async_engine import _max_request_tokens
+
+    return CoreInfo(engine.tokenizer, engine.model_config, int(engine.max_model_len),
+                    _max_request_tokens(engine), engine.stats())
+
+
+def run_engine_core(config: Any, input_address: str, output_address: str, parent_pid: int,
+                    log_level: int = logging.WARNING) -> None:
+    """Process entry point: build the engine, report `Ready` (or `StartupFailed`), then loop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
+    logging.getLogger().setLevel(log_level)
+    context = zmq.Context(1)
+    inputs = context.socket(zmq.PULL)
+    outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 2000)
+    inputs.connect(input_address)
+    outputs.connect(output_address)
+    encoder = input_encoder()
+    try:
+        from hybridserve.engine.engine import LLMEngine
+
+        try:
+            engine = LLMEngine(config)
+            info = core_info(engine)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides the exit code
+            outputs.send(encoder.encode(StartupFailed(error_kind(exc), str(exc))))
+            return
+        outputs.send(encoder.encode(Ready(pickle.dumps(info))))
+        try:
+            EngineCore(engine, inputs, outputs, parent_pid).run()
+        finally:
+            engine.shutdown()  # stops tensor-parallel workers, if any
+    finally:
+        inputs.close(linger=0)
+        outputs.close()
+        context.term()

@@ -1,0 +1,506 @@
+"""`EngineCoreClient`: the API process's handle on an engine core process.
+
+It has `AsyncLLMEngine`'s interface (add_request -> stream of cumulative `RequestOutput`s,
+abort, call/stats, start/shutdown, is_running, tokenizer, max_model_len, ...), so the HTTP app
+does not know which one it serves. Requests go out over a ZMQ PUSH socket; one reader thread
+receives the core's per-step incremental outputs (blocking in ZMQ, without the GIL) and hands
+each step to every event loop that has requests in it with *one* `call_soon_threadsafe`. On the
+event loop the deltas are appended to each request's accumulator; a stream builds its
+cumulative `RequestOutput` only when its consumer reads, so a slow consumer coalesces steps.
+
+If the core process dies, every in-flight request fails with `EngineDeadError`, `is_running`
+turns False (/health answers 503) and new requests are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import zmq
+
+from hybridserve.engine.async_engine import EngineDeadError, EngineOverloadedError, EngineStepError
+from hybridserve.engine.core import run_engine_core
+from hybridserve.engine.core_messages import (
+    AbortRequests,
+    AddRequest,
+    AddResult,
+    CoreInfo,
+    EngineDead,
+    Ready,
+    RequestDelta,
+    Shutdown,
+    StartupFailed,
+    StepFailed,
+    StepOutputs,
+    UtilityCall,
+    UtilityResult,
+    input_encoder,
+    output_decoder,
+)
+from hybridserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+POLL_MS = 200
+_ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "OSError": OSError,
+                                       "AssertionError": AssertionError, "QueueFullError": EngineOverloadedError}
+
+
+class _Completion:
+    """Accumulated state of one completion on the API side."""
+
+    __slots__ = ("index", "token_ids", "text", "logprobs", "cumulative_logprob", "finish_reason", "stop_reason")
+
+    def __init__(self, index: int, with_logprobs: bool) -> None:
+        self.index = index
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[dict[int, float]] | None = [] if with_logprobs else None
+        self.cumulative_logprob: float | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(index=self.index, text=self.text, token_ids=list(self.token_ids),
+                                cumulative_logprob=self.cumulative_logprob,
+                                logprobs=None if self.logprobs is None else list(self.logprobs),
+                                finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+
+
+class ProcessRequestStream:
+    """Async iterator over one request's cumulative `RequestOutput`s (same contract as
+    `RequestStream`: ends with the finished output; an engine failure is raised)."""
+
+    def __init__(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                 loop: asyncio.AbstractEventLoop, arrival: float) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.finished = False
+        self._prompt = prompt if isinstance(prompt, str) else None
+        self._prompt_ids: list[int] = [] if isinstance(prompt, str) else list(prompt)
+        with_logprobs = params.logprobs is not None
+        self._completions = [_Completion(i, with_logprobs) for i in range(params.n)]
+        self._done = False
+        self._error: BaseException | None = None
+        self._cached = 0
+        self._metrics: dict[str, float] = {"arrival_time": arrival}
+        self._fresh = False
+        self._wakeup = asyncio.Event()
+
+    # -------------------------------------------------------------- event-loop side
+    def apply(self, delta: RequestDelta) -> None:
+        """Fold one step's delta in (on the event loop)."""
+        if self._done:
+            return
+        if delta.prompt_token_ids is not None:
+            self._prompt_ids = delta.prompt_token_ids
+        for part in delta.completions:
+            comp = self._completions[part.index]
+            comp.token_ids += part.token_ids
+            comp.text = part.text if part.text_start == 0 else comp.text[:part.text_start] + part.text
+            if part.logprobs is not None and comp.logprobs is not None:
+                comp.logprobs += part.logprobs
+            comp.cumulative_logprob = part.cumulative_logprob
+            comp.finish_reason, comp.stop_reason = part.finish_reason, part.stop_reason
+        self._cached = delta.num_cached_tokens
+        if delta.first_token_time is not None:
+            self._metrics["first_token_time"] = delta.first_token_time
+        self._done = delta.finished
+        self._signal()
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with an error (on the event loop)."""
+        if not self._done:
+            self._done, self._error = True, error
+            self._signal()
+
+    def abort(self) -> None:
+        """End the stream as aborted: unfinished completions get finish_reason "abort"."""
+        if self._done:
+            return
+        for comp in self._completions:
+            if comp.finish_reason is None:
+                comp.finish_reason = "abort"
+        self._done = True
+        self._signal()
+
+    def _signal(self) -> None:
+        self._fresh = True
+        self._wakeup.set()
+
+    def __aiter__(self) -> "ProcessRequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        while not self._fresh:
+            self._wakeup.clear()
+            await self._wakeup.wait()
+        self._fresh = False
+        if self._error is not None:
+            self.finished = True
+            raise self._error
+        self.finished = self._done
+        return RequestOutput(request_id=self.request_id, prompt=self._prompt, prompt_token_ids=self._prompt_ids,
+                             outputs=[c.output() for c in self._completions], finished=self._done,
+                             num_cached_tokens=self._cached, metrics=dict(self._metrics))
+
+
+class EngineCoreClient:
+    """Starts an engine core process for an `EngineConfig` and serves it to asyncio code.
+
+    `start()` spawns the process and blocks until the engine is built; a build failure is
+    raised here (`ValueError`/`OSError` as the engine raised them). `max_waiting_requests`
+    bounds requests queued but not yet running (beyond it, `EngineOverloadedError`).
+    """
+
+    def __init__(self, config: Any, *, max_waiting_requests: int | None = None,
+                 start_timeout_s: float = 600.0) -> None:
+        self.config = config
+        self.max_waiting_requests = max_waiting_requests
+        self.start_timeout_s = start_timeout_s
+        self.tokenizer: Any = None
+        self.model_config: Any = None
+        self.max_model_len = 0
+        self.max_request_tokens = 0
+        self.startup_stats: dict[str, float] = {}
+        self._lock = threading.Lock()  # guards the input socket and the tables below
+        self._streams: dict[str, ProcessRequestStream] = {}
+        self._adds: dict[str, concurrent.futures.Future] = {}
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
+        self._engine_waiting = 0
+        self._pending_adds = 0
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._reader: threading.Thread | None = None
+        self._dead_reason: str | None = None
+        self._stopping = False
+        self._context: zmq.Context | None = None
+        self._encoder = input_encoder()
+        self._decoder = output_decoder()
+
+    @classmethod
+    def from_config(cls, config: Any, **kwargs: Any) -> "EngineCoreClient":
+        """A client for `config` (not started yet); the waiting limit defaults to the config's."""
+        kwargs.setdefault("max_waiting_requests", config.scheduler.max_waiting_requests)
+        return cls(config, **kwargs)
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def is_running(self) -> bool:
+        """True while the core process is up and answering."""
+        return (self._reader is not None and self._dead_reason is None and not self._stopping
+                and self._process is not None and self._process.is_alive())
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine stopped (None while it runs); `/health` reports it."""
+        return self._dead_reason
+
+    @property
+    def pid(self) -> int | None:
+        """The engine core's process id (None before start)."""
+        return None if self._process is None else self._process.pid
+
+    def start(self) -> None:
+        """Spawn the core and wait until its engine is built (idempotent)."""
+        if self._stopping:
+            raise EngineDeadError("engine has been shut down")
+        if self._process is not None:
+            return
+        self._ipc_dir = tempfile.mkdtemp(prefix="hybridserve-core-")
+        input_address = f"ipc://{self._ipc_dir}/input"
+        output_address = f"ipc://{self._ipc_dir}/output"
+        self._context = zmq.Context(1)
+        self._inputs = self._context.socket(zmq.PUSH)
+        self._inputs.setsockopt(zmq.LINGER, 0)
+        self._inputs.bind(input_address)
+        self._outputs = self._context.socket(zmq.PULL)
+        self._outputs.setsockopt(zmq.LINGER, 0)
+        self._outputs.bind(output_address)
+        spawn = multiprocessing.get_context("spawn")
+        self._process = spawn.Process(target=run_engine_core, name="hybridserve-engine-core",
+                                      args=(self.config, input_address, output_address, os.getpid(),
+                                            logging.getLogger().getEffectiveLevel()))
+        self._process.start()
+        try:
+            self._await_ready()
+        except BaseException:
+            self._stop_process(graceful=False)
+            self._close_sockets()
+            raise
+        self._reader = threading.Thread(target=self._read_loop, name="hybridserve-core-reader", daemon=True)
+        self._reader.start()
+
+    def _await_ready(self) -> None:
+        waited = 0
+        while True:
+            if self._outputs.poll(POLL_MS):
+                message = self._decoder.decode(self._outputs.recv())
+                break
+            assert self._process is not None
+            if not self._process.is_alive():
+                raise RuntimeError(f"engine core exited with code {self._process.exitcode} while starting")
+            waited += POLL_MS
+            if waited > self.start_timeout_s * 1000:
+                raise TimeoutError(f"engine core not ready after {self.start_timeout_s:.0f} s")
+        if isinstance(message, StartupFailed):
+            raise _ERRORS.get(message.kind, RuntimeError)(message.message)
+        assert isinstance(message, Ready)
+        info: CoreInfo = pickle.loads(message.info)
+        self.tokenizer, self.model_config = info.tokenizer, info.model_config
+        self.max_model_len, self.max_request_tokens = info.max_model_len, info.max_request_tokens
+        self.startup_stats = info.stats
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the core process; in-flight requests fail with `EngineDeadError`."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self._process is None:
+            return
+        try:
+            with self._lock:
+                self._inputs.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        self._stop_process(graceful=True, timeout=timeout)
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(timeout)
+        self._fail_everything(EngineDeadError("engine has been shut down"))
+        self._close_sockets()
+
+    def _stop_process(self, graceful: bool, timeout: float = 10.0) -> None:
+        process = self._process
+        if process is None:
+            return
+        if graceful:
+            process.join(timeout)
+        if process.is_alive():
+            process.terminate()
+            process.join(5)
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+
+    def _close_sockets(self) -> None:
+        with self._lock:
+            if self._context is not None:
+                self._inputs.close(linger=0)
+                if self._reader is None or not self._reader.is_alive():
+                    self._outputs.close(linger=0)
+                    self._context.term()
+                    self._context = None
+        shutil.rmtree(getattr(self, "_ipc_dir", ""), ignore_errors=True)
+
+    # ------------------------------------------------------------------ public API
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          cache_salt: str | None = None) -> ProcessRequestStream:
+        """Submit a request and wait until the core accepted it (the engine's `ValueError` for
+        bad input, `EngineOverloadedError` when the queue is full, `EngineDeadError` when down)."""
+        self.start()
+        loop = asyncio.get_running_loop()
+        stream = ProcessRequestStream(request_id, prompt, params, loop, _now())
+        ack: concurrent.futures.Future = concurrent.futures.Future()
+        message = AddRequest(request_id, prompt if isinstance(prompt, str) else list(prompt),
+                             pickle.dumps(params), cache_salt)
+        with self._lock:
+            self._check_alive()
+            if request_id in self._streams or request_id in self._adds:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            limit = self.max_waiting_requests
+            if limit is not None and self._pending_adds + self._engine_waiting >= limit:
+                raise EngineOverloadedError(f"too many waiting requests (limit {limit}); retry later")
+            self._pending_adds += 1
+            self._adds[request_id] = ack
+            self._streams[request_id] = stream
+            self._inputs.send(self._encoder.encode(message))
+        try:
+            await asyncio.wrap_future(ack)
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return stream
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs until the request finishes; leaving early aborts it."""
+        stream = await self.add_request(request_id, prompt, params, cache_salt)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (any thread; unknown or finished ids are a no-op)."""
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+            if stream is None or self._context is None or self._dead_reason is not None:
+                return
+            try:
+                self._inputs.send(self._encoder.encode(AbortRequests([request_id])), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        _call_in(stream.loop, stream.abort)
+
+    async def call(self, fn: Callable[[Any], T] | tuple) -> T:
+        """Run `fn(engine)` in the core between steps and return its (pickled) result. `fn` must be
+        picklable (a module-level function), or a tuple `(method_name, *args)`."""
+        self.start()
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        payload = pickle.dumps(fn)
+        with self._lock:
+            self._check_alive()
+            call_id = next(self._call_ids)
+            self._calls[call_id] = result
+            self._inputs.send(self._encoder.encode(UtilityCall(call_id, payload)))
+        return await asyncio.wrap_future(result)
+
+    async def stats(self) -> dict[str, float]:
+        """The engine's `stats()` dict."""
+        return await self.call(("stats",))
+
+    async def check_integrity(self) -> None:
+        """Run the engine's pool integrity checks (raises AssertionError on a violation)."""
+        await self.call(("check_integrity",))
+
+    @property
+    def num_waiting_estimate(self) -> int:
+        """Requests queued for admission plus those waiting inside the engine (approximate)."""
+        return self._pending_adds + self._engine_waiting
+
+    def _check_alive(self) -> None:
+        if self._stopping or self._context is None:
+            raise EngineDeadError("engine is not running")
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+
+    # ------------------------------------------------------------------ reader thread
+    def _read_loop(self) -> None:
+        while not self._stopping:
+            try:
+                ready = self._outputs.poll(POLL_MS)
+            except zmq.ZMQError:
+                break
+            if not ready:
+                if self._process is not None and not self._process.is_alive() and not self._stopping:
+                    self._core_died()
+                    return
+                continue
+            batch = []
+            while True:
+                try:
+                    batch.append(self._decoder.decode(self._outputs.recv(zmq.NOBLOCK, copy=False).buffer))
+                except zmq.Again:
+                    break
+            try:
+                self._dispatch(batch)
+            except Exception:  # noqa: BLE001 - the reader must survive a bad message
+                logger.exception("engine core client: dispatch failed")
+
+    def _dispatch(self, messages: list[Any]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[ProcessRequestStream, Any]]] = {}
+        with self._lock:
+            for message in messages:
+                if isinstance(message, StepOutputs):
+                    self._engine_waiting = message.num_waiting
+                    for delta in message.deltas:
+                        stream = (self._streams.pop(delta.request_id, None) if delta.finished
+                                  else self._streams.get(delta.request_id))
+                        if stream is not None:
+                            by_loop.setdefault(stream.loop, []).append((stream, delta))
+                elif isinstance(message, AddResult):
+                    self._on_added(message)
+                elif isinstance(message, UtilityResult):
+                    self._on_result(message)
+                elif isinstance(message, EngineDead):
+                    self._dead_reason = message.reason
+                elif isinstance(message, StepFailed):  # at shutdown the core fails what is left
+                    error = (EngineDeadError("engine has been shut down") if self._stopping
+                             else EngineStepError(message.message))
+                    for request_id in message.request_ids:
+                        stream = self._streams.pop(request_id, None)
+                        if stream is not None:
+                            by_loop.setdefault(stream.loop, []).append((stream, error))
+        for loop, items in by_loop.items():
+            _call_in(loop, _apply_all, items)
+
+    def _on_added(self, message: AddResult) -> None:
+        self._pending_adds -= 1
+        ack = self._adds.pop(message.request_id, None)
+        if ack is None or ack.done():  # cancelled while waiting: abort() already cleaned up
+            return
+        if message.error_kind is None:
+            ack.set_result(None)
+            return
+        self._streams.pop(message.request_id, None)
+        ack.set_exception(_ERRORS.get(message.error_kind, RuntimeError)(message.message))
+
+    def _on_result(self, message: UtilityResult) -> None:
+        future = self._calls.pop(message.call_id, None)
+        if future is None or future.done():
+            return
+        if message.error_kind is None:
+            future.set_result(pickle.loads(message.value))
+        else:
+            future.set_exception(_ERRORS.get(message.error_kind, RuntimeError)(message.message))
+
+    def _core_died(self) -> None:
+        code = self._process.exitcode if self._process is not None else None
+        reason = self._dead_reason or f"engine core process died (exit code {code})"
+        logger.error("%s; failing in-flight requests", reason)
+        self._dead_reason = reason
+        self._fail_everything(EngineDeadError(reason))
+
+    def _fail_everything(self, error: EngineDeadError) -> None:
+        with self._lock:
+            streams, self._streams = self._streams, {}
+            adds, self._adds = self._adds, {}
+            calls, self._calls = self._calls, {}
+            self._pending_adds = 0
+        for future in [*adds.values(), *calls.values()]:
+            if not future.done():
+                future.set_exception(error)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[ProcessRequestStream, Any]]] = {}
+        for stream in streams.values():
+            by_loop.setdefault(stream.loop, []).append((stream, error))
+        for loop, items in by_loop.items():
+            _call_in(loop, _apply_all, items)
+
+
+def _apply_all(items: list[tuple[ProcessRequestStream, Any]]) -> None:
+    """On an event loop: fold a step's deltas (or errors) into their streams."""
+    for stream, item in items:
+        if isinstance(item, BaseException):
+            stream.fail(item)
+        else:
+            stream.apply(item)
+
+
+def _call_in(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    """Schedule `fn(*args)` on `loop`; a closed loop (its caller is gone) is ignored."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()

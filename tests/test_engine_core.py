@@ -1,0 +1,196 @@
+"""The engine core process (`EngineCoreClient` + `EngineCore`) behind the real HTTP app: same
+greedy tokens as `LLM.generate`, streaming and `n`, aborts, bad input, stats, and a core that
+dies (requests fail, /health answers 503, nothing is left running)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+
+from hybridserve.api import LLM
+from hybridserve.engine.async_engine import EngineDeadError
+from hybridserve.engine.core_client import EngineCoreClient
+from hybridserve.sampling_params import SamplingParams
+from hybridserve.server.app import build_app
+from tests.live_server import ServerThread, tiny_config
+
+MODEL = "tiny"
+VOCAB = 4096
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
+    """Poll `predicate` until it holds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def is_idle(core: EngineCoreClient) -> bool:
+    """Nothing holds a KV block or a state slot in the core."""
+    stats = asyncio.run(core.stats())
+    return (stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_used"] == 0
+            and stats["state_slots_free"] == stats["state_slots_total"])
+
+
+def check_clean(core: EngineCoreClient) -> None:
+    """Idle, and the pools pass their integrity checks."""
+    wait_until(lambda: is_idle(core))
+    asyncio.run(core.check_integrity())
+
+
+def process_gone(pid: int) -> bool:
+    """The process has exited and been reaped (or was never ours)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie still answers kill(0)
+        return stat.read().split()[2] == "Z"
+
+
+@pytest.fixture(scope="module")
+def core() -> Iterator[EngineCoreClient]:
+    client = EngineCoreClient(tiny_config(), max_waiting_requests=64)
+    client.start()
+    yield client
+    pid = client.pid
+    client.shutdown()
+    assert pid is not None and process_gone(pid)
+
+
+@pytest.fixture(scope="module")
+def server(core: EngineCoreClient) -> Iterator[ServerThread]:
+    with ServerThread(build_app(core, model_name=MODEL)) as srv:
+        yield srv
+
+
+def _prompts() -> list[list[int]]:
+    return [[300 + (7 * i + 13 * j) % 3000 for j in range(20 + 5 * i)] for i in range(3)]
+
+
+def test_same_greedy_tokens_as_llm_generate(core: EngineCoreClient, server: ServerThread) -> None:
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    offline = LLM.from_config(tiny_config()).generate(_prompts(), params, use_tqdm=False)
+
+    async def through_core() -> list[list[int]]:
+        outs = []
+        for i, prompt in enumerate(_prompts()):
+            last = None
+            async for output in core.generate(f"parity-{i}", prompt, params):
+                last = output
+            assert last is not None and last.finished
+            outs.append(last.outputs[0].token_ids)
+        return outs
+
+    assert asyncio.run(through_core()) == [o.outputs[0].token_ids for o in offline]
+    body = {"model": MODEL, "prompt": _prompts(), "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    texts = [c["text"] for c in httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"]]
+    assert texts == [o.outputs[0].text for o in offline]
+    streamed = _stream_texts(server, {**body, "prompt": _prompts()[0]})
+    assert streamed == {0: offline[0].outputs[0].text}
+    check_clean(core)
+
+
+def _stream_texts(server: ServerThread, body: dict) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    return texts
+
+
+def test_streaming_n_logprobs_stop_and_stats(core: EngineCoreClient, server: ServerThread) -> None:
+    body = {"model": MODEL, "prompt": "The joint prefix cache", "max_tokens": 12, "temperature": 0.8,
+            "seed": 3, "n": 2, "logprobs": 1}
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    assert [c["text"] for c in whole["choices"]] == list(_stream_texts(server, body).values())
+    assert all(len(c["logprobs"]["tokens"]) == whole["usage"]["completion_tokens"] // 2 for c in whole["choices"])
+    text = whole["choices"][0]["text"]
+    if len(text) > 3:  # a stop string inside the text cuts it there
+        stopped = httpx.post(f"{server.url}/v1/completions", json={**body, "n": 1, "stop": [text[2:4]]}).json()
+        assert stopped["choices"][0]["text"] == text[:2] and stopped["choices"][0]["finish_reason"] == "stop"
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "hybridserve_kv_blocks_total" in metrics or "kv_blocks" in metrics
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    check_clean(core)
+
+
+def test_bad_input_is_a_400_with_the_engine_message(core: EngineCoreClient, server: ServerThread) -> None:
+    response = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": [1, VOCAB + 5]})
+    assert response.status_code == 400 and "outside the vocabulary" in response.json()["error"]["message"]
+    check_clean(core)
+
+
+def test_disconnect_mid_stream_aborts(core: EngineCoreClient, server: ServerThread) -> None:
+    body = {"model": MODEL, "prompt": "abort me", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    check_clean(core)
+
+
+def test_core_death_fails_requests_and_health() -> None:
+    client = EngineCoreClient(tiny_config(), max_waiting_requests=8)
+    client.start()
+    pid = client.pid
+    assert pid is not None
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 5000, "ignore_eos": True, "stream": True}
+    try:
+        with ServerThread(build_app(client, model_name=MODEL)) as srv:
+            assert httpx.get(f"{srv.url}/health").status_code == 200
+            started = time.monotonic()
+            with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as response:
+                lines = response.iter_lines()
+                assert next(lines).startswith("data: ")
+                os.kill(pid, signal.SIGKILL)
+                rest = [line for line in lines if line]
+            assert time.monotonic() - started < 10
+            assert "engine core process died" in json.loads(rest[-2][6:])["error"]["message"]
+            assert rest[-1] == "data: [DONE]"
+            assert httpx.get(f"{srv.url}/health").status_code == 503
+            again = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+            assert again.status_code == 503
+            with pytest.raises(EngineDeadError):
+                asyncio.run(client.stats())
+    finally:
+        client.shutdown()
+    assert process_gone(pid)
+
+
+def test_bad_model_dir_fails_start_with_the_engine_error() -> None:
+    from dataclasses import replace
+
+    client = EngineCoreClient(replace(tiny_config(), model="/nonexistent/model-dir"))
+    with pytest.raises((ValueError, OSError), match="does not exist"):
+        client.start()
+    assert client.pid is not None and process_gone(client.pid)
+    client.shutdown()
+
+
+@pytest.mark.slow
+def test_core_exits_when_the_api_process_is_killed() -> None:
+    from hybridserve.bench.serve_bench import ServerProcess
+
+    with ServerProcess(["--kv-cache-mib", "16", "--prefix-cache-mib", "16", "--max-model-len", "1024",
+                        "--threads", "1"]) as server:
+        assert server.proc is not None
+        pid = server.proc.pid
+        with open(f"/proc/{pid}/task/{pid}/children") as children:
+            cores = [int(c) for c in children.read().split()]
+        assert cores, "the server has no engine core child"
+        os.kill(pid, signal.SIGKILL)
+        server.proc.wait(10)
+        wait_until(lambda: all(process_gone(c) for c in cores), timeout=10)
