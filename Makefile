@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run generate test test-all bench clean
+.PHONY: setup run generate test test-all bench bench-peer clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ test-all: setup
 
 bench: setup
 	$(VENV)/bin/hybridserve bench all
+
+# hybridserve vs llama.cpp; needs `$(PY) -m pip install -e ".[peer]"` first (builds llama.cpp, ~12 min).
+bench-peer: setup
+	$(VENV)/bin/hybridserve bench peer
 
 clean:
 	rm -rf $(VENV) build *.egg-info

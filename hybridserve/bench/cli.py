@@ -1,4 +1,4 @@
-"""`hybridserve bench {engine,decode,ttft,trace,chat,serve,structured,soak,threads,all}`: subcommands that print
+"""`hybridserve bench {engine,decode,ttft,trace,chat,serve,structured,soak,threads,tp,peer,all}`: subcommands that print
 a table and optionally write JSON."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ Handler = Callable[[argparse.Namespace], int]
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `engine`, `ttft`, `trace`, `serve`, `structured` and `all` benchmark subcommands."""
     subparsers = parser.add_subparsers(dest="bench_command", required=True,
-                                       metavar="{engine,decode,ttft,trace,chat,serve,structured,soak,threads,tp,all}")
+                                       metavar="{engine,decode,ttft,trace,chat,serve,structured,soak,threads,tp,peer,all}")
     _add_engine(subparsers)
     _add_decode(subparsers)
     _add_ttft(subparsers)
@@ -29,6 +29,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     _add_soak(subparsers)
     _add_threads(subparsers)
     _add_tp(subparsers)
+    _add_peer(subparsers)
     _add_all(subparsers)
 
 
@@ -151,6 +152,53 @@ def run_tp(args: argparse.Namespace) -> int:
     cfg = TPBenchConfig(args.prompt_tokens, args.decode_tokens, args.iterations, args.bench_seed)
     result = run_tp_bench(engine_config_from_args(args), cfg)
     return _finish(args, result, format_tp_report(result))
+
+
+def _add_peer(subparsers: argparse._SubParsersAction) -> None:
+    help_text = ("hybridserve vs llama.cpp (llama-cpp-python's server) on the same weights, alternating: "
+                 "cold/warm TTFT, batch-1 decode (needs the `peer` extra)")
+    parser = subparsers.add_parser("peer", help=help_text, description=help_text,
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default=None, help="Hugging Face model dir (the built-in model when omitted)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "int8"),
+                        help="hybridserve --dtype float32 / bfloat16 / --quantization int8 against a GGUF "
+                             "of f32 / bf16 / q8_0")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads of each server")
+    parser.add_argument("--iterations", type=int, default=5, help="measured rounds (alternating order)")
+    parser.add_argument("--warmup", type=int, default=1, help="discarded rounds")
+    parser.add_argument("--prompt-tokens", type=int, default=4160, help="cold and warm prompt length")
+    parser.add_argument("--shared-tokens", type=int, default=4096, help="prefix the warm prompt shares")
+    parser.add_argument("--extend-tokens", type=int, default=64, help="tokens the extension adds")
+    parser.add_argument("--decode-tokens", type=int, default=128, help="tokens streamed per decode run")
+    parser.add_argument("--agreement-tokens", type=int, default=32, help="greedy tokens compared in-process")
+    parser.add_argument("--n-ctx", type=int, default=8192, help="llama.cpp context size")
+    parser.add_argument("--n-batch", type=int, default=512, help="llama.cpp batch size (llama_cpp.server default)")
+    parser.add_argument("--work-dir", default="", help="where the model dir and GGUF files are kept "
+                        "(default: <tmp>/hybridserve-peer)")
+    parser.add_argument("--rebuild-gguf", action="store_true", help="write the GGUF file even if present")
+    parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON here")
+    parser.set_defaults(handler=run_peer)
+
+
+def run_peer(args: argparse.Namespace) -> int:
+    """Handler of `bench peer`: exit status 2 with a message when a requirement is missing."""
+    from hybridserve.bench.peer_bench import PeerBenchConfig, format_peer_report, run_peer_bench
+
+    cfg = PeerBenchConfig(dtype=args.dtype, threads=args.threads, prompt_tokens=args.prompt_tokens,
+                          shared_tokens=args.shared_tokens, extend_tokens=args.extend_tokens,
+                          decode_tokens=args.decode_tokens, iterations=args.iterations, warmup=args.warmup,
+                          agreement_tokens=args.agreement_tokens, n_ctx=args.n_ctx, n_batch=args.n_batch,
+                          model=args.model, work_dir=args.work_dir, rebuild_gguf=args.rebuild_gguf,
+                          seed=args.bench_seed)
+    try:
+        result = run_peer_bench(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
+    except RuntimeError as exc:
+        if "needs" not in str(exc):
+            raise
+        print(f"[bench] {exc}", file=sys.stderr)
+        return 2
+    return _finish(args, result, format_peer_report(result))
 
 
 def run_soak(args: argparse.Namespace) -> int:

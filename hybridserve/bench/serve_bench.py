@@ -331,6 +331,8 @@ def free_port() -> int:
 class ServerProcess:
     """`hybridserve serve` in a subprocess on a free loopback port, stopped with SIGTERM on exit."""
 
+    health_path = "/health"  # polled until it answers 200
+
     def __init__(self, serve_args: Sequence[str], *, start_timeout_s: float = 180.0,
                  threads: int | None = None) -> None:
         self.port = free_port()
@@ -368,7 +370,7 @@ class ServerProcess:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                if httpx.get(f"{self.url}{self.health_path}", timeout=2.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

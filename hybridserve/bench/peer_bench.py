@@ -1,0 +1,360 @@
+"""`hybridserve bench peer`: hybridserve against llama.cpp on the same weights, side by side.
+
+The model (a Hugging Face dir, or the built-in model saved as one) is written as a `qwen35` GGUF
+file (`gguf_export`; f32, bf16 or q8_0 for `--dtype float32|bfloat16|int8`). Both servers run at
+once with the same thread count, and every measurement alternates between them (the order flips
+each round; one request at a time, so only one server computes at any moment):
+
+  * cold TTFT: a fresh `prompt_tokens` prompt (1 output token, send -> response);
+  * warm TTFT, shared prefix: the same first `shared_tokens` as the cold prompt, then a new suffix
+    (hybridserve restores the prefix from its joint cache; llama_cpp.server keeps one live
+    context and cannot rewind a recurrent state, so it re-reads the prompt);
+  * warm TTFT, extension: the previous prompt plus `extend_tokens` new tokens (both engines keep
+    the previous end state, so this is what llama.cpp's own prefix reuse covers);
+  * batch-1 decode: a fresh short prompt, `decode_tokens` streamed greedy tokens, ms/token from
+    the first to the last chunk.
+
+Before timing, a greedy agreement check runs both engines in-process on a short prompt and
+compares the generated token ids (and the log-probabilities of the agreed tokens).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import math
+import os
+import platform
+import random
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridserve.bench.common import format_table, median
+from hybridserve.models.tokenizer import Tokenizer
+
+DTYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0"}  # hybridserve mode -> GGUF type
+METRICS = ("cold_ttft_ms", "warm_ttft_ms", "extend_ttft_ms", "decode_ms_per_token")
+NEEDS_QUANTIZATION = ("--dtype int8 needs --quantization support in `hybridserve serve` (the `--quantization "
+                      "int8` flag and LLM(quantization=...)), which this hybridserve does not have")
+
+
+@dataclass(frozen=True)
+class PeerBenchConfig:
+    """Sizes and settings of `bench peer`."""
+
+    dtype: str = "float32"
+    threads: int = 2
+    prompt_tokens: int = 4160
+    shared_tokens: int = 4096
+    extend_tokens: int = 64
+    decode_prompt_tokens: int = 32
+    decode_tokens: int = 128
+    iterations: int = 5
+    warmup: int = 1
+    agreement_tokens: int = 32
+    n_ctx: int = 8192
+    n_batch: int = 512
+    model: str | None = None
+    work_dir: str = ""
+    rebuild_gguf: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not 0 < self.shared_tokens < self.prompt_tokens:
+            raise ValueError("shared_tokens must be in (0, prompt_tokens)")
+        if self.n_ctx < self.prompt_tokens + self.extend_tokens + 8:
+            raise ValueError("n_ctx must hold the extended prompt")
+        if self.decode_tokens < 2 or self.iterations < 1:
+            raise ValueError("decode_tokens must be >= 2 and iterations >= 1")
+
+
+# =========================================================================== prompts
+def word_token_ids(tokenizer: Tokenizer) -> list[int]:
+    """Ids of tokens that are one whole word with a leading space (" the", " cache") and that the
+    tokenizer produces for their own text. A sequence of them decodes to a text that any
+    tokenizer with the same merges and split regex maps back to the same ids, chunk by chunk."""
+    words = []
+    for token_id in range(tokenizer.vocab_size):
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        if len(text) > 1 and text[0] == " " and text[1:].isascii() and text[1:].isalpha() \
+                and tokenizer.encode(text) == [token_id]:
+            words.append(token_id)
+    if len(words) < 16:
+        raise ValueError(f"the tokenizer has only {len(words)} whole-word tokens; too few for random prompts")
+    return words
+
+
+class WordPrompts:
+    """Random whole-word token prompts, fixed by a seed, that round-trip through text."""
+
+    def __init__(self, tokenizer: Tokenizer, seed: int) -> None:
+        self.tokenizer = tokenizer
+        self.words = word_token_ids(tokenizer)
+        self._random = random.Random(seed)
+
+    def fresh(self, num_tokens: int) -> list[int]:
+        """`num_tokens` random word ids."""
+        return [self._random.choice(self.words) for _ in range(num_tokens)]
+
+    def text(self, ids: list[int]) -> str:
+        """The text of `ids` (checked: the tokenizer maps it back to exactly `ids`)."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        if self.tokenizer.encode(text) != ids:
+            raise RuntimeError("a word prompt does not round-trip through the tokenizer")
+        return text
+
+
+# =========================================================================== model files
+def hybridserve_supports_quantization() -> bool:
+    """Whether `hybridserve serve` has a `--quantization` flag (int8 weights)."""
+    import argparse
+
+    from hybridserve.engine_args import add_engine_arguments
+
+    probe = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(probe)
+    return any("--quantization" in action.option_strings for action in probe._actions)
+
+
+def prepare_model(cfg: PeerBenchConfig) -> tuple[Path, Path]:
+    """(model dir hybridserve serves, GGUF file of the same weights for llama.cpp), written
+    into the work dir when missing (the built-in model is saved as a Hugging Face dir first)."""
+    from hybridserve.bench.gguf_export import export_model_dir
+    from hybridserve.models.builtin import save_builtin_checkpoint
+
+    work = Path(cfg.work_dir or Path(tempfile.gettempdir()) / "hybridserve-peer")
+    work.mkdir(parents=True, exist_ok=True)
+    if cfg.model:
+        model_dir = Path(cfg.model).resolve()
+    else:
+        model_dir = work / "builtin-seed0"
+        if not (model_dir / "config.json").is_file():
+            save_builtin_checkpoint(model_dir)
+    outtype = DTYPES[cfg.dtype]
+    gguf_path = work / f"{model_dir.name}-{outtype}.gguf"
+    newest = max(p.stat().st_mtime for p in model_dir.glob("*.safetensors"))
+    if cfg.rebuild_gguf or not gguf_path.is_file() or gguf_path.stat().st_mtime < newest:
+        export_model_dir(model_dir, gguf_path, outtype)
+    return model_dir, gguf_path
+
+
+def serve_args(cfg: PeerBenchConfig, model_dir: Path) -> list[str]:
+    """`hybridserve serve` arguments of the mode (dtype or int8 quantization)."""
+    if cfg.dtype == "int8":
+        return [str(model_dir), "--dtype", "float32", "--quantization", "int8"]
+    return [str(model_dir), "--dtype", cfg.dtype]
+
+
+# =========================================================================== agreement
+def greedy_agreement(model_dir: Path, gguf_path: Path, prompt: list[int], cfg: PeerBenchConfig) -> dict[str, Any]:
+    """Greedy continuations of `prompt` by both engines in-process: the token ids, how many
+    leading tokens agree, and the largest log-probability difference over the agreed tokens."""
+    hs_ids, hs_logprobs = _hybridserve_greedy(model_dir, prompt, cfg)
+    ll_ids, ll_logprobs = _llama_cpp_greedy(gguf_path, prompt, cfg)
+    agreed = next((i for i, (a, b) in enumerate(zip(hs_ids, ll_ids)) if a != b), min(len(hs_ids), len(ll_ids)))
+    diffs = [abs(hs_logprobs[i] - ll_logprobs[i]) for i in range(agreed)]
+    return {"prompt_tokens": len(prompt), "tokens": cfg.agreement_tokens, "leading_agreed": agreed,
+            "same_positions": sum(a == b for a, b in zip(hs_ids, ll_ids)),
+            "max_logprob_diff": max(diffs) if diffs else float("nan"),
+            "hybridserve_ids": hs_ids, "llama_cpp_ids": ll_ids}
+
+
+def _hybridserve_greedy(model_dir: Path, prompt: list[int], cfg: PeerBenchConfig) -> tuple[list[int], list[float]]:
+    from hybridserve.api import LLM
+    from hybridserve.sampling_params import SamplingParams
+
+    kwargs: dict[str, Any] = {"dtype": "float32", "quantization": "int8"} if cfg.dtype == "int8" \
+        else {"dtype": cfg.dtype}
+    llm = LLM(str(model_dir), device="cpu", num_threads=cfg.threads, kv_cache_mib=64, prefix_cache_mib=0,
+              max_model_len=1024, **kwargs)
+    params = SamplingParams(max_tokens=cfg.agreement_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    logprobs = [step[token] for step, token in zip(out.logprobs or [], out.token_ids)]
+    del llm
+    return list(out.token_ids), logprobs
+
+
+def _llama_cpp_greedy(gguf_path: Path, prompt: list[int], cfg: PeerBenchConfig) -> tuple[list[int], list[float]]:
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf_path), n_ctx=len(prompt) + cfg.agreement_tokens + 8, n_threads=cfg.threads,
+                n_threads_batch=cfg.threads, logits_all=True, verbose=False)
+    ids: list[int] = []
+    logprobs: list[float] = []
+    llm.eval(prompt)
+    for _ in range(cfg.agreement_tokens):
+        logits = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float64)
+        token = int(np.argmax(logits))
+        shifted = logits - logits.max()
+        logprobs.append(float(shifted[token] - math.log(np.exp(shifted).sum())))
+        ids.append(token)
+        llm.eval([token])
+    llm.close()
+    return ids, logprobs
+
+
+# =========================================================================== measurement
+Sample = dict[str, float]
+
+
+def measure_round(client: Any, prompts: "RoundPrompts", cfg: PeerBenchConfig) -> Sample:
+    """One round of the four measurements on one server (prompts checked before each is timed)."""
+    from hybridserve.bench.peer_servers import PeerClient
+
+    assert isinstance(client, PeerClient)
+    sample: Sample = {}
+    for key, ids in (("cold_ttft_ms", prompts.cold), ("warm_ttft_ms", prompts.warm),
+                     ("extend_ttft_ms", prompts.extend)):
+        client.check_tokenization(ids)
+        reply = client.complete(ids, max_tokens=1)
+        _check_prompt_tokens(client.name, reply.prompt_tokens, len(ids))
+        sample[key] = 1000.0 * reply.seconds
+        if reply.cached_tokens is not None:
+            sample[key.replace("_ms", "_cached_tokens")] = float(reply.cached_tokens)
+    client.check_tokenization(prompts.decode)
+    reply = client.stream(prompts.decode, cfg.decode_tokens)
+    if reply.finish_reason != "length" or len(reply.chunk_times) < 2:
+        raise RuntimeError(f"{client.name}: decode stopped early ({reply.finish_reason}, "
+                           f"{len(reply.chunk_times)} chunks)")
+    span = reply.chunk_times[-1] - reply.chunk_times[0]
+    sample["decode_ms_per_token"] = 1000.0 * span / (cfg.decode_tokens - 1)
+    return sample
+
+
+def _check_prompt_tokens(name: str, reported: int | None, expected: int) -> None:
+    if reported is not None and reported != expected:
+        raise RuntimeError(f"{name} reports {reported} prompt tokens, expected {expected}")
+
+
+@dataclass(frozen=True)
+class RoundPrompts:
+    """The prompts of one round (shared by both servers, so both see the same ids)."""
+
+    cold: list[int]
+    warm: list[int]
+    extend: list[int]
+    decode: list[int]
+
+
+def round_prompts(source: WordPrompts, cfg: PeerBenchConfig) -> RoundPrompts:
+    """Cold prompt; warm = its first `shared_tokens` + a new suffix; extend = warm + new tokens."""
+    cold = source.fresh(cfg.prompt_tokens)
+    warm = cold[:cfg.shared_tokens] + source.fresh(cfg.prompt_tokens - cfg.shared_tokens)
+    return RoundPrompts(cold, warm, warm + source.fresh(cfg.extend_tokens), source.fresh(cfg.decode_prompt_tokens))
+
+
+def alternate(clients: Sequence[Any], rounds: int, warmup: int, make_prompts: Callable[[], RoundPrompts],
+              cfg: PeerBenchConfig, log: Callable[[str], None]) -> dict[str, list[Sample]]:
+    """`warmup + rounds` rounds; each round both servers get the same prompts, in an order that
+    flips every round. Warm-up rounds are discarded."""
+    samples: dict[str, list[Sample]] = {c.name: [] for c in clients}
+    for index in range(warmup + rounds):
+        prompts = make_prompts()
+        order = list(clients) if index % 2 == 0 else list(reversed(clients))
+        for client in order:
+            sample = measure_round(client, prompts, cfg)
+            tag = "warm-up" if index < warmup else f"round {index - warmup + 1}/{rounds}"
+            log(f"[peer] {tag} {client.name}: " + ", ".join(f"{k} {v:.1f}" for k, v in sample.items()))
+            if index >= warmup:
+                samples[client.name].append(sample)
+    return samples
+
+
+def summarize(samples: dict[str, list[Sample]]) -> dict[str, Any]:
+    """Median of every metric per server and the llama.cpp / hybridserve ratio of the medians."""
+    medians = {name: {key: median(s[key] for s in rows) for key in rows[0]} for name, rows in samples.items()}
+    ratios = {key: medians["llama.cpp"][key] / medians["hybridserve"][key] for key in METRICS}
+    return {"median": medians, "ratio_llama_cpp_over_hybridserve": ratios}
+
+
+# =========================================================================== driver
+def run_peer_bench(cfg: PeerBenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Prepare the files, check greedy agreement, start both servers, alternate the rounds."""
+    from hybridserve.bench.peer_servers import LlamaCppServer, PeerClient
+    from hybridserve.bench.serve_bench import ServerProcess
+
+    if cfg.dtype == "int8" and not hybridserve_supports_quantization():
+        raise RuntimeError(NEEDS_QUANTIZATION)
+    _require_llama_cpp()
+    load_start = os.getloadavg()
+    model_dir, gguf_path = prepare_model(cfg)
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    source = WordPrompts(tokenizer, cfg.seed)
+    log(f"[peer] model {model_dir}, GGUF {gguf_path} ({gguf_path.stat().st_size / 2**20:.1f} MiB)")
+    agreement = greedy_agreement(model_dir, gguf_path, source.fresh(32), cfg)
+    log(f"[peer] greedy agreement: {agreement['leading_agreed']}/{cfg.agreement_tokens} leading tokens")
+    eos_ids = list(tokenizer.eos_token_ids)
+    with ServerProcess(serve_args(cfg, model_dir), threads=cfg.threads) as hs_server, \
+            LlamaCppServer(gguf_path, threads=cfg.threads, n_ctx=cfg.n_ctx, n_batch=cfg.n_batch) as ll_server:
+        clients = [PeerClient("hybridserve", hs_server.url, text_prompts=False, eos_ids=eos_ids),
+                   PeerClient("llama.cpp", ll_server.url, text_prompts=True, eos_ids=eos_ids,
+                              decode_text=source.text)]
+        try:
+            samples = alternate(clients, cfg.iterations, cfg.warmup, lambda: round_prompts(source, cfg), cfg, log)
+        finally:
+            for client in clients:
+                client.close()
+        argv = {"hybridserve": hs_server.argv[2:], "llama.cpp": ll_server.argv[2:]}
+    return {"config": asdict(cfg), "model_dir": str(model_dir), "gguf": str(gguf_path),
+            "gguf_type": DTYPES[cfg.dtype], "servers": argv, "agreement": agreement, "samples": samples,
+            **summarize(samples), "environment": _environment(load_start)}
+
+
+def _require_llama_cpp() -> None:
+    try:
+        import llama_cpp  # noqa: F401
+        import sse_starlette  # noqa: F401
+        import starlette_context  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(f"bench peer needs llama-cpp-python and its server extras ({exc.name} is missing): "
+                           "pip install -e '.[peer]' (builds llama.cpp from source, ~12 min on 2 cores)") from exc
+
+
+def _environment(load_start: tuple[float, float, float]) -> dict[str, Any]:
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": platform.machine(), "cpu_count": os.cpu_count(), "loadavg_start": list(load_start),
+            "loadavg_end": list(os.getloadavg()),
+            "versions": {d: version(d) for d in ("llama_cpp_python", "gguf", "torch")}}
+
+
+# =========================================================================== report
+_LABELS = {
+    "cold_ttft_ms": "cold TTFT, {prompt} fresh tokens (ms)",
+    "warm_ttft_ms": "warm TTFT, {prompt} tokens, {shared} shared, new suffix (ms)",
+    "extend_ttft_ms": "warm TTFT, previous prompt + {extend} tokens (ms)",
+    "decode_ms_per_token": "batch-1 decode, {decode} tokens (ms/token)",
+}
+
+
+def format_peer_report(result: dict[str, Any]) -> str:
+    """The medians side by side with their ratio, plus the agreement and cache lines."""
+    cfg = result["config"]
+    medians, ratios = result["median"], result["ratio_llama_cpp_over_hybridserve"]
+    rows = [[_LABELS[key].format(prompt=cfg["prompt_tokens"], shared=cfg["shared_tokens"],
+                                 extend=cfg["extend_tokens"], decode=cfg["decode_tokens"]),
+             f"{medians['hybridserve'][key]:.1f}", f"{medians['llama.cpp'][key]:.1f}", f"{ratios[key]:.2f}"]
+            for key in METRICS]
+    table = format_table(["measure", "hybridserve", "llama.cpp", "llama.cpp / hybridserve"], rows)
+    agreement = result["agreement"]
+    cached = medians["hybridserve"].get("warm_ttft_cached_tokens")
+    lines = [f"bench peer: --dtype {cfg['dtype']} (GGUF {result['gguf_type']}), {cfg['threads']} threads each, "
+             f"{cfg['iterations']} alternating rounds (medians)", table,
+             f"greedy agreement (in-process, {agreement['prompt_tokens']}-token prompt): "
+             f"{agreement['leading_agreed']}/{agreement['tokens']} leading tokens equal, "
+             f"{agreement['same_positions']}/{agreement['tokens']} positions equal, "
+             f"max |logprob diff| over the agreed tokens {agreement['max_logprob_diff']:.2g}"]
+    if cached is not None:
+        lines.append(f"hybridserve warm TTFT restored {cached:.0f} cached prompt tokens (median)")
+    return "\n".join(lines)

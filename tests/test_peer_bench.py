@@ -1,0 +1,68 @@
+"""`bench peer` pieces that need no llama.cpp, and (slow) a short end-to-end run when
+llama-cpp-python is installed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hybridserve.bench.peer_bench import (
+    METRICS,
+    PeerBenchConfig,
+    WordPrompts,
+    format_peer_report,
+    hybridserve_supports_quantization,
+    round_prompts,
+    run_peer_bench,
+    summarize,
+)
+from hybridserve.models.tokenizer import Tokenizer
+
+
+def test_word_prompts_round_trip_through_text(builtin_tok: Tokenizer) -> None:
+    source = WordPrompts(builtin_tok, seed=0)
+    ids = source.fresh(500)
+    assert builtin_tok.encode(source.text(ids)) == ids
+    assert WordPrompts(builtin_tok, seed=0).fresh(20) == ids[:20]
+
+
+def test_round_prompts_share_and_extend(builtin_tok: Tokenizer) -> None:
+    cfg = PeerBenchConfig(prompt_tokens=80, shared_tokens=64, extend_tokens=8, decode_prompt_tokens=5, n_ctx=256)
+    prompts = round_prompts(WordPrompts(builtin_tok, seed=1), cfg)
+    assert len(prompts.cold) == len(prompts.warm) == 80 and len(prompts.decode) == 5
+    assert prompts.warm[:64] == prompts.cold[:64] and prompts.warm[64:] != prompts.cold[64:]
+    assert prompts.extend[:80] == prompts.warm and len(prompts.extend) == 88
+
+
+def test_summary_and_report() -> None:
+    rows = {"hybridserve": [{m: 1.0 for m in METRICS} | {"warm_ttft_cached_tokens": 4096.0}] * 3,
+            "llama.cpp": [{m: 2.0 for m in METRICS}, {m: 3.0 for m in METRICS}, {m: 4.0 for m in METRICS}]}
+    summary = summarize(rows)
+    assert summary["ratio_llama_cpp_over_hybridserve"] == {m: 3.0 for m in METRICS}
+    result = {"config": vars(PeerBenchConfig()) | {}, "gguf_type": "f32", **summary,
+              "agreement": {"prompt_tokens": 32, "tokens": 32, "leading_agreed": 32, "same_positions": 32,
+                            "max_logprob_diff": 1e-5}}
+    report = format_peer_report(result)
+    assert "32/32 leading tokens" in report and "3.00" in report and "4096 cached" in report
+
+
+@pytest.mark.skipif(hybridserve_supports_quantization(), reason="this hybridserve has --quantization")
+def test_int8_needs_quantization_support() -> None:
+    with pytest.raises(RuntimeError, match="needs --quantization support"):
+        run_peer_bench(PeerBenchConfig(dtype="int8"), log=lambda _: None)
+
+
+@pytest.mark.slow
+def test_peer_bench_end_to_end(tmp_path: Path) -> None:
+    pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (pip install -e '.[peer]')")
+    pytest.importorskip("sse_starlette", reason="needs llama_cpp.server's extras (pip install -e '.[peer]')")
+    cfg = PeerBenchConfig(prompt_tokens=288, shared_tokens=256, extend_tokens=16, decode_tokens=8, iterations=1,
+                          warmup=0, agreement_tokens=8, n_ctx=512, work_dir=str(tmp_path))
+    result = run_peer_bench(cfg, log=lambda _: None)
+    assert result["agreement"]["leading_agreed"] == 8, result["agreement"]
+    assert set(result["median"]) == {"hybridserve", "llama.cpp"}
+    for name in ("hybridserve", "llama.cpp"):
+        assert all(result["median"][name][m] > 0 for m in METRICS)
+    assert result["median"]["hybridserve"]["warm_ttft_cached_tokens"] == 256  # a snapshot boundary (interval 256)
+    assert "llama.cpp / hybridserve" in format_peer_report(result)
