@@ -70,6 +70,7 @@ class PackedLinear:
         self.onednn = False
         self.scales: torch.Tensor | None = None  # int8 only: per-output-channel scales (float32)
         self.kernel_scales: torch.Tensor | None = None  # int8 only: the same in the kernel's input dtype
+        self.int8_kernel = False  # int8 only: PyTorch has the int8 GEMM for this device
         if allow_repack and quantization == "int8":
             self.weight, self.scales = quantize_int8(weight)
             self.int8_kernel = _int8_kernel_available(weight.device.type)
