@@ -118,6 +118,19 @@ class RequestStream:
         return item
 
 
+async def generate_outputs(engine: Any, request_id: str, prompt: str | list[int], params: SamplingParams,
+                           cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+    """Submit to `engine` (an `AsyncLLMEngine` or an `EngineCoreClient`) and yield cumulative
+    outputs until the request finishes; leaving early aborts it."""
+    stream = await engine.add_request(request_id, prompt, params, cache_salt)
+    try:
+        async for output in stream:
+            yield output
+    finally:
+        if not stream.finished:
+            engine.abort(request_id)
+
+
 class AsyncLLMEngine:
     """Runs a synchronous engine on its own thread and exposes it to asyncio code.
 
@@ -203,16 +216,10 @@ class AsyncLLMEngine:
             raise
         return RequestStream(request_id, queue)
 
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until the request finishes; leaving early aborts it."""
-        stream = await self.add_request(request_id, prompt, params, cache_salt)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            if not stream.finished:
-                self.abort(request_id)
+        return generate_outputs(self, request_id, prompt, params, cache_salt)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (safe from any thread; unknown or finished ids are a no-op)."""

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import zmq
 
-from hybridserve.engine.async_engine import EngineDeadError, EngineOverloadedError, EngineStepError
+from hybridserve.engine.async_engine import EngineDeadError, EngineOverloadedError, EngineStepError, generate_outputs
 from hybridserve.engine.core import run_engine_core
 from hybridserve.engine.core_messages import (
     AbortRequests,
@@ -335,16 +335,10 @@ class EngineCoreClient:
             raise
         return stream
 
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until the request finishes; leaving early aborts it."""
-        stream = await self.add_request(request_id, prompt, params, cache_salt)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            if not stream.finished:
-                self.abort(request_id)
+        return generate_outputs(self, request_id, prompt, params, cache_salt)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (any thread; unknown or finished ids are a no-op)."""
