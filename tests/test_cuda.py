@@ -36,7 +36,7 @@ def test_differential_cache_on_off_cuda_bf16(text_checkpoint: Path, seed: int) -
         on.llm_engine.check_integrity()
     assert on.prefix_cache_stats().hits > 0
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    assert len(on.generate([_multi_turn_workload(seed)[-1][0]], params)[0].token_ids) == 8
+    assert len(on.generate([_multi_turn_workload(seed)[-1][0]], params)[0].outputs[0].token_ids) == 8
     on.llm_engine.check_integrity()
 
 

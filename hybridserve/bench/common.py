@@ -128,14 +128,24 @@ class EngineDriver:
         return steady, [finished[i] for i in ids]
 
 
-def matmul_gflops(size: int, repeats: int) -> list[float]:
-    """float32 GFLOP/s of `repeats` square [size x size] matmuls (one sample each)."""
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a host timer measures it (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_gflops(size: int, repeats: int, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> list[float]:
+    """GFLOP/s of `repeats` square [size x size] matmuls on `device` in `dtype` (one sample each)."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    torch.matmul(a, b)
     rates = []
     for _ in range(repeats):
+        synchronize(a.device)
         start = time.perf_counter()
         torch.matmul(a, b)
+        synchronize(a.device)
         rates.append(2 * size ** 3 / (time.perf_counter() - start) / 1e9)
     return rates
 

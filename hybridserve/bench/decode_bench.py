@@ -19,7 +19,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from hybridserve.bench.common import EngineDriver, format_table, greedy, machine_line, median, random_token_ids
+from hybridserve.bench.common import EngineDriver, format_table, greedy, machine_line, median, random_token_ids, \
+    synchronize
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.layers.linear import PackedLinear
@@ -49,13 +50,15 @@ def variant_config(base: EngineConfig, variant: str) -> EngineConfig:
     return dataclasses.replace(base, dtype=dtype, quantization=quantization)
 
 
-def weight_read_seconds(num_bytes: int, repeats: int = 7) -> float:
-    """Median seconds to read `num_bytes` once with a torch reduction (the decode floor)."""
-    buffer = torch.ones(max(1, num_bytes // 4), dtype=torch.float32)
+def weight_read_seconds(num_bytes: int, device: torch.device | str = "cpu", repeats: int = 7) -> float:
+    """Median seconds to read `num_bytes` once on `device` with a torch reduction (the decode floor)."""
+    buffer = torch.ones(max(1, num_bytes // 4), dtype=torch.float32, device=device)
     times = []
     for _ in range(repeats + 1):
+        synchronize(buffer.device)
         start = time.perf_counter()
         buffer.sum()
+        synchronize(buffer.device)
         times.append(time.perf_counter() - start)
     return median(times[1:])
 
@@ -69,9 +72,11 @@ def linears_seconds(engine: LLMEngine, repeats: int = 7) -> float:
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 1):
+            synchronize(engine.device)
             start = time.perf_counter()
             for lin, x in zip(linears, inputs):
                 lin(x)
+            synchronize(engine.device)
             times.append(time.perf_counter() - start)
     return median(times[1:])
 
@@ -92,7 +97,7 @@ def measure_speed(engines: dict[str, LLMEngine], cfg: DecodeBenchConfig) -> dict
         prompt = random_token_ids(cfg.prompt_tokens, cfg.seed + round_index, vocab)
         for name, driver in drivers.items():
             ms = _decode_ms_per_token(driver, prompt, cfg.decode_tokens)
-            read_ms = 1000 * weight_read_seconds(engines[name].weight_bytes)
+            read_ms = 1000 * weight_read_seconds(engines[name].weight_bytes, engines[name].device)
             linears_ms = 1000 * linears_seconds(engines[name])
             if round_index >= cfg.warmup:
                 decode[name].append(ms)

@@ -4,7 +4,7 @@
     the same ids (inference mode, float32, `logits_to_keep=1`, no cache);
 (b) batch-1 decode: hybridserve steady-state ms/token vs transformers with its own cache;
 (c) aggregate decode tokens/s at batch B vs batch 1 (hybridserve);
-(d) model FLOP rate of the prefill as a fraction of this machine's float32 matmul rate.
+(d) model FLOP rate of the prefill as a fraction of the device's matmul rate in the engine's dtype.
 
 Measurements alternate between the contenders every iteration; warm-ups are discarded; medians.
 """
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from hybridserve.bench.common import EngineDriver, format_table, goal_mark, greedy, machine_line, matmul_gflops, \
-    median, random_token_ids
+    median, random_token_ids, synchronize
 from hybridserve.config import LINEAR_ATTENTION, EngineConfig, ModelConfig
 from hybridserve.engine.engine import GDN_CHUNK_SIZE, LLMEngine
 from hybridserve.models.builtin import parameter_shapes, save_builtin_checkpoint
@@ -87,14 +87,15 @@ def reference_model_dir(engine_config: EngineConfig) -> Iterator[Path]:
         yield save_builtin_checkpoint(tmp, seed=engine_config.seed)
 
 
-def load_reference_model(model_dir: Path) -> torch.nn.Module:
-    """transformers' `Qwen3_5ForCausalLM` in float32, eval mode, quiet."""
+def load_reference_model(model_dir: Path, device: torch.device | str = "cpu",
+                         dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """transformers' `Qwen3_5ForCausalLM` on `device` in `dtype` (the engine's), eval mode, quiet."""
     from transformers import Qwen3_5ForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    return Qwen3_5ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return Qwen3_5ForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
 
 
 def _output_cache(output: Any) -> Any:
@@ -106,16 +107,18 @@ def _output_cache(output: Any) -> Any:
 @torch.inference_mode()
 def reference_prefill_s(model: torch.nn.Module, ids: list[int]) -> float:
     """Seconds for one transformers forward over `ids` (last logits only, no cache)."""
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=model.device)
+    synchronize(model.device)
     start = time.perf_counter()
     model(input_ids=x, use_cache=False, logits_to_keep=1)
+    synchronize(model.device)
     return time.perf_counter() - start
 
 
 @torch.inference_mode()
 def reference_decode(model: torch.nn.Module, ids: list[int], num_tokens: int) -> tuple[list[float], list[int]]:
     """Greedy decode with transformers' own cache; per-step seconds after the prefill, and tokens."""
-    out = model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+    out = model(input_ids=torch.tensor([ids], device=model.device), use_cache=True, logits_to_keep=1)
     cache, token = _output_cache(out), out.logits[0, -1].argmax()
     tokens, steps = [int(token)], []
     for _ in range(num_tokens - 1):
@@ -138,7 +141,7 @@ def _measure_prefill(driver: EngineDriver, model: torch.nn.Module, cfg: EngineBe
         times = {}
         for who in order:
             times[who] = (driver.run(ids, greedy(1)).ttft_s if who == "hs" else reference_prefill_s(model, ids))
-        rates = matmul_gflops(cfg.matmul_size, cfg.matmul_repeats)
+        rates = matmul_gflops(cfg.matmul_size, cfg.matmul_repeats, driver.engine.device, driver.engine.dtype)
         if i >= cfg.warmup:
             samples["hybridserve_s"].append(times["hs"])
             samples["transformers_s"].append(times["hf"])
@@ -179,7 +182,7 @@ def run_engine_bench(engine_config: EngineConfig, cfg: EngineBenchConfig) -> dic
     driver = EngineDriver(engine, "bench")
     vocab = engine.model_config.vocab_size
     with reference_model_dir(engine_config) as model_dir:
-        model = load_reference_model(model_dir)
+        model = load_reference_model(model_dir, engine.device, engine.dtype)
     prefill = _measure_prefill(driver, model, cfg, vocab)
     decode = _measure_decode(driver, model, cfg, vocab)
     engine.check_integrity()
