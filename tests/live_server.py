@@ -3,7 +3,6 @@ the small engine configuration the server tests run on."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 import uvicorn
 
 from hybridserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from hybridserve.server.cli import bind_socket
 from tests.targets import CPU
 
 
@@ -26,8 +26,7 @@ class ServerThread:
     """A uvicorn server for `app` on a free 127.0.0.1 port, in a daemon thread."""
 
     def __init__(self, app: Any) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind(("127.0.0.1", 0))
+        self._sock = bind_socket("127.0.0.1", 0)  # the server's own: TCP_NODELAY on
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -118,6 +119,18 @@ def test_models_and_health(http: httpx.Client) -> None:
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == MODEL
     assert http.get("/health").status_code == 200
+
+
+def test_server_connections_send_without_nagle_delay(server: ServerThread, http: httpx.Client) -> None:
+    """Every accepted connection has TCP_NODELAY: with Nagle on, each response after the first on
+    a keep-alive connection waited ~40 ms for the client's delayed ACK (a socket made with proto 0
+    is not recognised as TCP by asyncio, which then leaves Nagle on)."""
+    assert http.get("/health").status_code == 200  # opens (or reuses) the keep-alive connection
+    connections = list(server.server.server_state.connections)
+    assert connections
+    for protocol in connections:
+        sock = protocol.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
 
 
 def test_streaming_equals_greedy(client: openai.OpenAI) -> None:
