@@ -258,6 +258,41 @@ def test_prefill_is_capped_while_others_decode(text_checkpoint: Path, monkeypatc
     _assert_idle(llm)
 
 
+def test_burst_of_new_requests_joins_a_decoding_batch_in_one_step(text_checkpoint: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cap is per request owed prompt tokens: four short prompts arriving while one request
+    decodes all start in the next step, and a lone long prompt still gets 32 tokens a step."""
+    llm = _llm(text_checkpoint, max_prefill_tokens_during_decode=32)
+    engine = llm.llm_engine
+    scheduler = engine.scheduler
+    seen: list[tuple[int, int]] = []  # (decode tokens, prefill tokens) per step
+    original = scheduler.schedule
+
+    def recording():
+        out = original()
+        decode = sum(c.length for c in out.chunks if c.request.num_tokens - c.start == 1)
+        seen.append((decode, sum(c.length for c in out.chunks) - decode))
+        return out
+
+    monkeypatch.setattr(scheduler, "schedule", recording)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.add_request("decoder", _random_prompt(20, seed=1), greedy)
+    engine.step()
+    for i in range(4):
+        engine.add_request(f"burst-{i}", _random_prompt(24, seed=10 + i), greedy)
+    engine.step()
+    assert seen[-1] == (1, 4 * 24)
+    engine.add_request("long", _random_prompt(200, seed=2), greedy)
+    engine.step()
+    assert seen[-1] == (5, 32)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    alone = _llm(text_checkpoint).generate([_random_prompt(24, seed=10)], greedy)[0].outputs[0]
+    assert outputs["burst-0"].outputs[0].token_ids == alone.token_ids
+    _assert_idle(llm)
+
+
 def test_bfloat16_path_runs_and_tracks_float32(text_checkpoint: Path) -> None:
     """The accelerator dtype path (bf16 weights and KV, float32 GDN state) works end to end."""
     prompt = _random_prompt(100, seed=11)

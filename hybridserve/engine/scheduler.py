@@ -201,11 +201,16 @@ class Scheduler:
             prefill_budget -= length
 
     def _prefill_budget(self, budget: int) -> int:
-        """Prefill tokens allowed this step: capped while any request decodes, so one long
-        prompt cannot stall everyone's next token for a whole long step."""
+        """Prefill tokens allowed this step. While any request decodes, each request still owed
+        prompt tokens (a running partial prefill, or a waiting request that fits the batch) may
+        add `max_prefill_tokens_during_decode`: one long prompt cannot stall everyone's next token
+        for a whole long step, and a burst of new requests is not admitted one chunk per step."""
         cap = self.config.max_prefill_tokens_during_decode
-        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
-        return min(budget, cap) if cap and decoding else budget
+        prefilling = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
+        if not cap or prefilling == len(self.running):
+            return budget
+        admissible = min(len(self.waiting), self.config.max_num_seqs - len(self.running))
+        return min(budget, cap * max(1, prefilling + admissible))
 
     def _grow(self, request: Request, num_tokens: int, preempted: list[Request]) -> list[int] | None:
         """Blocks so `request` covers `num_tokens`, preempting the newest others if needed.
