@@ -46,8 +46,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
                         help="most tokens in one step (while requests decode, prefill is further capped)")
     parser.add_argument("--max-prefill-tokens-during-decode", type=int, default=32,
-                        help="while requests decode, prefill at most this many tokens per step (bounds "
-                             "inter-token latency; 0 = no cap)")
+                        help="while requests decode, prefill at most this many tokens per step for each "
+                             "request owed prompt tokens (bounds inter-token latency; 0 = no cap)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context length limit; when unset, the model's max_position_embeddings")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
