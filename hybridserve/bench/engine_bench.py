@@ -1,7 +1,7 @@
 """`hybridserve bench engine`: hybridserve vs transformers on the same weights, in one process.
 
 (a) cold prefill: hybridserve TTFT of a fresh (never cached) prompt vs one transformers forward of
-    the same ids (inference mode, float32, `logits_to_keep=1`, no cache);
+    the same ids (inference mode, the engine's device and dtype, `logits_to_keep=1`, no cache);
 (b) batch-1 decode: hybridserve steady-state ms/token vs transformers with its own cache;
 (c) aggregate decode tokens/s at batch B vs batch 1 (hybridserve);
 (d) model FLOP rate of the prefill as a fraction of the device's matmul rate in the engine's dtype.
