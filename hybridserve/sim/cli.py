@@ -10,6 +10,7 @@ from typing import Any
 
 from hybridserve.config import POLICY_NAMES
 from hybridserve.sim.shapes import MODEL_SHAPES, ModelShape, model_shape
+from hybridserve.sim.bound import hit_options, slot_bound_hit_tokens
 from hybridserve.sim.simulator import SimConfig, SimResult, ceiling_hit_tokens, simulate
 from hybridserve.sim.trace import TRACE_BLOCK_TOKENS, TraceTokens, default_trace_path, read_trace
 
@@ -69,6 +70,7 @@ def run_sim(args: argparse.Namespace) -> int:
     ceiling, prompt_tokens = ceiling_hit_tokens(tokens)
     print(f"[sim] {len(records)} requests, {prompt_tokens} prompt tokens, tokens built in "
           f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+    options = hit_options(tokens)
     results = []
     for kv in kv_budgets:
         for policy in policies:
@@ -78,7 +80,8 @@ def run_sim(args: argparse.Namespace) -> int:
                 results.append(result)
                 print(f"[sim] {policy} KV {kv:g} GiB, snapshots {budget:g} GiB: {result.hit_rate:.2%} "
                       f"({result.seconds:.1f} s)", file=sys.stderr, flush=True)
-    report = sim_report(args, shape, len(records), ceiling / prompt_tokens, results)
+    bounds = {r.snapshot_slots: slot_bound_hit_tokens(options, r.snapshot_slots) / prompt_tokens for r in results}
+    report = sim_report(args, shape, len(records), ceiling / prompt_tokens, results, bounds)
     print(format_sim_report(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
@@ -89,13 +92,14 @@ def run_sim(args: argparse.Namespace) -> int:
 
 
 def sim_report(args: argparse.Namespace, shape: ModelShape, num_requests: int, ceiling: float,
-               results: list[SimResult]) -> dict[str, Any]:
-    """Everything the run measured, JSON-ready."""
+               results: list[SimResult], bounds: dict[int, float]) -> dict[str, Any]:
+    """Everything the run measured, JSON-ready (`bounds`: slot count -> clairvoyant bound)."""
     rows = [{
         "policy": r.config.policy, "kv_budget_gib": r.config.kv_bytes / GIB,
         "snapshot_budget_gib": r.config.snapshot_bytes / GIB, "kv_blocks": r.kv_blocks,
         "snapshot_slots": r.snapshot_slots, "requests": r.requests, "skipped": r.skipped,
-        "token_hit_rate": r.hit_rate, "request_hit_share": r.hit_requests / max(r.requests, 1),
+        "token_hit_rate": r.hit_rate, "slot_bound_token_hit_rate": bounds[r.snapshot_slots],
+        "request_hit_share": r.hit_requests / max(r.requests, 1),
         "prefill_flops_saved_share": r.saved_flops / max(r.prefill_flops, 1.0),
         "snapshot_evictions": r.snapshot_evictions, "kv_evictions": r.kv_evictions,
         "snapshots_published": r.snapshots_published, "seconds": r.seconds,
@@ -108,17 +112,19 @@ def sim_report(args: argparse.Namespace, shape: ModelShape, num_requests: int, c
 
 def format_sim_report(report: dict[str, Any]) -> str:
     """The table `hybridserve sim` prints."""
-    header = ["policy", "KV GiB", "snap GiB", "slots", "token hit", "of ceiling", "req hit", "FLOPs saved",
-              "snap evict", "KV evict", "s"]
+    header = ["policy", "KV GiB", "snap GiB", "slots", "token hit", "of ceiling", "slot bound", "req hit",
+              "FLOPs saved", "snap evict", "KV evict", "s"]
     ceiling = report["ceiling_token_hit_rate"]
     lines = [f"{report['num_requests']} requests, shape {report['model_shape']} "
              f"({report['kv_bytes_per_token']} B KV/token, {report['snapshot_bytes'] / 2**20:.1f} MiB/snapshot), "
              f"block {report['block_size']}, {report['block_tokens']} tokens per trace block; "
-             f"unbounded ceiling {ceiling:.1%} of prompt tokens", "  ".join(f"{h:>11}" for h in header)]
+             f"unbounded ceiling {ceiling:.1%} of prompt tokens; slot bound: the most any policy with "
+             f"that many slots can hit (hybridserve/sim/bound.py)", "  ".join(f"{h:>11}" for h in header)]
     for row in report["rows"]:
         cells = [row["policy"], f"{row['kv_budget_gib']:g}", f"{row['snapshot_budget_gib']:g}",
                  str(row["snapshot_slots"]), f"{row['token_hit_rate']:.2%}",
-                 f"{row['token_hit_rate'] / ceiling:.1%}" if ceiling else "-", f"{row['request_hit_share']:.1%}",
+                 f"{row['token_hit_rate'] / ceiling:.1%}" if ceiling else "-",
+                 f"{row['slot_bound_token_hit_rate']:.2%}", f"{row['request_hit_share']:.1%}",
                  f"{row['prefill_flops_saved_share']:.1%}", str(row["snapshot_evictions"]), str(row["kv_evictions"]),
                  f"{row['seconds']:.1f}"]
         lines.append("  ".join(f"{c:>11}" for c in cells))
