@@ -19,7 +19,7 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 import llguidance
-import llguidance.torch as llg_torch
+import llguidance.numpy as llg_numpy  # not llguidance.torch: it runs torch.compile at import (~5 s)
 import numpy as np
 import torch
 
@@ -107,19 +107,19 @@ class TokenMasker:
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self._bitmask = llg_torch.allocate_token_bitmask(1, vocab_size)
+        self._bitmask = llg_numpy.allocate_token_bitmask(1, vocab_size)
 
-    def _buffer(self, rows: int) -> torch.Tensor:
+    def _buffer(self, rows: int) -> np.ndarray:
         if self._bitmask.shape[0] < rows:
-            self._bitmask = llg_torch.allocate_token_bitmask(rows, self.vocab_size)
+            self._bitmask = llg_numpy.allocate_token_bitmask(rows, self.vocab_size)
         return self._bitmask[:rows]
 
     def _unpacked(self, matchers: list[llguidance.LLMatcher]) -> np.ndarray:
         """[len(matchers), vocab] uint8: 1 where the matcher allows the token next."""
         bitmask = self._buffer(len(matchers))
         for row, matcher in enumerate(matchers):
-            llg_torch.fill_next_token_bitmask(matcher, bitmask, row)
-        packed = bitmask.numpy().view(np.uint8)  # little-endian words: bit i of the row is token i
+            llg_numpy.fill_next_token_bitmask(matcher, bitmask, row)
+        packed = bitmask.view(np.uint8)  # little-endian words: bit i of the row is token i
         return np.unpackbits(packed, axis=1, count=self.vocab_size, bitorder="little")
 
     def allowed(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
