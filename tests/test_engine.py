@@ -229,12 +229,10 @@ def test_builtin_model_generates_and_cli_runs(capsys: pytest.CaptureFixture[str]
     assert main(["generate", *CPU.cli_args(), "--max-tokens", "0"]) == 2
 
 
-def test_prefill_is_capped_while_others_decode(text_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    llm = _llm(text_checkpoint, max_prefill_tokens_during_decode=32)
-    engine = llm.llm_engine
-    scheduler = engine.scheduler
-    seen: list[tuple[int, int]] = []  # (decode tokens, prefill tokens) per step
-    original = scheduler.schedule
+def _record_step_tokens(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """A list that fills with (decode tokens, prefill tokens) for every step the engine schedules."""
+    seen: list[tuple[int, int]] = []
+    original = engine.scheduler.schedule
 
     def recording():
         out = original()
@@ -242,7 +240,14 @@ def test_prefill_is_capped_while_others_decode(text_checkpoint: Path, monkeypatc
         seen.append((decode, sum(c.length for c in out.chunks) - decode))
         return out
 
-    monkeypatch.setattr(scheduler, "schedule", recording)
+    monkeypatch.setattr(engine.scheduler, "schedule", recording)
+    return seen
+
+
+def test_prefill_is_capped_while_others_decode(text_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = _llm(text_checkpoint, max_prefill_tokens_during_decode=32)
+    engine = llm.llm_engine
+    seen = _record_step_tokens(engine, monkeypatch)
     greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     engine.add_request("decoder", _random_prompt(20, seed=1), greedy)
     engine.step()
@@ -264,17 +269,7 @@ def test_burst_of_new_requests_joins_a_decoding_batch_in_one_step(text_checkpoin
     decodes all start in the next step, and a lone long prompt still gets 32 tokens a step."""
     llm = _llm(text_checkpoint, max_prefill_tokens_during_decode=32)
     engine = llm.llm_engine
-    scheduler = engine.scheduler
-    seen: list[tuple[int, int]] = []  # (decode tokens, prefill tokens) per step
-    original = scheduler.schedule
-
-    def recording():
-        out = original()
-        decode = sum(c.length for c in out.chunks if c.request.num_tokens - c.start == 1)
-        seen.append((decode, sum(c.length for c in out.chunks) - decode))
-        return out
-
-    monkeypatch.setattr(scheduler, "schedule", recording)
+    seen = _record_step_tokens(engine, monkeypatch)
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     engine.add_request("decoder", _random_prompt(20, seed=1), greedy)
     engine.step()
