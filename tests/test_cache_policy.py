@@ -76,6 +76,27 @@ def test_branch_flag_counts_the_older_path() -> None:
     pool.check_integrity()
 
 
+def test_previous_turn_end_is_covered_once_the_next_turn_continues_it() -> None:
+    """A chat turn's end, restored once by the next turn whose own end is now in, serves nothing
+    the deeper end does not: it is evicted first. Restored twice, or a branch, it is kept."""
+    pool = SnapshotPool(4)
+    pool.publish(pool.reserve(b"1" * 16, 300))                           # turn 1's end
+    pool.record_hit(b"1" * 16)                                           # turn 2 restores it ...
+    pool.publish(pool.reserve(b"2" * 16, 700, parent=b"1" * 16))         # ... and ends deeper
+    assert list(pool.covered()) == [pool.lookup(b"1" * 16)]
+    pool.publish(pool.reserve(b"x" * 16, 200))                           # an unrelated request
+    pool.publish(pool.reserve(b"y" * 16, 250))
+    pool.touch(b"2" * 16)
+    victim = pool.reserve(b"z" * 16, 900, opportunistic=True)            # only a covered slot may go
+    assert victim.status is ReserveStatus.RESERVED and victim.evicted_key == b"1" * 16
+    pool.abort(victim)
+    pool.publish(pool.reserve(b"3" * 16, 1100, parent=b"2" * 16))
+    pool.record_hit(b"2" * 16)
+    pool.record_hit(b"2" * 16)                                           # restored twice: a reuse point
+    assert pool.lookup(b"2" * 16) not in set(pool.covered())
+    pool.check_integrity()
+
+
 # ------------------------------------------------------------------- hand-built traces
 
 

@@ -176,8 +176,9 @@ class HybridServePolicy(IntervalPolicy):
     (so the second request that shares a prefix already hits near its end).
 
     Eviction, cheapest loss first: a snapshot whose KV is gone; then one that a deeper snapshot
-    on the same path already covers (one child and never restored — interval marks and prompt
-    marks once the request's end is in), least recently used first; then the lowest value among
+    on the same path already covers (one child, restored at most once — interval and prompt
+    marks once the request's end is in, and a chat turn's end once the next turn, which restored
+    it, has published its own), least recently used first; then the lowest value among
     the least recently used, where value = prefill FLOPs a hit saves beyond the resident parent
     snapshot (where a miss would fall back) x (1 + hits + paths beyond one) / (1 + age in pool
     turnovers). KV blocks of a released request beyond its

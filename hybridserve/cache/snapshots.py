@@ -464,7 +464,7 @@ class SnapshotPool:
 
     def _is_covered(self, slot: int) -> bool:
         key = self._key[slot]
-        return (self._state[slot] is _State.PUBLISHED and self._pins[slot] == 0 and self._hits[slot] == 0
+        return (self._state[slot] is _State.PUBLISHED and self._pins[slot] == 0 and self._hits[slot] <= 1
                 and key is not None and self._paths(slot) == 1)
 
     def _paths(self, slot: int) -> int:
