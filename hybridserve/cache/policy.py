@@ -206,12 +206,15 @@ class HybridServePolicy(IntervalPolicy):
         for slot in pool.covered():
             return slot
         best_slot, best_value = None, float("inf")
-        horizon, clock, flops = AGE_TURNOVERS * max(pool.num_slots, 1), pool.clock, self.cost.prefill_flops
+        horizon, clock, kv_present = AGE_TURNOVERS * max(pool.num_slots, 1), pool.clock, self.kv_present
+        linear, quadratic = self.cost.linear_flops_per_token, self.cost.attention_flops_coeff
         for slot, key, tokens, last_use, hits, paths, parent_tokens in pool.candidates(EVICTION_WINDOW):
-            if not self.kv_present(key):
+            if not kv_present(key):
                 return slot
-            saved = flops(tokens) - flops(parent_tokens)  # a miss here falls back to the parent
-            value = saved * (1 + hits + max(paths - 1, 0)) / (1.0 + (clock - last_use) / horizon)
+            # prefill_flops(tokens) - prefill_flops(parent_tokens), factored (this loop is the
+            # simulator's hottest): what a hit saves beyond the parent, where a miss falls back.
+            saved = (tokens - parent_tokens) * (linear + quadratic * (tokens + parent_tokens))
+            value = saved * (1 + hits + (paths - 1 if paths > 1 else 0)) / (1.0 + (clock - last_use) / horizon)
             if value < best_value:
                 best_slot, best_value = slot, value
         return best_slot

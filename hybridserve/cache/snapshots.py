@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
+from itertools import islice
 from typing import Callable, Iterable, NamedTuple
 
 from hybridserve.cache.block_pool import BlockHash
@@ -199,17 +200,16 @@ class SnapshotPool:
         """The `limit` least recently used evictable slots as (slot, key, tokens, last use, hits,
         paths, depth of the resident parent or 0) — what eviction weighs, without building an
         `info` per slot."""
-        for count, slot in enumerate(self._lru):
-            if count == limit:
-                return
-            key = self._key[slot]
-            children = self._children.get(key, 0)  # type: ignore[arg-type]
-            paths = max(2, children + 1) if self._branch[slot] else children
-            parent = self._parent[slot]
-            parent_slot = self._published.get(parent) if parent is not None else None
-            parent_tokens = self._num_tokens[parent_slot] if parent_slot is not None else 0
-            yield (slot, key, self._num_tokens[slot], self._last_use[slot],  # type: ignore[misc]
-                   self._hits[slot], paths, parent_tokens)
+        keys, num_tokens, last_use, hits = self._key, self._num_tokens, self._last_use, self._hits
+        parents, branch, children, published = self._parent, self._branch, self._children, self._published
+        for slot in islice(self._lru, limit):
+            key = keys[slot]
+            count = children.get(key, 0)  # type: ignore[arg-type]
+            paths = max(2, count + 1) if branch[slot] else count
+            parent = parents[slot]
+            parent_slot = published.get(parent) if parent is not None else None
+            parent_tokens = num_tokens[parent_slot] if parent_slot is not None else 0
+            yield slot, key, num_tokens[slot], last_use[slot], hits[slot], paths, parent_tokens  # type: ignore[misc]
 
     def info(self, slot: int) -> SnapshotInfo:
         """Key, position, use counters and path links of a published slot."""
