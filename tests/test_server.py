@@ -501,3 +501,28 @@ def test_multi_turn_chat_with_a_thinking_template(client: openai.OpenAI, engine:
     block = engine.engine.config.cache.block_size
     for cached, previous_prompt, _, _ in _chat_turns(client, engine, engine.engine.tokenizer.chat_template):
         assert cached >= (previous_prompt - 1) // block * block - block
+
+
+def test_completion_prompt_shapes_and_ignored_fields() -> None:
+    """`prompt` takes each of its four shapes as that shape (its union is tried left to right, and
+    strict members cannot both match); a token-id prompt is not scanned for nested unknown fields,
+    while nested ones elsewhere are still found."""
+    from pydantic import ValidationError
+
+    from hybridserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    def prompt(value: Any) -> Any:
+        return CompletionRequest.model_validate({"model": "m", "prompt": value}).prompt_inputs
+
+    assert prompt("hi") == ["hi"]
+    assert prompt([5, 6, 7]) == [[5, 6, 7]]
+    assert prompt(["a", "b"]) == ["a", "b"]
+    assert prompt([[1, 2], [3]]) == [[1, 2], [3]]
+    for bad in ([1, "a"], [[1], "a"], [], [[]], [-1], 3.5):
+        with pytest.raises(ValidationError):
+            prompt(bad)
+    ids = CompletionRequest.model_validate({"model": "m", "prompt": list(range(4096)), "foo": 1})
+    assert ids.ignored_fields() == ["foo"]
+    chat = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x", "bar": 2}], "baz": 3})
+    assert sorted(chat.ignored_fields()) == ["baz", "messages[0].bar"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import json
 import logging
 import math
@@ -649,6 +650,11 @@ class OpenAIServing:
             if not stream.finished:
                 self.engine.abort(stream.request_id)
 
+    async def _abort_after_stream(self, streams: list[RequestStream]) -> None:
+        """A streamed response's background task. Aborting never blocks, and as a coroutine it
+        runs on the event loop; Starlette would hand a plain function to a worker thread."""
+        self._abort_unfinished(streams)
+
     def _usage(self, job: _Job, finals: list[RequestOutput | None]) -> UsageInfo:
         completion = sum(len(o.token_ids) for f in finals if f is not None for o in f.outputs)
         cached = sum(f.num_cached_tokens for f in finals if f is not None)
@@ -748,7 +754,7 @@ class OpenAIServing:
         # The background task also covers a client gone before the body iterator ever started.
         return StreamingResponse(chunks, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                 background=BackgroundTask(self._abort_unfinished, streams))
+                                 background=BackgroundTask(self._abort_after_stream, streams))
 
     async def _stream_events(self, job: _Job, streams: list[RequestStream],
                              chunk: Callable[[int, _ChoiceState, CompletionOutput], BaseModel | None],
@@ -868,6 +874,15 @@ def _json(model: BaseModel, status: int = 200) -> Response:
 
 
 # =========================================================================== app factory
+def _preload_stream_backend() -> None:
+    """Import anyio's asyncio backend now: a streamed response runs in an anyio task group, and
+    the first one imports it lazily (~90 ms here), which would land in the first request's TTFT."""
+    try:
+        importlib.import_module("anyio._backends._asyncio")
+    except ImportError:  # a future anyio may move it; the lazy import still works then
+        logger.debug("anyio asyncio backend not preloaded")
+
+
 def _lifespan(engine: AsyncLLMEngine, shutdown_engine: bool) -> Callable[[FastAPI], Any]:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -943,6 +958,7 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str | Sequence[str], api_ke
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     serving = OpenAIServing(engine, model_name, reasoning_parser)
+    _preload_stream_backend()
     app = FastAPI(title="hybridserve", lifespan=_lifespan(engine, shutdown_engine),
                   openapi_url="/openapi.json", docs_url="/docs", redoc_url=None)
     app.state.serving = serving

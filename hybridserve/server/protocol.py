@@ -32,6 +32,8 @@ class LenientModel(BaseModel):
         for name in type(self).model_fields:
             value = getattr(self, name)
             items = value if isinstance(value, list) else [value]
+            if not items or not isinstance(items[0], LenientModel):
+                continue  # plain values (a prompt's token ids): nothing nested to look into
             for index, item in enumerate(items):
                 if isinstance(item, LenientModel):
                     where = f"{prefix}{name}[{index}]." if isinstance(value, list) else f"{prefix}{name}."
@@ -196,7 +198,9 @@ class _SamplingRequest(LenientModel):
 class CompletionRequest(_SamplingRequest):
     """`POST /v1/completions`; `prompt` is one prompt (text or token ids) or a batch of them."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Members are strict, so at most one matches; trying them in order stops at that one instead
+    # of validating every member ("smart" mode made a 4160-id prompt cost 1.5 ms, now 0.08 ms).
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(union_mode="left_to_right")
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
