@@ -9,8 +9,8 @@ import time
 from typing import Any
 
 from hybridserve.config import POLICY_NAMES
-from hybridserve.sim.shapes import MODEL_SHAPES, ModelShape, model_shape
 from hybridserve.sim.bound import hit_options, slot_bound_hit_tokens
+from hybridserve.sim.shapes import MODEL_SHAPES, ModelShape, model_shape
 from hybridserve.sim.simulator import SimConfig, SimResult, ceiling_hit_tokens, simulate
 from hybridserve.sim.trace import TRACE_BLOCK_TOKENS, TraceTokens, default_trace_path, read_trace
 
