@@ -10,7 +10,8 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.config import CacheConfig, EngineConfig
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.layers.gated_delta import recurrent_gated_delta_step
-from hybridserve.layers.linear import INT8_DEQUANT_ROWS, PackedLinear, quantize_int8
+from hybridserve.layers.linear import GEMV_MAX_ROWS, INT8_DEQUANT_ROWS, SPLIT_GEMM_ROWS, PackedLinear, gemv_splits, \
+    quantize_int8
 
 # Documented int8 tolerances (built-in model, prompt logits against float32; BENCHMARKS.md has
 # the measured figures): the error comes from per-channel int8 weights and bf16 GEMM inputs.
@@ -93,6 +94,30 @@ def test_int8_linear_matches_its_dequantized_weight() -> None:
     torch.testing.assert_close(packed(rows), expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="unsupported quantization"):
         PackedLinear([linear], quantization="int4")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_split_gemv_matches_f_linear_for_every_row_count(threads: int) -> None:
+    """The float32 CPU kernels picked by row count (split GEMV, split GEMM, oneDNN) all compute
+    x @ W.T (+ b) on the one plain weight, and the fused MLP's silu(gate) * up, for out sizes a
+    thread count divides or not."""
+    torch.manual_seed(2)
+    gate, up = torch.nn.Linear(64, 97, bias=True), torch.nn.Linear(64, 97, bias=True)  # 194 rows: 3 threads do not divide it
+    down = torch.nn.Linear(97, 64, bias=False)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gate_up, plain = PackedLinear([gate, up]), PackedLinear([down])
+        assert plain.split_gemv and plain.weight.data_ptr() == down.weight.data_ptr()  # no copy
+        for rows in (1, 3, SPLIT_GEMM_ROWS - 1, SPLIT_GEMM_ROWS, 17, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 100):
+            x, hidden = torch.randn(rows, 64), torch.randn(rows, 97)
+            expected = torch.nn.functional.silu(gate(x)) * up(x)
+            torch.testing.assert_close(gate_up.silu_mul(x), expected, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(gate_up(x), torch.cat([gate(x), up(x)], -1), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(plain(hidden), down(hidden), atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(previous)
+    assert gemv_splits(194, 3) == 2 and gemv_splits(194, 8) == 2 and gemv_splits(97, 4) == 1
 
 
 @pytest.mark.parametrize("fixture", [None, "text_checkpoint"])

@@ -58,24 +58,22 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.gate: PackedLinear | None = None
-        self.up: PackedLinear | None = None
+        self.gate_up: PackedLinear | None = None
         self.down: PackedLinear | None = None
 
     def pack(self, quantization: str | None = None) -> None:
-        """Repack the weights for inference (after loading); SiLU is fused into the gate GEMM,
-        which on CPU beats one fused gate|up GEMM followed by SiLU and product over strided halves.
-        The Hugging Face-named linears are dropped: the packed ones own the only copy."""
-        if self.gate is not None:
+        """Repack the weights for inference (after loading): gate and up fused into one linear
+        (see `PackedLinear.silu_mul`). The Hugging Face-named linears are dropped: the packed
+        ones own the only copy."""
+        if self.gate_up is not None:
             return
-        self.gate = PackedLinear([self.gate_proj], activation="silu", quantization=quantization)
-        self.up = PackedLinear([self.up_proj], quantization=quantization)
+        self.gate_up = PackedLinear([self.gate_proj, self.up_proj], quantization=quantization)
         self.down = PackedLinear([self.down_proj], quantization=quantization)
         drop_linears(self, ["gate_proj", "up_proj", "down_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.gate is not None and self.up is not None and self.down is not None, "call pack() first"
-        return self.down(self.gate(x).mul_(self.up(x)))
+        assert self.gate_up is not None and self.down is not None, "call pack() first"
+        return self.down(self.gate_up.silu_mul(x))
 
 
 class GatedAttention(nn.Module):
