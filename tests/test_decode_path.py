@@ -120,6 +120,22 @@ def test_split_gemv_matches_f_linear_for_every_row_count(threads: int) -> None:
     assert gemv_splits(194, 3) == 2 and gemv_splits(194, 8) == 2 and gemv_splits(97, 4) == 1
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="needs a CPU with native bf16 instructions (AVX512-BF16/AMX)")
+def test_prepacked_bfloat16_linears_match_f_linear() -> None:
+    """bfloat16 on a CPU with native bf16: the weight goes to oneDNN's blocked layout, except a
+    shared one (allow_repack=False), which stays the plain matrix."""
+    torch.manual_seed(3)
+    gate, up = torch.nn.Linear(64, 96).bfloat16(), torch.nn.Linear(64, 96).bfloat16()
+    gate_up, shared = PackedLinear([gate, up]), PackedLinear([gate], allow_repack=False)
+    assert gate_up.prepacked and not shared.onednn and shared.weight.data_ptr() == gate.weight.data_ptr()
+    for rows in (1, 40):
+        x = torch.randn(rows, 64).bfloat16()
+        expected = (torch.nn.functional.silu(gate(x).float()) * up(x).float())
+        torch.testing.assert_close(gate_up.silu_mul(x).float(), expected, atol=0.05, rtol=0.02)
+        torch.testing.assert_close(shared(x), gate(x))
+
+
 @pytest.mark.parametrize("fixture", [None, "text_checkpoint"])
 def test_int8_engine_is_close_to_float32(fixture: str | None, request: pytest.FixtureRequest) -> None:
     model = None if fixture is None else str(request.getfixturevalue(fixture))

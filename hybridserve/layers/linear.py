@@ -8,12 +8,14 @@ On CPU in float32 the weight stays one plain contiguous [out, in] matrix and ser
   where the rows make it compute-bound). Measured on a 2-core AVX2 host with cold weights, the
   built-in model's linears on one row take 10.5 ms instead of 12.5 ms with oneDNN's pre-packed
   weights (its 4096x512 LM head 0.6 vs 1.5 ms with `F.linear`), and a whole batch-1 decode step
-  0.69-0.73x the time; a batch-16 step is as fast as with pre-packed weights (0.98x);
+  0.81x the time; a batch-16 step is as fast as with pre-packed weights (0.99x);
 - above GEMV_MAX_ROWS rows (prefill), oneDNN's GEMM on the same plain weight. It reorders the
   weight per call, which costs under 5% from 128 rows up next to a pre-packed weight, and it is
   15-30% faster than MKL's `F.linear` at 2048 rows.
 One plain matrix serves both, where a pre-packed layout would need a second copy to keep the
 GEMV fast, and tied embeddings share it with the LM head.
+bfloat16 on a CPU with native bf16 instructions (AVX512-BF16/AMX) keeps oneDNN's pre-packed
+layout for every batch size (not measurable on the AVX2 host above, so left as it was).
 Elsewhere (CUDA, other dtypes, builds without oneDNN) the plain matrix is used via F.linear.
 Projections that read the same input are fused into one matrix (concatenated outputs).
 
@@ -44,6 +46,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 GEMV_MAX_ROWS = 32  # up to this many rows a float32 CPU linear runs as a split GEMV (see above)
 SPLIT_GEMM_ROWS = 8  # from this many rows the split GEMV multiplies the rows by each block's transpose
+ONEDNN_BATCH_HINT = 2048  # a pre-packed (bf16) weight's blocking is chosen for this many rows
 QUANTIZATION_METHODS = ("int8",)
 INT8_DEQUANT_ROWS = 64  # from this many rows up, an int8 linear dequantizes its weight for the call
 
@@ -53,7 +56,7 @@ def _onednn_usable(weight: torch.Tensor) -> bool:
     which makes oneDNN's bf16 GEMM ~2x faster than float32 instead of far slower."""
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    if not all(hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight")):
         return False
     if weight.dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -77,6 +80,7 @@ class PackedLinear:
         self.widths = [lin.weight.shape[0] for lin in linears]
         self.onednn = False
         self.split_gemv = False  # float32 CPU: few rows run as a split GEMV (see the module docstring)
+        self.prepacked = False  # the weight is in oneDNN's opaque blocked layout (bf16 on native-bf16 CPUs)
         self.scales: torch.Tensor | None = None  # int8 only: per-output-channel scales (float32)
         self.kernel_scales: torch.Tensor | None = None  # int8 only: the same in the kernel's input dtype
         self.int8_kernel = False  # int8 only: PyTorch has the int8 GEMM for this device
@@ -89,6 +93,16 @@ class PackedLinear:
         self.weight = weight
         self.split_gemv = weight.device.type == "cpu" and weight.dtype == torch.float32
         self.onednn = _onednn_usable(weight)
+        if self.onednn and not self.split_gemv:
+            # bfloat16 on a CPU with native bf16: oneDNN serves every batch size, best from its
+            # blocked layout (a second copy of a shared weight would not be: that one keeps F.linear).
+            self.onednn = False
+            if allow_repack:
+                try:
+                    self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT)
+                    self.onednn = self.prepacked = True
+                except RuntimeError:  # an unusual build: fall back to the plain matrix
+                    logger.warning("oneDNN weight packing unavailable; using plain GEMMs")
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors this linear owns (weight, int8 scales and bias, where present)."""
@@ -107,7 +121,7 @@ class PackedLinear:
         """silu(x @ G.T) * (x @ U.T) for a linear fused from [gate, up] of equal widths (the MLP):
         one GEMV over both for decode; for prefill on oneDNN, SiLU rides the gate GEMM as its
         post-op, which beats SiLU and product over the strided halves of one output."""
-        if self.onednn and not self._takes_split_gemv(x):
+        if self.onednn and not self.prepacked and not self._takes_split_gemv(x):
             half = self.weight.shape[0] // 2
             gate_bias, up_bias = (None, None) if self.bias is None else (self.bias[:half], self.bias[half:])
             gate = torch.ops.mkldnn._linear_pointwise(x, self.weight[:half], gate_bias, "swish", [], "")
@@ -197,10 +211,14 @@ def drop_linears(module: nn.Module, names: list[str]) -> None:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of the storage behind a tensor."""
+    """Bytes of a tensor's data (also for oneDNN's opaque blocked tensors, which have no storage)."""
+    if tensor.layout == torch._mkldnn:  # type: ignore[attr-defined]
+        return tensor.numel() * tensor.element_size()
     return tensor.untyped_storage().nbytes()
 
 
 def tensor_key(tensor: torch.Tensor) -> int:
     """Identity of the memory behind a tensor (views of one storage share it)."""
+    if tensor.layout == torch._mkldnn:  # type: ignore[attr-defined]
+        return id(tensor)
     return tensor.untyped_storage().data_ptr()
