@@ -109,7 +109,7 @@ def test_split_gemv_matches_f_linear_for_every_row_count(threads: int) -> None:
     try:
         gate_up, plain = PackedLinear([gate, up]), PackedLinear([down])
         assert plain.split_gemv and plain.weight.data_ptr() == down.weight.data_ptr()  # no copy
-        for rows in (1, 3, SPLIT_GEMM_ROWS - 1, SPLIT_GEMM_ROWS, 17, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 100):
+        for rows in (1, 3, SPLIT_GEMM_ROWS - 1, SPLIT_GEMM_ROWS, 17, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 300):
             x, hidden = torch.randn(rows, 64), torch.randn(rows, 97)
             expected = torch.nn.functional.silu(gate(x)) * up(x)
             torch.testing.assert_close(gate_up.silu_mul(x), expected, atol=1e-5, rtol=1e-5)
