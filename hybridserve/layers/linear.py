@@ -168,9 +168,9 @@ class PackedLinear:
 
 
 @functools.lru_cache(maxsize=None)
-def gemv_splits(out_features: int, threads: int) -> int:
-    """Row blocks of a split GEMV: the most, up to one per thread, that divide `out_features`."""
-    return next(s for s in range(max(1, threads), 0, -1) if out_features % s == 0)
+def gemv_splits(out_features: int, max_blocks: int) -> int:
+    """Row blocks of a split GEMV: the most blocks, up to `max_blocks`, that divide `out_features`."""
+    return next(s for s in range(max(1, max_blocks), 0, -1) if out_features % s == 0)
 
 
 @functools.lru_cache(maxsize=None)
