@@ -102,8 +102,13 @@ class ModelRunner:
         batch, sample_chunks, full_rows = self._build_batch(plan.chunks)
         writer = SnapshotWriter(self.snapshots) if self.snapshots is not None else None
         writes: list[StateWrite] = []
-        logits = self.model(batch, ForwardContext(self.kv_cache, self.live_states, writer, writes))
-        self._commit(writes)
+        undo: list[StateWrite] = []
+        try:
+            logits = self.model(batch, ForwardContext(self.kv_cache, self.live_states, writer, writes, undo))
+        except BaseException:
+            self._write_states(undo)  # layers that updated live state in place: back to before the step
+            raise
+        self._write_states(writes)
         failed = writer.failed if writer is not None else set()
         num_sampled = len(sample_chunks)
         prompt_logits = [(index, logits[num_sampled + first:num_sampled + first + count])
@@ -132,7 +137,7 @@ class ModelRunner:
             self.kv_cache.keys[:, dst].copy_(self.kv_cache.keys[:, src])
             self.kv_cache.values[:, dst].copy_(self.kv_cache.values[:, src])
 
-    def _commit(self, writes: list[StateWrite]) -> None:
+    def _write_states(self, writes: list[StateWrite]) -> None:
         conv_dtype = self.live_states.conv.dtype
         for write in writes:
             conv = write.conv if write.conv.dtype == conv_dtype else write.conv.to(conv_dtype)

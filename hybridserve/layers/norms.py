@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridserve.layers.native import rms_norm_applies, rms_norm_f32
+
 
 class ZeroCenteredRMSNorm(nn.Module):
     """RMSNorm whose weight is stored centred on zero: y = norm(x) * (1 + w), computed in float32."""
@@ -26,6 +28,8 @@ class ZeroCenteredRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.scale if self.scale is not None else 1.0 + self.weight.float()  # before pack()
+        if rms_norm_applies(x, scale):  # decode-sized float32 rows on CPU: one C call, not six ops
+            return rms_norm_f32(x, scale, self.eps)
         if x.dtype == torch.float32:  # skips two no-op conversions, which cost dispatch in decode
             return F.rms_norm(x, (x.shape[-1],), scale, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(x.dtype)

@@ -19,15 +19,17 @@ from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.config import FULL_ATTENTION, ModelConfig
 from hybridserve.layers.attention import PagedKVCache, decode_attention, prefill_attention
 from hybridserve.layers.linear import PackedLinear, drop_linears, tensor_bytes, tensor_key
-from hybridserve.layers.gated_delta import causal_conv_decode, causal_conv_prefill, chunked_gated_delta, \
-    recurrent_gated_delta_step
+from hybridserve.layers.gated_delta import L2_NORM_EPS, causal_conv_decode, causal_conv_prefill, \
+    chunked_gated_delta, recurrent_gated_delta_step
+from hybridserve.layers.native import gdn_decode_f32, native_kernels_enabled
 from hybridserve.layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from hybridserve.layers.rotary import PartialRotaryEmbedding
-from hybridserve.models.batch import ForwardBatch, PrefillChunk
+from hybridserve.models.batch import DecodeGroup, ForwardBatch, PrefillChunk
 
 
 class StateWrite(NamedTuple):
-    """New GDN state for some live slots of one layer, applied after the forward succeeds."""
+    """GDN state for some live slots of one layer: new state, written after the forward succeeds,
+    or (in `ForwardContext.state_undo`) the state a layer replaced in place, written back if it fails."""
 
     layer: int
     slots: torch.Tensor      # [n] live slots
@@ -48,6 +50,7 @@ class ForwardContext(NamedTuple):
     live_states: GDNStateTensors
     snapshot_sink: SnapshotSink | None
     state_writes: list[StateWrite]
+    state_undo: list[StateWrite]
 
 
 class MLP(nn.Module):
@@ -203,15 +206,22 @@ class GatedDeltaNet(nn.Module):
         """Advance every sequence's state over its tokens; return the output of all rows or of `rows`."""
         assert self.in_proj is not None and self.out is not None, "call pack() after loading weights"
         num_tokens = x.shape[0]
-        mixed, z, b, a = self.in_proj.split(x)
-        beta, g = self._beta_and_decay(a, b)
+        projection = self.in_proj(x)
+        mixed, z, b, a = projection.split(self.in_proj.widths, dim=-1)
         weight = self.conv1d.weight.squeeze(1)
+        live_conv = ctx.live_states.conv[self.state_layer]
+        if not batch.prefills and self._fused_decode_applies(projection, live_conv, weight):
+            assert batch.decode is not None  # decode only: the kernel's output is normed and gated too
+            out = self._decode_fused(projection, weight, batch.decode, ctx, gated_norm=True)
+            out = out.reshape(num_tokens, self.value_dim)
+            return self.out(out if rows is None else out.index_select(0, rows))
         if not batch.prefills:  # decode only: the step's output is the whole core, no scatter
-            core = self._decode(mixed, g, beta, weight, batch, ctx)
+            core = self._decode(projection, weight, batch, ctx)
         else:
             core = torch.empty(num_tokens, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=x.device)
             if batch.decode is not None:
-                core[:batch.num_decode] = self._decode(mixed, g, beta, weight, batch, ctx)
+                core[:batch.num_decode] = self._decode(projection, weight, batch, ctx)
+            beta, g = self._beta_and_decay(a, b)
             for chunk in batch.prefills:
                 self._prefill(chunk, mixed, g, beta, weight, ctx, core)
         if rows is not None:
@@ -229,23 +239,62 @@ class GatedDeltaNet(nn.Module):
         dt_bias = self.dt_bias if self.dt_bias.dtype == torch.float32 else self.dt_bias.float()
         return torch.sigmoid(b), self.neg_decay_rate * F.softplus(a + dt_bias)
 
-    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, weight: torch.Tensor,
-                batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
-        """Advance the decode group's state by one token; return its output [B, Hv, Dv] float32."""
-        group, rows, layer = batch.decode, batch.num_decode, self.state_layer
+    def _decode(self, projection: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext
+                ) -> torch.Tensor:
+        """Advance the decode group's state by one token; return its output [B, Hv, Dv] float32.
+        `projection` holds the in_proj output rows: conv inputs, z, b, a."""
+        group, layer = batch.decode, self.state_layer
         assert group is not None
-        conv_state = ctx.live_states.conv[layer].index_select(0, group.state_slots)
-        state = ctx.live_states.recurrent[layer].index_select(0, group.state_slots)
-        conv_out, new_conv = causal_conv_decode(mixed[:rows], conv_state, weight)
+        conv_live, recurrent_live = ctx.live_states.conv[layer], ctx.live_states.recurrent[layer]
+        if self._fused_decode_applies(projection, conv_live, weight):
+            core = self._decode_fused(projection[:batch.num_decode], weight, group, ctx, gated_norm=False)
+        else:
+            core, new_conv, new_state = self._decode_eager(projection[:batch.num_decode], weight, group.state_slots,
+                                                           conv_live, recurrent_live)
+            ctx.state_writes.append(StateWrite(layer, group.state_slots, new_conv, new_state))
+            if ctx.snapshot_sink is not None:
+                for row, snapshot_slot in group.captures:
+                    ctx.snapshot_sink.write(layer, snapshot_slot, new_conv[row], new_state[row])
+        return core
+
+    def _decode_fused(self, projection: torch.Tensor, weight: torch.Tensor, group: DecodeGroup,
+                      ctx: ForwardContext, gated_norm: bool) -> torch.Tensor:
+        """The C kernel: one pass over each state, updated in its live slot; the state it replaced
+        becomes the step's undo record. With `gated_norm` the output has the output norm applied."""
+        assert self.neg_decay_rate is not None
+        layer, b_offset = self.state_layer, self.in_proj.widths[0] + self.in_proj.widths[1]
+        conv_live, recurrent_live = ctx.live_states.conv[layer], ctx.live_states.recurrent[layer]
+        core, old_conv, old_state = gdn_decode_f32(
+            projection, b_offset, b_offset + self.num_v_heads, group.state_slots, conv_live, recurrent_live,
+            weight, self.dt_bias, self.neg_decay_rate, self.num_k_heads, L2_NORM_EPS, in_place=True,
+            norm_weight=self.norm.weight if gated_norm else None, norm_eps=self.norm.eps)
+        ctx.state_undo.append(StateWrite(layer, group.state_slots, old_conv, old_state))
+        if ctx.snapshot_sink is not None:
+            for row, snapshot_slot in group.captures:
+                slot = int(group.state_slots[row])
+                ctx.snapshot_sink.write(layer, snapshot_slot, conv_live[slot], recurrent_live[slot])
+        return core
+
+    def _decode_eager(self, projection: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor,
+                      conv_live: torch.Tensor, recurrent_live: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """PyTorch ops (any device and dtype): (output, new conv windows, new states); live state is only read."""
+        rows = projection.shape[0]
+        mixed, _, b, a = projection.split(self.in_proj.widths, dim=-1)
+        beta, g = self._beta_and_decay(a, b)
+        conv_out, new_conv = causal_conv_decode(mixed, conv_live.index_select(0, slots), weight)
         qk, v = conv_out.split([2 * self.key_dim, self.value_dim], dim=-1)
         core, new_state = recurrent_gated_delta_step(
             qk.view(rows, 2 * self.num_k_heads, self.head_k_dim), v.view(rows, self.num_v_heads, self.head_v_dim),
-            g[:rows], beta[:rows], state)
-        ctx.state_writes.append(StateWrite(layer, group.state_slots, new_conv, new_state))
-        if ctx.snapshot_sink is not None:
-            for row, snapshot_slot in group.captures:
-                ctx.snapshot_sink.write(layer, snapshot_slot, new_conv[row], new_state[row])
-        return core
+            g, beta, recurrent_live.index_select(0, slots))
+        return core, new_conv, new_state
+
+    def _fused_decode_applies(self, projection: torch.Tensor, conv_live: torch.Tensor, weight: torch.Tensor) -> bool:
+        """The C decode kernel takes float32 CPU inputs (the eager ops cover every other case)."""
+        float32 = torch.float32
+        return (projection.device.type == "cpu" and projection.dtype == float32 and conv_live.dtype == float32
+                and weight.dtype == float32 and self.dt_bias.dtype == float32 and self.norm.weight.dtype == float32
+                and weight.is_contiguous() and native_kernels_enabled())
 
     def _prefill(self, chunk: PrefillChunk, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  weight: torch.Tensor, ctx: ForwardContext, core: torch.Tensor) -> None:

@@ -1,0 +1,130 @@
+/* One fused decode step of a Gated DeltaNet layer for a batch of sequences (float32, CPU).
+ *
+ * Per sequence b (live state slot slots[b]) it does what the eager PyTorch path in
+ * hybridserve/models/qwen3_5.py does with ~25 small ops, but reads the slot's recurrent state once
+ * and writes its successor once:
+ *   conv:   y = silu(sum_j w[c][j] * window[c][j]), window = conv state (K-1 inputs) then x;
+ *   q, k:   l2-normalised per key head (q also scaled by head_k ** -0.5);
+ *   gates:  decay = exp(-exp(A_log) * softplus(a + dt_bias)), beta = sigmoid(b);
+ *   state:  S' = decay * S + k^T (beta * (v - k (decay * S))),  out = q S'.
+ * With a norm weight, each head's output is then the GDN output norm, w * rms_norm(out) * silu(z),
+ * with z read from the projection row at z_offset.
+ * A slot outside [0, num_slots) fails the call (returns 2) before any state is touched.
+ * With in_place = 0 the new conv windows and states go to out_conv / out_rec [B, ...] and live
+ * state is only read (the caller commits them once the forward succeeded). With in_place = 1 the
+ * live slots are updated and their previous contents go to out_conv / out_rec, the undo record the
+ * caller restores if the forward fails: one pass over the state instead of a second copy.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+static void l2_normalize(float *x, int64_t n, float eps, float scale) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += x[i] * x[i];
+    float factor = scale / sqrtf(sum + eps);
+    for (int64_t i = 0; i < n; i++) x[i] *= factor;
+}
+
+/* The conv of one sequence: SiLU(conv) to `out` [conv_dim]; the window shifted by x to `next`
+ * (which may be `state` itself). */
+static void conv_step(const float *x, const float *state, const float *weight, int64_t conv_dim, int64_t kernel,
+                      float *out, float *next) {
+    int64_t hist = kernel - 1;
+    for (int64_t c = 0; c < conv_dim; c++) {
+        const float *s = state + c * hist, *w = weight + c * kernel;
+        float acc = 0.0f;
+        for (int64_t j = 0; j < hist; j++) acc += s[j] * w[j];
+        acc += x[c] * w[hist];
+        out[c] = silu(acc);
+        float *n = next + c * hist;
+        for (int64_t j = 0; j + 1 < hist; j++) n[j] = s[j + 1];
+        n[hist - 1] = x[c];
+    }
+}
+
+/* One value head: S [dk, dv] -> S' written to `next` (which may be `s` itself); q S' to out [dv]. */
+static void delta_rule_head(const float *s, const float *q, const float *k, const float *v, float decay, float beta,
+                            int64_t dk, int64_t dv, float *next, float *out, float *delta) {
+    for (int64_t j = 0; j < dv; j++) delta[j] = 0.0f;
+    for (int64_t i = 0; i < dk; i++) {
+        const float *row = s + i * dv;
+        float ki = k[i];
+        for (int64_t j = 0; j < dv; j++) delta[j] += ki * (row[j] * decay);
+    }
+    for (int64_t j = 0; j < dv; j++) { delta[j] = (v[j] - delta[j]) * beta; out[j] = 0.0f; }
+    for (int64_t i = 0; i < dk; i++) {
+        const float *row = s + i * dv;
+        float *next_row = next + i * dv;
+        float ki = k[i], qi = q[i];
+        for (int64_t j = 0; j < dv; j++) {
+            float value = row[j] * decay + ki * delta[j];
+            next_row[j] = value;
+            out[j] += qi * value;
+        }
+    }
+}
+
+/* out *= w * silu(z) / sqrt(mean(out^2) + eps) over one head. */
+static void gated_rms_norm(float *out, const float *z, const float *w, int64_t n, float eps) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; j++) sum += out[j] * out[j];
+    float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    for (int64_t j = 0; j < n; j++) out[j] = out[j] * inv * w[j] * silu(z[j]);
+}
+
+/* proj rows hold [mixed (conv_dim), z (Hv*Dv), b (Hv), a (Hv)] (b and a at the given offsets);
+ * norm_weight [Dv] or NULL; conv_live [num_slots, conv_dim, K-1], rec_live [num_slots, Hv, Dk, Dv]; core [B, Hv, Dv];
+ * scratch [B, conv_dim + Dv] (the conv output and one head's delta of each row). */
+int gdn_decode_f32(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int64_t head_k, int64_t head_v,
+                   int64_t kernel, const float *proj, int64_t proj_stride, int64_t b_offset, int64_t a_offset,
+                   const int64_t *slots, int64_t num_slots, float *conv_live, float *rec_live,
+                   const float *conv_weight, const float *dt_bias, const float *neg_decay_rate, float l2_eps,
+                   const float *norm_weight, float norm_eps, int num_threads, int in_place, float *scratch,
+                   float *out_conv, float *out_rec, float *core) {
+    int64_t key_dim = num_k_heads * head_k, value_dim = num_v_heads * head_v;
+    int64_t conv_dim = 2 * key_dim + value_dim, hist = kernel - 1, group = num_v_heads / num_k_heads;
+    int64_t conv_size = conv_dim * hist, rec_size = num_v_heads * head_k * head_v, head_size = head_k * head_v;
+    float q_scale = 1.0f / sqrtf((float)head_k);
+    for (int64_t b = 0; b < batch; b++)
+        if (slots[b] < 0 || slots[b] >= num_slots) return 2;
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && batch > 1) schedule(static)
+    for (int64_t b = 0; b < batch; b++) {
+        float *conv_out = scratch + b * (conv_dim + head_v);
+        float *delta = conv_out + conv_dim;
+        const float *row = proj + b * proj_stride;
+        float *conv_slot = conv_live + slots[b] * conv_size, *rec_slot = rec_live + slots[b] * rec_size;
+        float *conv_next = out_conv + b * conv_size, *rec_next = out_rec + b * rec_size;
+        if (in_place) {  /* keep the undo record, then update the slot itself */
+            memcpy(conv_next, conv_slot, sizeof(float) * conv_size);
+            conv_next = conv_slot;
+        }
+        conv_step(row, in_place ? out_conv + b * conv_size : conv_slot, conv_weight, conv_dim, kernel, conv_out,
+                  conv_next);
+        for (int64_t h = 0; h < num_k_heads; h++) {
+            l2_normalize(conv_out + h * head_k, head_k, l2_eps, q_scale);
+            l2_normalize(conv_out + key_dim + h * head_k, head_k, l2_eps, 1.0f);
+        }
+        for (int64_t h = 0; h < num_v_heads; h++) {
+            int64_t kh = h / group;
+            float decay = expf(neg_decay_rate[h] * softplus(row[a_offset + h] + dt_bias[h]));
+            float beta = sigmoid(row[b_offset + h]);
+            float *state = rec_slot + h * head_size, *next = rec_next + h * head_size;
+            if (in_place) {
+                memcpy(next, state, sizeof(float) * head_size);
+                next = state;
+            }
+            delta_rule_head(state, conv_out + kh * head_k, conv_out + key_dim + kh * head_k,
+                            conv_out + 2 * key_dim + h * head_v, decay, beta, head_k, head_v, next,
+                            core + (b * num_v_heads + h) * head_v, delta);
+            if (norm_weight)
+                gated_rms_norm(core + (b * num_v_heads + h) * head_v, row + conv_dim + h * head_v, norm_weight,
+                               head_v, norm_eps);
+        }
+    }
+    return 0;
+}

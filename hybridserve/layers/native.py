@@ -1,0 +1,178 @@
+"""Small fused CPU kernels in C, compiled on first use and called through ctypes.
+
+A batch-1 decode step on CPU is bound by per-op dispatch, and a batch-16 one by passes over the GDN
+state: the eager GDN decode runs ~25 ATen ops per layer and reads and writes each sequence's
+recurrent state five times. `gdn_decode_f32` (csrc/gdn_decode.c) does the whole step of one layer,
+output norm included, in one call and one pass; `rms_norm_f32` (csrc/rms_norm.c) replaces the six
+ops of torch's CPU rms_norm for decode-sized inputs. The sources are compiled with the system C compiler into the user's cache
+directory (keyed by source, compiler and CPU, so a shared home across different CPUs is safe) and
+loaded with ctypes: no build step at install, a second or two at the first start, nothing after.
+OpenMP in the kernel binds to the `libgomp.so.1` torch already loaded, so it shares torch's
+threads. Without a compiler, on other devices or dtypes, or with `HYBRIDSERVE_NATIVE_KERNELS=0`,
+callers fall back to the eager PyTorch ops (see `native_kernels_enabled`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+NATIVE_KERNELS_ENV = "HYBRIDSERVE_NATIVE_KERNELS"
+SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
+RMS_NORM_MAX_ROWS = 64  # larger inputs (prefill) take torch's parallel rms_norm
+CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno"]
+
+_i64 = ctypes.c_int64
+_ptr, _float, _int = ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+_GDN_DECODE_ARGTYPES = [_i64] * 6 + [_ptr, _i64, _i64, _i64, _ptr, _i64] + [_ptr] * 5 \
+    + [_float, _ptr, _float, _int, _int] + [_ptr] * 4
+_RMS_NORM_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _float, _ptr, _i64]
+
+
+def native_kernels_enabled() -> bool:
+    """Whether the C kernels may be used: not disabled by the environment and compiled (once per
+    process; a failed build is logged once and the eager path is used)."""
+    if os.environ.get(NATIVE_KERNELS_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return _library() is not None
+
+
+def _cpu_signature() -> str:
+    """What the compiled code depends on besides its source: CPU model and instruction set."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        wanted = []
+    return "|".join([platform.machine(), platform.processor(), *wanted])
+
+
+def _compiler() -> str | None:
+    name = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    executable = name.split()[0]
+    return name if shutil.which(executable) else (shutil.which("gcc") or shutil.which("cc"))
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "hybridserve" / "kernels"
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compile SOURCES to `target` atomically (a concurrent build of the same key is harmless)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        partial = Path(tmp) / target.name
+        subprocess.run([*compiler.split(), *CFLAGS, *map(str, SOURCES), "-o", str(partial), "-lm"],
+                       check=True, capture_output=True, text=True, timeout=120)
+        os.replace(partial, target)
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C compiler found: the CPU decode runs on eager PyTorch ops (slower)")
+        return None
+    try:
+        version = subprocess.run([*compiler.split(), "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+        sources = [source.read_text() for source in SOURCES]
+        key = hashlib.sha256("\0".join([*sources, compiler, version, " ".join(CFLAGS),
+                                        _cpu_signature()]).encode()).hexdigest()[:20]
+        target = _cache_dir() / f"kernels-{key}.so"
+        if not target.exists():
+            _build(compiler, target)
+        library = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        logger.warning("building the C decode kernels failed; using eager PyTorch ops: %s", detail)
+        return None
+    library.gdn_decode_f32.argtypes = _GDN_DECODE_ARGTYPES
+    library.gdn_decode_f32.restype = ctypes.c_int
+    library.rms_norm_f32.argtypes = _RMS_NORM_ARGTYPES
+    library.rms_norm_f32.restype = None
+    return library
+
+
+def rms_norm_applies(x: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether `rms_norm_f32` takes these inputs: a few contiguous float32 CPU rows."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and scale.dtype == torch.float32
+            and x.dim() >= 1 and x.numel() <= RMS_NORM_MAX_ROWS * x.shape[-1] and x.is_contiguous()
+            and native_kernels_enabled())
+
+
+def rms_norm_f32(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2, -1) + eps) * scale over the last dim of contiguous float32 CPU rows
+    (check `rms_norm_applies` first)."""
+    dim = x.shape[-1]
+    if scale.shape != (dim,) or not scale.is_contiguous():
+        raise ValueError(f"rms_norm_f32: scale must be a contiguous [{dim}] tensor, got {tuple(scale.shape)}")
+    library = _library()
+    assert library is not None, "check rms_norm_applies() first"
+    out = torch.empty_like(x)
+    rows = x.numel() // dim if dim else 0
+    library.rms_norm_f32(x.data_ptr(), rows, dim, dim, scale.data_ptr(), eps, out.data_ptr(), dim)
+    return out
+
+
+def gdn_decode_f32(proj: torch.Tensor, b_offset: int, a_offset: int, slots: torch.Tensor, conv_live: torch.Tensor,
+                   rec_live: torch.Tensor, conv_weight: torch.Tensor, dt_bias: torch.Tensor,
+                   neg_decay_rate: torch.Tensor, num_k_heads: int, l2_eps: float, in_place: bool = False,
+                   norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One GDN decode step for a batch, fused (see csrc/gdn_decode.c).
+
+    proj [B, P] float32 rows of the fused input projection whose first conv_dim columns are the
+    conv inputs and whose columns `b_offset` and `a_offset` start the beta and decay gates (rows
+    may be strided, columns contiguous); slots [B] int64 live-state slots; conv_live
+    [S, conv_dim, K-1] and rec_live [S, Hv, Dk, Dv] float32 contiguous; conv_weight [conv_dim, K];
+    dt_bias and neg_decay_rate [Hv] float32. Returns (core output [B, Hv, Dv], conv windows
+    [B, conv_dim, K-1], recurrent states [B, Hv, Dk, Dv]): the new ones, live state only read; or
+    with `in_place` the previous ones (the undo record), the live slots holding the new ones.
+    With `norm_weight` [Dv] the output is the GDN output norm, w * rms_norm(core) * silu(z), z being
+    the projection's columns after the conv inputs.
+    """
+    library = _library()
+    assert library is not None, "check native_kernels_enabled() first"
+    batch = proj.shape[0]
+    _, num_v_heads, head_k, head_v = rec_live.shape
+    conv_dim, kernel = conv_weight.shape
+    tensors = (proj, slots, conv_live, rec_live, conv_weight, dt_bias, neg_decay_rate)
+    if norm_weight is not None:
+        tensors += (norm_weight,)
+        if norm_weight.shape != (head_v,):
+            raise ValueError(f"gdn_decode_f32: norm weight must be [{head_v}], got {tuple(norm_weight.shape)}")
+    if any(t.device.type != "cpu" for t in tensors) or slots.dtype != torch.int64 or any(
+            t.dtype != torch.float32 for t in tensors if t is not slots):
+        raise ValueError("gdn_decode_f32 takes float32 CPU tensors and int64 slots")
+    if proj.stride(1) != 1 or not all(t.is_contiguous() for t in tensors[1:]):
+        raise ValueError("gdn_decode_f32 needs contiguous state, weights and projection columns")
+    if conv_live.shape != (rec_live.shape[0], conv_dim, kernel - 1) or conv_dim != 2 * num_k_heads * head_k + num_v_heads * head_v:
+        raise ValueError("gdn_decode_f32: state and weight shapes disagree")
+    core = torch.empty(batch, num_v_heads, head_v)
+    scratch = torch.empty(batch, conv_dim + head_v)
+    out_conv = torch.empty(batch, conv_dim, kernel - 1)
+    out_rec = torch.empty(batch, num_v_heads, head_k, head_v)
+    failed = library.gdn_decode_f32(
+        batch, num_k_heads, num_v_heads, head_k, head_v, kernel, proj.data_ptr(), proj.stride(0), b_offset,
+        a_offset, slots.data_ptr(), rec_live.shape[0], conv_live.data_ptr(), rec_live.data_ptr(), conv_weight.data_ptr(),
+        dt_bias.data_ptr(), neg_decay_rate.data_ptr(), l2_eps,
+        norm_weight.data_ptr() if norm_weight is not None else None, norm_eps, torch.get_num_threads(), int(in_place),
+        scratch.data_ptr(), out_conv.data_ptr(), out_rec.data_ptr(), core.data_ptr())
+    if failed:
+        raise IndexError(f"gdn_decode_f32: a state slot is outside [0, {rec_live.shape[0]})")
+    return core, out_conv, out_rec

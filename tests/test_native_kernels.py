@@ -1,0 +1,199 @@
+"""The fused C decode kernel (hybridserve/layers/native.py): exact against the eager ops, in-place
+updates undone when a forward fails, bad slots rejected, and a clean fallback without it."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridserve import SamplingParams
+from hybridserve.config import CacheConfig, EngineConfig
+from hybridserve.engine.engine import LLMEngine
+from hybridserve.layers import native
+from hybridserve.layers.gated_delta import L2_NORM_EPS, causal_conv_decode, recurrent_gated_delta_step
+from hybridserve.layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
+
+HAVE_COMPILER = shutil.which("cc") is not None or shutil.which("gcc") is not None
+needs_kernel = pytest.mark.skipif(not HAVE_COMPILER, reason="no C compiler: the eager path is used")
+
+
+def test_the_kernel_builds_where_a_c_compiler_exists() -> None:
+    assert native.native_kernels_enabled() == HAVE_COMPILER
+
+
+class _Layer:
+    """Random inputs of one GDN layer: value heads grouped over key heads, a head size that is not a
+    multiple of the vector width, a strided projection (the in_proj output with z between)."""
+
+    def __init__(self, batch: int = 3, hk: int = 2, hv: int = 6, dk: int = 12, dv: int = 10, kernel: int = 4,
+                 num_slots: int = 7, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.hk, self.hv, self.dk, self.dv = hk, hv, dk, dv
+        self.conv_dim = 2 * hk * dk + hv * dv
+        self.b_offset = self.conv_dim + hv * dv
+        self.projection = torch.randn(batch, self.b_offset + 2 * hv, generator=gen)
+        self.conv_live = torch.randn(num_slots, self.conv_dim, kernel - 1, generator=gen)
+        self.rec_live = torch.randn(num_slots, hv, dk, dv, generator=gen) * 0.3
+        self.weight = torch.randn(self.conv_dim, kernel, generator=gen) * 0.3
+        self.dt_bias = torch.randn(hv, generator=gen)
+        self.neg_decay_rate = -torch.rand(hv, generator=gen) * 8
+        self.slots = torch.randperm(num_slots, generator=gen)[:batch]
+
+    def eager(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows = self.projection.shape[0]
+        mixed = self.projection[:, :self.conv_dim]
+        b = self.projection[:, self.b_offset:self.b_offset + self.hv]
+        a = self.projection[:, self.b_offset + self.hv:]
+        beta, g = torch.sigmoid(b), self.neg_decay_rate * F.softplus(a + self.dt_bias)
+        conv_out, new_conv = causal_conv_decode(mixed, self.conv_live.index_select(0, self.slots), self.weight)
+        qk, v = conv_out.split([2 * self.hk * self.dk, self.hv * self.dv], dim=-1)
+        core, new_state = recurrent_gated_delta_step(qk.reshape(rows, 2 * self.hk, self.dk),
+                                                     v.reshape(rows, self.hv, self.dv), g, beta,
+                                                     self.rec_live.index_select(0, self.slots))
+        return core, new_conv, new_state
+
+    def fused(self, in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return native.gdn_decode_f32(self.projection, self.b_offset, self.b_offset + self.hv, self.slots,
+                                     self.conv_live, self.rec_live, self.weight, self.dt_bias,
+                                     self.neg_decay_rate, self.hk, L2_NORM_EPS, in_place=in_place)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_gdn_decode_matches_the_eager_ops(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    layer = _Layer()
+    conv_before, rec_before = layer.conv_live.clone(), layer.rec_live.clone()
+    core, new_conv, new_state = layer.eager()
+    fused_core, fused_conv, fused_state = layer.fused()
+    torch.testing.assert_close(fused_core, core, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_conv, new_conv, atol=0, rtol=0)
+    torch.testing.assert_close(fused_state, new_state, atol=1e-5, rtol=1e-5)
+    assert torch.equal(layer.conv_live, conv_before) and torch.equal(layer.rec_live, rec_before)
+
+    in_place_core, undo_conv, undo_state = layer.fused(in_place=True)
+    assert torch.equal(in_place_core, fused_core)
+    assert torch.equal(undo_conv, conv_before[layer.slots]) and torch.equal(undo_state, rec_before[layer.slots])
+    assert torch.equal(layer.conv_live[layer.slots], fused_conv)
+    assert torch.equal(layer.rec_live[layer.slots], fused_state)
+    others = [s for s in range(layer.rec_live.shape[0]) if s not in layer.slots.tolist()]
+    assert torch.equal(layer.rec_live[others], rec_before[others])
+
+
+@needs_kernel
+def test_fused_output_norm_matches_the_gated_rms_norm() -> None:
+    layer = _Layer(seed=1)
+    core, _, _ = layer.eager()
+    norm = GatedRMSNorm(layer.dv, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(layer.dv) + 0.5)
+    z = layer.projection[:, layer.conv_dim:layer.conv_dim + layer.hv * layer.dv].reshape(-1, layer.dv)
+    expected = norm(core.reshape(-1, layer.dv), z).reshape(core.shape)
+    fused, _, _ = native.gdn_decode_f32(layer.projection, layer.b_offset, layer.b_offset + layer.hv, layer.slots,
+                                        layer.conv_live, layer.rec_live, layer.weight, layer.dt_bias,
+                                        layer.neg_decay_rate, layer.hk, L2_NORM_EPS,
+                                        norm_weight=norm.weight.detach(), norm_eps=norm.eps)
+    torch.testing.assert_close(fused, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 512), (3, 8, 64), (64, 20)])
+def test_rms_norm_matches_torch(shape: tuple[int, ...]) -> None:
+    gen = torch.Generator().manual_seed(2)
+    x, scale = torch.randn(*shape, generator=gen) * 3, torch.rand(shape[-1], generator=gen) + 0.5
+    assert native.rms_norm_applies(x, scale)
+    torch.testing.assert_close(native.rms_norm_f32(x, scale, 1e-6), F.rms_norm(x, (shape[-1],), scale, 1e-6),
+                               atol=1e-5, rtol=1e-5)
+    assert ZeroCenteredRMSNorm(shape[-1])(x).shape == x.shape  # the module takes the kernel too
+
+
+def test_rms_norm_leaves_prefill_and_other_dtypes_to_torch() -> None:
+    scale = torch.ones(16)
+    assert not native.rms_norm_applies(torch.randn(native.RMS_NORM_MAX_ROWS + 1, 16), scale)
+    assert not native.rms_norm_applies(torch.randn(4, 16, dtype=torch.bfloat16), scale)
+    assert not native.rms_norm_applies(torch.randn(16, 4).t(), scale)
+    with pytest.raises(ValueError, match="scale"):
+        native.rms_norm_f32(torch.randn(2, 16), torch.ones(8), 1e-6)
+
+
+@needs_kernel
+def test_a_slot_out_of_range_is_rejected_before_any_state_changes() -> None:
+    layer = _Layer()
+    layer.slots = torch.tensor([0, 1, layer.rec_live.shape[0]])
+    before = layer.rec_live.clone()
+    with pytest.raises(IndexError, match="outside"):
+        layer.fused(in_place=True)
+    assert torch.equal(layer.rec_live, before)
+    with pytest.raises(ValueError, match="float32"):
+        native.gdn_decode_f32(layer.projection.double(), layer.b_offset, layer.b_offset + layer.hv,
+                              layer.slots, layer.conv_live, layer.rec_live, layer.weight, layer.dt_bias,
+                              layer.neg_decay_rate, layer.hk, L2_NORM_EPS)
+
+
+def _engine(**cache: object) -> LLMEngine:
+    return LLMEngine(EngineConfig(device="cpu", dtype="float32", cache=CacheConfig(kv_cache_mib=8, **cache)))
+
+
+def _generate(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int = 24) -> dict[str, tuple]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, params)
+    done: dict[str, tuple] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = (tuple(output.outputs[0].token_ids), output.num_cached_tokens)
+    engine.check_integrity()
+    return done
+
+
+PROMPTS = {"a": list(range(300, 340)), "b": [7, 8, 9] * 11, "c": list(range(1000, 1100))}
+
+
+def test_greedy_tokens_are_identical_with_the_kernel_on_and_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three sequences decode together; snapshots every 16 tokens are captured on the decode path
+    and restored by the warm repeat, so captures from the in-place update are checked too."""
+    results = []
+    for enabled in ("1", "0"):
+        monkeypatch.setenv(native.NATIVE_KERNELS_ENV, enabled)
+        engine = _engine(snapshot_interval=16, block_size=16)
+        cold = _generate(engine, PROMPTS)
+        warm = _generate(engine, {f"{k}-again": p + list(cold[k][0][:20]) for k, p in PROMPTS.items()})
+        results.append((cold, warm))
+    assert results[0] == results[1]
+    assert all(cached > 0 for _, cached in results[0][1].values())
+
+
+@needs_kernel
+def test_a_forward_failing_after_an_in_place_update_leaves_no_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The final norm runs after every GDN layer updated its live slots in place: failing it once
+    mid-decode must restore those slots, so the retried step gives the tokens of an unfailed run."""
+    expected = _generate(_engine(prefix_cache_mib=0), PROMPTS)
+    engine = _engine(prefix_cache_mib=0)
+    norm, calls = engine.runner.model.model.norm, {"n": 0}
+    original = norm.forward
+
+    def failing_once(x: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 6:  # a decode step of all three sequences
+            raise RuntimeError("injected failure after the GDN layers")
+        return original(x)
+
+    monkeypatch.setattr(norm, "forward", failing_once)
+    assert _generate(engine, PROMPTS) == expected
+    assert calls["n"] > 6
+
+
+def test_without_a_compiler_the_eager_path_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    native._library.cache_clear()
+    try:
+        assert not native.native_kernels_enabled()
+        expected_ids = _generate(_engine(prefix_cache_mib=0), {"a": PROMPTS["a"]}, max_tokens=8)
+        assert len(expected_ids["a"][0]) == 8
+    finally:
+        monkeypatch.undo()
+        native._library.cache_clear()
