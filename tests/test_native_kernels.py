@@ -15,6 +15,7 @@ from hybridserve.engine.engine import LLMEngine
 from hybridserve.layers import native
 from hybridserve.layers.gated_delta import L2_NORM_EPS, causal_conv_decode, recurrent_gated_delta_step
 from hybridserve.layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
+from hybridserve.layers.rotary import PartialRotaryEmbedding
 
 HAVE_COMPILER = shutil.which("cc") is not None or shutil.which("gcc") is not None
 needs_kernel = pytest.mark.skipif(not HAVE_COMPILER, reason="no C compiler: the eager path is used")
@@ -110,11 +111,41 @@ def test_rms_norm_matches_torch(shape: tuple[int, ...]) -> None:
     assert ZeroCenteredRMSNorm(shape[-1])(x).shape == x.shape  # the module takes the kernel too
 
 
+@needs_kernel
+def test_rms_norm_reads_evenly_spaced_rows_of_a_fused_projection() -> None:
+    """The attention's q heads are every other 64 columns of the fused q|gate projection."""
+    fused = torch.randn(2, 4, 2 * 64)
+    q = fused.chunk(2, dim=-1)[0]
+    scale = torch.rand(64) + 0.5
+    assert native.row_stride(q) == 128 and native.rms_norm_applies(q, scale)
+    torch.testing.assert_close(native.rms_norm_f32(q, scale, 1e-6), F.rms_norm(q, (64,), scale, 1e-6))
+
+
+@needs_kernel
+def test_silu_mul_and_norm_rope_match_the_eager_ops() -> None:
+    gen = torch.Generator().manual_seed(3)
+    gate_up = torch.randn(3, 2 * 40, generator=gen)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(native.silu_mul_f32(gate_up), F.silu(gate) * up)
+    rotary = PartialRotaryEmbedding(head_dim=64, rotary_dim=16, theta=10_000.0, max_positions=128)
+    norm = ZeroCenteredRMSNorm(64)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=gen) * 0.1)
+    norm.pack()
+    q = torch.randn(2, 3, 2 * 64, generator=gen).chunk(2, dim=-1)[0]  # evenly spaced heads
+    cos, sin = rotary.cos_sin(torch.tensor([5, 97]), torch.float32)
+    assert norm.scale is not None
+    expected = rotary.apply(F.rms_norm(q, (64,), norm.scale, norm.eps), cos, sin)
+    torch.testing.assert_close(native.rms_norm_rope_f32(q, norm.scale, norm.eps, cos, sin), expected)
+
+
 def test_rms_norm_leaves_prefill_and_other_dtypes_to_torch() -> None:
     scale = torch.ones(16)
     assert not native.rms_norm_applies(torch.randn(native.RMS_NORM_MAX_ROWS + 1, 16), scale)
     assert not native.rms_norm_applies(torch.randn(4, 16, dtype=torch.bfloat16), scale)
     assert not native.rms_norm_applies(torch.randn(16, 4).t(), scale)
+    assert native.row_stride(torch.randn(3, 4, 16)[:, ::2]) == 32  # every other row: still evenly spaced
+    assert native.row_stride(torch.randn(4, 3, 16).transpose(0, 1)) is None
     with pytest.raises(ValueError, match="scale"):
         native.rms_norm_f32(torch.randn(2, 16), torch.ones(8), 1e-6)
 

@@ -4,7 +4,8 @@ A batch-1 decode step on CPU is bound by per-op dispatch, and a batch-16 one by 
 state: the eager GDN decode runs ~25 ATen ops per layer and reads and writes each sequence's
 recurrent state five times. `gdn_decode_f32` (csrc/gdn_decode.c) does the whole step of one layer,
 output norm included, in one call and one pass; `rms_norm_f32` (csrc/rms_norm.c) replaces the six
-ops of torch's CPU rms_norm for decode-sized inputs. The sources are compiled with the system C compiler into the user's cache
+ops of torch's CPU rms_norm for decode-sized inputs, and csrc/elementwise.c the MLP's silu * up and
+the attention's q/k norm + rotary. The sources are compiled with the system C compiler into the user's cache
 directory (keyed by source, compiler and CPU, so a shared home across different CPUs is safe) and
 loaded with ctypes: no build step at install, a second or two at the first start, nothing after.
 OpenMP in the kernel binds to the `libgomp.so.1` torch already loaded, so it shares torch's
@@ -40,6 +41,8 @@ _ptr, _float, _int = ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _GDN_DECODE_ARGTYPES = [_i64] * 6 + [_ptr, _i64, _i64, _i64, _ptr, _i64] + [_ptr] * 5 \
     + [_float, _ptr, _float, _int, _int] + [_ptr] * 4
 _RMS_NORM_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _float, _ptr, _i64]
+_SILU_MUL_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr]
+_RMS_NORM_ROPE_ARGTYPES = [_ptr, _i64, _i64, _i64, _i64, _ptr, _float, _ptr, _ptr, _i64, _ptr]
 
 
 def native_kernels_enabled() -> bool:
@@ -103,29 +106,86 @@ def _library() -> ctypes.CDLL | None:
         return None
     library.gdn_decode_f32.argtypes = _GDN_DECODE_ARGTYPES
     library.gdn_decode_f32.restype = ctypes.c_int
-    library.rms_norm_f32.argtypes = _RMS_NORM_ARGTYPES
-    library.rms_norm_f32.restype = None
+    for name, argtypes in (("rms_norm_f32", _RMS_NORM_ARGTYPES), ("silu_mul_f32", _SILU_MUL_ARGTYPES),
+                           ("rms_norm_rope_f32", _RMS_NORM_ROPE_ARGTYPES)):
+        getattr(library, name).argtypes = argtypes
+        getattr(library, name).restype = None
     return library
 
 
-def rms_norm_applies(x: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Whether `rms_norm_f32` takes these inputs: a few contiguous float32 CPU rows."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and scale.dtype == torch.float32
-            and x.dim() >= 1 and x.numel() <= RMS_NORM_MAX_ROWS * x.shape[-1] and x.is_contiguous()
+def decode_rows_apply(x: torch.Tensor) -> bool:
+    """Whether the elementwise C kernels take `x`: float32 CPU, at most RMS_NORM_MAX_ROWS rows of
+    its last dim, evenly spaced (see `row_stride`), and the kernels are enabled."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 1
+            and x.numel() <= RMS_NORM_MAX_ROWS * x.shape[-1] and row_stride(x) is not None
             and native_kernels_enabled())
 
 
+def row_stride(x: torch.Tensor) -> int | None:
+    """The distance between consecutive rows (last-dim vectors) of `x` when every row is contiguous
+    and the rows are evenly spaced (e.g. q heads split off a fused projection); else None."""
+    if x.dim() == 0 or (x.stride(-1) != 1 and x.shape[-1] > 1):
+        return None
+    if x.dim() == 1:
+        return x.shape[0]
+    stride = x.stride(-2)
+    for dim in range(x.dim() - 3, -1, -1):  # leading dims must step over whole runs of rows
+        if x.shape[dim] > 1 and x.stride(dim) != x.stride(dim + 1) * x.shape[dim + 1]:
+            return None
+    return stride
+
+
+def rms_norm_applies(x: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether `rms_norm_f32` takes these inputs: a few evenly spaced float32 CPU rows."""
+    return scale.dtype == torch.float32 and decode_rows_apply(x)
+
+
 def rms_norm_f32(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2, -1) + eps) * scale over the last dim of contiguous float32 CPU rows
-    (check `rms_norm_applies` first)."""
-    dim = x.shape[-1]
+    """x / sqrt(mean(x^2, -1) + eps) * scale over the last dim of float32 CPU rows; returns a
+    contiguous tensor of x's shape (check `rms_norm_applies` first)."""
+    dim, stride = x.shape[-1], row_stride(x)
     if scale.shape != (dim,) or not scale.is_contiguous():
         raise ValueError(f"rms_norm_f32: scale must be a contiguous [{dim}] tensor, got {tuple(scale.shape)}")
+    if stride is None:
+        raise ValueError("rms_norm_f32: rows must be contiguous and evenly spaced")
     library = _library()
     assert library is not None, "check rms_norm_applies() first"
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = x.numel() // dim if dim else 0
-    library.rms_norm_f32(x.data_ptr(), rows, dim, dim, scale.data_ptr(), eps, out.data_ptr(), dim)
+    library.rms_norm_f32(x.data_ptr(), rows, dim, stride, scale.data_ptr(), eps, out.data_ptr(), dim)
+    return out
+
+
+def silu_mul_f32(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for rows [gate | up] of float32 CPU `x` [rows, 2 * half] (check
+    `decode_rows_apply` first); returns a contiguous [rows, half]."""
+    stride = row_stride(x)
+    if x.dim() != 2 or x.shape[1] % 2 or stride is None:
+        raise ValueError(f"silu_mul_f32: needs evenly spaced [rows, 2 * half] rows, got {tuple(x.shape)}")
+    library = _library()
+    assert library is not None, "check decode_rows_apply() first"
+    rows, half = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, half, dtype=x.dtype, device=x.device)
+    library.silu_mul_f32(x.data_ptr(), rows, half, stride, out.data_ptr())
+    return out
+
+
+def rms_norm_rope_f32(x: torch.Tensor, scale: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+                      ) -> torch.Tensor:
+    """RMSNorm of each head of x [T, heads, dim] (float32 CPU, evenly spaced rows) times `scale`,
+    then rotary on the first `rot` dims with cos, sin [T, 1, rot] (rotate-half layout); returns a
+    contiguous [T, heads, dim] (check `rms_norm_applies` first)."""
+    tokens, heads, dim = x.shape
+    rot, stride = cos.shape[-1], row_stride(x)
+    if stride is None or scale.shape != (dim,) or cos.shape != (tokens, 1, rot) or sin.shape != cos.shape \
+            or rot > dim or rot % 2 or not (cos.is_contiguous() and sin.is_contiguous() and scale.is_contiguous()) \
+            or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError("rms_norm_rope_f32: shapes, layouts or dtypes do not match")
+    library = _library()
+    assert library is not None, "check rms_norm_applies() first"
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    library.rms_norm_rope_f32(x.data_ptr(), tokens, heads, dim, stride, scale.data_ptr(), eps, cos.data_ptr(),
+                              sin.data_ptr(), rot, out.data_ptr())
     return out
 
 

@@ -21,7 +21,8 @@ from hybridserve.layers.attention import PagedKVCache, decode_attention, prefill
 from hybridserve.layers.linear import PackedLinear, drop_linears, tensor_bytes, tensor_key
 from hybridserve.layers.gated_delta import L2_NORM_EPS, causal_conv_decode, causal_conv_prefill, \
     chunked_gated_delta, recurrent_gated_delta_step
-from hybridserve.layers.native import gdn_decode_f32, native_kernels_enabled
+from hybridserve.layers.native import gdn_decode_f32, native_kernels_enabled, rms_norm_applies, \
+    rms_norm_rope_f32
 from hybridserve.layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from hybridserve.layers.rotary import PartialRotaryEmbedding
 from hybridserve.models.batch import DecodeGroup, ForwardBatch, PrefillChunk
@@ -117,8 +118,8 @@ class GatedAttention(nn.Module):
         num_tokens = x.shape[0]
         q, k, v = self.qkv.split(x)
         q, gate = q.reshape(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.rotary.apply(self.q_norm(q), *cos_sin)
-        k = self.rotary.apply(self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)), *cos_sin)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self._norm_rotate(q, self.q_norm, cos_sin), self._norm_rotate(k, self.k_norm, cos_sin)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         ctx.kv_cache.write(self.kv_layer, batch.kv_write_slots, k, v)
         out, out_rows = self._attend(q, k, v, batch, ctx, last_rows_only=rows is not None)
@@ -128,6 +129,13 @@ class GatedAttention(nn.Module):
         width = self.num_heads * self.head_dim
         out = out.reshape(out.shape[0], width) * torch.sigmoid(gate.reshape(out.shape[0], width))
         return self.out(out)
+
+    def _norm_rotate(self, x: torch.Tensor, norm: ZeroCenteredRMSNorm, cos_sin: tuple[torch.Tensor, torch.Tensor]
+                     ) -> torch.Tensor:
+        """RMSNorm then rotary of each head of x [T, heads, head_dim]: one C call for decode rows."""
+        if norm.scale is not None and rms_norm_applies(x, norm.scale) and cos_sin[0].dtype == torch.float32:
+            return rms_norm_rope_f32(x, norm.scale, norm.eps, *cos_sin)
+        return self.rotary.apply(norm(x), *cos_sin)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext,
                 last_rows_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
