@@ -158,10 +158,20 @@ def test_a_slot_out_of_range_is_rejected_before_any_state_changes() -> None:
     with pytest.raises(IndexError, match="outside"):
         layer.fused(in_place=True)
     assert torch.equal(layer.rec_live, before)
+    layer.slots = torch.tensor([0, 1, 2])
     with pytest.raises(ValueError, match="float32"):
         native.gdn_decode_f32(layer.projection.double(), layer.b_offset, layer.b_offset + layer.hv,
                               layer.slots, layer.conv_live, layer.rec_live, layer.weight, layer.dt_bias,
                               layer.neg_decay_rate, layer.hk, L2_NORM_EPS)
+    with pytest.raises(ValueError, match="disagree"):  # gate columns past the end of the projection row
+        native.gdn_decode_f32(layer.projection, layer.b_offset + 1, layer.b_offset + layer.hv + 1,
+                              layer.slots, layer.conv_live, layer.rec_live, layer.weight, layer.dt_bias,
+                              layer.neg_decay_rate, layer.hk, L2_NORM_EPS)
+    with pytest.raises(ValueError, match="disagree"):  # fewer slots than rows
+        native.gdn_decode_f32(layer.projection, layer.b_offset, layer.b_offset + layer.hv, layer.slots[:2],
+                              layer.conv_live, layer.rec_live, layer.weight, layer.dt_bias,
+                              layer.neg_decay_rate, layer.hk, L2_NORM_EPS)
+    assert torch.equal(layer.rec_live, before)
 
 
 def _engine(**cache: object) -> LLMEngine:

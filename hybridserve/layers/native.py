@@ -211,28 +211,32 @@ def gdn_decode_f32(proj: torch.Tensor, b_offset: int, a_offset: int, slots: torc
     batch = proj.shape[0]
     _, num_v_heads, head_k, head_v = rec_live.shape
     conv_dim, kernel = conv_weight.shape
-    tensors = (proj, slots, conv_live, rec_live, conv_weight, dt_bias, neg_decay_rate)
+    floats = (proj, conv_live, rec_live, conv_weight, dt_bias, neg_decay_rate)
     if norm_weight is not None:
-        tensors += (norm_weight,)
-        if norm_weight.shape != (head_v,):
-            raise ValueError(f"gdn_decode_f32: norm weight must be [{head_v}], got {tuple(norm_weight.shape)}")
-    if any(t.device.type != "cpu" for t in tensors) or slots.dtype != torch.int64 or any(
-            t.dtype != torch.float32 for t in tensors if t is not slots):
+        floats += (norm_weight,)
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in floats) or slots.dtype != torch.int64 \
+            or slots.device.type != "cpu":
         raise ValueError("gdn_decode_f32 takes float32 CPU tensors and int64 slots")
-    if proj.stride(1) != 1 or not all(t.is_contiguous() for t in tensors[1:]):
-        raise ValueError("gdn_decode_f32 needs contiguous state, weights and projection columns")
-    if conv_live.shape != (rec_live.shape[0], conv_dim, kernel - 1) or conv_dim != 2 * num_k_heads * head_k + num_v_heads * head_v:
-        raise ValueError("gdn_decode_f32: state and weight shapes disagree")
+    if proj.stride(1) != 1 or not all(t.is_contiguous() for t in floats[1:]) or not slots.is_contiguous():
+        raise ValueError("gdn_decode_f32 needs contiguous state, weights, slots and projection columns")
+    value_dim = num_v_heads * head_v
+    if (kernel < 2 or conv_live.shape != (rec_live.shape[0], conv_dim, kernel - 1) or num_v_heads % num_k_heads
+            or conv_dim != 2 * num_k_heads * head_k + value_dim or slots.shape != (batch,)
+            or b_offset < conv_dim + value_dim or a_offset < b_offset + num_v_heads
+            or proj.shape[1] < a_offset + num_v_heads or dt_bias.shape != (num_v_heads,)
+            or neg_decay_rate.shape != (num_v_heads,)
+            or (norm_weight is not None and norm_weight.shape != (head_v,))):
+        raise ValueError("gdn_decode_f32: projection, state, slot and weight shapes disagree")
     core = torch.empty(batch, num_v_heads, head_v)
     scratch = torch.empty(batch, conv_dim + head_v)
     out_conv = torch.empty(batch, conv_dim, kernel - 1)
     out_rec = torch.empty(batch, num_v_heads, head_k, head_v)
     failed = library.gdn_decode_f32(
         batch, num_k_heads, num_v_heads, head_k, head_v, kernel, proj.data_ptr(), proj.stride(0), b_offset,
-        a_offset, slots.data_ptr(), rec_live.shape[0], conv_live.data_ptr(), rec_live.data_ptr(), conv_weight.data_ptr(),
-        dt_bias.data_ptr(), neg_decay_rate.data_ptr(), l2_eps,
-        norm_weight.data_ptr() if norm_weight is not None else None, norm_eps, torch.get_num_threads(), int(in_place),
-        scratch.data_ptr(), out_conv.data_ptr(), out_rec.data_ptr(), core.data_ptr())
+        a_offset, slots.data_ptr(), rec_live.shape[0], conv_live.data_ptr(), rec_live.data_ptr(),
+        conv_weight.data_ptr(), dt_bias.data_ptr(), neg_decay_rate.data_ptr(), l2_eps,
+        norm_weight.data_ptr() if norm_weight is not None else None, norm_eps, torch.get_num_threads(),
+        int(in_place), scratch.data_ptr(), out_conv.data_ptr(), out_rec.data_ptr(), core.data_ptr())
     if failed:
         raise IndexError(f"gdn_decode_f32: a state slot is outside [0, {rec_live.shape[0]})")
     return core, out_conv, out_rec
