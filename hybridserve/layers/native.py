@@ -4,13 +4,14 @@ A batch-1 decode step on CPU is bound by per-op dispatch, and a batch-16 one by 
 state: the eager GDN decode runs ~25 ATen ops per layer and reads and writes each sequence's
 recurrent state five times. `gdn_decode_f32` (csrc/gdn_decode.c) does the whole step of one layer,
 output norm included, in one call and one pass; `rms_norm_f32` (csrc/rms_norm.c) replaces the six
-ops of torch's CPU rms_norm for decode-sized inputs, and csrc/elementwise.c the MLP's silu * up and
-the attention's q/k norm + rotary. The sources are compiled with the system C compiler into the user's cache
-directory (keyed by source, compiler and CPU, so a shared home across different CPUs is safe) and
-loaded with ctypes: no build step at install, a second or two at the first start, nothing after.
-OpenMP in the kernel binds to the `libgomp.so.1` torch already loaded, so it shares torch's
-threads. Without a compiler, on other devices or dtypes, or with `HYBRIDSERVE_NATIVE_KERNELS=0`,
-callers fall back to the eager PyTorch ops (see `native_kernels_enabled`).
+ops of torch's CPU rms_norm for decode-sized inputs, and csrc/elementwise.c does the MLP's
+silu * up and the attention's q/k norm + rotary. The sources are compiled with the system C
+compiler into the user's cache directory (keyed by sources, compiler and CPU, so a home shared by
+different CPUs is safe) and loaded with ctypes: no build step at install, under a second at the
+first start, nothing after. OpenMP in the kernels binds to the `libgomp.so.1` torch already loaded
+(one runtime, one thread pool). Without a compiler, on other devices or dtypes, or with
+`HYBRIDSERVE_NATIVE_KERNELS=0`, callers fall back to the eager PyTorch ops (see
+`native_kernels_enabled`).
 """
 
 from __future__ import annotations

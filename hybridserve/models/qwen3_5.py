@@ -215,7 +215,6 @@ class GatedDeltaNet(nn.Module):
         assert self.in_proj is not None and self.out is not None, "call pack() after loading weights"
         num_tokens = x.shape[0]
         projection = self.in_proj(x)
-        mixed, z, b, a = projection.split(self.in_proj.widths, dim=-1)
         weight = self.conv1d.weight.squeeze(1)
         live_conv = ctx.live_states.conv[self.state_layer]
         if not batch.prefills and self._fused_decode_applies(projection, live_conv, weight):
@@ -223,6 +222,7 @@ class GatedDeltaNet(nn.Module):
             out = self._decode_fused(projection, weight, batch.decode, ctx, gated_norm=True)
             out = out.reshape(num_tokens, self.value_dim)
             return self.out(out if rows is None else out.index_select(0, rows))
+        mixed, z, b, a = projection.split(self.in_proj.widths, dim=-1)
         if not batch.prefills:  # decode only: the step's output is the whole core, no scatter
             core = self._decode(projection, weight, batch, ctx)
         else:
