@@ -141,7 +141,7 @@ def test_silu_mul_and_norm_rope_match_the_eager_ops() -> None:
 
 def test_rms_norm_leaves_prefill_and_other_dtypes_to_torch() -> None:
     scale = torch.ones(16)
-    assert not native.rms_norm_applies(torch.randn(native.RMS_NORM_MAX_ROWS + 1, 16), scale)
+    assert not native.rms_norm_applies(torch.randn(native.DECODE_MAX_ROWS + 1, 16), scale)
     assert not native.rms_norm_applies(torch.randn(4, 16, dtype=torch.bfloat16), scale)
     assert not native.rms_norm_applies(torch.randn(16, 4).t(), scale)
     assert native.row_stride(torch.randn(3, 4, 16)[:, ::2]) == 32  # every other row: still evenly spaced

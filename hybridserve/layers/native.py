@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 NATIVE_KERNELS_ENV = "HYBRIDSERVE_NATIVE_KERNELS"
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
-RMS_NORM_MAX_ROWS = 64  # larger inputs (prefill) take torch's parallel rms_norm
+DECODE_MAX_ROWS = 64  # rows (last-dim vectors) the elementwise kernels take; prefill keeps torch's parallel ops
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno"]
 
 _i64 = ctypes.c_int64
@@ -115,10 +115,10 @@ def _library() -> ctypes.CDLL | None:
 
 
 def decode_rows_apply(x: torch.Tensor) -> bool:
-    """Whether the elementwise C kernels take `x`: float32 CPU, at most RMS_NORM_MAX_ROWS rows of
+    """Whether the elementwise C kernels take `x`: float32 CPU, at most DECODE_MAX_ROWS rows of
     its last dim, evenly spaced (see `row_stride`), and the kernels are enabled."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 1
-            and x.numel() <= RMS_NORM_MAX_ROWS * x.shape[-1] and row_stride(x) is not None
+    return (x.is_cpu and x.dtype == torch.float32 and x.dim() >= 1
+            and x.numel() <= DECODE_MAX_ROWS * x.shape[-1] and row_stride(x) is not None
             and native_kernels_enabled())
 
 

@@ -1,8 +1,10 @@
 /* RMSNorm of a few float32 rows (CPU): y = x / sqrt(mean(x^2) + eps) * scale.
  *
  * torch's rms_norm on CPU runs as about six ATen ops; on the decode path of a small model that
- * dispatch, not the arithmetic, is the cost (42 us for a [1, 512] row here, against a few us for
- * this call). Rows are independent; a decode step has one per sequence.
+ * dispatch, not the arithmetic, is the cost. Through ZeroCenteredRMSNorm on this 2-core VM: one
+ * [1, 512] row 28-39 us with this kernel against 51-57 us with torch's op, 64 rows 66-71 against
+ * 107-127 us (the ctypes call itself is ~4 us; the rest is Python around it). Rows are independent;
+ * a decode step has one per sequence.
  */
 #include <math.h>
 #include <stdint.h>
