@@ -13,7 +13,8 @@ from hybridserve import SamplingParams
 from hybridserve.config import CacheConfig, EngineConfig
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.layers import native
-from hybridserve.layers.gated_delta import L2_NORM_EPS, causal_conv_decode, recurrent_gated_delta_step
+from hybridserve.layers.gated_delta import L2_NORM_EPS, causal_conv_decode, causal_conv_prefill, chunked_gated_delta, \
+    recurrent_gated_delta_step
 from hybridserve.layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from hybridserve.layers.rotary import PartialRotaryEmbedding
 
@@ -98,6 +99,40 @@ def test_fused_output_norm_matches_the_gated_rms_norm() -> None:
                                         layer.neg_decay_rate, layer.hk, L2_NORM_EPS,
                                         norm_weight=norm.weight.detach(), norm_eps=norm.eps)
     torch.testing.assert_close(fused, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("tokens", [1, 37, 130])
+def test_token_by_token_prefill_matches_the_chunked_form(tokens: int, threads: int,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk starting off a chunk boundary, with captures given out of order, one of them twice."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen = torch.Generator().manual_seed(tokens)
+    hk, hv, dk, dv, kernel, start = 2, 6, 12, 10, 4, 100
+    conv_dim = 2 * hk * dk + hv * dv
+    x, conv_state = torch.randn(tokens, conv_dim, generator=gen), torch.randn(conv_dim, kernel - 1, generator=gen)
+    weight = torch.randn(conv_dim, kernel, generator=gen) * 0.3
+    g, beta = -torch.rand(tokens, hv, generator=gen) * 2, torch.rand(tokens, hv, generator=gen)
+    state = torch.randn(hv, dk, dv, generator=gen) * 0.3
+    captures = sorted({tokens, (tokens + 1) // 2, 1}, reverse=True) + [tokens]
+    conv_out, window = causal_conv_prefill(x, conv_state, weight)
+    q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    expected = chunked_gated_delta(q.reshape(tokens, hk, dk), k.reshape(tokens, hk, dk), v.reshape(tokens, hv, dv),
+                                   g, beta, state, chunk_size=16, start_position=start,
+                                   capture_at=[start + c for c in captures])
+    state_before = state.clone()
+    core, final, captured = native.gdn_prefill_f32(window, g, beta, state, weight, hk, L2_NORM_EPS, captures)
+    torch.testing.assert_close(core, expected.output, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, expected.final_state, atol=1e-5, rtol=1e-5)
+    assert len(captured) == len(captures)
+    for got, want in zip(captured, expected.captured):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(state, state_before)  # the live state is only read
+    with pytest.raises(ValueError, match="within"):
+        native.gdn_prefill_f32(window, g, beta, state, weight, hk, L2_NORM_EPS, [tokens + 1])
+    with pytest.raises(ValueError, match="disagree"):
+        native.gdn_prefill_f32(window[:, 1:].contiguous(), g, beta, state, weight, hk, L2_NORM_EPS, [])
 
 
 @needs_kernel

@@ -1,5 +1,9 @@
 """Gated delta rule (chunked for prefill, recurrent for decode) and the depthwise causal conv.
 
+These are the PyTorch forms, used on CUDA, in bfloat16 and as the reference; on CPU in float32 the
+model runs both prefill and decode through the C kernels in `native.py`, which compute the same
+recurrence token by token.
+
 State per GDN layer and sequence: a recurrent matrix S [Hv, Dk, Dv] (kept in float32) and a conv
 window of the last (kernel - 1) conv inputs [C, kernel - 1]. The chunked form processes a prompt
 chunk by chunk with batched matrix products; it aligns its chunks to absolute positions, so the

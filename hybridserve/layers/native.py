@@ -5,7 +5,9 @@ state: the eager GDN decode runs ~25 ATen ops per layer and reads and writes eac
 recurrent state five times. `gdn_decode_f32` (csrc/gdn_decode.c) does the whole step of one layer,
 output norm included, in one call and one pass; `rms_norm_f32` (csrc/rms_norm.c) replaces the six
 ops of torch's CPU rms_norm for decode-sized inputs, and csrc/elementwise.c does the MLP's
-silu * up and the attention's q/k norm + rotary. The sources are compiled with the system C
+silu * up and the attention's q/k norm + rotary. `gdn_prefill_f32` (csrc/gdn_prefill.c) runs a
+prefill chunk through a GDN layer token by token: on CPU that beats the chunked form's matrix
+products at every length measured (see the source's header). The sources are compiled with the system C
 compiler into the user's cache directory (keyed by sources, compiler and CPU, so a home shared by
 different CPUs is safe) and loaded with ctypes: no build step at install, under a second at the
 first start, nothing after. OpenMP in the kernels binds to the `libgomp.so.1` torch already loaded
@@ -41,6 +43,7 @@ _i64 = ctypes.c_int64
 _ptr, _float, _int = ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _GDN_DECODE_ARGTYPES = [_i64] * 6 + [_ptr, _i64, _i64, _i64, _ptr, _i64] + [_ptr] * 5 \
     + [_float, _ptr, _float, _int, _int] + [_ptr] * 4
+_GDN_PREFILL_ARGTYPES = [_i64] * 6 + [_ptr] * 5 + [_float, _i64, _ptr, _int] + [_ptr] * 5
 _RMS_NORM_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _float, _ptr, _i64]
 _SILU_MUL_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr]
 _RMS_NORM_ROPE_ARGTYPES = [_ptr, _i64, _i64, _i64, _i64, _ptr, _float, _ptr, _ptr, _i64, _ptr]
@@ -107,6 +110,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     library.gdn_decode_f32.argtypes = _GDN_DECODE_ARGTYPES
     library.gdn_decode_f32.restype = ctypes.c_int
+    library.gdn_prefill_f32.argtypes = _GDN_PREFILL_ARGTYPES
+    library.gdn_prefill_f32.restype = ctypes.c_int
     for name, argtypes in (("rms_norm_f32", _RMS_NORM_ARGTYPES), ("silu_mul_f32", _SILU_MUL_ARGTYPES),
                            ("rms_norm_rope_f32", _RMS_NORM_ROPE_ARGTYPES)):
         getattr(library, name).argtypes = argtypes
@@ -241,3 +246,43 @@ def gdn_decode_f32(proj: torch.Tensor, b_offset: int, a_offset: int, slots: torc
     if failed:
         raise IndexError(f"gdn_decode_f32: a state slot is outside [0, {rec_live.shape[0]})")
     return core, out_conv, out_rec
+
+
+def gdn_prefill_f32(window: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, rec_state: torch.Tensor,
+                    conv_weight: torch.Tensor, num_k_heads: int, l2_eps: float, capture_tokens: list[int]
+                    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """One sequence's short prefill through a GDN layer, token by token (see csrc/gdn_prefill.c).
+
+    window [conv_dim, T + K - 1] float32: the conv state then the chunk's conv inputs (as
+    `causal_conv_prefill` builds it); g, beta [T, Hv] float32 log-decay and beta; rec_state
+    [Hv, Dk, Dv] the state before the chunk (only read); conv_weight [conv_dim, K]. Returns (core
+    output [T, Hv, Dv], final state, the states after each of `capture_tokens` tokens, in order).
+    """
+    library = _library()
+    assert library is not None, "check native_kernels_enabled() first"
+    num_v_heads, head_k, head_v = rec_state.shape
+    conv_dim, kernel = conv_weight.shape
+    tokens = g.shape[0]
+    floats = (window, g, beta, rec_state, conv_weight)
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in floats):
+        raise ValueError("gdn_prefill_f32 takes contiguous float32 CPU tensors")
+    if (kernel < 1 or num_v_heads % num_k_heads or conv_dim != 2 * num_k_heads * head_k + num_v_heads * head_v
+            or window.shape != (conv_dim, tokens + kernel - 1) or g.shape != (tokens, num_v_heads)
+            or beta.shape != g.shape):
+        raise ValueError("gdn_prefill_f32: window, gate, state and weight shapes disagree")
+    if any(not 1 <= t <= tokens for t in capture_tokens):
+        raise ValueError(f"gdn_prefill_f32: capture points {capture_tokens} must lie within 1..{tokens}")
+    captures = torch.tensor(capture_tokens, dtype=torch.int64)
+    captured = torch.empty(len(capture_tokens), num_v_heads, head_k, head_v)
+    final_state = torch.empty(num_v_heads, head_k, head_v)
+    core = torch.empty(tokens, num_v_heads, head_v)
+    conv_out = torch.empty(tokens, conv_dim)
+    delta = torch.empty(num_v_heads, head_v)
+    failed = library.gdn_prefill_f32(
+        tokens, num_k_heads, num_v_heads, head_k, head_v, kernel, window.data_ptr(), conv_weight.data_ptr(),
+        g.data_ptr(), beta.data_ptr(), rec_state.data_ptr(), l2_eps, len(capture_tokens), captures.data_ptr(),
+        torch.get_num_threads(), conv_out.data_ptr(), delta.data_ptr(), captured.data_ptr(),
+        final_state.data_ptr(), core.data_ptr())
+    if failed:
+        raise ValueError("gdn_prefill_f32: capture points out of range")
+    return core, final_state, list(captured.unbind(0))

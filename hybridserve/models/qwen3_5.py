@@ -19,9 +19,9 @@ from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.config import FULL_ATTENTION, ModelConfig
 from hybridserve.layers.attention import PagedKVCache, decode_attention, prefill_attention
 from hybridserve.layers.linear import PackedLinear, drop_linears, tensor_bytes, tensor_key
-from hybridserve.layers.gated_delta import L2_NORM_EPS, causal_conv_decode, causal_conv_prefill, \
-    chunked_gated_delta, recurrent_gated_delta_step
-from hybridserve.layers.native import gdn_decode_f32, native_kernels_enabled, rms_norm_applies, \
+from hybridserve.layers.gated_delta import L2_NORM_EPS, ChunkedResult, causal_conv_decode, \
+    causal_conv_prefill, chunked_gated_delta, recurrent_gated_delta_step
+from hybridserve.layers.native import gdn_decode_f32, gdn_prefill_f32, native_kernels_enabled, rms_norm_applies, \
     rms_norm_rope_f32
 from hybridserve.layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from hybridserve.layers.rotary import PartialRotaryEmbedding
@@ -217,7 +217,7 @@ class GatedDeltaNet(nn.Module):
         projection = self.in_proj(x)
         weight = self.conv1d.weight.squeeze(1)
         live_conv = ctx.live_states.conv[self.state_layer]
-        if not batch.prefills and self._fused_decode_applies(projection, live_conv, weight):
+        if not batch.prefills and self._native_applies(projection, live_conv, weight):
             assert batch.decode is not None  # decode only: the kernel's output is normed and gated too
             out = self._decode_fused(projection, weight, batch.decode, ctx, gated_norm=True)
             out = out.reshape(num_tokens, self.value_dim)
@@ -254,7 +254,7 @@ class GatedDeltaNet(nn.Module):
         group, layer = batch.decode, self.state_layer
         assert group is not None
         conv_live, recurrent_live = ctx.live_states.conv[layer], ctx.live_states.recurrent[layer]
-        if self._fused_decode_applies(projection, conv_live, weight):
+        if self._native_applies(projection, conv_live, weight):
             core = self._decode_fused(projection[:batch.num_decode], weight, group, ctx, gated_norm=False)
         else:
             core, new_conv, new_state = self._decode_eager(projection[:batch.num_decode], weight, group.state_slots,
@@ -297,8 +297,9 @@ class GatedDeltaNet(nn.Module):
             g, beta, recurrent_live.index_select(0, slots))
         return core, new_conv, new_state
 
-    def _fused_decode_applies(self, projection: torch.Tensor, conv_live: torch.Tensor, weight: torch.Tensor) -> bool:
-        """The C decode kernel takes float32 CPU inputs (the eager ops cover every other case)."""
+    def _native_applies(self, projection: torch.Tensor, conv_live: torch.Tensor, weight: torch.Tensor) -> bool:
+        """The C kernels (decode, and prefill token by token) take float32 CPU inputs; the eager and
+        chunked ops cover every other case."""
         float32 = torch.float32
         return (projection.device.type == "cpu" and projection.dtype == float32 and conv_live.dtype == float32
                 and weight.dtype == float32 and self.dt_bias.dtype == float32 and self.norm.weight.dtype == float32
@@ -308,12 +309,18 @@ class GatedDeltaNet(nn.Module):
                  weight: torch.Tensor, ctx: ForwardContext, core: torch.Tensor) -> None:
         layer, slot = self.state_layer, chunk.state_slot
         rows = slice(chunk.token_offset, chunk.token_offset + chunk.length)
-        conv_out, window = causal_conv_prefill(mixed[rows], ctx.live_states.conv[layer, slot], weight)
-        q, k, v = self._split_qkv(conv_out)
+        conv_state, initial_state = ctx.live_states.conv[layer, slot], ctx.live_states.recurrent[layer, slot]
         boundaries = [b for b, _ in chunk.captures]
-        result = chunked_gated_delta(q, k, v, g[rows], beta[rows], ctx.live_states.recurrent[layer, slot],
-                                     chunk_size=self.chunk_size, start_position=chunk.start_position,
-                                     capture_at=boundaries)
+        if self._native_applies(mixed, conv_state, weight):
+            window = torch.cat([conv_state, mixed[rows].t()], dim=1)
+            result = ChunkedResult(*gdn_prefill_f32(window, g[rows], beta[rows], initial_state, weight,
+                                                    self.num_k_heads, L2_NORM_EPS,
+                                                    [b - chunk.start_position for b in boundaries]))
+        else:
+            conv_out, window = causal_conv_prefill(mixed[rows], conv_state, weight)
+            q, k, v = self._split_qkv(conv_out)
+            result = chunked_gated_delta(q, k, v, g[rows], beta[rows], initial_state, chunk_size=self.chunk_size,
+                                         start_position=chunk.start_position, capture_at=boundaries)
         core[rows] = result.output
         history = window.shape[1] - chunk.length
         slots = torch.tensor([slot], device=mixed.device)
