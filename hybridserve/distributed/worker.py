@@ -5,8 +5,10 @@ sizes its own KV pages, live slots and snapshot slots, and then agrees with the 
 smallest capacity (the logical cache the controller owns must fit on every rank). Every rank
 receives the same commands (spawned locally: each over its own pipe from the controller; under
 torchrun: rank 0 over its pipe, broadcast to the others), so every rank executes the same step
-plan; the forwards all-reduce the row-parallel outputs. Ranks report per-rank success of restores and snapshot saves, and the
-results are combined so that a snapshot counts only when every rank holds it.
+plan; the forwards all-reduce the row-parallel outputs (through shared memory when every rank
+is a CPU process on this host, `shm_allreduce.py`; else gloo or NCCL). Ranks report per-rank
+success of restores and snapshot saves, and the results are combined so that a snapshot counts
+only when every rank holds it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.config import EngineConfig, ModelConfig
 from hybridserve.distributed.sharding import local_config, read_shard, shard_spec
+from hybridserve.distributed.shm_allreduce import CONTROL, ShmAllReduce
 from hybridserve.engine.memory_plan import MemoryPlan, PlanInputs, device_memory, plan_memory, profile_forward
 from hybridserve.engine.runner import ModelRunner, PlanResult
 from hybridserve.engine.scheduler import Fork, blocks_for
@@ -66,6 +69,7 @@ class RankCapacity(NamedTuple):
     kv_bytes_per_block: int       # summed over the ranks
     bytes_per_snapshot: int       # summed over the ranks
     memory_plan: MemoryPlan       # rank 0's
+    all_reduce: str = "gloo"      # the forward's all-reduce: "shm" (same-host CPU ranks), "gloo" or "nccl"
 
 
 class StepReply(NamedTuple):
@@ -78,15 +82,20 @@ class StepReply(NamedTuple):
 
 
 class CommTimer:
-    """The all-reduce of row-parallel outputs, timing how long it takes (communication share)."""
+    """The all-reduce of row-parallel outputs (shared memory when set up, else torch.distributed on
+    `group`), timing how long it takes (communication share)."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, shm: ShmAllReduce | None = None) -> None:
         self.group = group
+        self.shm = shm
         self.seconds = 0.0
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
-        dist.all_reduce(tensor, group=self.group)
+        if self.shm is not None:
+            tensor = self.shm.all_reduce(tensor, group=self.group)
+        else:
+            dist.all_reduce(tensor, group=self.group)
         self.seconds += time.perf_counter() - start
         return tensor
 
@@ -100,7 +109,8 @@ class Worker:
         self.device = torch.device(spec.device)
         self.dtype = getattr(torch, spec.dtype)
         self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-        self.comm = CommTimer(None)
+        self.shm = ShmAllReduce.setup(self.control, self.device, COMPUTE_TIMEOUT.total_seconds())
+        self.comm = CommTimer(None, self.shm)
         self.local = local_config(spec.model_config, spec.world_size)
         self.fail_snapshots = False
         memory_at_start = device_memory(self.device)
@@ -141,7 +151,9 @@ class Worker:
         dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=self.control)
         sizes = torch.tensor([kv_per_block, per_snapshot])
         dist.all_reduce(sizes, group=self.control)
-        return RankCapacity(int(counts[0]), int(counts[1]), weight_bytes, int(sizes[0]), int(sizes[1]), plan)
+        transport = "shm" if self.shm is not None else dist.get_backend()
+        return RankCapacity(int(counts[0]), int(counts[1]), weight_bytes, int(sizes[0]), int(sizes[1]), plan,
+                            transport)
 
     # -- commands -------------------------------------------------------------------------------
     def handle(self, command: tuple) -> Any:
@@ -189,8 +201,8 @@ class Worker:
 
     def all_ranks_agree(self, ok: bool) -> bool:
         """True only when `ok` holds on every rank."""
-        flag = torch.tensor([1 if ok else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.control)
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        self._control_all_reduce(flag, dist.ReduceOp.MIN)
         return bool(flag.item())
 
     def combine_failed(self, plan: StepPlan, failed: set[int], error: str | None) -> set[int] | None:
@@ -198,10 +210,23 @@ class Worker:
         failed): one MAX all-reduce over [forward failed, capture 0 failed, capture 1 failed, ...]."""
         slots = [slot for chunk in plan.chunks for _, slot in chunk.captures]
         flags = torch.tensor([error is not None] + [slot in failed for slot in slots], dtype=torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control)
+        self._control_all_reduce(flags, dist.ReduceOp.MAX)
         if flags[0]:
             return None
         return {slot for slot, bad in zip(slots, flags[1:].tolist()) if bad}
+
+    def _control_all_reduce(self, flags: torch.Tensor, op: Any) -> None:
+        """A step's agreement (MIN/MAX of int32 flags): through shared memory when set up, in the
+        same sequence as the forward's all-reduces; else on the gloo control group."""
+        if self.shm is not None:
+            self.shm.all_reduce(flags, op=op, tag=CONTROL, group=self.control)
+        else:
+            dist.all_reduce(flags, op=op, group=self.control)
+
+    def close(self) -> None:
+        """Release the shared-memory all-reduce (peers still waiting in it fail at once)."""
+        if self.shm is not None:
+            self.shm.close()
 
     def set_snapshot_fault(self, fail: bool) -> None:
         """Fault injection for tests: make this rank's snapshot copies raise (restores still work)."""
@@ -278,5 +303,6 @@ def worker_main(spec: WorkerSpec, conn: Connection | None, parent_pid: int | Non
     try:
         worker.serve(conn if spec.rank == 0 or not spec.broadcast_commands else None)
     finally:
+        worker.close()
         if dist.is_initialized():
             dist.destroy_process_group()
