@@ -157,11 +157,8 @@ def test_rms_norm_reads_evenly_spaced_rows_of_a_fused_projection() -> None:
 
 
 @needs_kernel
-def test_silu_mul_and_norm_rope_match_the_eager_ops() -> None:
+def test_norm_rope_matches_the_eager_ops() -> None:
     gen = torch.Generator().manual_seed(3)
-    gate_up = torch.randn(3, 2 * 40, generator=gen)
-    gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(native.silu_mul_f32(gate_up), F.silu(gate) * up)
     rotary = PartialRotaryEmbedding(head_dim=64, rotary_dim=16, theta=10_000.0, max_positions=128)
     norm = ZeroCenteredRMSNorm(64)
     with torch.no_grad():

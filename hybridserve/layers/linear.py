@@ -46,7 +46,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridserve.layers.native import decode_rows_apply, silu_mul_f32
 
 logger = logging.getLogger(__name__)
 GEMV_MAX_ROWS = 128  # up to this many rows a float32 CPU linear runs as a split GEMV (see above)
@@ -131,10 +130,7 @@ class PackedLinear:
             gate_bias, up_bias = (None, None) if self.bias is None else (self.bias[:half], self.bias[half:])
             gate = torch.ops.mkldnn._linear_pointwise(x, self.weight[:half], gate_bias, "swish", [], "")
             return gate.mul_(torch.ops.mkldnn._linear_pointwise(x, self.weight[half:], up_bias, "none", [], ""))
-        gate_up = self(x)
-        if decode_rows_apply(gate_up):
-            return silu_mul_f32(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = self(x).chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
 
     def _takes_split_gemv(self, x: torch.Tensor) -> bool:

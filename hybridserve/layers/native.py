@@ -4,10 +4,10 @@ A batch-1 decode step on CPU is bound by per-op dispatch, and a batch-16 one by 
 state: the eager GDN decode runs ~25 ATen ops per layer and reads and writes each sequence's
 recurrent state five times. `gdn_decode_f32` (csrc/gdn_decode.c) does the whole step of one layer,
 output norm included, in one call and one pass; `rms_norm_f32` (csrc/rms_norm.c) replaces the six
-ops of torch's CPU rms_norm for decode-sized inputs, and csrc/elementwise.c does the MLP's
-silu * up and the attention's q/k norm + rotary. `gdn_prefill_f32` (csrc/gdn_prefill.c) runs a
-prefill chunk through a GDN layer token by token: on CPU that beats the chunked form's matrix
-products at every length measured (see the source's header). The sources are compiled with the system C
+ops of torch's CPU rms_norm for decode-sized inputs, and csrc/elementwise.c does the attention's
+q/k norm + rotary. `gdn_prefill_f32` (csrc/gdn_prefill.c) runs a prefill chunk through a GDN layer
+token by token: on CPU that beats the chunked form's matrix products at every length measured
+(see the source's header). csrc/vector_math.h holds an exp that GCC vectorises. The sources are compiled with the system C
 compiler into the user's cache directory (keyed by sources, compiler and CPU, so a home shared by
 different CPUs is safe) and loaded with ctypes: no build step at install, under a second at the
 first start, nothing after. OpenMP in the kernels binds to the `libgomp.so.1` torch already loaded
@@ -37,7 +37,10 @@ logger = logging.getLogger(__name__)
 NATIVE_KERNELS_ENV = "HYBRIDSERVE_NATIVE_KERNELS"
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
 DECODE_MAX_ROWS = 64  # rows (last-dim vectors) the elementwise kernels take; prefill keeps torch's parallel ops
-CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno"]
+HEADERS = sorted((Path(__file__).with_name("csrc")).glob("*.h"))
+# -fno-trapping-math lets GCC vectorise the branches of vector_math.h's exp; like -fno-math-errno it
+# changes no result (no -ffast-math: sums keep their order)
+CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 
 _i64 = ctypes.c_int64
 _ptr, _float, _int = ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -45,7 +48,6 @@ _GDN_DECODE_ARGTYPES = [_i64] * 6 + [_ptr, _i64, _i64, _i64, _ptr, _i64] + [_ptr
     + [_float, _ptr, _float, _int, _int] + [_ptr] * 4
 _GDN_PREFILL_ARGTYPES = [_i64] * 6 + [_ptr] * 5 + [_float, _i64, _ptr, _int] + [_ptr] * 5
 _RMS_NORM_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _float, _ptr, _i64]
-_SILU_MUL_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr]
 _RMS_NORM_ROPE_ARGTYPES = [_ptr, _i64, _i64, _i64, _i64, _ptr, _float, _ptr, _ptr, _i64, _ptr]
 
 
@@ -97,7 +99,7 @@ def _library() -> ctypes.CDLL | None:
     try:
         version = subprocess.run([*compiler.split(), "--version"], capture_output=True, text=True,
                                  timeout=30).stdout
-        sources = [source.read_text() for source in SOURCES]
+        sources = [source.read_text() for source in [*SOURCES, *HEADERS]]
         key = hashlib.sha256("\0".join([*sources, compiler, version, " ".join(CFLAGS),
                                         _cpu_signature()]).encode()).hexdigest()[:20]
         target = _cache_dir() / f"kernels-{key}.so"
@@ -112,7 +114,7 @@ def _library() -> ctypes.CDLL | None:
     library.gdn_decode_f32.restype = ctypes.c_int
     library.gdn_prefill_f32.argtypes = _GDN_PREFILL_ARGTYPES
     library.gdn_prefill_f32.restype = ctypes.c_int
-    for name, argtypes in (("rms_norm_f32", _RMS_NORM_ARGTYPES), ("silu_mul_f32", _SILU_MUL_ARGTYPES),
+    for name, argtypes in (("rms_norm_f32", _RMS_NORM_ARGTYPES),
                            ("rms_norm_rope_f32", _RMS_NORM_ROPE_ARGTYPES)):
         getattr(library, name).argtypes = argtypes
         getattr(library, name).restype = None
@@ -159,20 +161,6 @@ def rms_norm_f32(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tens
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = x.numel() // dim if dim else 0
     library.rms_norm_f32(x.data_ptr(), rows, dim, stride, scale.data_ptr(), eps, out.data_ptr(), dim)
-    return out
-
-
-def silu_mul_f32(x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for rows [gate | up] of float32 CPU `x` [rows, 2 * half] (check
-    `decode_rows_apply` first); returns a contiguous [rows, half]."""
-    stride = row_stride(x)
-    if x.dim() != 2 or x.shape[1] % 2 or stride is None:
-        raise ValueError(f"silu_mul_f32: needs evenly spaced [rows, 2 * half] rows, got {tuple(x.shape)}")
-    library = _library()
-    assert library is not None, "check decode_rows_apply() first"
-    rows, half = x.shape[0], x.shape[1] // 2
-    out = torch.empty(rows, half, dtype=x.dtype, device=x.device)
-    library.silu_mul_f32(x.data_ptr(), rows, half, stride, out.data_ptr())
     return out
 
 

@@ -1,18 +1,10 @@
 /* Elementwise work of a decode step on a few float32 rows (CPU), one call where eager PyTorch
- * dispatches several ops: the MLP's silu(gate) * up, and the attention's q/k RMSNorm followed by
- * partial rotary embedding.
+ * dispatches several ops: the attention's q/k RMSNorm followed by partial rotary embedding.
+ * (The MLP's silu(gate) * up stays with torch: a C version measured slower from 1 to 64 rows,
+ * 30 vs 21 us at one row with its Python checks, since torch's two ops are already vectorised.)
  */
 #include <math.h>
 #include <stdint.h>
-
-/* out[r, i] = silu(x[r, i]) * x[r, half + i] for rows of [gate (half) | up (half)], row stride ld_x. */
-void silu_mul_f32(const float *x, int64_t rows, int64_t half, int64_t ld_x, float *out) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *gate = x + r * ld_x, *up = gate + half;
-        float *dst = out + r * half;
-        for (int64_t i = 0; i < half; i++) dst[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-    }
-}
 
 /* For each token t and head h: y = rms_norm(x[t, h]) * scale, then its first rot dims rotated in
  * the rotate-half layout with cos[t], sin[t] ([T, rot]); the other dims pass through.

@@ -19,7 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+#include "vector_math.h"
+
 static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
@@ -40,7 +41,7 @@ static void conv_step(const float *x, const float *state, const float *weight, i
         float acc = 0.0f;
         for (int64_t j = 0; j < hist; j++) acc += s[j] * w[j];
         acc += x[c] * w[hist];
-        out[c] = silu(acc);
+        out[c] = silu_f32(acc);
         float *n = next + c * hist;
         for (int64_t j = 0; j + 1 < hist; j++) n[j] = s[j + 1];
         n[hist - 1] = x[c];
@@ -74,7 +75,7 @@ static void gated_rms_norm(float *out, const float *z, const float *w, int64_t n
     float sum = 0.0f;
     for (int64_t j = 0; j < n; j++) sum += out[j] * out[j];
     float inv = 1.0f / sqrtf(sum / (float)n + eps);
-    for (int64_t j = 0; j < n; j++) out[j] = out[j] * inv * w[j] * silu(z[j]);
+    for (int64_t j = 0; j < n; j++) out[j] = out[j] * inv * w[j] * silu_f32(z[j]);
 }
 
 /* proj rows hold [mixed (conv_dim), z (Hv*Dv), b (Hv), a (Hv)] (b and a at the given offsets);

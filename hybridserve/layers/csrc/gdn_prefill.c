@@ -17,7 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+#include "vector_math.h"
 
 static void normalize(float *x, int64_t n, float eps, float scale) {
     float sum = 0.0f;
@@ -33,7 +33,7 @@ static void conv_token(const float *window, const float *weight, int64_t conv_di
         const float *x = window + c * width + t, *w = weight + c * kernel;
         float acc = 0.0f;
         for (int64_t j = 0; j < kernel; j++) acc += x[j] * w[j];
-        out[c] = silu(acc);
+        out[c] = silu_f32(acc);
     }
 }
 

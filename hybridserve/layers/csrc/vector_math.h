@@ -1,0 +1,34 @@
+/* exp and SiLU in plain arithmetic, so that GCC vectorises the loops that call them: glibc's expf
+ * is a scalar call that the compiler vectorises only under -ffast-math, which would also reorder
+ * every sum in the kernels. Cephes' single-precision exp (Cody-Waite reduction, degree-6
+ * polynomial): within 2 ulp of expf over [-87, 88], to which the argument is clamped.
+ */
+#ifndef HYBRIDSERVE_VECTOR_MATH_H
+#define HYBRIDSERVE_VECTOR_MATH_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float exp_f32(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    x = x > 88.0f ? 88.0f : x;
+    /* round(x / ln 2) by the 1.5 * 2^23 trick (floorf and fminf vectorise only under fast-math) */
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline float silu_f32(float x) { return x / (1.0f + exp_f32(-x)); }
+
+#endif
