@@ -14,7 +14,7 @@ from hybridserve.config import CacheConfig, EngineConfig
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.layers import native
 from hybridserve.layers.gated_delta import L2_NORM_EPS, causal_conv_decode, causal_conv_prefill, chunked_gated_delta, \
-    recurrent_gated_delta_step
+    conv_state_after, recurrent_gated_delta_step
 from hybridserve.layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from hybridserve.layers.rotary import PartialRotaryEmbedding
 
@@ -111,7 +111,8 @@ def test_token_by_token_prefill_matches_the_chunked_form(tokens: int, threads: i
     gen = torch.Generator().manual_seed(tokens)
     hk, hv, dk, dv, kernel, start = 2, 6, 12, 10, 4, 100
     conv_dim = 2 * hk * dk + hv * dv
-    x, conv_state = torch.randn(tokens, conv_dim, generator=gen), torch.randn(conv_dim, kernel - 1, generator=gen)
+    projection = torch.randn(tokens, conv_dim + 5, generator=gen)
+    x, conv_state = projection[:, :conv_dim], torch.randn(conv_dim, kernel - 1, generator=gen)  # strided rows
     weight = torch.randn(conv_dim, kernel, generator=gen) * 0.3
     g, beta = -torch.rand(tokens, hv, generator=gen) * 2, torch.rand(tokens, hv, generator=gen)
     state = torch.randn(hv, dk, dv, generator=gen) * 0.3
@@ -122,7 +123,7 @@ def test_token_by_token_prefill_matches_the_chunked_form(tokens: int, threads: i
                                    g, beta, state, chunk_size=16, start_position=start,
                                    capture_at=[start + c for c in captures])
     state_before = state.clone()
-    core, final, captured = native.gdn_prefill_f32(window, g, beta, state, weight, hk, L2_NORM_EPS, captures)
+    core, final, captured = native.gdn_prefill_f32(x, conv_state, g, beta, state, weight, hk, L2_NORM_EPS, captures)
     torch.testing.assert_close(core, expected.output, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(final, expected.final_state, atol=1e-5, rtol=1e-5)
     assert len(captured) == len(captures)
@@ -130,9 +131,12 @@ def test_token_by_token_prefill_matches_the_chunked_form(tokens: int, threads: i
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(state, state_before)  # the live state is only read
     with pytest.raises(ValueError, match="within"):
-        native.gdn_prefill_f32(window, g, beta, state, weight, hk, L2_NORM_EPS, [tokens + 1])
+        native.gdn_prefill_f32(x, conv_state, g, beta, state, weight, hk, L2_NORM_EPS, [tokens + 1])
     with pytest.raises(ValueError, match="disagree"):
-        native.gdn_prefill_f32(window[:, 1:].contiguous(), g, beta, state, weight, hk, L2_NORM_EPS, [])
+        native.gdn_prefill_f32(x[:, 1:], conv_state, g, beta, state, weight, hk, L2_NORM_EPS, [])
+    for consumed in (0, 1, 2, tokens):  # the conv state at any boundary, as a slice of the window
+        torch.testing.assert_close(conv_state_after(conv_state, x, consumed), window[:, consumed:consumed + kernel - 1],
+                                   atol=0, rtol=0)
 
 
 @needs_kernel

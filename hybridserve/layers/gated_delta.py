@@ -50,6 +50,16 @@ def causal_conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, weight: torch
     return F.silu(out[0].t()), window
 
 
+def conv_state_after(conv_state: torch.Tensor, x: torch.Tensor, consumed: int) -> torch.Tensor:
+    """The conv state [C, K-1] (in x's dtype) after the first `consumed` tokens of a chunk's conv
+    inputs x [T, C], given the state before the chunk: the inputs of the last K-1 positions (a
+    view of x when the chunk alone covers them)."""
+    history = conv_state.shape[1]
+    if consumed >= history:
+        return x[consumed - history:consumed].t()
+    return torch.cat([conv_state[:, consumed:].to(x.dtype), x[:consumed].t()], dim=1)
+
+
 def causal_conv_decode(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """One-token causal conv + SiLU for a batch. x: [B, C]; conv_state: [B, C, K-1]; weight: [C, K].

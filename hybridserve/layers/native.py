@@ -46,7 +46,7 @@ _i64 = ctypes.c_int64
 _ptr, _float, _int = ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _GDN_DECODE_ARGTYPES = [_i64] * 6 + [_ptr, _i64, _i64, _i64, _ptr, _i64] + [_ptr] * 5 \
     + [_float, _ptr, _float, _int, _int] + [_ptr] * 4
-_GDN_PREFILL_ARGTYPES = [_i64] * 6 + [_ptr] * 5 + [_float, _i64, _ptr, _int] + [_ptr] * 5
+_GDN_PREFILL_ARGTYPES = [_i64] * 6 + [_ptr, _i64] + [_ptr] * 5 + [_float, _i64, _ptr, _int] + [_ptr] * 4
 _RMS_NORM_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _float, _ptr, _i64]
 _RMS_NORM_ROPE_ARGTYPES = [_ptr, _i64, _i64, _i64, _i64, _ptr, _float, _ptr, _ptr, _i64, _ptr]
 
@@ -222,7 +222,7 @@ def gdn_decode_f32(proj: torch.Tensor, b_offset: int, a_offset: int, slots: torc
             or (norm_weight is not None and norm_weight.shape != (head_v,))):
         raise ValueError("gdn_decode_f32: projection, state, slot and weight shapes disagree")
     core = torch.empty(batch, num_v_heads, head_v)
-    scratch = torch.empty(batch, conv_dim + head_v)
+    scratch = torch.empty(batch, conv_dim)
     out_conv = torch.empty(batch, conv_dim, kernel - 1)
     out_rec = torch.empty(batch, num_v_heads, head_k, head_v)
     failed = library.gdn_decode_f32(
@@ -236,40 +236,42 @@ def gdn_decode_f32(proj: torch.Tensor, b_offset: int, a_offset: int, slots: torc
     return core, out_conv, out_rec
 
 
-def gdn_prefill_f32(window: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, rec_state: torch.Tensor,
-                    conv_weight: torch.Tensor, num_k_heads: int, l2_eps: float, capture_tokens: list[int]
-                    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """One sequence's short prefill through a GDN layer, token by token (see csrc/gdn_prefill.c).
+def gdn_prefill_f32(x: torch.Tensor, conv_state: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    rec_state: torch.Tensor, conv_weight: torch.Tensor, num_k_heads: int, l2_eps: float,
+                    capture_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """One sequence's prefill chunk through a GDN layer, token by token (see csrc/gdn_prefill.c).
 
-    window [conv_dim, T + K - 1] float32: the conv state then the chunk's conv inputs (as
-    `causal_conv_prefill` builds it); g, beta [T, Hv] float32 log-decay and beta; rec_state
-    [Hv, Dk, Dv] the state before the chunk (only read); conv_weight [conv_dim, K]. Returns (core
-    output [T, Hv, Dv], final state, the states after each of `capture_tokens` tokens, in order).
+    x [T, conv_dim] float32: the chunk's conv inputs (rows may be strided, columns contiguous, as
+    the in_proj output's first columns); conv_state [conv_dim, K-1] the inputs before the chunk;
+    g, beta [T, Hv] float32 log-decay and beta; rec_state [Hv, Dk, Dv] the state before the chunk;
+    conv_weight [conv_dim, K]. Live state is only read. Returns (core output [T, Hv, Dv], final
+    state, the states after each of `capture_tokens` tokens, in the order given).
     """
     library = _library()
     assert library is not None, "check native_kernels_enabled() first"
     num_v_heads, head_k, head_v = rec_state.shape
     conv_dim, kernel = conv_weight.shape
-    tokens = g.shape[0]
-    floats = (window, g, beta, rec_state, conv_weight)
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in floats):
-        raise ValueError("gdn_prefill_f32 takes contiguous float32 CPU tensors")
+    tokens = x.shape[0]
+    floats = (x, conv_state, g, beta, rec_state, conv_weight)
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in floats):
+        raise ValueError("gdn_prefill_f32 takes float32 CPU tensors")
+    if x.dim() != 2 or x.stride(1) != 1 or not all(t.is_contiguous() for t in floats[1:]):
+        raise ValueError("gdn_prefill_f32 needs contiguous state, gates and weights and contiguous input columns")
     if (kernel < 1 or num_v_heads % num_k_heads or conv_dim != 2 * num_k_heads * head_k + num_v_heads * head_v
-            or window.shape != (conv_dim, tokens + kernel - 1) or g.shape != (tokens, num_v_heads)
-            or beta.shape != g.shape):
-        raise ValueError("gdn_prefill_f32: window, gate, state and weight shapes disagree")
+            or x.shape[1] != conv_dim or conv_state.shape != (conv_dim, kernel - 1)
+            or g.shape != (tokens, num_v_heads) or beta.shape != g.shape):
+        raise ValueError("gdn_prefill_f32: input, gate, state and weight shapes disagree")
     if any(not 1 <= t <= tokens for t in capture_tokens):
         raise ValueError(f"gdn_prefill_f32: capture points {capture_tokens} must lie within 1..{tokens}")
     captures = torch.tensor(capture_tokens, dtype=torch.int64)
     captured = torch.empty(len(capture_tokens), num_v_heads, head_k, head_v)
     final_state = torch.empty(num_v_heads, head_k, head_v)
     core = torch.empty(tokens, num_v_heads, head_v)
-    conv_out = torch.empty(tokens, conv_dim)
-    delta = torch.empty(num_v_heads, head_v)
+    scratch = torch.empty((2 * kernel - 1 + tokens) * conv_dim)
     failed = library.gdn_prefill_f32(
-        tokens, num_k_heads, num_v_heads, head_k, head_v, kernel, window.data_ptr(), conv_weight.data_ptr(),
-        g.data_ptr(), beta.data_ptr(), rec_state.data_ptr(), l2_eps, len(capture_tokens), captures.data_ptr(),
-        torch.get_num_threads(), conv_out.data_ptr(), delta.data_ptr(), captured.data_ptr(),
+        tokens, num_k_heads, num_v_heads, head_k, head_v, kernel, x.data_ptr(), x.stride(0), conv_state.data_ptr(),
+        conv_weight.data_ptr(), g.data_ptr(), beta.data_ptr(), rec_state.data_ptr(), l2_eps, len(capture_tokens),
+        captures.data_ptr(), torch.get_num_threads(), scratch.data_ptr(), captured.data_ptr(),
         final_state.data_ptr(), core.data_ptr())
     if failed:
         raise ValueError("gdn_prefill_f32: capture points out of range")

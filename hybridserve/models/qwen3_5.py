@@ -20,7 +20,7 @@ from hybridserve.config import FULL_ATTENTION, ModelConfig
 from hybridserve.layers.attention import PagedKVCache, decode_attention, prefill_attention
 from hybridserve.layers.linear import PackedLinear, drop_linears, tensor_bytes, tensor_key
 from hybridserve.layers.gated_delta import L2_NORM_EPS, ChunkedResult, causal_conv_decode, \
-    causal_conv_prefill, chunked_gated_delta, recurrent_gated_delta_step
+    causal_conv_prefill, chunked_gated_delta, conv_state_after, recurrent_gated_delta_step
 from hybridserve.layers.native import gdn_decode_f32, gdn_prefill_f32, native_kernels_enabled, rms_norm_applies, \
     rms_norm_rope_f32
 from hybridserve.layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
@@ -311,25 +311,24 @@ class GatedDeltaNet(nn.Module):
         rows = slice(chunk.token_offset, chunk.token_offset + chunk.length)
         conv_state, initial_state = ctx.live_states.conv[layer, slot], ctx.live_states.recurrent[layer, slot]
         boundaries = [b for b, _ in chunk.captures]
+        x = mixed[rows]
         if self._native_applies(mixed, conv_state, weight):
-            window = torch.cat([conv_state, mixed[rows].t()], dim=1)
-            result = ChunkedResult(*gdn_prefill_f32(window, g[rows], beta[rows], initial_state, weight,
+            result = ChunkedResult(*gdn_prefill_f32(x, conv_state, g[rows], beta[rows], initial_state, weight,
                                                     self.num_k_heads, L2_NORM_EPS,
                                                     [b - chunk.start_position for b in boundaries]))
         else:
-            conv_out, window = causal_conv_prefill(mixed[rows], conv_state, weight)
+            conv_out, _ = causal_conv_prefill(x, conv_state, weight)
             q, k, v = self._split_qkv(conv_out)
             result = chunked_gated_delta(q, k, v, g[rows], beta[rows], initial_state, chunk_size=self.chunk_size,
                                          start_position=chunk.start_position, capture_at=boundaries)
         core[rows] = result.output
-        history = window.shape[1] - chunk.length
         slots = torch.tensor([slot], device=mixed.device)
-        ctx.state_writes.append(StateWrite(layer, slots, window[:, chunk.length:].unsqueeze(0),
+        ctx.state_writes.append(StateWrite(layer, slots, conv_state_after(conv_state, x, chunk.length).unsqueeze(0),
                                            result.final_state.unsqueeze(0)))
         if ctx.snapshot_sink is not None:
             for (boundary, snapshot_slot), state in zip(chunk.captures, result.captured):
-                offset = boundary - chunk.start_position
-                ctx.snapshot_sink.write(layer, snapshot_slot, window[:, offset:offset + history], state)
+                conv = conv_state_after(conv_state, x, boundary - chunk.start_position)
+                ctx.snapshot_sink.write(layer, snapshot_slot, conv, state)
 
 
 class DecoderLayer(nn.Module):

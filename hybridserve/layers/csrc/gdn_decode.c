@@ -1,8 +1,9 @@
 /* One fused decode step of a Gated DeltaNet layer for a batch of sequences (float32, CPU).
  *
  * Per sequence b (live state slot slots[b]) it does what the eager PyTorch path in
- * hybridserve/models/qwen3_5.py does with ~25 small ops, but reads the slot's recurrent state once
- * and writes its successor once:
+ * hybridserve/models/qwen3_5.py does with ~25 small ops, but reads the slot's recurrent state from
+ * memory once and writes its successor once (delta_rule.h works through it in column blocks that
+ * stay in L1 between its two passes):
  *   conv:   y = silu(sum_j w[c][j] * window[c][j]), window = conv state (K-1 inputs) then x;
  *   q, k:   l2-normalised per key head (q also scaled by head_k ** -0.5);
  *   gates:  decay = exp(-exp(A_log) * softplus(a + dt_bias)), beta = sigmoid(b);
@@ -19,6 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "delta_rule.h"
 #include "vector_math.h"
 
 static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -48,28 +50,6 @@ static void conv_step(const float *x, const float *state, const float *weight, i
     }
 }
 
-/* One value head: S [dk, dv] -> S' written to `next` (which may be `s` itself); q S' to out [dv]. */
-static void delta_rule_head(const float *s, const float *q, const float *k, const float *v, float decay, float beta,
-                            int64_t dk, int64_t dv, float *next, float *out, float *delta) {
-    for (int64_t j = 0; j < dv; j++) delta[j] = 0.0f;
-    for (int64_t i = 0; i < dk; i++) {
-        const float *row = s + i * dv;
-        float ki = k[i];
-        for (int64_t j = 0; j < dv; j++) delta[j] += ki * (row[j] * decay);
-    }
-    for (int64_t j = 0; j < dv; j++) { delta[j] = (v[j] - delta[j]) * beta; out[j] = 0.0f; }
-    for (int64_t i = 0; i < dk; i++) {
-        const float *row = s + i * dv;
-        float *next_row = next + i * dv;
-        float ki = k[i], qi = q[i];
-        for (int64_t j = 0; j < dv; j++) {
-            float value = row[j] * decay + ki * delta[j];
-            next_row[j] = value;
-            out[j] += qi * value;
-        }
-    }
-}
-
 /* out *= w * silu(z) / sqrt(mean(out^2) + eps) over one head. */
 static void gated_rms_norm(float *out, const float *z, const float *w, int64_t n, float eps) {
     float sum = 0.0f;
@@ -80,7 +60,7 @@ static void gated_rms_norm(float *out, const float *z, const float *w, int64_t n
 
 /* proj rows hold [mixed (conv_dim), z (Hv*Dv), b (Hv), a (Hv)] (b and a at the given offsets);
  * norm_weight [Dv] or NULL; conv_live [num_slots, conv_dim, K-1], rec_live [num_slots, Hv, Dk, Dv]; core [B, Hv, Dv];
- * scratch [B, conv_dim + Dv] (the conv output and one head's delta of each row). */
+ * scratch [B, conv_dim] (the conv output of each row). */
 int gdn_decode_f32(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int64_t head_k, int64_t head_v,
                    int64_t kernel, const float *proj, int64_t proj_stride, int64_t b_offset, int64_t a_offset,
                    const int64_t *slots, int64_t num_slots, float *conv_live, float *rec_live,
@@ -95,8 +75,7 @@ int gdn_decode_f32(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int6
         if (slots[b] < 0 || slots[b] >= num_slots) return 2;
 #pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && batch > 1) schedule(static)
     for (int64_t b = 0; b < batch; b++) {
-        float *conv_out = scratch + b * (conv_dim + head_v);
-        float *delta = conv_out + conv_dim;
+        float *conv_out = scratch + b * conv_dim;
         const float *row = proj + b * proj_stride;
         float *conv_slot = conv_live + slots[b] * conv_size, *rec_slot = rec_live + slots[b] * rec_size;
         float *conv_next = out_conv + b * conv_size, *rec_next = out_rec + b * rec_size;
@@ -119,9 +98,9 @@ int gdn_decode_f32(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int6
                 memcpy(next, state, sizeof(float) * head_size);
                 next = state;
             }
-            delta_rule_head(state, conv_out + kh * head_k, conv_out + key_dim + kh * head_k,
-                            conv_out + 2 * key_dim + h * head_v, decay, beta, head_k, head_v, next,
-                            core + (b * num_v_heads + h) * head_v, delta);
+            delta_rule_head(state, next, conv_out + kh * head_k, conv_out + key_dim + kh * head_k,
+                            conv_out + 2 * key_dim + h * head_v, decay, beta, head_k, head_v,
+                            core + (b * num_v_heads + h) * head_v);
             if (norm_weight)
                 gated_rms_norm(core + (b * num_v_heads + h) * head_v, row + conv_dim + h * head_v, norm_weight,
                                head_v, norm_eps);

@@ -2,11 +2,13 @@
  *
  * The chunked form in gated_delta.py turns each 64-token chunk of delta-rule updates into matrix
  * products, which suits a GPU. On CPU its ~40 small ATen ops per chunk and the depthwise conv's
- * oneDNN call cost more than the arithmetic: the recurrence the decode kernel uses, run one token
- * after another with each value head's state held in cache, took 0.19-0.37x the chunked form's
- * time from 8 to 128 tokens and 0.54x at 4160 for the built-in model's layer, and 0.58-0.82x for
- * a 4B-sized layer (16/32 heads of 128) from 64 to 2048 tokens (2-core AVX2 host).
- *   conv:   y[t] = silu(sum_j w[c][j] * window[c][t + j]) over the window [conv state | inputs];
+ * oneDNN call cost more than the arithmetic: the recurrence the decode kernel uses
+ * (delta_rule.h), run one token after another with each value head's state held in cache, took
+ * 0.07-0.22x the chunked form's time from 8 to 4160 tokens for the built-in model's layer (4 key /
+ * 8 value heads of 64), and 0.15-0.34x for a 4B-sized layer (16 / 32 heads of 128) from 64 to
+ * 2048 tokens (2-core AVX2 host, two threads, the same inputs alternated).
+ *   conv:   y[t] = silu(sum_j w[c][j] * window[c][t + j]) over the window [conv state | inputs],
+ *           read time-major (the projection rows themselves) so every loop runs along channels;
  *   q, k:   l2-normalised per key head (q also scaled by head_k ** -0.5);
  *   state:  S' = exp(g) * S + k^T (beta * (v - k (exp(g) * S))),  out = q S'.
  * Live state is only read: the final state goes to `final_state` and the state after
@@ -17,6 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "delta_rule.h"
 #include "vector_math.h"
 
 static void normalize(float *x, int64_t n, float eps, float scale) {
@@ -26,70 +29,67 @@ static void normalize(float *x, int64_t n, float eps, float scale) {
     for (int64_t i = 0; i < n; i++) x[i] *= factor;
 }
 
-/* window [conv_dim, tokens + kernel - 1]; weight [conv_dim, kernel]; conv_out [tokens, conv_dim]. */
-static void conv_token(const float *window, const float *weight, int64_t conv_dim, int64_t kernel, int64_t width,
-                       int64_t t, float *out) {
-    for (int64_t c = 0; c < conv_dim; c++) {
-        const float *x = window + c * width + t, *w = weight + c * kernel;
-        float acc = 0.0f;
-        for (int64_t j = 0; j < kernel; j++) acc += x[j] * w[j];
-        out[c] = silu_f32(acc);
+/* The conv input at window position p (time-major): the conv state's column p (transposed into
+ * history [K-1, conv_dim]) for p < K - 1, else the projection row of token p - (K - 1). */
+static inline const float *conv_input(const float *history, const float *x, int64_t x_stride, int64_t conv_dim,
+                                      int64_t hist, int64_t p) {
+    return p < hist ? history + p * conv_dim : x + (p - hist) * x_stride;
+}
+
+/* out [conv_dim] = silu of token t's conv, summed over the kernel taps in order (as the decode
+ * kernel does); weight_t [K, conv_dim] is the weight transposed, so every loop runs along channels. */
+static void conv_token(const float *history, const float *x, int64_t x_stride, const float *weight_t,
+                       int64_t conv_dim, int64_t kernel, int64_t t, float *out) {
+    for (int64_t c = 0; c < conv_dim; c++) out[c] = 0.0f;
+    for (int64_t j = 0; j < kernel; j++) {
+        const float *in = conv_input(history, x, x_stride, conv_dim, kernel - 1, t + j), *w = weight_t + j * conv_dim;
+        for (int64_t c = 0; c < conv_dim; c++) out[c] += in[c] * w[c];
     }
+    for (int64_t c = 0; c < conv_dim; c++) out[c] = silu_f32(out[c]);
 }
 
 /* One value head over all tokens: state [dk, dv] advanced in place. */
 static void head_recurrence(float *state, const float *conv_out, int64_t conv_dim, int64_t q_offset,
                             int64_t k_offset, int64_t v_offset, const float *g, const float *beta, int64_t gate_stride,
                             int64_t tokens, int64_t dk, int64_t dv, float *out, int64_t out_stride,
-                            int64_t num_captures, const int64_t *capture_tokens, float *captured, int64_t capture_stride,
-                            float *delta) {
+                            int64_t num_captures, const int64_t *capture_tokens, float *captured, int64_t capture_stride) {
     for (int64_t t = 0; t < tokens; t++) {
         const float *row = conv_out + t * conv_dim;
-        const float *q = row + q_offset, *k = row + k_offset, *v = row + v_offset;
-        float decay = expf(g[t * gate_stride]), b = beta[t * gate_stride];
-        for (int64_t j = 0; j < dv; j++) delta[j] = 0.0f;
-        for (int64_t i = 0; i < dk; i++) {
-            float *s = state + i * dv, ki = k[i];
-            for (int64_t j = 0; j < dv; j++) {
-                s[j] *= decay;
-                delta[j] += ki * s[j];
-            }
-        }
-        float *o = out + t * out_stride;
-        for (int64_t j = 0; j < dv; j++) { delta[j] = (v[j] - delta[j]) * b; o[j] = 0.0f; }
-        for (int64_t i = 0; i < dk; i++) {
-            float *s = state + i * dv, ki = k[i], qi = q[i];
-            for (int64_t j = 0; j < dv; j++) {
-                s[j] += ki * delta[j];
-                o[j] += qi * s[j];
-            }
-        }
+        delta_rule_head(state, state, row + q_offset, row + k_offset, row + v_offset, expf(g[t * gate_stride]),
+                        beta[t * gate_stride], dk, dv, out + t * out_stride);
         for (int64_t c = 0; c < num_captures; c++)  /* a few per chunk at most */
             if (capture_tokens[c] == t + 1) memcpy(captured + c * capture_stride, state, sizeof(float) * dk * dv);
     }
 }
 
-/* window [conv_dim, tokens + kernel - 1]; g, beta [tokens, Hv] (log-decay and beta); rec_state,
- * final_state [Hv, Dk, Dv]; captured [num_captures, Hv, Dk, Dv]; conv_out [tokens, conv_dim] and
- * delta [Hv, Dv] scratch; core [tokens, Hv, Dv]. Returns 2 for a capture outside 1..tokens,
+/* x: the chunk's conv inputs, one row of conv_dim per token, rows x_stride apart (the in_proj
+ * output); conv_state [conv_dim, K-1]; conv_weight [conv_dim, K]; g, beta [tokens, Hv] (log-decay and
+ * beta); rec_state, final_state [Hv, Dk, Dv]; captured [num_captures, Hv, Dk, Dv]; scratch
+ * [(2K - 1) * conv_dim + tokens * conv_dim] (transposed weight and conv state, the conv output);
+ * core [tokens, Hv, Dv]. Returns 2 for a capture outside 1..tokens,
  * before anything is written. */
 int gdn_prefill_f32(int64_t tokens, int64_t num_k_heads, int64_t num_v_heads, int64_t head_k, int64_t head_v,
-                    int64_t kernel, const float *window, const float *conv_weight, const float *g, const float *beta,
-                    const float *rec_state, float l2_eps, int64_t num_captures, const int64_t *capture_tokens,
-                    int num_threads, float *conv_out, float *delta, float *captured, float *final_state,
-                    float *core) {
+                    int64_t kernel, const float *x, int64_t x_stride, const float *conv_state,
+                    const float *conv_weight, const float *g, const float *beta, const float *rec_state, float l2_eps,
+                    int64_t num_captures, const int64_t *capture_tokens, int num_threads, float *scratch,
+                    float *captured, float *final_state, float *core) {
     int64_t key_dim = num_k_heads * head_k, value_dim = num_v_heads * head_v;
-    int64_t conv_dim = 2 * key_dim + value_dim, width = tokens + kernel - 1, group = num_v_heads / num_k_heads;
+    int64_t conv_dim = 2 * key_dim + value_dim, hist = kernel - 1, group = num_v_heads / num_k_heads;
     int64_t head_size = head_k * head_v;
     float q_scale = 1.0f / sqrtf((float)head_k);
     for (int64_t i = 0; i < num_captures; i++)
         if (capture_tokens[i] < 1 || capture_tokens[i] > tokens) return 2;
+    float *weight_t = scratch, *history = weight_t + kernel * conv_dim, *conv_out = history + hist * conv_dim;
+    for (int64_t c = 0; c < conv_dim; c++) {
+        for (int64_t j = 0; j < kernel; j++) weight_t[j * conv_dim + c] = conv_weight[c * kernel + j];
+        for (int64_t j = 0; j < hist; j++) history[j * conv_dim + c] = conv_state[c * hist + j];
+    }
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tokens; t++) {
             float *row = conv_out + t * conv_dim;
-            conv_token(window, conv_weight, conv_dim, kernel, width, t, row);
+            conv_token(history, x, x_stride, weight_t, conv_dim, kernel, t, row);
             for (int64_t h = 0; h < num_k_heads; h++) {
                 normalize(row + h * head_k, head_k, l2_eps, q_scale);
                 normalize(row + key_dim + h * head_k, head_k, l2_eps, 1.0f);
@@ -100,11 +100,9 @@ int gdn_prefill_f32(int64_t tokens, int64_t num_k_heads, int64_t num_v_heads, in
             int64_t kh = h / group;
             float *state = final_state + h * head_size;
             memcpy(state, rec_state + h * head_size, sizeof(float) * head_size);
-            float *scratch = delta + h * head_v;
             head_recurrence(state, conv_out, conv_dim, kh * head_k, key_dim + kh * head_k, 2 * key_dim + h * head_v,
                             g + h, beta + h, num_v_heads, tokens, head_k, head_v, core + h * head_v, value_dim,
-                            num_captures, capture_tokens, captured + h * head_size, num_v_heads * head_size,
-                            scratch);
+                            num_captures, capture_tokens, captured + h * head_size, num_v_heads * head_size);
         }
     }
     return 0;
