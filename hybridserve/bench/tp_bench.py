@@ -1,6 +1,8 @@
 """`hybridserve bench tp`: prefill and decode at TP=1 vs TP=2 on this machine, with the share of
-a TP step spent in all-reduces (rank 0's time inside `dist.all_reduce`) and in the controller's
-transport (a step's wall time beyond rank 0's forward: plan pickling, pipe, broadcast, logits back).
+a TP step spent in all-reduces (rank 0's time inside the forward's all-reduces: shared memory for
+same-host CPU ranks unless HYBRIDSERVE_SHM_ALLREDUCE=0, else gloo; the row names which) and in
+the controller's transport (a step's wall time beyond rank 0's forward: plan pickling, pipe,
+broadcast, logits back).
 
 Engines run side by side in one process and alternate per iteration; figures are medians.
 """
@@ -68,11 +70,14 @@ def run_tp_bench(engine_config: EngineConfig, cfg: TPBenchConfig) -> dict[str, A
             out["decode_comm"].append(comm)
             out["decode_fwd"].append(forward)
             out["decode_wall"].append(decode.total_s)
+    transports = [engine.runner.capacity.all_reduce if isinstance(engine.runner, TensorParallelExecutor) else None
+                  for engine in engines]
     for engine in engines:
         engine.check_integrity()
         engine.shutdown()
     rows = []
-    for (name, tp, threads), out in zip(SETUPS, samples):
+    for (name, tp, threads), out, transport in zip(SETUPS, samples, transports):
+        name = name if transport is None else f"{name} ({transport} all-reduce)"
         row = {"setup": name, "tensor_parallel_size": tp, "threads": threads,
                "prefill_ttft_s": median(out["prefill"]), "decode_ms_per_token": 1000 * median(out["decode"])}
         if tp > 1:
