@@ -201,6 +201,23 @@ def test_worker_killed_mid_request_fails_requests_and_stops_cleanly(text_pair) -
     assert not any(_alive(pid) for pid in pids)
 
 
+def test_a_script_that_never_shuts_the_engine_down_still_exits(tmp_path: Path) -> None:
+    """Workers are not daemons: without the executor's exit hook, multiprocessing's exit handler
+    would wait for them forever while they wait for the next command."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "leave.py"
+    script.write_text("from hybridserve import LLM\n"
+                      "if __name__ == '__main__':\n"
+                      "    llm = LLM(tensor_parallel_size=2, kv_cache_mib=16, prefix_cache_mib=8)\n"
+                      "    print(*llm.llm_engine.runner.pids, flush=True)\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    pids = [int(pid) for pid in run.stdout.split()]
+    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+
+
 @pytest.mark.slow
 def test_multimodal_checkpoint_greedy_tokens_match(multimodal_checkpoint: Path) -> None:
     one, two = _pair(str(multimodal_checkpoint))

@@ -11,11 +11,14 @@ in a collective).
 
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import multiprocessing
 import os
 import socket
 import time
+import weakref
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple
@@ -69,6 +72,8 @@ class TensorParallelExecutor:
         self.dead_reason: str | None = None
         self.steps, self.forward_seconds, self.comm_seconds = 0, 0.0, 0.0
         self._inbox: dict[int, tuple] = {}  # a message that arrived while waiting on another rank
+        self._exit_hook = functools.partial(_shutdown_at_exit, weakref.ref(self))
+        atexit.register(self._exit_hook)
         for spec in specs:
             parent, child = context.Pipe()
             process = context.Process(target=worker_main, args=(spec, child, os.getpid()),
@@ -184,6 +189,7 @@ class TensorParallelExecutor:
 
     def shutdown(self) -> None:
         """Stop every worker: a polite stop, then kill whatever is still running."""
+        atexit.unregister(self._exit_hook)
         if self.dead_reason is None:
             self.dead_reason = "the engine was shut down"
             for conn in self.conns[:1] if self.broadcast_commands else self.conns:
@@ -210,3 +216,11 @@ class TensorParallelExecutor:
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
+
+def _shutdown_at_exit(executor: weakref.ref[TensorParallelExecutor]) -> None:
+    """Stop the workers of an executor nobody shut down when the interpreter exits: they are not
+    daemons, so multiprocessing's own exit handler (registered earlier, run later) would wait for
+    them forever while they wait for the next command."""
+    alive = executor()
+    if alive is not None:
+        alive.shutdown()
