@@ -313,8 +313,8 @@ class GatedDeltaNet(nn.Module):
         boundaries = [b for b, _ in chunk.captures]
         x = mixed[rows]
         if self._native_applies(mixed, conv_state, weight):
-            result = ChunkedResult(*gdn_prefill_f32(x, conv_state, g[rows], beta[rows], initial_state, weight,
-                                                    self.num_k_heads, L2_NORM_EPS,
+            result = ChunkedResult(*gdn_prefill_f32(x, conv_state, g[rows].contiguous(), beta[rows].contiguous(),
+                                                    initial_state, weight, self.num_k_heads, L2_NORM_EPS,
                                                     [b - chunk.start_position for b in boundaries]))
         else:
             conv_out, _ = causal_conv_prefill(x, conv_state, weight)
@@ -323,8 +323,10 @@ class GatedDeltaNet(nn.Module):
                                          start_position=chunk.start_position, capture_at=boundaries)
         core[rows] = result.output
         slots = torch.tensor([slot], device=mixed.device)
-        ctx.state_writes.append(StateWrite(layer, slots, conv_state_after(conv_state, x, chunk.length).unsqueeze(0),
-                                           result.final_state.unsqueeze(0)))
+        # a copy of the K-1 columns, not a view: the write waits for the forward's end, and a view
+        # would keep the layer's whole projection alive until then
+        new_conv = conv_state_after(conv_state, x, chunk.length).contiguous()
+        ctx.state_writes.append(StateWrite(layer, slots, new_conv.unsqueeze(0), result.final_state.unsqueeze(0)))
         if ctx.snapshot_sink is not None:
             for (boundary, snapshot_slot), state in zip(chunk.captures, result.captured):
                 conv = conv_state_after(conv_state, x, boundary - chunk.start_position)
