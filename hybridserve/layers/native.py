@@ -7,7 +7,8 @@ output norm included, in one call and one pass; `rms_norm_f32` (csrc/rms_norm.c)
 ops of torch's CPU rms_norm for decode-sized inputs, and csrc/elementwise.c does the attention's
 q/k norm + rotary. `gdn_prefill_f32` (csrc/gdn_prefill.c) runs a prefill chunk through a GDN layer
 token by token: on CPU that beats the chunked form's matrix products at every length measured
-(see the source's header). csrc/vector_math.h holds an exp that GCC vectorises. The sources are compiled with the system C
+(see the source's header). csrc/delta_rule.h holds the delta-rule step both GDN kernels share,
+csrc/vector_math.h an exp that GCC vectorises. The sources are compiled with the system C
 compiler into the user's cache directory (keyed by sources, compiler and CPU, so a home shared by
 different CPUs is safe) and loaded with ctypes: no build step at install, under a second at the
 first start, nothing after. OpenMP in the kernels binds to the `libgomp.so.1` torch already loaded
