@@ -187,6 +187,36 @@ def test_rms_norm_leaves_prefill_and_other_dtypes_to_torch() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16])
+@pytest.mark.parametrize("shape", [(4096, 512), (70, 37), (3, 1)])
+def test_gemv_matches_torch(shape: tuple[int, int], rows: int, threads: int, monkeypatch: pytest.MonkeyPatch
+                            ) -> None:
+    """Row groups of 8 and their remainders, inputs that are not a multiple of the vector width,
+    fewer output features than threads, strided input rows (a slice of a wider activation)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(*shape, generator=gen)
+    x = torch.randn(rows, shape[1] + 5, generator=gen)[:, 3:3 + shape[1]]
+    assert native.gemv_applies(weight, x)
+    y = native.gemv_f32(weight, x)
+    assert y.shape == (rows, shape[0]) and y.is_contiguous()
+    torch.testing.assert_close(y, x @ weight.t(), atol=1e-4, rtol=1e-4)
+
+
+def test_gemv_leaves_other_inputs_to_torch() -> None:
+    weight = torch.randn(8, 16)
+    assert not native.gemv_applies(weight, torch.randn(native.GEMV_MAX_INPUT_ROWS + 1, 16))
+    assert not native.gemv_applies(weight, torch.randn(0, 16))
+    assert not native.gemv_applies(weight, torch.randn(16, 2).t())  # columns not contiguous
+    assert not native.gemv_applies(weight.t().contiguous().t(), torch.randn(2, 16))
+    assert not native.gemv_applies(weight.bfloat16(), torch.randn(2, 16))
+    if native.native_kernels_enabled():
+        with pytest.raises(ValueError, match="columns"):
+            native.gemv_f32(weight, torch.randn(2, 15))
+
+
+@needs_kernel
 def test_a_slot_out_of_range_is_rejected_before_any_state_changes() -> None:
     layer = _Layer()
     layer.slots = torch.tensor([0, 1, layer.rec_live.shape[0]])

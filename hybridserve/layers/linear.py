@@ -1,10 +1,15 @@
 """Inference GEMMs on the loaded row-major weights, with the kernel picked by batch size.
 
 On CPU in float32 the weight stays one plain contiguous [out, in] matrix and serves every batch size:
-- up to GEMV_MAX_ROWS rows (decode, and short prefills such as a warm request's suffix), a
-  *split GEMV*: the matrix viewed as blocks of whole rows and one `torch.bmm` over the blocks,
-  which the threads share out (a warm 4096+64-token TTFT 0.94x, a cold 64-token one 0.87x the
-  time with the bound at 32 rows instead of 128). Each thread streams its own
+- up to 16 rows (`native.GEMV_MAX_INPUT_ROWS`: decode), the C GEMV of csrc/gemv.c, in which each
+  thread streams one weight row after another and dots it with every input row while it is in L1
+  (on the 2-core AVX2 host, the built-in model's linears take 0.83-0.88x the split `bmm`'s time at
+  one row, 0.56-0.67x at 8, 0.70-0.88x at 16);
+- up to GEMV_MAX_ROWS rows (larger decode batches, short prefills such as a warm request's suffix,
+  and every small batch when the C kernels are off), a *split GEMV*: the matrix viewed as blocks of
+  whole rows and one `torch.bmm` over the blocks, which the threads share out (a warm
+  4096+64-token TTFT 0.94x, a cold 64-token one 0.87x the time with the bound at 32 rows instead
+  of 128). Each thread streams its own
   contiguous part of the weight; below SPLIT_GEMM_ROWS rows there is one block per thread, from
   there four per thread with the rows multiplied by each block's transpose (the better of the two
   where the rows make it compute-bound: 0.84-0.96x oneDNN's time on the plain weight from 33 to
@@ -45,6 +50,8 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hybridserve.layers import native
 
 
 logger = logging.getLogger(__name__)
@@ -137,12 +144,15 @@ class PackedLinear:
         return self.split_gemv and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS
 
     def _split_gemv(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T for a few rows as one bmm over contiguous row blocks of W (see the module
-        docstring): one block per thread below SPLIT_GEMM_ROWS rows, four per thread from there."""
+        """x @ W.T for a few rows (see the module docstring): the C GEMV up to its row bound, else
+        one bmm over contiguous row blocks of W, one block per thread below SPLIT_GEMM_ROWS rows,
+        four per thread from there."""
         rows = x.shape[0]
         out_features, in_features = self.weight.shape
         threads = torch.get_num_threads()
-        if rows < SPLIT_GEMM_ROWS:
+        if native.gemv_applies(self.weight, x):  # up to GEMV_MAX_INPUT_ROWS rows
+            y = native.gemv_f32(self.weight, x)
+        elif rows < SPLIT_GEMM_ROWS:
             splits = gemv_splits(out_features, threads)
             blocks = self.weight.view(splits, out_features // splits, in_features)
             y = torch.bmm(blocks, x.t().expand(splits, in_features, rows))  # [splits, out / splits, rows]

@@ -8,7 +8,8 @@ ops of torch's CPU rms_norm for decode-sized inputs, and csrc/elementwise.c does
 q/k norm + rotary. `gdn_prefill_f32` (csrc/gdn_prefill.c) runs a prefill chunk through a GDN layer
 token by token: on CPU that beats the chunked form's matrix products at every length measured
 (see the source's header). csrc/delta_rule.h holds the delta-rule step both GDN kernels share,
-csrc/vector_math.h an exp that GCC vectorises. The sources are compiled with the system C
+csrc/vector_math.h an exp that GCC vectorises. `gemv_f32` (csrc/gemv.c) is the float32 linear for up
+to 16 rows, written to stream each weight as fast as a plain read (see linear.py). The sources are compiled with the system C
 compiler into the user's cache directory (keyed by sources, compiler and CPU, so a home shared by
 different CPUs is safe) and loaded with ctypes: no build step at install, under a second at the
 first start, nothing after. OpenMP in the kernels binds to the `libgomp.so.1` torch already loaded
@@ -50,6 +51,8 @@ _GDN_DECODE_ARGTYPES = [_i64] * 6 + [_ptr, _i64, _i64, _i64, _ptr, _i64] + [_ptr
 _GDN_PREFILL_ARGTYPES = [_i64] * 6 + [_ptr, _i64] + [_ptr] * 5 + [_float, _i64, _ptr, _int] + [_ptr] * 4
 _RMS_NORM_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _float, _ptr, _i64]
 _RMS_NORM_ROPE_ARGTYPES = [_ptr, _i64, _i64, _i64, _i64, _ptr, _float, _ptr, _ptr, _i64, _ptr]
+_GEMV_ARGTYPES = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _int]
+GEMV_MAX_INPUT_ROWS = 16  # as in csrc/gemv.c
 
 
 def native_kernels_enabled() -> bool:
@@ -115,6 +118,8 @@ def _library() -> ctypes.CDLL | None:
     library.gdn_decode_f32.restype = ctypes.c_int
     library.gdn_prefill_f32.argtypes = _GDN_PREFILL_ARGTYPES
     library.gdn_prefill_f32.restype = ctypes.c_int
+    library.gemv_f32.argtypes = _GEMV_ARGTYPES
+    library.gemv_f32.restype = ctypes.c_int
     for name, argtypes in (("rms_norm_f32", _RMS_NORM_ARGTYPES),
                            ("rms_norm_rope_f32", _RMS_NORM_ROPE_ARGTYPES)):
         getattr(library, name).argtypes = argtypes
@@ -182,6 +187,30 @@ def rms_norm_rope_f32(x: torch.Tensor, scale: torch.Tensor, eps: float, cos: tor
     library.rms_norm_rope_f32(x.data_ptr(), tokens, heads, dim, stride, scale.data_ptr(), eps, cos.data_ptr(),
                               sin.data_ptr(), rot, out.data_ptr())
     return out
+
+
+def gemv_applies(weight: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether `gemv_f32` takes x @ weight.T: 1..GEMV_MAX_INPUT_ROWS float32 CPU rows with contiguous
+    columns, a contiguous float32 weight, and the kernels enabled."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_INPUT_ROWS and x.dtype == torch.float32 and x.is_cpu
+            and (x.stride(1) == 1 or x.shape[1] == 1) and weight.dtype == torch.float32
+            and weight.is_contiguous() and native_kernels_enabled())
+
+
+def gemv_f32(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T for a few float32 CPU rows (csrc/gemv.c): weight [out, in] contiguous, x [rows, in]
+    (check `gemv_applies` first). Returns a new contiguous [rows, out]."""
+    out_features, in_features = weight.shape
+    rows = x.shape[0]
+    if x.shape[1] != in_features:
+        raise ValueError(f"gemv_f32: x has {x.shape[1]} columns, the weight {in_features}")
+    library = _library()
+    assert library is not None, "check gemv_applies() first"
+    y = torch.empty(rows, out_features, dtype=weight.dtype)
+    if library.gemv_f32(weight.data_ptr(), out_features, in_features, x.data_ptr(), rows, x.stride(0), y.data_ptr(),
+                        out_features, torch.get_num_threads()):
+        raise ValueError(f"gemv_f32 takes 1..{GEMV_MAX_INPUT_ROWS} rows, got {rows}")
+    return y
 
 
 def gdn_decode_f32(proj: torch.Tensor, b_offset: int, a_offset: int, slots: torch.Tensor, conv_live: torch.Tensor,
