@@ -17,6 +17,9 @@ from hybridserve.layers.gated_delta import L2_NORM_EPS, causal_conv_decode, caus
     conv_state_after, recurrent_gated_delta_step
 from hybridserve.layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from hybridserve.layers.rotary import PartialRotaryEmbedding
+from hybridserve.models import fused_decode
+from hybridserve.models.batch import ForwardBatch
+from hybridserve.models.qwen3_5 import ForwardContext
 
 HAVE_COMPILER = shutil.which("cc") is not None or shutil.which("gcc") is not None
 needs_kernel = pytest.mark.skipif(not HAVE_COMPILER, reason="no C compiler: the eager path is used")
@@ -276,8 +279,10 @@ def test_greedy_tokens_are_identical_with_the_kernel_on_and_off(monkeypatch: pyt
 
 @needs_kernel
 def test_a_forward_failing_after_an_in_place_update_leaves_no_trace(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The final norm runs after every GDN layer updated its live slots in place: failing it once
-    mid-decode must restore those slots, so the retried step gives the tokens of an unfailed run."""
+    """Module path: the final norm runs after every GDN layer updated its live slots in place;
+    failing it once mid-decode must restore those slots, so the retried step gives the tokens of an
+    unfailed run."""
+    monkeypatch.setenv(fused_decode.FUSED_DECODE_ENV, "0")
     expected = _generate(_engine(prefix_cache_mib=0), PROMPTS)
     engine = _engine(prefix_cache_mib=0)
     norm, calls = engine.runner.model.model.norm, {"n": 0}
@@ -292,6 +297,26 @@ def test_a_forward_failing_after_an_in_place_update_leaves_no_trace(monkeypatch:
     monkeypatch.setattr(norm, "forward", failing_once)
     assert _generate(engine, PROMPTS) == expected
     assert calls["n"] > 6
+
+
+@needs_kernel
+def test_a_fused_decode_step_failing_after_it_ran_leaves_no_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fused path: the C step updated every GDN slot in place and then the forward fails; the undo
+    record it handed over restores the slots, and the retried step gives an unfailed run's tokens."""
+    expected = _generate(_engine(prefix_cache_mib=0), PROMPTS)
+    engine = _engine(prefix_cache_mib=0)
+    calls, original = {"n": 0}, fused_decode.FusedDecodeStep.run
+
+    def failing_once(self: fused_decode.FusedDecodeStep, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+        logits = original(self, batch, ctx)
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected failure after the fused decode step")
+        return logits
+
+    monkeypatch.setattr(fused_decode.FusedDecodeStep, "run", failing_once)
+    assert _generate(engine, PROMPTS) == expected
+    assert calls["n"] > 3
 
 
 def test_without_a_compiler_the_eager_path_serves(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,6 +8,7 @@ chunk's tokens contiguously, in `prefills` order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -50,3 +51,13 @@ class ForwardBatch:
     @property
     def num_decode(self) -> int:
         return 0 if self.decode is None else int(self.decode.state_slots.shape[0])
+
+
+class StateWrite(NamedTuple):
+    """GDN state for some live slots of one layer: new state, written after the forward succeeds,
+    or (in `ForwardContext.state_undo`) the state a layer replaced in place, written back if it fails."""
+
+    layer: int
+    slots: torch.Tensor      # [n] live slots
+    conv: torch.Tensor       # [n, conv_dim, kernel - 1]
+    recurrent: torch.Tensor  # [n, Hv, Dk, Dv]

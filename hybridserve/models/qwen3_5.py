@@ -25,17 +25,8 @@ from hybridserve.layers.native import gdn_decode_f32, gdn_prefill_f32, native_ke
     rms_norm_rope_f32
 from hybridserve.layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from hybridserve.layers.rotary import PartialRotaryEmbedding
-from hybridserve.models.batch import DecodeGroup, ForwardBatch, PrefillChunk
-
-
-class StateWrite(NamedTuple):
-    """GDN state for some live slots of one layer: new state, written after the forward succeeds,
-    or (in `ForwardContext.state_undo`) the state a layer replaced in place, written back if it fails."""
-
-    layer: int
-    slots: torch.Tensor      # [n] live slots
-    conv: torch.Tensor       # [n, conv_dim, kernel - 1]
-    recurrent: torch.Tensor  # [n, Hv, Dk, Dv]
+from hybridserve.models import fused_decode
+from hybridserve.models.batch import DecodeGroup, ForwardBatch, PrefillChunk, StateWrite
 
 
 class SnapshotSink(Protocol):
@@ -398,6 +389,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.head: PackedLinear | None = None
+        self._fused_decode: fused_decode.FusedDecodeStep | None = None
+        self._fused_unsupported: object | None = None  # the KV cache the fused step was found not to fit
 
     def pack(self, quantization: str | None = None) -> None:
         """Repack loaded weights for inference: fused projections in the backend's fastest GEMM
@@ -436,6 +429,9 @@ class Qwen3_5ForCausalLM(nn.Module):
         return sum(seen.values())
 
     def forward(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+        step = self._fused_decode_step(batch, ctx)
+        if step is not None:
+            return step.run(batch, ctx)
         x = self.model.embed_tokens(batch.input_ids)
         cos_sin = self.model.rotary.cos_sin(batch.positions, x.dtype)
         # The last layer's outputs feed nothing but the logits: compute it for those rows only.
@@ -448,3 +444,17 @@ class Qwen3_5ForCausalLM(nn.Module):
             x = self.model.norm(last(x, batch, ctx, cos_sin).index_select(0, batch.logits_rows))
         assert self.head is not None, "call pack() after loading weights"
         return self.head(x).float()
+
+    def _fused_decode_step(self, batch: ForwardBatch, ctx: ForwardContext) -> fused_decode.FusedDecodeStep | None:
+        """The one-call C decode step for this batch and storage, where it applies (see
+        `models.fused_decode`); built on the first decode step over a storage, checked once."""
+        if not fused_decode.FusedDecodeStep.takes(batch):
+            return None
+        step = self._fused_decode
+        if step is not None and step.serves(ctx):
+            return step
+        if self._fused_unsupported is ctx.kv_cache or not fused_decode.supported(self, ctx):
+            self._fused_unsupported = ctx.kv_cache
+            return None
+        self._fused_decode = fused_decode.FusedDecodeStep(self, ctx)
+        return self._fused_decode

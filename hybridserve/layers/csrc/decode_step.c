@@ -1,0 +1,256 @@
+/* The whole decode forward of a float32 model on CPU in one call: embeddings, every decoder layer
+ * (GDN or gated attention, then the MLP), the final norm and the LM head, for up to 16 sequences.
+ *
+ * After the GEMV and the fused layer kernels, a batch-1 decode step of the built-in model spent
+ * ~4 ms of ~12 outside the linears: ~150 PyTorch ops and ~40 module calls at 10-30 us each on this
+ * 2-core VM. Here the same work runs as straight C: it calls the kernels the module path calls
+ * (gemv_f32, rms_norm_f32, rms_norm_rope_f32, gdn_decode_f32) in the same order, adds the
+ * decode attention over the paged KV, and does the small elementwise steps inline. It is the CPU
+ * counterpart of replaying a captured CUDA graph: the Python side only passes the step's token
+ * ids, positions, slots and buffers (see hybridserve/models/fused_decode.py).
+ *
+ * Every index is checked before anything is written, so a bad input fails the call with nothing
+ * changed. GDN layers update their live state slots in place, the replaced state going to the
+ * undo buffers (as gdn_decode_f32's in-place mode does on the module path).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "vector_math.h"
+
+#define DECODE_STEP_MAX_ROWS 16  /* the GEMV's row bound (gemv.c) */
+
+int gemv_f32(const float *weight, int64_t out, int64_t in, const float *x, int64_t rows, int64_t ld_x, float *y,
+             int64_t ld_y, int threads);
+void rms_norm_f32(const float *x, int64_t rows, int64_t dim, int64_t ld_x, const float *scale, float eps,
+                  float *out, int64_t ld_out);
+void rms_norm_rope_f32(const float *x, int64_t tokens, int64_t heads, int64_t dim, int64_t ld_x, const float *scale,
+                       float eps, const float *cos, const float *sin, int64_t rot, float *out);
+int gdn_decode_f32(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int64_t head_k, int64_t head_v,
+                   int64_t kernel, const float *proj, int64_t proj_stride, int64_t b_offset, int64_t a_offset,
+                   const int64_t *slots, int64_t num_slots, float *conv_live, float *rec_live,
+                   const float *conv_weight, const float *dt_bias, const float *neg_decay_rate, float l2_eps,
+                   const float *norm_weight, float norm_eps, int num_threads, int in_place, float *scratch,
+                   float *out_conv, float *out_rec, float *core);
+
+/* One decoder layer's weights (mirrored by DecodeLayer in fused_decode.py). */
+typedef struct {
+    int64_t is_attention;
+    int64_t mixer_index;                 /* GDN state layer, or KV layer */
+    const float *input_norm, *post_norm; /* RMSNorm scales [hidden] */
+    const float *mixer_in;               /* GDN in_proj or attention q|gate,k,v: [mixer_in_features, hidden] */
+    int64_t mixer_in_features;
+    const float *mixer_out;              /* out_proj / o_proj [hidden, value_dim or heads * head_dim] */
+    const float *gate_up, *down;         /* MLP: [2 * intermediate, hidden], [hidden, intermediate] */
+    const float *conv_weight, *dt_bias, *neg_decay_rate, *gdn_norm; /* GDN only */
+    int64_t b_offset;                    /* GDN: column of the beta gate in the in_proj output */
+    const float *q_norm, *k_norm;        /* attention only */
+} DecodeLayer;
+
+/* The model's shape, weights and state storage (mirrored by DecodeModel in fused_decode.py). */
+typedef struct {
+    int64_t num_layers, hidden, intermediate, vocab;
+    float rms_eps, gdn_norm_eps, l2_eps;
+    const float *embed, *final_norm, *head;
+    const float *cos_table, *sin_table;  /* [max_positions, rot] */
+    int64_t max_positions, rot;
+    int64_t num_k_heads, num_v_heads, head_k, head_v, conv_kernel, num_state_slots;
+    float *conv_live, *rec_live;         /* [gdn layers, slots, conv_dim, K-1], [gdn layers, slots, Hv, Dk, Dv] */
+    int64_t heads, kv_heads, head_dim;
+    float attn_scale;
+    float *keys, *values;                /* [attention layers, kv slots, kv_heads, head_dim] */
+    int64_t num_kv_slots;
+    const DecodeLayer *layers;
+} DecodeModel;
+
+typedef struct {
+    float *x, *h, *proj, *core, *mlp, *act, *gdn_scratch, *q, *k, *cos, *sin, *scores;
+} Workspace;
+
+static int64_t conv_dim_of(const DecodeModel *m) {
+    return 2 * m->num_k_heads * m->head_k + m->num_v_heads * m->head_v;
+}
+
+static int64_t widest_projection(const DecodeModel *m) {
+    int64_t widest = 0;
+    for (int64_t l = 0; l < m->num_layers; l++)
+        if (m->layers[l].mixer_in_features > widest) widest = m->layers[l].mixer_in_features;
+    return widest;
+}
+
+static int64_t widest_core(const DecodeModel *m) {
+    int64_t gdn = m->num_v_heads * m->head_v, attention = m->heads * m->head_dim;
+    return gdn > attention ? gdn : attention;
+}
+
+/* Carves the workspace; returns the floats it needs (buffer may be NULL to only count). */
+static int64_t layout(const DecodeModel *m, int64_t batch, int64_t max_context, float *buffer, Workspace *w) {
+    int64_t sizes[12] = {
+        batch * m->hidden, batch * m->hidden, batch * widest_projection(m), batch * widest_core(m),
+        batch * 2 * m->intermediate, batch * m->intermediate, batch * conv_dim_of(m),
+        batch * m->heads * m->head_dim, batch * m->kv_heads * m->head_dim, batch * m->rot, batch * m->rot,
+        batch * m->heads * max_context,
+    };
+    float **slots[12] = {&w->x, &w->h, &w->proj, &w->core, &w->mlp, &w->act, &w->gdn_scratch, &w->q, &w->k,
+                         &w->cos, &w->sin, &w->scores};
+    int64_t total = 0;
+    for (int i = 0; i < 12; i++) {
+        if (buffer) *slots[i] = buffer + total;
+        total += (sizes[i] + 15) & ~(int64_t)15;  /* 64-byte aligned parts */
+    }
+    return total;
+}
+
+int64_t decode_step_workspace_floats(const DecodeModel *m, int64_t batch, int64_t max_context) {
+    Workspace unused;
+    return layout(m, batch, max_context, NULL, &unused);
+}
+
+static int inputs_valid(const DecodeModel *m, int64_t batch, const int64_t *tokens, const int64_t *positions,
+                        const int64_t *state_slots, const int64_t *kv_write_slots, const int64_t *context_slots,
+                        int64_t ld_context, int64_t max_context) {
+    if (batch < 1 || batch > DECODE_STEP_MAX_ROWS) return 0;
+    for (int64_t b = 0; b < batch; b++) {
+        int64_t length = positions[b] + 1;
+        if (tokens[b] < 0 || tokens[b] >= m->vocab || positions[b] < 0 || positions[b] >= m->max_positions
+            || length > max_context || state_slots[b] < 0 || state_slots[b] >= m->num_state_slots
+            || kv_write_slots[b] < 0 || kv_write_slots[b] >= m->num_kv_slots)
+            return 0;
+        for (int64_t j = 0; j < length; j++) {
+            int64_t slot = context_slots[b * ld_context + j];
+            if (slot < 0 || slot >= m->num_kv_slots) return 0;
+        }
+    }
+    return 1;
+}
+
+static void add_rows(float *x, const float *h, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] += h[i];
+}
+
+/* One query per (sequence, head) over the sequence's context: softmax(q K^T * scale) V. */
+static void decode_attention(const DecodeModel *m, int64_t kv_layer, int64_t batch, const int64_t *positions,
+                             const int64_t *context_slots, int64_t ld_context, int64_t max_context, Workspace *w,
+                             int threads) {
+    int64_t heads = m->heads, kv_heads = m->kv_heads, dim = m->head_dim, group = heads / kv_heads;
+    const float *keys = m->keys + kv_layer * m->num_kv_slots * kv_heads * dim;
+    const float *values = m->values + kv_layer * m->num_kv_slots * kv_heads * dim;
+    int64_t work = 0;
+    for (int64_t b = 0; b < batch; b++) work += positions[b] + 1;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && work * heads > 4096) schedule(dynamic, 1)
+    for (int64_t task = 0; task < batch * heads; task++) {
+        int64_t b = task / heads, kv_head = (task % heads) / group, length = positions[b] + 1;
+        const float *q = w->q + task * dim;
+        const int64_t *slots = context_slots + b * ld_context;
+        float *scores = w->scores + task * max_context, *out = w->core + task * dim;
+        float top = -INFINITY;
+        for (int64_t j = 0; j < length; j++) {
+            const float *key = keys + (slots[j] * kv_heads + kv_head) * dim;
+            float dot = 0.0f;
+            for (int64_t d = 0; d < dim; d++) dot += q[d] * key[d];
+            scores[j] = dot * m->attn_scale;
+            top = scores[j] > top ? scores[j] : top;
+        }
+        float total = 0.0f;
+        for (int64_t j = 0; j < length; j++) {
+            scores[j] = exp_f32(scores[j] - top);
+            total += scores[j];
+        }
+        memset(out, 0, sizeof(float) * dim);
+        for (int64_t j = 0; j < length; j++) {
+            const float *value = values + (slots[j] * kv_heads + kv_head) * dim;
+            for (int64_t d = 0; d < dim; d++) out[d] += scores[j] * value[d];
+        }
+        float inv = 1.0f / total;
+        for (int64_t d = 0; d < dim; d++) out[d] *= inv;
+    }
+}
+
+/* Attention mixer: q/k norm + rotary, this token's K/V into its slot, attention, sigmoid gate.
+ * The fused projection row holds [q_h | gate_h for each head h] then k then v. */
+static void attention_mixer(const DecodeModel *m, const DecodeLayer *layer, int64_t batch, const int64_t *positions,
+                            const int64_t *kv_write_slots, const int64_t *context_slots, int64_t ld_context,
+                            int64_t max_context, Workspace *w, int threads) {
+    int64_t heads = m->heads, kv_heads = m->kv_heads, dim = m->head_dim, width = layer->mixer_in_features;
+    int64_t kv_width = kv_heads * dim;
+    float *keys = m->keys + layer->mixer_index * m->num_kv_slots * kv_width;
+    float *values = m->values + layer->mixer_index * m->num_kv_slots * kv_width;
+    for (int64_t b = 0; b < batch; b++) {
+        const float *row = w->proj + b * width, *cos = w->cos + b * m->rot, *sin = w->sin + b * m->rot;
+        float *k = w->k + b * kv_width;
+        rms_norm_rope_f32(row, 1, heads, dim, 2 * dim, layer->q_norm, m->rms_eps, cos, sin, m->rot,
+                          w->q + b * heads * dim);
+        rms_norm_rope_f32(row + 2 * heads * dim, 1, kv_heads, dim, dim, layer->k_norm, m->rms_eps, cos, sin, m->rot, k);
+        memcpy(keys + kv_write_slots[b] * kv_width, k, sizeof(float) * kv_width);
+        memcpy(values + kv_write_slots[b] * kv_width, row + 2 * heads * dim + kv_width, sizeof(float) * kv_width);
+    }
+    decode_attention(m, layer->mixer_index, batch, positions, context_slots, ld_context, max_context, w, threads);
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t h = 0; h < heads; h++) {
+            float *out = w->core + (b * heads + h) * dim;
+            const float *gate = w->proj + b * width + h * 2 * dim + dim;
+            for (int64_t d = 0; d < dim; d++) out[d] *= 1.0f / (1.0f + exp_f32(-gate[d]));
+        }
+}
+
+static void mlp(const DecodeModel *m, const DecodeLayer *layer, int64_t batch, Workspace *w, int threads) {
+    int64_t hidden = m->hidden, inter = m->intermediate;
+    gemv_f32(layer->gate_up, 2 * inter, hidden, w->h, batch, hidden, w->mlp, 2 * inter, threads);
+    for (int64_t b = 0; b < batch; b++) {
+        const float *gate = w->mlp + b * 2 * inter, *up = gate + inter;
+        float *act = w->act + b * inter;
+        for (int64_t i = 0; i < inter; i++) act[i] = silu_f32(gate[i]) * up[i];
+    }
+    gemv_f32(layer->down, hidden, inter, w->act, batch, inter, w->h, hidden, threads);
+}
+
+/* Returns 0, or 1 (nothing written) when an input is out of range. context_slots [batch, >= position
+ * + 1] with row stride ld_context (max_context columns); workspace of decode_step_workspace_floats();
+ * undo_conv / undo_rec [gdn layers, batch, ...]; logits [batch, vocab]. */
+int decode_step_f32(const DecodeModel *m, int64_t batch, const int64_t *tokens, const int64_t *positions,
+                    const int64_t *state_slots, const int64_t *kv_write_slots, const int64_t *context_slots,
+                    int64_t ld_context, int64_t max_context, float *workspace, float *undo_conv, float *undo_rec,
+                    float *logits, int threads) {
+    if (!inputs_valid(m, batch, tokens, positions, state_slots, kv_write_slots, context_slots, ld_context,
+                      max_context))
+        return 1;
+    Workspace w;
+    layout(m, batch, max_context, workspace, &w);
+    int64_t hidden = m->hidden, conv_size = conv_dim_of(m) * (m->conv_kernel - 1);
+    int64_t rec_size = m->num_v_heads * m->head_k * m->head_v;
+    for (int64_t b = 0; b < batch; b++) {
+        memcpy(w.x + b * hidden, m->embed + tokens[b] * hidden, sizeof(float) * hidden);
+        memcpy(w.cos + b * m->rot, m->cos_table + positions[b] * m->rot, sizeof(float) * m->rot);
+        memcpy(w.sin + b * m->rot, m->sin_table + positions[b] * m->rot, sizeof(float) * m->rot);
+    }
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const DecodeLayer *layer = &m->layers[l];
+        int64_t width = layer->mixer_in_features, core_width;
+        rms_norm_f32(w.x, batch, hidden, hidden, layer->input_norm, m->rms_eps, w.h, hidden);
+        gemv_f32(layer->mixer_in, width, hidden, w.h, batch, hidden, w.proj, width, threads);
+        if (layer->is_attention) {
+            attention_mixer(m, layer, batch, positions, kv_write_slots, context_slots, ld_context, max_context, &w,
+                            threads);
+            core_width = m->heads * m->head_dim;
+        } else {
+            int64_t index = layer->mixer_index;
+            gdn_decode_f32(batch, m->num_k_heads, m->num_v_heads, m->head_k, m->head_v, m->conv_kernel, w.proj, width,
+                           layer->b_offset, layer->b_offset + m->num_v_heads, state_slots, m->num_state_slots,
+                           m->conv_live + index * m->num_state_slots * conv_size,
+                           m->rec_live + index * m->num_state_slots * rec_size, layer->conv_weight, layer->dt_bias,
+                           layer->neg_decay_rate, m->l2_eps, layer->gdn_norm, m->gdn_norm_eps, threads, 1,
+                           w.gdn_scratch, undo_conv + index * batch * conv_size, undo_rec + index * batch * rec_size,
+                           w.core);
+            core_width = m->num_v_heads * m->head_v;
+        }
+        gemv_f32(layer->mixer_out, hidden, core_width, w.core, batch, core_width, w.h, hidden, threads);
+        add_rows(w.x, w.h, batch * hidden);
+        rms_norm_f32(w.x, batch, hidden, hidden, layer->post_norm, m->rms_eps, w.h, hidden);
+        mlp(m, layer, batch, &w, threads);
+        add_rows(w.x, w.h, batch * hidden);
+    }
+    rms_norm_f32(w.x, batch, hidden, hidden, m->final_norm, m->rms_eps, w.h, hidden);
+    gemv_f32(m->head, m->vocab, hidden, w.h, batch, hidden, logits, m->vocab, threads);
+    return 0;
+}

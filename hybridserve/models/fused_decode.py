@@ -1,0 +1,197 @@
+"""The decode forward of a float32 CPU model as one C call (layers/csrc/decode_step.c).
+
+A decode-only step of up to 16 sequences runs embeddings, every layer, the final norm and the LM
+head in C, calling the same kernels as the module path in the same order; Python passes the
+step's ids, positions, slots and fresh buffers. It is what a captured CUDA graph is to a GPU
+engine: the per-op dispatch of ~150 ops and ~40 module calls goes, the math stays. Prefill, mixed
+steps, larger batches, other dtypes and devices, int8 weights and tensor parallelism keep the
+module path, as does everything with `HYBRIDSERVE_FUSED_DECODE=0` or the C kernels off.
+
+The step is transactional like the module path: GDN layers update their live slots in place and
+hand the replaced state to `ForwardContext.state_undo`; snapshot captures read the updated slots.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from hybridserve.layers import native
+from hybridserve.layers.gated_delta import L2_NORM_EPS
+from hybridserve.layers.linear import PackedLinear
+from hybridserve.layers.norms import ZeroCenteredRMSNorm
+from hybridserve.models.batch import ForwardBatch, StateWrite
+
+if TYPE_CHECKING:
+    from hybridserve.models.qwen3_5 import ForwardContext, Qwen3_5ForCausalLM
+
+FUSED_DECODE_ENV = "HYBRIDSERVE_FUSED_DECODE"
+MAX_ROWS = 16  # DECODE_STEP_MAX_ROWS in decode_step.c
+
+_p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class DecodeLayer(ctypes.Structure):
+    """One decoder layer's weights (the C struct of the same name)."""
+
+    _fields_ = [("is_attention", _i64), ("mixer_index", _i64), ("input_norm", _p), ("post_norm", _p),
+                ("mixer_in", _p), ("mixer_in_features", _i64), ("mixer_out", _p), ("gate_up", _p), ("down", _p),
+                ("conv_weight", _p), ("dt_bias", _p), ("neg_decay_rate", _p), ("gdn_norm", _p), ("b_offset", _i64),
+                ("q_norm", _p), ("k_norm", _p)]
+
+
+class DecodeModel(ctypes.Structure):
+    """Shape, weights and state storage (the C struct of the same name)."""
+
+    _fields_ = [("num_layers", _i64), ("hidden", _i64), ("intermediate", _i64), ("vocab", _i64),
+                ("rms_eps", _f), ("gdn_norm_eps", _f), ("l2_eps", _f), ("embed", _p), ("final_norm", _p),
+                ("head", _p), ("cos_table", _p), ("sin_table", _p), ("max_positions", _i64), ("rot", _i64),
+                ("num_k_heads", _i64), ("num_v_heads", _i64), ("head_k", _i64), ("head_v", _i64),
+                ("conv_kernel", _i64), ("num_state_slots", _i64), ("conv_live", _p), ("rec_live", _p),
+                ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("attn_scale", _f), ("keys", _p),
+                ("values", _p), ("num_kv_slots", _i64), ("layers", ctypes.POINTER(DecodeLayer))]
+
+
+def fused_decode_enabled() -> bool:
+    """Not switched off by HYBRIDSERVE_FUSED_DECODE=0, and the C kernels are available."""
+    if os.environ.get(FUSED_DECODE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return native.native_kernels_enabled()
+
+
+class FusedDecodeStep:
+    """The whole decode forward of one model over one set of KV and state tensors, in C."""
+
+    def __init__(self, model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> None:
+        """Point the C structs at the model's weights and the context's storage (check `supported`
+        first). The tensors are kept referenced here, so the pointers stay valid."""
+        library = native._library()
+        assert library is not None, "check supported() first"
+        self._library = library
+        config, text = model.config, model.model
+        self._kv_cache, self._live = ctx.kv_cache, ctx.live_states
+        self.num_gdn_layers = len(config.gdn_layer_ids)
+        self._layers = (DecodeLayer * len(text.layers))(*[_layer_struct(layer) for layer in text.layers])
+        self._keep = [text.embed_tokens.weight, text.rotary.cos_table, text.rotary.sin_table]
+        attention = next((layer.self_attn for layer in text.layers if layer.is_attention), None)
+        assert model.head is not None and text.norm.scale is not None
+        self.model = DecodeModel(
+            num_layers=len(text.layers), hidden=config.hidden_size, intermediate=config.intermediate_size,
+            vocab=model.head.weight.shape[0], rms_eps=text.norm.eps, gdn_norm_eps=_gdn_norm_eps(model),
+            l2_eps=L2_NORM_EPS, embed=text.embed_tokens.weight.data_ptr(), final_norm=text.norm.scale.data_ptr(),
+            head=model.head.weight.data_ptr(), cos_table=text.rotary.cos_table.data_ptr(),
+            sin_table=text.rotary.sin_table.data_ptr(), max_positions=text.rotary.cos_table.shape[0],
+            rot=text.rotary.rotary_dim, num_k_heads=config.linear_num_key_heads,
+            num_v_heads=config.linear_num_value_heads, head_k=config.linear_key_head_dim,
+            head_v=config.linear_value_head_dim, conv_kernel=config.linear_conv_kernel_dim,
+            num_state_slots=ctx.live_states.num_slots, conv_live=ctx.live_states.conv.data_ptr(),
+            rec_live=ctx.live_states.recurrent.data_ptr(), heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+            attn_scale=attention.scale if attention is not None else 1.0, keys=ctx.kv_cache.keys.data_ptr(),
+            values=ctx.kv_cache.values.data_ptr(), num_kv_slots=ctx.kv_cache.keys.shape[1], layers=self._layers)
+
+    def serves(self, ctx: ForwardContext) -> bool:
+        """Built for this context's storage."""
+        return ctx.kv_cache is self._kv_cache and ctx.live_states is self._live
+
+    @staticmethod
+    def takes(batch: ForwardBatch) -> bool:
+        """A decode-only step of 1..MAX_ROWS sequences whose every row produces logits."""
+        return (not batch.prefills and batch.decode is not None and 0 < batch.num_decode <= MAX_ROWS
+                and batch.logits_only_last_layer and batch.logits_rows.shape[0] == batch.num_decode)
+
+    def run(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+        """Logits [B, vocab] of the decode step (check `takes` first); live GDN state is updated in
+        place, its undo record appended to ctx.state_undo, captures written to the snapshot sink."""
+        group = batch.decode
+        assert group is not None
+        rows = batch.num_decode
+        context = group.context_kv_slots
+        if context.stride(1) != 1 and context.shape[1] > 1:
+            context = context.contiguous()
+        tokens, positions = batch.input_ids.contiguous(), batch.positions.contiguous()
+        slots, write_slots = group.state_slots.contiguous(), batch.kv_write_slots.contiguous()
+        library, model = self._library, ctypes.addressof(self.model)
+        workspace = torch.empty(library.decode_step_workspace_floats(model, rows, context.shape[1]))
+        conv, recurrent = self._live.conv, self._live.recurrent
+        undo_conv = torch.empty(self.num_gdn_layers, rows, *conv.shape[2:])
+        undo_rec = torch.empty(self.num_gdn_layers, rows, *recurrent.shape[2:])
+        logits = torch.empty(rows, self.model.vocab)
+        failed = library.decode_step_f32(
+            model, rows, tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(), write_slots.data_ptr(),
+            context.data_ptr(), context.stride(0), context.shape[1], workspace.data_ptr(), undo_conv.data_ptr(),
+            undo_rec.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+        if failed:
+            raise IndexError("fused decode: a token id, position or slot is out of range")
+        ctx.state_undo.extend(StateWrite(layer, slots, undo_conv[layer], undo_rec[layer])
+                              for layer in range(self.num_gdn_layers))
+        if ctx.snapshot_sink is not None:
+            for row, snapshot_slot in group.captures:
+                slot = int(slots[row])
+                for layer in range(self.num_gdn_layers):
+                    ctx.snapshot_sink.write(layer, snapshot_slot, conv[layer, slot], recurrent[layer, slot])
+        return logits
+
+
+def supported(model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> bool:
+    """Whether the fused step can run this model over this storage: float32 CPU throughout, packed
+    plain linears without bias or quantization, one tensor-parallel rank, one norm epsilon."""
+    if not fused_decode_enabled() or model.head is None:
+        return False
+    text = model.model
+    tensors = [text.embed_tokens.weight, text.rotary.cos_table, text.rotary.sin_table, ctx.kv_cache.keys,
+               ctx.kv_cache.values, ctx.live_states.conv, ctx.live_states.recurrent]
+    linears = [model.head]
+    norms = [module for module in model.modules() if isinstance(module, ZeroCenteredRMSNorm)]
+    for layer in text.layers:
+        if layer.all_reduce is not None:
+            return False
+        mixer = layer.self_attn if layer.is_attention else layer.linear_attn
+        linears += [mixer.qkv if layer.is_attention else mixer.in_proj, mixer.out, layer.mlp.gate_up, layer.mlp.down]
+        if not layer.is_attention:
+            tensors += [mixer.conv1d.weight, mixer.dt_bias, mixer.neg_decay_rate, mixer.norm.weight]
+    tensors += [norm.scale for norm in norms]
+    if any(t is None or t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+        return False
+    if any(not _plain_float32(linear) for linear in linears):
+        return False
+    if text.embed_tokens.weight.shape[0] != model.head.weight.shape[0]:
+        return False
+    return len({norm.eps for norm in norms}) == 1
+
+
+def _plain_float32(linear: PackedLinear | None) -> bool:
+    return (linear is not None and linear.scales is None and linear.bias is None and not linear.prepacked
+            and linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
+            and linear.weight.is_contiguous())
+
+
+def _gdn_norm_eps(model: Qwen3_5ForCausalLM) -> float:
+    gdn = next((layer.linear_attn for layer in model.model.layers if not layer.is_attention), None)
+    return gdn.norm.eps if gdn is not None else 0.0
+
+
+def _layer_struct(layer: torch.nn.Module) -> DecodeLayer:
+    mlp = layer.mlp
+    struct = DecodeLayer(is_attention=int(layer.is_attention), input_norm=layer.input_layernorm.scale.data_ptr(),
+                         post_norm=layer.post_attention_layernorm.scale.data_ptr(),
+                         gate_up=mlp.gate_up.weight.data_ptr(), down=mlp.down.weight.data_ptr())
+    if layer.is_attention:
+        attention = layer.self_attn
+        struct.mixer_index = attention.kv_layer
+        struct.mixer_in, struct.mixer_in_features = attention.qkv.weight.data_ptr(), attention.qkv.weight.shape[0]
+        struct.mixer_out = attention.out.weight.data_ptr()
+        struct.q_norm, struct.k_norm = attention.q_norm.scale.data_ptr(), attention.k_norm.scale.data_ptr()
+    else:
+        gdn = layer.linear_attn
+        struct.mixer_index = gdn.state_layer
+        struct.mixer_in, struct.mixer_in_features = gdn.in_proj.weight.data_ptr(), gdn.in_proj.weight.shape[0]
+        struct.mixer_out = gdn.out.weight.data_ptr()
+        struct.conv_weight = gdn.conv1d.weight.data_ptr()
+        struct.dt_bias, struct.neg_decay_rate = gdn.dt_bias.data_ptr(), gdn.neg_decay_rate.data_ptr()
+        struct.gdn_norm = gdn.norm.weight.data_ptr()
+        struct.b_offset = gdn.in_proj.widths[0] + gdn.in_proj.widths[1]
+    return struct

@@ -1,0 +1,145 @@
+"""The one-call C decode step (hybridserve/models/fused_decode.py): the same tokens and logits as
+the module path, used exactly where it applies, bad input rejected with nothing changed."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from hybridserve import SamplingParams
+from hybridserve.config import CacheConfig, EngineConfig
+from hybridserve.engine.engine import LLMEngine
+from hybridserve.models import fused_decode
+from hybridserve.models.batch import DecodeGroup, ForwardBatch
+from hybridserve.models.qwen3_5 import ForwardContext
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler: the module path serves every step")
+
+
+def _engine(dtype: str = "float32", quantization: str | None = None, **cache: object) -> LLMEngine:
+    return LLMEngine(EngineConfig(device="cpu", dtype=dtype, quantization=quantization,
+                                  cache=CacheConfig(kv_cache_mib=16, **cache)))
+
+
+def _run(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int, logprobs: int | None = None
+         ) -> dict[str, tuple]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, params)
+    done: dict[str, tuple] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                completion = output.outputs[0]
+                done[output.request_id] = (tuple(completion.token_ids), output.num_cached_tokens,
+                                           completion.logprobs)
+    engine.check_integrity()
+    return done
+
+
+def _count_fused_steps(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    calls, original = {"n": 0}, fused_decode.FusedDecodeStep.run
+
+    def counted(self: fused_decode.FusedDecodeStep, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+        calls["n"] += 1
+        return original(self, batch, ctx)
+
+    monkeypatch.setattr(fused_decode.FusedDecodeStep, "run", counted)
+    return calls
+
+
+# 16 sequences (the fused step's bound) of different lengths: contexts end mid-block and span
+# several 16-token blocks, so the attention reads paged KV through the block tables.
+PROMPTS = {f"s{i}": [(37 * i + 11 * j) % 4000 + 10 for j in range(3 + 23 * i)] for i in range(16)}
+
+
+def test_tokens_logprobs_and_cache_hits_match_the_module_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cold then warm (snapshots every 16 tokens captured on the decode path, restored by the
+    repeat): identical greedy tokens and cached-token counts, log-probabilities within float32
+    rounding, with the fused step serving the decode steps."""
+    results = {}
+    for enabled in ("1", "0"):
+        monkeypatch.setenv(fused_decode.FUSED_DECODE_ENV, enabled)
+        calls = _count_fused_steps(monkeypatch)
+        engine = _engine(snapshot_interval=16, block_size=16)
+        cold = _run(engine, PROMPTS, max_tokens=20, logprobs=2)
+        warm = _run(engine, {f"{k}-again": p + list(cold[k][0][:12]) for k, p in PROMPTS.items()}, max_tokens=8)
+        results[enabled] = (cold, warm)
+        assert (calls["n"] > 20) == (enabled == "1")
+        monkeypatch.undo()
+    (cold_on, warm_on), (cold_off, warm_off) = results["1"], results["0"]
+    assert {k: v[:2] for k, v in cold_on.items()} == {k: v[:2] for k, v in cold_off.items()}
+    assert {k: v[:2] for k, v in warm_on.items()} == {k: v[:2] for k, v in warm_off.items()}
+    assert all(cached > 0 for key, (_, cached, _) in warm_on.items() if key != "s0-again")  # s0: under a block
+    for key, (_, _, logprobs) in cold_on.items():
+        for step_on, step_off in zip(logprobs, cold_off[key][2]):
+            assert step_on.keys() == step_off.keys()
+            for token in step_on:
+                assert abs(step_on[token] - step_off[token]) < 1e-4
+
+
+@pytest.mark.parametrize("variant", [{"dtype": "bfloat16"}, {"quantization": "int8"}])
+def test_other_weight_formats_keep_the_module_path(variant: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _count_fused_steps(monkeypatch)
+    engine = _engine(**variant)
+    _run(engine, {"a": list(range(100, 120))}, max_tokens=4)
+    assert calls["n"] == 0 and engine.runner.model._fused_decode is None
+
+
+def test_a_tensor_parallel_rank_keeps_the_module_path() -> None:
+    """Row-parallel outputs need an all-reduce between layers, which the C step does not make."""
+    engine = _engine()
+    runner, model = engine.runner, engine.runner.model
+    ctx = ForwardContext(runner.kv_cache, runner.live_states, None, [], [])
+    assert fused_decode.supported(model, ctx)
+    model.model.layers[2].all_reduce = lambda t: t
+    assert not fused_decode.supported(model, ctx)
+
+
+def test_an_out_of_range_input_fails_the_step_with_nothing_written() -> None:
+    engine = _engine()
+    runner, model = engine.runner, engine.runner.model
+    ctx = ForwardContext(runner.kv_cache, runner.live_states, None, [], [])
+    step = fused_decode.FusedDecodeStep(model, ctx)
+    num_slots = runner.live_states.num_slots
+    state_before = runner.live_states.recurrent.clone(), runner.live_states.conv.clone()
+    keys_before = runner.kv_cache.keys.clone()
+    good = dict(tokens=[5, 6], positions=[3, 0], state_slots=[0, 1], write_slots=[3, 16])
+    bad_cases = [dict(good, tokens=[5, model.config.vocab_size]), dict(good, positions=[3, -1]),
+                 dict(good, state_slots=[0, num_slots]), dict(good, write_slots=[3, runner.kv_cache.keys.shape[1]])]
+    for case in bad_cases:
+        batch = _decode_batch(**case)
+        assert step.takes(batch)
+        with pytest.raises(IndexError, match="out of range"):
+            step.run(batch, ctx)
+    assert torch.equal(runner.live_states.recurrent, state_before[0])
+    assert torch.equal(runner.live_states.conv, state_before[1])
+    assert torch.equal(runner.kv_cache.keys, keys_before) and not ctx.state_undo
+    logits = step.run(_decode_batch(**good), ctx)  # the same step with valid inputs runs
+    assert logits.shape == (2, model.config.vocab_size) and torch.isfinite(logits).all()
+    assert len(ctx.state_undo) == len(model.config.gdn_layer_ids)
+
+
+def test_steps_it_does_not_take() -> None:
+    batch = _decode_batch(tokens=[1] * 17, positions=[0] * 17, state_slots=list(range(17)),
+                          write_slots=list(range(17)))
+    assert not fused_decode.FusedDecodeStep.takes(batch)  # over the GEMV's 16-row bound
+    batch = _decode_batch(tokens=[1, 2], positions=[0, 0], state_slots=[0, 1], write_slots=[0, 16])
+    batch.logits_only_last_layer = False  # prompt logits wanted: not a plain decode step
+    assert not fused_decode.FusedDecodeStep.takes(batch)
+
+
+def _decode_batch(tokens: list[int], positions: list[int], state_slots: list[int], write_slots: list[int]
+                  ) -> ForwardBatch:
+    """A decode-only batch whose contexts are block 0 (row 0) and block 1 (row 1) of 16 slots."""
+    rows = len(tokens)
+    length = max(max(positions) + 1, 1)
+    context = torch.stack([torch.arange(length) + 16 * (row % 2) for row in range(rows)])
+    valid = torch.arange(length)[None, :] <= torch.tensor(positions)[:, None]
+    return ForwardBatch(input_ids=torch.tensor(tokens), positions=torch.tensor(positions),
+                        kv_write_slots=torch.tensor(write_slots),
+                        decode=DecodeGroup(torch.tensor(state_slots), context, valid), prefills=[],
+                        logits_rows=torch.arange(rows), logits_only_last_layer=True)
