@@ -65,7 +65,7 @@ typedef struct {
 } DecodeModel;
 
 typedef struct {
-    float *x, *h, *proj, *core, *mlp, *act, *gdn_scratch, *q, *k, *cos, *sin, *scores;
+    float *x, *h, *proj, *core, *mlp, *act, *gdn_scratch, *q, *k, *cos, *sin, *scores, *max_scores;
 } Workspace;
 
 static int64_t conv_dim_of(const DecodeModel *m) {
@@ -86,16 +86,16 @@ static int64_t widest_core(const DecodeModel *m) {
 
 /* Carves the workspace; returns the floats it needs (buffer may be NULL to only count). */
 static int64_t layout(const DecodeModel *m, int64_t batch, int64_t max_context, float *buffer, Workspace *w) {
-    int64_t sizes[12] = {
+    int64_t sizes[13] = {
         batch * m->hidden, batch * m->hidden, batch * widest_projection(m), batch * widest_core(m),
         batch * 2 * m->intermediate, batch * m->intermediate, batch * conv_dim_of(m),
         batch * m->heads * m->head_dim, batch * m->kv_heads * m->head_dim, batch * m->rot, batch * m->rot,
-        batch * m->heads * max_context,
+        batch * m->heads * max_context, batch * m->heads,
     };
-    float **slots[12] = {&w->x, &w->h, &w->proj, &w->core, &w->mlp, &w->act, &w->gdn_scratch, &w->q, &w->k,
-                         &w->cos, &w->sin, &w->scores};
+    float **slots[13] = {&w->x, &w->h, &w->proj, &w->core, &w->mlp, &w->act, &w->gdn_scratch, &w->q, &w->k,
+                         &w->cos, &w->sin, &w->scores, &w->max_scores};
     int64_t total = 0;
-    for (int i = 0; i < 12; i++) {
+    for (int i = 0; i < 13; i++) {
         if (buffer) *slots[i] = buffer + total;
         total += (sizes[i] + 15) & ~(int64_t)15;  /* 64-byte aligned parts */
     }
@@ -129,7 +129,26 @@ static void add_rows(float *x, const float *h, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] += h[i];
 }
 
-/* One query per (sequence, head) over the sequence's context: softmax(q K^T * scale) V. */
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    v8f acc = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc += load8(a + i) * load8(b + i);
+    float s = 0.0f;
+    for (int k = 0; k < 8; k++) s += acc[k];
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* softmax(q K^T * scale) V for each query head, by (sequence, KV head): each cached key and value
+ * row is read once for all the query heads of its group. */
 static void decode_attention(const DecodeModel *m, int64_t kv_layer, int64_t batch, const int64_t *positions,
                              const int64_t *context_slots, int64_t ld_context, int64_t max_context, Workspace *w,
                              int threads) {
@@ -139,31 +158,37 @@ static void decode_attention(const DecodeModel *m, int64_t kv_layer, int64_t bat
     int64_t work = 0;
     for (int64_t b = 0; b < batch; b++) work += positions[b] + 1;
 #pragma omp parallel for num_threads(threads) if (threads > 1 && work * heads > 4096) schedule(dynamic, 1)
-    for (int64_t task = 0; task < batch * heads; task++) {
-        int64_t b = task / heads, kv_head = (task % heads) / group, length = positions[b] + 1;
-        const float *q = w->q + task * dim;
+    for (int64_t task = 0; task < batch * kv_heads; task++) {
+        int64_t b = task / kv_heads, kv_head = task % kv_heads, length = positions[b] + 1;
+        int64_t first_head = b * heads + kv_head * group;  /* this group's rows of q, core and scores */
         const int64_t *slots = context_slots + b * ld_context;
-        float *scores = w->scores + task * max_context, *out = w->core + task * dim;
-        float top = -INFINITY;
+        for (int64_t g = 0; g < group; g++) w->max_scores[first_head + g] = -INFINITY;
         for (int64_t j = 0; j < length; j++) {
             const float *key = keys + (slots[j] * kv_heads + kv_head) * dim;
-            float dot = 0.0f;
-            for (int64_t d = 0; d < dim; d++) dot += q[d] * key[d];
-            scores[j] = dot * m->attn_scale;
-            top = scores[j] > top ? scores[j] : top;
+            for (int64_t g = 0; g < group; g++) {
+                float score = dot(w->q + (first_head + g) * dim, key, dim) * m->attn_scale;
+                w->scores[(first_head + g) * max_context + j] = score;
+                if (score > w->max_scores[first_head + g]) w->max_scores[first_head + g] = score;
+            }
         }
-        float total = 0.0f;
-        for (int64_t j = 0; j < length; j++) {
-            scores[j] = exp_f32(scores[j] - top);
-            total += scores[j];
+        for (int64_t g = 0; g < group; g++) {
+            float *scores = w->scores + (first_head + g) * max_context, top = w->max_scores[first_head + g];
+            float total = 0.0f;
+            for (int64_t j = 0; j < length; j++) {
+                scores[j] = exp_f32(scores[j] - top);
+                total += scores[j];
+            }
+            float inv = 1.0f / total;
+            for (int64_t j = 0; j < length; j++) scores[j] *= inv;
+            memset(w->core + (first_head + g) * dim, 0, sizeof(float) * dim);
         }
-        memset(out, 0, sizeof(float) * dim);
         for (int64_t j = 0; j < length; j++) {
             const float *value = values + (slots[j] * kv_heads + kv_head) * dim;
-            for (int64_t d = 0; d < dim; d++) out[d] += scores[j] * value[d];
+            for (int64_t g = 0; g < group; g++) {
+                float p = w->scores[(first_head + g) * max_context + j], *out = w->core + (first_head + g) * dim;
+                for (int64_t d = 0; d < dim; d++) out[d] += p * value[d];
+            }
         }
-        float inv = 1.0f / total;
-        for (int64_t d = 0; d < dim; d++) out[d] *= inv;
     }
 }
 
