@@ -107,8 +107,10 @@ def test_an_out_of_range_input_fails_the_step_with_nothing_written() -> None:
     num_slots = runner.live_states.num_slots
     state_before = runner.live_states.recurrent.clone(), runner.live_states.conv.clone()
     keys_before = runner.kv_cache.keys.clone()
-    good = dict(tokens=[5, 6], positions=[3, 0], state_slots=[0, 1], write_slots=[3, 16])
+    size = runner.block_size
+    good = dict(tokens=[5, 6], positions=[3, 0], state_slots=[0, 1], write_slots=[3, size], block_size=size)
     bad_cases = [dict(good, tokens=[5, model.config.vocab_size]), dict(good, positions=[3, -1]),
+                 dict(good, positions=[3, size]),  # past the one block in its table
                  dict(good, state_slots=[0, num_slots]), dict(good, write_slots=[3, runner.kv_cache.keys.shape[1]])]
     for case in bad_cases:
         batch = _decode_batch(**case)
@@ -132,14 +134,13 @@ def test_steps_it_does_not_take() -> None:
     assert not fused_decode.FusedDecodeStep.takes(batch)
 
 
-def _decode_batch(tokens: list[int], positions: list[int], state_slots: list[int], write_slots: list[int]
-                  ) -> ForwardBatch:
-    """A decode-only batch whose contexts are block 0 (row 0) and block 1 (row 1) of 16 slots."""
+def _decode_batch(tokens: list[int], positions: list[int], state_slots: list[int], write_slots: list[int],
+                  block_size: int = 16) -> ForwardBatch:
+    """A decode-only batch whose contexts are block 0 (even rows) and block 1 (odd rows)."""
     rows = len(tokens)
-    length = max(max(positions) + 1, 1)
-    context = torch.stack([torch.arange(length) + 16 * (row % 2) for row in range(rows)])
-    valid = torch.arange(length)[None, :] <= torch.tensor(positions)[:, None]
+    lengths = [position + 1 for position in positions]
     return ForwardBatch(input_ids=torch.tensor(tokens), positions=torch.tensor(positions),
                         kv_write_slots=torch.tensor(write_slots),
-                        decode=DecodeGroup(torch.tensor(state_slots), context, valid), prefills=[],
-                        logits_rows=torch.arange(rows), logits_only_last_layer=True)
+                        decode=DecodeGroup(torch.tensor(state_slots), torch.tensor([[row % 2] for row in range(rows)]),
+                                           torch.tensor(lengths), max(lengths), block_size),
+                        prefills=[], logits_rows=torch.arange(rows), logits_only_last_layer=True)

@@ -169,9 +169,14 @@ class ModelRunner:
         device = self.device
         positions_t = torch.tensor(positions, dtype=torch.long, device=device)
         tables = self._block_tables([c.block_ids for c in ordered])
-        chunk_index = torch.repeat_interleave(torch.arange(len(ordered), device=device),
-                                              torch.tensor([c.length for c in ordered], device=device))
-        write_slots = self._slots(tables[chunk_index], positions_t)
+        if prefills:
+            chunk_index = torch.repeat_interleave(torch.arange(len(ordered), device=device),
+                                                  torch.tensor([c.length for c in ordered], device=device))
+            write_slots = self._slots(tables[chunk_index], positions_t)
+        else:  # one token per sequence: cheaper in Python than four tensor ops
+            size = self.block_size
+            write_slots = torch.tensor([c.block_ids[c.start // size] * size + c.start % size for c in ordered],
+                                       dtype=torch.long, device=device)
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
             positions=positions_t,
@@ -199,14 +204,12 @@ class ModelRunner:
         return (tables[:, :, None] * self.block_size + offsets).reshape(tables.shape[0], -1)[:, :length]
 
     def _decode_group(self, decodes: list[PlanChunk], tables: torch.Tensor) -> DecodeGroup:
-        lengths = torch.tensor([c.start + 1 for c in decodes], device=self.device)
-        longest = int(lengths.max())
+        lengths = [c.start + 1 for c in decodes]
         captures = [(row, slot) for row, c in enumerate(decodes) for _, slot in c.captures]
         return DecodeGroup(
             state_slots=torch.tensor([c.state_slot for c in decodes], dtype=torch.long, device=self.device),
-            context_kv_slots=self._context_slots(tables, longest),
-            context_valid=torch.arange(longest, device=self.device)[None, :] < lengths[:, None],
-            captures=captures,
+            block_tables=tables, lengths=torch.tensor(lengths, dtype=torch.long, device=self.device),
+            max_length=max(lengths), block_size=self.block_size, captures=captures,
         )
 
     def _prefill_chunks(self, prefills: list[PlanChunk], tables: torch.Tensor, offset: int

@@ -122,7 +122,7 @@ def _library() -> ctypes.CDLL | None:
     library.gemv_f32.restype = ctypes.c_int
     library.decode_step_workspace_floats.argtypes = [_ptr, _i64, _i64]
     library.decode_step_workspace_floats.restype = _i64
-    library.decode_step_f32.argtypes = [_ptr, _i64] + [_ptr] * 5 + [_i64, _i64] + [_ptr] * 4 + [_int]
+    library.decode_step_f32.argtypes = [_ptr, _i64] + [_ptr] * 5 + [_i64] * 3 + [_ptr] * 4 + [_int]
     library.decode_step_f32.restype = ctypes.c_int
     for name, argtypes in (("rms_norm_f32", _RMS_NORM_ARGTYPES),
                            ("rms_norm_rope_f32", _RMS_NORM_ROPE_ARGTYPES)):

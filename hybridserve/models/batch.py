@@ -28,12 +28,33 @@ class PrefillChunk:
 
 @dataclass
 class DecodeGroup:
-    """All decoding sequences of this forward (one token each, rows [0, B) of the batch)."""
+    """All decoding sequences of this forward (one token each, rows [0, B) of the batch).
+
+    Sequence b's context is positions [0, lengths[b]), its KV at slot
+    `block_tables[b, p // block_size] * block_size + p % block_size`; the flat slot matrix the
+    module path's attention gathers is derived from the tables on first use."""
 
     state_slots: torch.Tensor         # [B] live GDN state slots
-    context_kv_slots: torch.Tensor    # [B, L] flat KV slots of each context, padded
-    context_valid: torch.Tensor       # [B, L] bool, False on padding
+    block_tables: torch.Tensor        # [B, W] KV block ids of each sequence, padded with 0
+    lengths: torch.Tensor             # [B] context length (this token's position + 1)
+    max_length: int                   # lengths.max()
+    block_size: int
     captures: list[tuple[int, int]] = field(default_factory=list)  # (row, snapshot slot)
+    _context_kv_slots: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def context_kv_slots(self) -> torch.Tensor:
+        """[B, max_length] flat KV slots of each context, padded (see `context_valid`)."""
+        if self._context_kv_slots is None:
+            offsets = torch.arange(self.block_size, device=self.block_tables.device)
+            slots = (self.block_tables[:, :, None] * self.block_size + offsets).reshape(self.block_tables.shape[0], -1)
+            self._context_kv_slots = slots[:, :self.max_length]
+        return self._context_kv_slots
+
+    @property
+    def context_valid(self) -> torch.Tensor:
+        """[B, max_length] bool, False on padding."""
+        return torch.arange(self.max_length, device=self.lengths.device)[None, :] < self.lengths[:, None]
 
 
 @dataclass

@@ -109,21 +109,19 @@ class FusedDecodeStep:
         group = batch.decode
         assert group is not None
         rows = batch.num_decode
-        context = group.context_kv_slots
-        if context.stride(1) != 1 and context.shape[1] > 1:
-            context = context.contiguous()
+        tables = group.block_tables.contiguous()
         tokens, positions = batch.input_ids.contiguous(), batch.positions.contiguous()
         slots, write_slots = group.state_slots.contiguous(), batch.kv_write_slots.contiguous()
         library, model = self._library, ctypes.addressof(self.model)
-        workspace = torch.empty(library.decode_step_workspace_floats(model, rows, context.shape[1]))
+        workspace = torch.empty(library.decode_step_workspace_floats(model, rows, group.max_length))
         conv, recurrent = self._live.conv, self._live.recurrent
         undo_conv = torch.empty(self.num_gdn_layers, rows, *conv.shape[2:])
         undo_rec = torch.empty(self.num_gdn_layers, rows, *recurrent.shape[2:])
         logits = torch.empty(rows, self.model.vocab)
         failed = library.decode_step_f32(
             model, rows, tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(), write_slots.data_ptr(),
-            context.data_ptr(), context.stride(0), context.shape[1], workspace.data_ptr(), undo_conv.data_ptr(),
-            undo_rec.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+            tables.data_ptr(), tables.shape[1], group.block_size, group.max_length, workspace.data_ptr(),
+            undo_conv.data_ptr(), undo_rec.data_ptr(), logits.data_ptr(), torch.get_num_threads())
         if failed:
             raise IndexError("fused decode: a token id, position or slot is out of range")
         ctx.state_undo.extend(StateWrite(layer, slots, undo_conv[layer], undo_rec[layer])

@@ -108,18 +108,19 @@ int64_t decode_step_workspace_floats(const DecodeModel *m, int64_t batch, int64_
 }
 
 static int inputs_valid(const DecodeModel *m, int64_t batch, const int64_t *tokens, const int64_t *positions,
-                        const int64_t *state_slots, const int64_t *kv_write_slots, const int64_t *context_slots,
-                        int64_t ld_context, int64_t max_context) {
-    if (batch < 1 || batch > DECODE_STEP_MAX_ROWS) return 0;
+                        const int64_t *state_slots, const int64_t *kv_write_slots, const int64_t *block_tables,
+                        int64_t ld_tables, int64_t block_size, int64_t max_context) {
+    if (batch < 1 || batch > DECODE_STEP_MAX_ROWS || block_size < 1) return 0;
     for (int64_t b = 0; b < batch; b++) {
         int64_t length = positions[b] + 1;
         if (tokens[b] < 0 || tokens[b] >= m->vocab || positions[b] < 0 || positions[b] >= m->max_positions
-            || length > max_context || state_slots[b] < 0 || state_slots[b] >= m->num_state_slots
+            || length > max_context || (length + block_size - 1) / block_size > ld_tables
+            || state_slots[b] < 0 || state_slots[b] >= m->num_state_slots
             || kv_write_slots[b] < 0 || kv_write_slots[b] >= m->num_kv_slots)
             return 0;
-        for (int64_t j = 0; j < length; j++) {
-            int64_t slot = context_slots[b * ld_context + j];
-            if (slot < 0 || slot >= m->num_kv_slots) return 0;
+        for (int64_t i = 0; i * block_size < length; i++) {
+            int64_t block = block_tables[b * ld_tables + i];
+            if (block < 0 || (block + 1) * block_size > m->num_kv_slots) return 0;
         }
     }
     return 1;
@@ -150,8 +151,8 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 /* softmax(q K^T * scale) V for each query head, by (sequence, KV head): each cached key and value
  * row is read once for all the query heads of its group. */
 static void decode_attention(const DecodeModel *m, int64_t kv_layer, int64_t batch, const int64_t *positions,
-                             const int64_t *context_slots, int64_t ld_context, int64_t max_context, Workspace *w,
-                             int threads) {
+                             const int64_t *block_tables, int64_t ld_tables, int64_t block_size, int64_t max_context,
+                             Workspace *w, int threads) {
     int64_t heads = m->heads, kv_heads = m->kv_heads, dim = m->head_dim, group = heads / kv_heads;
     const float *keys = m->keys + kv_layer * m->num_kv_slots * kv_heads * dim;
     const float *values = m->values + kv_layer * m->num_kv_slots * kv_heads * dim;
@@ -161,10 +162,11 @@ static void decode_attention(const DecodeModel *m, int64_t kv_layer, int64_t bat
     for (int64_t task = 0; task < batch * kv_heads; task++) {
         int64_t b = task / kv_heads, kv_head = task % kv_heads, length = positions[b] + 1;
         int64_t first_head = b * heads + kv_head * group;  /* this group's rows of q, core and scores */
-        const int64_t *slots = context_slots + b * ld_context;
+        const int64_t *table = block_tables + b * ld_tables;
         for (int64_t g = 0; g < group; g++) w->max_scores[first_head + g] = -INFINITY;
         for (int64_t j = 0; j < length; j++) {
-            const float *key = keys + (slots[j] * kv_heads + kv_head) * dim;
+            int64_t slot = table[j / block_size] * block_size + j % block_size;
+            const float *key = keys + (slot * kv_heads + kv_head) * dim;
             for (int64_t g = 0; g < group; g++) {
                 float score = dot(w->q + (first_head + g) * dim, key, dim) * m->attn_scale;
                 w->scores[(first_head + g) * max_context + j] = score;
@@ -183,7 +185,8 @@ static void decode_attention(const DecodeModel *m, int64_t kv_layer, int64_t bat
             memset(w->core + (first_head + g) * dim, 0, sizeof(float) * dim);
         }
         for (int64_t j = 0; j < length; j++) {
-            const float *value = values + (slots[j] * kv_heads + kv_head) * dim;
+            int64_t slot = table[j / block_size] * block_size + j % block_size;
+            const float *value = values + (slot * kv_heads + kv_head) * dim;
             for (int64_t g = 0; g < group; g++) {
                 float p = w->scores[(first_head + g) * max_context + j], *out = w->core + (first_head + g) * dim;
                 for (int64_t d = 0; d < dim; d++) out[d] += p * value[d];
@@ -195,8 +198,8 @@ static void decode_attention(const DecodeModel *m, int64_t kv_layer, int64_t bat
 /* Attention mixer: q/k norm + rotary, this token's K/V into its slot, attention, sigmoid gate.
  * The fused projection row holds [q_h | gate_h for each head h] then k then v. */
 static void attention_mixer(const DecodeModel *m, const DecodeLayer *layer, int64_t batch, const int64_t *positions,
-                            const int64_t *kv_write_slots, const int64_t *context_slots, int64_t ld_context,
-                            int64_t max_context, Workspace *w, int threads) {
+                            const int64_t *kv_write_slots, const int64_t *block_tables, int64_t ld_tables,
+                            int64_t block_size, int64_t max_context, Workspace *w, int threads) {
     int64_t heads = m->heads, kv_heads = m->kv_heads, dim = m->head_dim, width = layer->mixer_in_features;
     int64_t kv_width = kv_heads * dim;
     float *keys = m->keys + layer->mixer_index * m->num_kv_slots * kv_width;
@@ -210,7 +213,8 @@ static void attention_mixer(const DecodeModel *m, const DecodeLayer *layer, int6
         memcpy(keys + kv_write_slots[b] * kv_width, k, sizeof(float) * kv_width);
         memcpy(values + kv_write_slots[b] * kv_width, row + 2 * heads * dim + kv_width, sizeof(float) * kv_width);
     }
-    decode_attention(m, layer->mixer_index, batch, positions, context_slots, ld_context, max_context, w, threads);
+    decode_attention(m, layer->mixer_index, batch, positions, block_tables, ld_tables, block_size, max_context, w,
+                     threads);
     for (int64_t b = 0; b < batch; b++)
         for (int64_t h = 0; h < heads; h++) {
             float *out = w->core + (b * heads + h) * dim;
@@ -230,14 +234,15 @@ static void mlp(const DecodeModel *m, const DecodeLayer *layer, int64_t batch, W
     gemv_f32(layer->down, hidden, inter, w->act, batch, inter, w->h, hidden, threads);
 }
 
-/* Returns 0, or 1 (nothing written) when an input is out of range. context_slots [batch, >= position
- * + 1] with row stride ld_context (max_context columns); workspace of decode_step_workspace_floats();
+/* Returns 0, or 1 (nothing written) when an input is out of range. Sequence b's context is positions
+ * [0, positions[b]], at KV slot block_tables[b * ld_tables + p / block_size] * block_size + p % block_size;
+ * max_context >= every positions[b] + 1 sizes the scores; workspace of decode_step_workspace_floats();
  * undo_conv / undo_rec [gdn layers, batch, ...]; logits [batch, vocab]. */
 int decode_step_f32(const DecodeModel *m, int64_t batch, const int64_t *tokens, const int64_t *positions,
-                    const int64_t *state_slots, const int64_t *kv_write_slots, const int64_t *context_slots,
-                    int64_t ld_context, int64_t max_context, float *workspace, float *undo_conv, float *undo_rec,
-                    float *logits, int threads) {
-    if (!inputs_valid(m, batch, tokens, positions, state_slots, kv_write_slots, context_slots, ld_context,
+                    const int64_t *state_slots, const int64_t *kv_write_slots, const int64_t *block_tables,
+                    int64_t ld_tables, int64_t block_size, int64_t max_context, float *workspace, float *undo_conv,
+                    float *undo_rec, float *logits, int threads) {
+    if (!inputs_valid(m, batch, tokens, positions, state_slots, kv_write_slots, block_tables, ld_tables, block_size,
                       max_context))
         return 1;
     Workspace w;
@@ -255,8 +260,8 @@ int decode_step_f32(const DecodeModel *m, int64_t batch, const int64_t *tokens, 
         rms_norm_f32(w.x, batch, hidden, hidden, layer->input_norm, m->rms_eps, w.h, hidden);
         gemv_f32(layer->mixer_in, width, hidden, w.h, batch, hidden, w.proj, width, threads);
         if (layer->is_attention) {
-            attention_mixer(m, layer, batch, positions, kv_write_slots, context_slots, ld_context, max_context, &w,
-                            threads);
+            attention_mixer(m, layer, batch, positions, kv_write_slots, block_tables, ld_tables, block_size,
+                            max_context, &w, threads);
             core_width = m->heads * m->head_dim;
         } else {
             int64_t index = layer->mixer_index;
