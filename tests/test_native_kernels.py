@@ -202,7 +202,7 @@ def test_gemv_matches_torch(shape: tuple[int, int], rows: int, threads: int, mon
     weight = torch.randn(*shape, generator=gen)
     x = torch.randn(rows, shape[1] + 5, generator=gen)[:, 3:3 + shape[1]]
     assert native.gemv_applies(weight, x)
-    y = native.gemv_f32(weight, x)
+    y = native.gemv(weight, x)
     assert y.shape == (rows, shape[0]) and y.is_contiguous()
     torch.testing.assert_close(y, x @ weight.t(), atol=1e-4, rtol=1e-4)
 
@@ -216,7 +216,7 @@ def test_gemv_leaves_other_inputs_to_torch() -> None:
     assert not native.gemv_applies(weight.bfloat16(), torch.randn(2, 16))
     if native.native_kernels_enabled():
         with pytest.raises(ValueError, match="columns"):
-            native.gemv_f32(weight, torch.randn(2, 15))
+            native.gemv(weight, torch.randn(2, 15))
 
 
 @needs_kernel

@@ -151,7 +151,7 @@ class PackedLinear:
         out_features, in_features = self.weight.shape
         threads = torch.get_num_threads()
         if native.gemv_applies(self.weight, x):  # up to GEMV_MAX_INPUT_ROWS rows
-            y = native.gemv_f32(self.weight, x)
+            y = native.gemv(self.weight, x)
         elif rows < SPLIT_GEMM_ROWS:
             splits = gemv_splits(out_features, threads)
             blocks = self.weight.view(splits, out_features // splits, in_features)
@@ -166,7 +166,9 @@ class PackedLinear:
 
     def _int8(self, x: torch.Tensor) -> torch.Tensor:
         assert self.scales is not None and self.kernel_scales is not None
-        if self.int8_kernel and x.shape[0] < INT8_DEQUANT_ROWS:
+        if native.gemv_applies(self.weight, x):  # decode rows in float32: the C GEMV widens int8 in registers
+            y = native.gemv(self.weight, x, self.scales)
+        elif self.int8_kernel and x.shape[0] < INT8_DEQUANT_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x.to(self.kernel_scales.dtype), self.weight,
                                                    self.kernel_scales).to(x.dtype)
         else:  # a prefill-sized batch, or no int8 kernel for this device: dequantize for the call

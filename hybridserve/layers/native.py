@@ -8,8 +8,8 @@ ops of torch's CPU rms_norm for decode-sized inputs, and csrc/elementwise.c does
 q/k norm + rotary. `gdn_prefill_f32` (csrc/gdn_prefill.c) runs a prefill chunk through a GDN layer
 token by token: on CPU that beats the chunked form's matrix products at every length measured
 (see the source's header). csrc/delta_rule.h holds the delta-rule step both GDN kernels share,
-csrc/vector_math.h an exp that GCC vectorises. `gemv_f32` (csrc/gemv.c) is the float32 linear for up
-to 16 rows, written to stream each weight as fast as a plain read (see linear.py). The sources are compiled with the system C
+csrc/vector_math.h an exp that GCC vectorises. `gemv` (csrc/gemv.c) is the float32 and int8-weight linear
+for up to 16 rows, written to stream each weight as fast as a plain read (see linear.py). The sources are compiled with the system C
 compiler into the user's cache directory (keyed by sources, compiler and CPU, so a home shared by
 different CPUs is safe) and loaded with ctypes: no build step at install, under a second at the
 first start, nothing after. OpenMP in the kernels binds to the `libgomp.so.1` torch already loaded
@@ -120,6 +120,8 @@ def _library() -> ctypes.CDLL | None:
     library.gdn_prefill_f32.restype = ctypes.c_int
     library.gemv_f32.argtypes = _GEMV_ARGTYPES
     library.gemv_f32.restype = ctypes.c_int
+    library.gemv_i8.argtypes = [_ptr, *_GEMV_ARGTYPES]
+    library.gemv_i8.restype = ctypes.c_int
     library.decode_step_workspace_floats.argtypes = [_ptr, _i64, _i64]
     library.decode_step_workspace_floats.restype = _i64
     library.decode_step_f32.argtypes = [_ptr, _i64] + [_ptr] * 5 + [_i64] * 3 + [_ptr] * 4 + [_int]
@@ -194,26 +196,38 @@ def rms_norm_rope_f32(x: torch.Tensor, scale: torch.Tensor, eps: float, cos: tor
 
 
 def gemv_applies(weight: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether `gemv_f32` takes x @ weight.T: 1..GEMV_MAX_INPUT_ROWS float32 CPU rows with contiguous
-    columns, a contiguous float32 weight, and the kernels enabled."""
+    """Whether `gemv` takes x @ weight.T: 1..GEMV_MAX_INPUT_ROWS float32 CPU rows with contiguous
+    columns, a contiguous float32 or int8 weight, and the kernels enabled."""
     return (x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_INPUT_ROWS and x.dtype == torch.float32 and x.is_cpu
-            and (x.stride(1) == 1 or x.shape[1] == 1) and weight.dtype == torch.float32
-            and weight.is_contiguous() and native_kernels_enabled())
+            and (x.stride(1) == 1 or x.shape[1] == 1) and weight.dtype in (torch.float32, torch.int8)
+            and weight.is_cpu and weight.is_contiguous() and native_kernels_enabled())
 
 
-def gemv_f32(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T for a few float32 CPU rows (csrc/gemv.c): weight [out, in] contiguous, x [rows, in]
-    (check `gemv_applies` first). Returns a new contiguous [rows, out]."""
+def gemv(weight: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T for a few float32 CPU rows (csrc/gemv.c): weight [out, in] contiguous float32, or
+    int8 with float32 `scales` [out] (y = (x @ W.T) * scales); x [rows, in] (check `gemv_applies`
+    first). Returns a new contiguous float32 [rows, out]."""
     out_features, in_features = weight.shape
     rows = x.shape[0]
     if x.shape[1] != in_features:
-        raise ValueError(f"gemv_f32: x has {x.shape[1]} columns, the weight {in_features}")
+        raise ValueError(f"gemv: x has {x.shape[1]} columns, the weight {in_features}")
+    int8 = weight.dtype == torch.int8
+    if int8 and (scales is None or scales.shape != (out_features,) or scales.dtype != torch.float32
+                 or not scales.is_contiguous()):
+        raise ValueError(f"gemv: int8 weights need contiguous float32 scales [{out_features}]")
     library = _library()
     assert library is not None, "check gemv_applies() first"
-    y = torch.empty(rows, out_features, dtype=weight.dtype)
-    if library.gemv_f32(weight.data_ptr(), out_features, in_features, x.data_ptr(), rows, x.stride(0), y.data_ptr(),
-                        out_features, torch.get_num_threads()):
-        raise ValueError(f"gemv_f32 takes 1..{GEMV_MAX_INPUT_ROWS} rows, got {rows}")
+    y = torch.empty(rows, out_features)
+    threads = torch.get_num_threads()
+    if int8:
+        assert scales is not None
+        failed = library.gemv_i8(weight.data_ptr(), scales.data_ptr(), out_features, in_features, x.data_ptr(), rows,
+                                 x.stride(0), y.data_ptr(), out_features, threads)
+    else:
+        failed = library.gemv_f32(weight.data_ptr(), out_features, in_features, x.data_ptr(), rows, x.stride(0),
+                                  y.data_ptr(), out_features, threads)
+    if failed:
+        raise ValueError(f"gemv takes 1..{GEMV_MAX_INPUT_ROWS} rows, got {rows}")
     return y
 
 

@@ -1,11 +1,11 @@
-"""The decode forward of a float32 CPU model as one C call (layers/csrc/decode_step.c).
+"""The decode forward of a float32 CPU model (float32 or int8 linears) as one C call
+(layers/csrc/decode_step.c).
 
 A decode-only step of up to 16 sequences runs embeddings, every layer, the final norm and the LM
 head in C, calling the same kernels as the module path in the same order; Python passes the
 step's ids, positions, slots and fresh buffers. It is what a captured CUDA graph is to a GPU
 engine: the per-op dispatch of ~150 ops and ~40 module calls goes, the math stays. Prefill, mixed
-steps, larger batches, other dtypes and devices, int8 weights and tensor parallelism keep the
-module path, as does everything with `HYBRIDSERVE_FUSED_DECODE=0` or the C kernels off.
+steps, larger batches, other dtypes and devices and tensor parallelism keep the module path, as does everything with `HYBRIDSERVE_FUSED_DECODE=0` or the C kernels off.
 
 The step is transactional like the module path: GDN layers update their live slots in place and
 hand the replaced state to `ForwardContext.state_undo`; snapshot captures read the updated slots.
@@ -34,11 +34,18 @@ MAX_ROWS = 16  # DECODE_STEP_MAX_ROWS in decode_step.c
 _p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
+class Linear(ctypes.Structure):
+    """A linear's weight: float32 (scales NULL) or int8 with per-output float32 scales."""
+
+    _fields_ = [("weight", _p), ("scales", _p)]
+
+
 class DecodeLayer(ctypes.Structure):
     """One decoder layer's weights (the C struct of the same name)."""
 
     _fields_ = [("is_attention", _i64), ("mixer_index", _i64), ("input_norm", _p), ("post_norm", _p),
-                ("mixer_in", _p), ("mixer_in_features", _i64), ("mixer_out", _p), ("gate_up", _p), ("down", _p),
+                ("mixer_in", Linear), ("mixer_in_features", _i64), ("mixer_out", Linear), ("gate_up", Linear),
+                ("down", Linear),
                 ("conv_weight", _p), ("dt_bias", _p), ("neg_decay_rate", _p), ("gdn_norm", _p), ("b_offset", _i64),
                 ("q_norm", _p), ("k_norm", _p)]
 
@@ -48,7 +55,7 @@ class DecodeModel(ctypes.Structure):
 
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("intermediate", _i64), ("vocab", _i64),
                 ("rms_eps", _f), ("gdn_norm_eps", _f), ("l2_eps", _f), ("embed", _p), ("final_norm", _p),
-                ("head", _p), ("cos_table", _p), ("sin_table", _p), ("max_positions", _i64), ("rot", _i64),
+                ("head", Linear), ("cos_table", _p), ("sin_table", _p), ("max_positions", _i64), ("rot", _i64),
                 ("num_k_heads", _i64), ("num_v_heads", _i64), ("head_k", _i64), ("head_v", _i64),
                 ("conv_kernel", _i64), ("num_state_slots", _i64), ("conv_live", _p), ("rec_live", _p),
                 ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("attn_scale", _f), ("keys", _p),
@@ -82,7 +89,7 @@ class FusedDecodeStep:
             num_layers=len(text.layers), hidden=config.hidden_size, intermediate=config.intermediate_size,
             vocab=model.head.weight.shape[0], rms_eps=text.norm.eps, gdn_norm_eps=_gdn_norm_eps(model),
             l2_eps=L2_NORM_EPS, embed=text.embed_tokens.weight.data_ptr(), final_norm=text.norm.scale.data_ptr(),
-            head=model.head.weight.data_ptr(), cos_table=text.rotary.cos_table.data_ptr(),
+            head=_linear_struct(model.head), cos_table=text.rotary.cos_table.data_ptr(),
             sin_table=text.rotary.sin_table.data_ptr(), max_positions=text.rotary.cos_table.shape[0],
             rot=text.rotary.rotary_dim, num_k_heads=config.linear_num_key_heads,
             num_v_heads=config.linear_num_value_heads, head_k=config.linear_key_head_dim,
@@ -115,13 +122,16 @@ class FusedDecodeStep:
         library, model = self._library, ctypes.addressof(self.model)
         workspace = torch.empty(library.decode_step_workspace_floats(model, rows, group.max_length))
         conv, recurrent = self._live.conv, self._live.recurrent
-        undo_conv = torch.empty(self.num_gdn_layers, rows, *conv.shape[2:])
-        undo_rec = torch.empty(self.num_gdn_layers, rows, *recurrent.shape[2:])
+        # one undo record per layer, as on the module path (a state-sized buffer, never a weight-sized one)
+        undo_conv = [torch.empty(rows, *conv.shape[2:]) for _ in range(self.num_gdn_layers)]
+        undo_rec = [torch.empty(rows, *recurrent.shape[2:]) for _ in range(self.num_gdn_layers)]
+        pointers = ctypes.c_void_p * self.num_gdn_layers
         logits = torch.empty(rows, self.model.vocab)
         failed = library.decode_step_f32(
             model, rows, tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(), write_slots.data_ptr(),
             tables.data_ptr(), tables.shape[1], group.block_size, group.max_length, workspace.data_ptr(),
-            undo_conv.data_ptr(), undo_rec.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+            pointers(*[t.data_ptr() for t in undo_conv]), pointers(*[t.data_ptr() for t in undo_rec]),
+            logits.data_ptr(), torch.get_num_threads())
         if failed:
             raise IndexError("fused decode: a token id, position or slot is out of range")
         ctx.state_undo.extend(StateWrite(layer, slots, undo_conv[layer], undo_rec[layer])
@@ -136,7 +146,7 @@ class FusedDecodeStep:
 
 def supported(model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> bool:
     """Whether the fused step can run this model over this storage: float32 CPU throughout, packed
-    plain linears without bias or quantization, one tensor-parallel rank, one norm epsilon."""
+    row-major linears (float32 or int8) without bias, one tensor-parallel rank, one norm epsilon."""
     if not fused_decode_enabled() or model.head is None:
         return False
     text = model.model
@@ -154,17 +164,28 @@ def supported(model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> bool:
     tensors += [norm.scale for norm in norms]
     if any(t is None or t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
         return False
-    if any(not _plain_float32(linear) for linear in linears):
+    if any(not _plain_linear(linear) for linear in linears):
         return False
     if text.embed_tokens.weight.shape[0] != model.head.weight.shape[0]:
         return False
     return len({norm.eps for norm in norms}) == 1
 
 
-def _plain_float32(linear: PackedLinear | None) -> bool:
-    return (linear is not None and linear.scales is None and linear.bias is None and not linear.prepacked
-            and linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
-            and linear.weight.is_contiguous())
+def _plain_linear(linear: PackedLinear | None) -> bool:
+    """A row-major CPU weight the C GEMV reads: float32, or int8 with float32 scales; no bias."""
+    if linear is None or linear.bias is not None or linear.prepacked:
+        return False
+    weight = linear.weight
+    if weight.device.type != "cpu" or not weight.is_contiguous():
+        return False
+    if linear.scales is None:
+        return weight.dtype == torch.float32
+    return weight.dtype == torch.int8 and linear.scales.dtype == torch.float32 and linear.scales.is_contiguous()
+
+
+def _linear_struct(linear: PackedLinear) -> Linear:
+    scales = linear.scales.data_ptr() if linear.scales is not None else None
+    return Linear(linear.weight.data_ptr(), scales)
 
 
 def _gdn_norm_eps(model: Qwen3_5ForCausalLM) -> float:
@@ -176,18 +197,18 @@ def _layer_struct(layer: torch.nn.Module) -> DecodeLayer:
     mlp = layer.mlp
     struct = DecodeLayer(is_attention=int(layer.is_attention), input_norm=layer.input_layernorm.scale.data_ptr(),
                          post_norm=layer.post_attention_layernorm.scale.data_ptr(),
-                         gate_up=mlp.gate_up.weight.data_ptr(), down=mlp.down.weight.data_ptr())
+                         gate_up=_linear_struct(mlp.gate_up), down=_linear_struct(mlp.down))
     if layer.is_attention:
         attention = layer.self_attn
         struct.mixer_index = attention.kv_layer
-        struct.mixer_in, struct.mixer_in_features = attention.qkv.weight.data_ptr(), attention.qkv.weight.shape[0]
-        struct.mixer_out = attention.out.weight.data_ptr()
+        struct.mixer_in, struct.mixer_in_features = _linear_struct(attention.qkv), attention.qkv.weight.shape[0]
+        struct.mixer_out = _linear_struct(attention.out)
         struct.q_norm, struct.k_norm = attention.q_norm.scale.data_ptr(), attention.k_norm.scale.data_ptr()
     else:
         gdn = layer.linear_attn
         struct.mixer_index = gdn.state_layer
-        struct.mixer_in, struct.mixer_in_features = gdn.in_proj.weight.data_ptr(), gdn.in_proj.weight.shape[0]
-        struct.mixer_out = gdn.out.weight.data_ptr()
+        struct.mixer_in, struct.mixer_in_features = _linear_struct(gdn.in_proj), gdn.in_proj.weight.shape[0]
+        struct.mixer_out = _linear_struct(gdn.out)
         struct.conv_weight = gdn.conv1d.weight.data_ptr()
         struct.dt_bias, struct.neg_decay_rate = gdn.dt_bias.data_ptr(), gdn.neg_decay_rate.data_ptr()
         struct.gdn_norm = gdn.norm.weight.data_ptr()

@@ -1,10 +1,10 @@
-/* The whole decode forward of a float32 model on CPU in one call: embeddings, every decoder layer
+/* The whole decode forward of a float32 model (float32 or int8 linears) on CPU in one call: embeddings, every decoder layer
  * (GDN or gated attention, then the MLP), the final norm and the LM head, for up to 16 sequences.
  *
  * After the GEMV and the fused layer kernels, a batch-1 decode step of the built-in model spent
  * ~4 ms of ~12 outside the linears: ~150 PyTorch ops and ~40 module calls at 10-30 us each on this
  * 2-core VM. Here the same work runs as straight C: it calls the kernels the module path calls
- * (gemv_f32, rms_norm_f32, rms_norm_rope_f32, gdn_decode_f32) in the same order, adds the
+ * (gemv_f32 / gemv_i8, rms_norm_f32, rms_norm_rope_f32, gdn_decode_f32) in the same order, adds the
  * decode attention over the paged KV, and does the small elementwise steps inline. It is the CPU
  * counterpart of replaying a captured CUDA graph: the Python side only passes the step's token
  * ids, positions, slots and buffers (see hybridserve/models/fused_decode.py).
@@ -23,6 +23,8 @@
 
 int gemv_f32(const float *weight, int64_t out, int64_t in, const float *x, int64_t rows, int64_t ld_x, float *y,
              int64_t ld_y, int threads);
+int gemv_i8(const int8_t *weight, const float *scales, int64_t out, int64_t in, const float *x, int64_t rows,
+            int64_t ld_x, float *y, int64_t ld_y, int threads);
 void rms_norm_f32(const float *x, int64_t rows, int64_t dim, int64_t ld_x, const float *scale, float eps,
                   float *out, int64_t ld_out);
 void rms_norm_rope_f32(const float *x, int64_t tokens, int64_t heads, int64_t dim, int64_t ld_x, const float *scale,
@@ -34,15 +36,21 @@ int gdn_decode_f32(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int6
                    const float *norm_weight, float norm_eps, int num_threads, int in_place, float *scratch,
                    float *out_conv, float *out_rec, float *core);
 
+/* A linear's weight [out, in]: float32 (scales NULL), or int8 with one float32 scale per output. */
+typedef struct {
+    const void *weight;
+    const float *scales;
+} Linear;
+
 /* One decoder layer's weights (mirrored by DecodeLayer in fused_decode.py). */
 typedef struct {
     int64_t is_attention;
     int64_t mixer_index;                 /* GDN state layer, or KV layer */
     const float *input_norm, *post_norm; /* RMSNorm scales [hidden] */
-    const float *mixer_in;               /* GDN in_proj or attention q|gate,k,v: [mixer_in_features, hidden] */
+    Linear mixer_in;                     /* GDN in_proj or attention q|gate,k,v: [mixer_in_features, hidden] */
     int64_t mixer_in_features;
-    const float *mixer_out;              /* out_proj / o_proj [hidden, value_dim or heads * head_dim] */
-    const float *gate_up, *down;         /* MLP: [2 * intermediate, hidden], [hidden, intermediate] */
+    Linear mixer_out;                    /* out_proj / o_proj [hidden, value_dim or heads * head_dim] */
+    Linear gate_up, down;                /* MLP: [2 * intermediate, hidden], [hidden, intermediate] */
     const float *conv_weight, *dt_bias, *neg_decay_rate, *gdn_norm; /* GDN only */
     int64_t b_offset;                    /* GDN: column of the beta gate in the in_proj output */
     const float *q_norm, *k_norm;        /* attention only */
@@ -52,7 +60,8 @@ typedef struct {
 typedef struct {
     int64_t num_layers, hidden, intermediate, vocab;
     float rms_eps, gdn_norm_eps, l2_eps;
-    const float *embed, *final_norm, *head;
+    const float *embed, *final_norm;
+    Linear head;
     const float *cos_table, *sin_table;  /* [max_positions, rot] */
     int64_t max_positions, rot;
     int64_t num_k_heads, num_v_heads, head_k, head_v, conv_kernel, num_state_slots;
@@ -124,6 +133,14 @@ static int inputs_valid(const DecodeModel *m, int64_t batch, const int64_t *toke
         }
     }
     return 1;
+}
+
+/* y [rows, out] = x [rows, in] @ W.T, both contiguous. */
+static void linear(Linear w, int64_t out, int64_t in, const float *x, int64_t rows, float *y, int threads) {
+    if (w.scales)
+        gemv_i8((const int8_t *)w.weight, w.scales, out, in, x, rows, in, y, out, threads);
+    else
+        gemv_f32((const float *)w.weight, out, in, x, rows, in, y, out, threads);
 }
 
 static void add_rows(float *x, const float *h, int64_t n) {
@@ -225,23 +242,23 @@ static void attention_mixer(const DecodeModel *m, const DecodeLayer *layer, int6
 
 static void mlp(const DecodeModel *m, const DecodeLayer *layer, int64_t batch, Workspace *w, int threads) {
     int64_t hidden = m->hidden, inter = m->intermediate;
-    gemv_f32(layer->gate_up, 2 * inter, hidden, w->h, batch, hidden, w->mlp, 2 * inter, threads);
+    linear(layer->gate_up, 2 * inter, hidden, w->h, batch, w->mlp, threads);
     for (int64_t b = 0; b < batch; b++) {
         const float *gate = w->mlp + b * 2 * inter, *up = gate + inter;
         float *act = w->act + b * inter;
         for (int64_t i = 0; i < inter; i++) act[i] = silu_f32(gate[i]) * up[i];
     }
-    gemv_f32(layer->down, hidden, inter, w->act, batch, inter, w->h, hidden, threads);
+    linear(layer->down, hidden, inter, w->act, batch, w->h, threads);
 }
 
 /* Returns 0, or 1 (nothing written) when an input is out of range. Sequence b's context is positions
  * [0, positions[b]], at KV slot block_tables[b * ld_tables + p / block_size] * block_size + p % block_size;
  * max_context >= every positions[b] + 1 sizes the scores; workspace of decode_step_workspace_floats();
- * undo_conv / undo_rec [gdn layers, batch, ...]; logits [batch, vocab]. */
+ * undo_conv[i] / undo_rec[i] [batch, ...] for GDN layer i; logits [batch, vocab]. */
 int decode_step_f32(const DecodeModel *m, int64_t batch, const int64_t *tokens, const int64_t *positions,
                     const int64_t *state_slots, const int64_t *kv_write_slots, const int64_t *block_tables,
-                    int64_t ld_tables, int64_t block_size, int64_t max_context, float *workspace, float *undo_conv,
-                    float *undo_rec, float *logits, int threads) {
+                    int64_t ld_tables, int64_t block_size, int64_t max_context, float *workspace, float **undo_conv,
+                    float **undo_rec, float *logits, int threads) {
     if (!inputs_valid(m, batch, tokens, positions, state_slots, kv_write_slots, block_tables, ld_tables, block_size,
                       max_context))
         return 1;
@@ -258,7 +275,7 @@ int decode_step_f32(const DecodeModel *m, int64_t batch, const int64_t *tokens, 
         const DecodeLayer *layer = &m->layers[l];
         int64_t width = layer->mixer_in_features, core_width;
         rms_norm_f32(w.x, batch, hidden, hidden, layer->input_norm, m->rms_eps, w.h, hidden);
-        gemv_f32(layer->mixer_in, width, hidden, w.h, batch, hidden, w.proj, width, threads);
+        linear(layer->mixer_in, width, hidden, w.h, batch, w.proj, threads);
         if (layer->is_attention) {
             attention_mixer(m, layer, batch, positions, kv_write_slots, block_tables, ld_tables, block_size,
                             max_context, &w, threads);
@@ -270,17 +287,16 @@ int decode_step_f32(const DecodeModel *m, int64_t batch, const int64_t *tokens, 
                            m->conv_live + index * m->num_state_slots * conv_size,
                            m->rec_live + index * m->num_state_slots * rec_size, layer->conv_weight, layer->dt_bias,
                            layer->neg_decay_rate, m->l2_eps, layer->gdn_norm, m->gdn_norm_eps, threads, 1,
-                           w.gdn_scratch, undo_conv + index * batch * conv_size, undo_rec + index * batch * rec_size,
-                           w.core);
+                           w.gdn_scratch, undo_conv[index], undo_rec[index], w.core);
             core_width = m->num_v_heads * m->head_v;
         }
-        gemv_f32(layer->mixer_out, hidden, core_width, w.core, batch, core_width, w.h, hidden, threads);
+        linear(layer->mixer_out, hidden, core_width, w.core, batch, w.h, threads);
         add_rows(w.x, w.h, batch * hidden);
         rms_norm_f32(w.x, batch, hidden, hidden, layer->post_norm, m->rms_eps, w.h, hidden);
         mlp(m, layer, batch, &w, threads);
         add_rows(w.x, w.h, batch * hidden);
     }
     rms_norm_f32(w.x, batch, hidden, hidden, m->final_norm, m->rms_eps, w.h, hidden);
-    gemv_f32(m->head, m->vocab, hidden, w.h, batch, hidden, logits, m->vocab, threads);
+    linear(m->head, m->vocab, hidden, w.h, batch, logits, threads);
     return 0;
 }

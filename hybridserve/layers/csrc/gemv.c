@@ -15,18 +15,47 @@
  */
 #include <omp.h>
 #include <stdint.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #define GEMV_MAX_INPUT_ROWS 16
 #define GEMV_GROUP 8
-#define GEMV_PREFETCH 1024  /* floats ahead in the weight row stream (4 KB) */
+#define GEMV_PREFETCH_BYTES 4096  /* how far ahead in the weight row stream to prefetch */
 #define GEMV_BLOCK_ROWS 64  /* output features handed to a thread at a time */
 
 typedef float v8f __attribute__((vector_size(32)));
+typedef int8_t v8i8 __attribute__((vector_size(8)));
 
 static inline v8f load8(const float *p) {
     v8f v;
     __builtin_memcpy(&v, p, sizeof v);
     return v;
+}
+
+/* Eight int8 weights widened to float32 (GCC scalarises __builtin_convertvector here, hence the
+ * AVX2 intrinsics where available). */
+static inline v8f load8_i8(const int8_t *p) {
+#if defined(__AVX2__)
+    __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    v8f v;
+    __builtin_memcpy(&v, &f, sizeof v);
+    return v;
+#else
+    v8i8 q;
+    __builtin_memcpy(&q, p, sizeof q);
+    return __builtin_convertvector(q, v8f);
+#endif
+}
+
+/* Weights i..i+7 of a float32 (int8 = 0) or int8 (int8 = 1) row; `int8` is a constant at every
+ * call site, so the branch folds away. */
+static inline __attribute__((always_inline)) v8f load_weights(const void *w, int64_t i, int int8) {
+    return int8 ? load8_i8((const int8_t *)w + i) : load8((const float *)w + i);
+}
+
+static inline __attribute__((always_inline)) float weight_at(const void *w, int64_t i, int int8) {
+    return int8 ? (float)((const int8_t *)w)[i] : ((const float *)w)[i];
 }
 
 static inline float lane_sum(v8f v) {
@@ -35,61 +64,74 @@ static inline float lane_sum(v8f v) {
     return s;
 }
 
-/* out[r * ld_out] = dot(w, x + r * ld_x) for r < rows (<= GEMV_GROUP); `rows` is a constant at each
- * call site, so the loops over r unroll and the accumulators live in registers. */
-static inline void dot_rows(const float *w, int64_t in, const float *x, int64_t ld_x, int rows, float *out,
-                            int64_t ld_out) {
+/* out[r * ld_out] = scale * dot(w, x + r * ld_x) for r < rows (<= GEMV_GROUP); `rows` and `int8`
+ * are constants at each call site, so the loops over r unroll and the accumulators live in
+ * registers. */
+static inline __attribute__((always_inline)) void dot_rows(const void *w, int int8, float scale, int64_t in,
+                                                           const float *x, int64_t ld_x, int rows, float *out,
+                                                           int64_t ld_out) {
     v8f acc[GEMV_GROUP] = {{0}};
     int64_t i = 0;
+    int64_t prefetch = GEMV_PREFETCH_BYTES / (int8 ? 1 : 4);
     if (rows == 1) {  /* four accumulators keep the FMA latency off the stream */
         v8f a = {0}, b = {0}, c = {0}, d = {0};
         for (; i + 32 <= in; i += 32) {
-            a += load8(w + i) * load8(x + i);
-            b += load8(w + i + 8) * load8(x + i + 8);
-            c += load8(w + i + 16) * load8(x + i + 16);
-            d += load8(w + i + 24) * load8(x + i + 24);
+            a += load_weights(w, i, int8) * load8(x + i);
+            b += load_weights(w, i + 8, int8) * load8(x + i + 8);
+            c += load_weights(w, i + 16, int8) * load8(x + i + 16);
+            d += load_weights(w, i + 24, int8) * load8(x + i + 24);
         }
         acc[0] = (a + b) + (c + d);
     }
     for (; i + 8 <= in; i += 8) {
-        __builtin_prefetch(w + i + GEMV_PREFETCH, 0, 0);
-        v8f wv = load8(w + i);
+        __builtin_prefetch((const char *)w + (i + prefetch) * (int8 ? 1 : 4), 0, 0);
+        v8f wv = load_weights(w, i, int8);
         for (int r = 0; r < rows; r++) acc[r] += wv * load8(x + r * ld_x + i);
     }
     for (int r = 0; r < rows; r++) {
         float s = lane_sum(acc[r]);
-        for (int64_t j = i; j < in; j++) s += w[j] * x[r * ld_x + j];
-        out[r * ld_out] = s;
+        for (int64_t j = i; j < in; j++) s += weight_at(w, j, int8) * x[r * ld_x + j];
+        out[r * ld_out] = int8 ? s * scale : s;
     }
 }
 
 /* Output features [first, last): each weight row is streamed from memory once, then (still in L1)
  * dotted with the input rows in groups of up to GEMV_GROUP. */
-static void gemv_range(const float *weight, int64_t in, const float *x, int64_t rows, int64_t ld_x, float *y,
-                       int64_t ld_y, int64_t first, int64_t last) {
+static inline __attribute__((always_inline)) void gemv_range(const void *weight, const float *scales, int int8,
+                                                             int64_t in, const float *x, int64_t rows, int64_t ld_x,
+                                                             float *y, int64_t ld_y, int64_t first, int64_t last) {
     for (int64_t o = first; o < last; o++) {
-        const float *w = weight + o * in;
+        const void *w = (const char *)weight + o * in * (int8 ? 1 : 4);
+        float scale = int8 ? scales[o] : 1.0f;
         for (int64_t r = 0; r < rows; r += GEMV_GROUP) {
             const float *xr = x + r * ld_x;
             float *yr = y + r * ld_y + o;
             switch (rows - r < GEMV_GROUP ? rows - r : GEMV_GROUP) {  /* constant counts: loops unroll */
-                case 1: dot_rows(w, in, xr, ld_x, 1, yr, ld_y); break;
-                case 2: dot_rows(w, in, xr, ld_x, 2, yr, ld_y); break;
-                case 3: dot_rows(w, in, xr, ld_x, 3, yr, ld_y); break;
-                case 4: dot_rows(w, in, xr, ld_x, 4, yr, ld_y); break;
-                case 5: dot_rows(w, in, xr, ld_x, 5, yr, ld_y); break;
-                case 6: dot_rows(w, in, xr, ld_x, 6, yr, ld_y); break;
-                case 7: dot_rows(w, in, xr, ld_x, 7, yr, ld_y); break;
-                default: dot_rows(w, in, xr, ld_x, 8, yr, ld_y); break;
+                case 1: dot_rows(w, int8, scale, in, xr, ld_x, 1, yr, ld_y); break;
+                case 2: dot_rows(w, int8, scale, in, xr, ld_x, 2, yr, ld_y); break;
+                case 3: dot_rows(w, int8, scale, in, xr, ld_x, 3, yr, ld_y); break;
+                case 4: dot_rows(w, int8, scale, in, xr, ld_x, 4, yr, ld_y); break;
+                case 5: dot_rows(w, int8, scale, in, xr, ld_x, 5, yr, ld_y); break;
+                case 6: dot_rows(w, int8, scale, in, xr, ld_x, 6, yr, ld_y); break;
+                case 7: dot_rows(w, int8, scale, in, xr, ld_x, 7, yr, ld_y); break;
+                default: dot_rows(w, int8, scale, in, xr, ld_x, 8, yr, ld_y); break;
             }
         }
     }
 }
 
-/* weight [out, in] row-major; x [rows, in] with row stride ld_x; y [rows, out] with row stride
- * ld_y. Returns 1 (nothing written) when rows is outside 1..GEMV_MAX_INPUT_ROWS. */
-int gemv_f32(const float *weight, int64_t out, int64_t in, const float *x, int64_t rows, int64_t ld_x, float *y,
-             int64_t ld_y, int threads) {
+static void gemv_range_f32(const void *weight, int64_t in, const float *x, int64_t rows, int64_t ld_x, float *y,
+                           int64_t ld_y, int64_t first, int64_t last) {
+    gemv_range(weight, 0, 0, in, x, rows, ld_x, y, ld_y, first, last);
+}
+
+static void gemv_range_i8(const void *weight, const float *scales, int64_t in, const float *x, int64_t rows,
+                          int64_t ld_x, float *y, int64_t ld_y, int64_t first, int64_t last) {
+    gemv_range(weight, scales, 1, in, x, rows, ld_x, y, ld_y, first, last);
+}
+
+static int gemv(const void *weight, const float *scales, int64_t out, int64_t in, const float *x, int64_t rows,
+                int64_t ld_x, float *y, int64_t ld_y, int threads) {
     if (rows < 1 || rows > GEMV_MAX_INPUT_ROWS) return 1;
     int64_t block = GEMV_BLOCK_ROWS;
     int64_t blocks = (out + block - 1) / block;
@@ -99,7 +141,24 @@ int gemv_f32(const float *weight, int64_t out, int64_t in, const float *x, int64
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t b = 0; b < blocks; b++) {
         int64_t first = b * block, last = first + block < out ? first + block : out;
-        gemv_range(weight, in, x, rows, ld_x, y, ld_y, first, last);
+        if (scales)
+            gemv_range_i8(weight, scales, in, x, rows, ld_x, y, ld_y, first, last);
+        else
+            gemv_range_f32(weight, in, x, rows, ld_x, y, ld_y, first, last);
     }
     return 0;
+}
+
+/* weight [out, in] row-major; x [rows, in] with row stride ld_x; y [rows, out] with row stride
+ * ld_y. Returns 1 (nothing written) when rows is outside 1..GEMV_MAX_INPUT_ROWS. */
+int gemv_f32(const float *weight, int64_t out, int64_t in, const float *x, int64_t rows, int64_t ld_x, float *y,
+             int64_t ld_y, int threads) {
+    return gemv(weight, 0, out, in, x, rows, ld_x, y, ld_y, threads);
+}
+
+/* The same with int8 weights [out, in] and one float32 scale per output feature: y = (x @ W.T) * scale,
+ * the weights widened to float32 in registers (the activations stay float32). */
+int gemv_i8(const int8_t *weight, const float *scales, int64_t out, int64_t in, const float *x, int64_t rows,
+            int64_t ld_x, float *y, int64_t ld_y, int threads) {
+    return gemv(weight, scales, out, in, x, rows, ld_x, y, ld_y, threads);
 }
