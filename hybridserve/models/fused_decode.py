@@ -5,7 +5,8 @@ A decode-only step of up to 16 sequences runs embeddings, every layer, the final
 head in C, calling the same kernels as the module path in the same order; Python passes the
 step's ids, positions, slots and fresh buffers. It is what a captured CUDA graph is to a GPU
 engine: the per-op dispatch of ~150 ops and ~40 module calls goes, the math stays. Prefill, mixed
-steps, larger batches, other dtypes and devices and tensor parallelism keep the module path, as does everything with `HYBRIDSERVE_FUSED_DECODE=0` or the C kernels off.
+steps, larger batches, other dtypes and devices and tensor parallelism keep the module path, as
+does everything with `HYBRIDSERVE_FUSED_DECODE=0` or the C kernels off.
 
 The step is transactional like the module path: GDN layers update their live slots in place and
 hand the replaced state to `ForwardContext.state_undo`; snapshot captures read the updated slots.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -74,15 +76,16 @@ class FusedDecodeStep:
 
     def __init__(self, model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> None:
         """Point the C structs at the model's weights and the context's storage (check `supported`
-        first). The tensors are kept referenced here, so the pointers stay valid."""
+        first). The pointers stay valid while both live: packed weights and the pools are allocated
+        once and never replaced, this object belongs to the model, and it runs only with a context
+        holding the storage it was built for (held here weakly, so a temporary one is not kept)."""
         library = native._library()
         assert library is not None, "check supported() first"
         self._library = library
         config, text = model.config, model.model
-        self._kv_cache, self._live = ctx.kv_cache, ctx.live_states
+        self._kv_cache, self._live = weakref.ref(ctx.kv_cache), weakref.ref(ctx.live_states)
         self.num_gdn_layers = len(config.gdn_layer_ids)
         self._layers = (DecodeLayer * len(text.layers))(*[_layer_struct(layer) for layer in text.layers])
-        self._keep = [text.embed_tokens.weight, text.rotary.cos_table, text.rotary.sin_table]
         attention = next((layer.self_attn for layer in text.layers if layer.is_attention), None)
         assert model.head is not None and text.norm.scale is not None
         self.model = DecodeModel(
@@ -102,7 +105,7 @@ class FusedDecodeStep:
 
     def serves(self, ctx: ForwardContext) -> bool:
         """Built for this context's storage."""
-        return ctx.kv_cache is self._kv_cache and ctx.live_states is self._live
+        return ctx.kv_cache is self._kv_cache() and ctx.live_states is self._live()
 
     @staticmethod
     def takes(batch: ForwardBatch) -> bool:
@@ -111,8 +114,9 @@ class FusedDecodeStep:
                 and batch.logits_only_last_layer and batch.logits_rows.shape[0] == batch.num_decode)
 
     def run(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
-        """Logits [B, vocab] of the decode step (check `takes` first); live GDN state is updated in
-        place, its undo record appended to ctx.state_undo, captures written to the snapshot sink."""
+        """Logits [B, vocab] of the decode step (check `takes` and `serves` first); live GDN state is
+        updated in place, its undo record appended to ctx.state_undo, captures written to the
+        snapshot sink."""
         group = batch.decode
         assert group is not None
         rows = batch.num_decode
@@ -121,7 +125,7 @@ class FusedDecodeStep:
         slots, write_slots = group.state_slots.contiguous(), batch.kv_write_slots.contiguous()
         library, model = self._library, ctypes.addressof(self.model)
         workspace = torch.empty(library.decode_step_workspace_floats(model, rows, group.max_length))
-        conv, recurrent = self._live.conv, self._live.recurrent
+        conv, recurrent = ctx.live_states.conv, ctx.live_states.recurrent
         # one undo record per layer, as on the module path (a state-sized buffer, never a weight-sized one)
         undo_conv = [torch.empty(rows, *conv.shape[2:]) for _ in range(self.num_gdn_layers)]
         undo_rec = [torch.empty(rows, *recurrent.shape[2:]) for _ in range(self.num_gdn_layers)]

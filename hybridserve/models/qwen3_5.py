@@ -2,13 +2,17 @@
 
 Module and parameter names equal the Hugging Face `Qwen3_5ForCausalLM` names, so checkpoints load
 by name. The forward runs a flat `ForwardBatch` (decodes + prefill chunks of many requests) over
-paged KV and slot-indexed GDN state. Live GDN state is NOT modified during the forward: new
-states are returned as `StateWrite`s and committed by the runner only after the whole forward
-succeeded (schedule -> forward -> apply | revert). Snapshot captures go to a `SnapshotSink`.
+paged KV and slot-indexed GDN state. The eager and chunked GDN paths leave live state untouched:
+new states are returned as `StateWrite`s and committed by the runner only after the whole forward
+succeeded (schedule -> forward -> apply | revert). The fused CPU decode kernels (per layer, or the
+whole step in `fused_decode`) update live slots in place instead and return the states they
+replaced as undo records, which the runner writes back if the forward fails. Snapshot captures go
+to a `SnapshotSink`. Decode-only steps that fit `fused_decode` run as one C call.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, NamedTuple, Protocol
 
 import torch
@@ -390,7 +394,7 @@ class Qwen3_5ForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.head: PackedLinear | None = None
         self._fused_decode: fused_decode.FusedDecodeStep | None = None
-        self._fused_unsupported: object | None = None  # the KV cache the fused step was found not to fit
+        self._fused_unsupported: weakref.ref | None = None  # the KV cache the fused step was found not to fit
 
     def pack(self, quantization: str | None = None) -> None:
         """Repack loaded weights for inference: fused projections in the backend's fastest GEMM
@@ -453,8 +457,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         step = self._fused_decode
         if step is not None and step.serves(ctx):
             return step
-        if self._fused_unsupported is ctx.kv_cache or not fused_decode.supported(self, ctx):
-            self._fused_unsupported = ctx.kv_cache
+        if self._fused_unsupported is not None and self._fused_unsupported() is ctx.kv_cache:
+            return None
+        if not fused_decode.supported(self, ctx):
+            self._fused_unsupported = weakref.ref(ctx.kv_cache)
             return None
         self._fused_decode = fused_decode.FusedDecodeStep(self, ctx)
         return self._fused_decode

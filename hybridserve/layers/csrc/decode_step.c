@@ -1,5 +1,6 @@
-/* The whole decode forward of a float32 model (float32 or int8 linears) on CPU in one call: embeddings, every decoder layer
- * (GDN or gated attention, then the MLP), the final norm and the LM head, for up to 16 sequences.
+/* The whole decode forward of a float32 model (float32 or int8 linears) on CPU in one call:
+ * embeddings, every decoder layer (GDN or gated attention, then the MLP), the final norm and the
+ * LM head, for up to 16 sequences.
  *
  * After the GEMV and the fused layer kernels, a batch-1 decode step of the built-in model spent
  * ~4 ms of ~12 outside the linears: ~150 PyTorch ops and ~40 module calls at 10-30 us each on this
