@@ -1,5 +1,6 @@
 """The one-call C decode step (hybridserve/models/fused_decode.py): the same tokens and logits as
-the module path, used exactly where it applies, bad input rejected with nothing changed."""
+the module path in float32 (bfloat16: within its rounding), used exactly where it applies, bad
+input rejected with nothing changed."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def _count_fused_steps(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 # 16 sequences (the fused step's bound) of different lengths: contexts end mid-block and span
 # several 16-token blocks, so the attention reads paged KV through the block tables.
 PROMPTS = {f"s{i}": [(37 * i + 11 * j) % 4000 + 10 for j in range(3 + 23 * i)] for i in range(16)}
+SHORT_PROMPTS = {key: prompt for key, prompt in PROMPTS.items() if len(prompt) < 170}  # 8 of them
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
@@ -83,11 +85,32 @@ def test_tokens_logprobs_and_cache_hits_match_the_module_path(quantization: str 
                 assert abs(step_on[token] - step_off[token]) < 1e-4
 
 
-def test_bfloat16_keeps_the_module_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = _count_fused_steps(monkeypatch)
-    engine = _engine(dtype="bfloat16")
-    _run(engine, {"a": list(range(100, 120))}, max_tokens=4)
-    assert calls["n"] == 0 and engine.runner.model._fused_decode is None
+def test_bfloat16_decodes_in_float32_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bfloat16 model's fused step reads bfloat16 weights, KV and conv state and computes in
+    float32, where the module path rounds every activation to bfloat16: the first decode step's
+    log-probabilities (same prefill, same first token) stay within bfloat16 rounding of the module
+    path's, and no further from float32's than the module path's are."""
+    logprobs = {}
+    for name, dtype, enabled in (("fused", "bfloat16", "1"), ("module", "bfloat16", "0"), ("f32", "float32", "1")):
+        monkeypatch.setenv(fused_decode.FUSED_DECODE_ENV, enabled)
+        calls = _count_fused_steps(monkeypatch)
+        done = _run(_engine(dtype=dtype), SHORT_PROMPTS, max_tokens=3, logprobs=5)
+        assert (calls["n"] > 0) == (enabled == "1")
+        logprobs[name] = {key: (tokens[0], steps[1]) for key, (tokens, _, steps) in done.items()}
+        monkeypatch.undo()
+
+    def differences(a: str, b: str) -> list[float]:
+        diffs = []
+        for key, (first, step) in logprobs[a].items():
+            other_first, other = logprobs[b][key]
+            if first == other_first:  # the same context up to this step
+                diffs += [abs(step[token] - other[token]) for token in step.keys() & other.keys()]
+        return diffs
+
+    fused_module = differences("fused", "module")
+    assert len(fused_module) > 25 and max(fused_module) < 0.15 and sum(fused_module) / len(fused_module) < 0.04
+    fused_f32, module_f32 = differences("fused", "f32"), differences("module", "f32")
+    assert sum(fused_f32) / len(fused_f32) <= 1.5 * sum(module_f32) / len(module_f32) + 0.005
 
 
 def test_a_tensor_parallel_rank_keeps_the_module_path() -> None:

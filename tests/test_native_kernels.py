@@ -193,18 +193,25 @@ def test_rms_norm_leaves_prefill_and_other_dtypes_to_torch() -> None:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16])
 @pytest.mark.parametrize("shape", [(4096, 512), (70, 37), (3, 1)])
-def test_gemv_matches_torch(shape: tuple[int, int], rows: int, threads: int, monkeypatch: pytest.MonkeyPatch
-                            ) -> None:
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
+def test_gemv_matches_torch(weights: str, shape: tuple[int, int], rows: int, threads: int,
+                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Row groups of 8 and their remainders, inputs that are not a multiple of the vector width,
-    fewer output features than threads, strided input rows (a slice of a wider activation)."""
+    fewer output features than threads, strided input rows (a slice of a wider activation); bfloat16
+    and int8 weights against their float32 values."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(*shape, generator=gen)
+    weight, scales = torch.randn(*shape, generator=gen), None
+    if weights == "bfloat16":
+        weight = weight.bfloat16()
+    elif weights == "int8":
+        weight, scales = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8), torch.rand(shape[0]) + 0.5
     x = torch.randn(rows, shape[1] + 5, generator=gen)[:, 3:3 + shape[1]]
     assert native.gemv_applies(weight, x)
-    y = native.gemv(weight, x)
+    y = native.gemv(weight, x, scales)
     assert y.shape == (rows, shape[0]) and y.is_contiguous()
-    torch.testing.assert_close(y, x @ weight.t(), atol=1e-4, rtol=1e-4)
+    expected = x @ weight.float().t() * (scales if scales is not None else 1.0)
+    torch.testing.assert_close(y, expected, atol=1e-4 * (128 if weights == "int8" else 1), rtol=1e-4)
 
 
 def test_gemv_leaves_other_inputs_to_torch() -> None:
@@ -213,10 +220,12 @@ def test_gemv_leaves_other_inputs_to_torch() -> None:
     assert not native.gemv_applies(weight, torch.randn(0, 16))
     assert not native.gemv_applies(weight, torch.randn(16, 2).t())  # columns not contiguous
     assert not native.gemv_applies(weight.t().contiguous().t(), torch.randn(2, 16))
-    assert not native.gemv_applies(weight.bfloat16(), torch.randn(2, 16))
+    assert not native.gemv_applies(weight, torch.randn(2, 16).bfloat16())  # rows must be float32
     if native.native_kernels_enabled():
         with pytest.raises(ValueError, match="columns"):
             native.gemv(weight, torch.randn(2, 15))
+        with pytest.raises(ValueError, match="scales"):
+            native.gemv(weight.to(torch.int8), torch.randn(2, 16))
 
 
 @needs_kernel

@@ -8,8 +8,8 @@ ops of torch's CPU rms_norm for decode-sized inputs, and csrc/elementwise.c does
 q/k norm + rotary. `gdn_prefill_f32` (csrc/gdn_prefill.c) runs a prefill chunk through a GDN layer
 token by token: on CPU that beats the chunked form's matrix products at every length measured
 (see the source's header). csrc/delta_rule.h holds the delta-rule step both GDN kernels share,
-csrc/vector_math.h an exp that GCC vectorises. `gemv` (csrc/gemv.c) is the float32 and int8-weight
-linear for up to 16 rows, written to stream each weight as fast as a plain read (see linear.py);
+csrc/vector_math.h an exp that GCC vectorises. `gemv` (csrc/gemv.c) is the linear (float32, bfloat16 or
+int8 weights, float32 rows) for up to 16 rows, written to stream each weight as fast as a plain read (see linear.py);
 csrc/decode_step.c runs a whole decode step (see models/fused_decode.py). The sources are
 compiled with the system C compiler into the user's cache directory (keyed by sources, compiler and
 CPU, so a home shared by different CPUs is safe) and loaded with ctypes: no build step at install,
@@ -123,6 +123,8 @@ def _library() -> ctypes.CDLL | None:
     library.gemv_f32.restype = ctypes.c_int
     library.gemv_i8.argtypes = [_ptr, *_GEMV_ARGTYPES]
     library.gemv_i8.restype = ctypes.c_int
+    library.gemv_bf16.argtypes = _GEMV_ARGTYPES
+    library.gemv_bf16.restype = ctypes.c_int
     library.decode_step_workspace_floats.argtypes = [_ptr, _i64, _i64]
     library.decode_step_workspace_floats.restype = _i64
     library.decode_step_f32.argtypes = [_ptr, _i64] + [_ptr] * 5 + [_i64] * 3 + [_ptr] * 4 + [_int]
@@ -198,16 +200,17 @@ def rms_norm_rope_f32(x: torch.Tensor, scale: torch.Tensor, eps: float, cos: tor
 
 def gemv_applies(weight: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether `gemv` takes x @ weight.T: 1..GEMV_MAX_INPUT_ROWS float32 CPU rows with contiguous
-    columns, a contiguous float32 or int8 weight, and the kernels enabled."""
+    columns, a contiguous float32, bfloat16 or int8 weight, and the kernels enabled."""
     return (x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_INPUT_ROWS and x.dtype == torch.float32 and x.is_cpu
-            and (x.stride(1) == 1 or x.shape[1] == 1) and weight.dtype in (torch.float32, torch.int8)
+            and (x.stride(1) == 1 or x.shape[1] == 1)
+            and weight.dtype in (torch.float32, torch.bfloat16, torch.int8)
             and weight.is_cpu and weight.is_contiguous() and native_kernels_enabled())
 
 
 def gemv(weight: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T for a few float32 CPU rows (csrc/gemv.c): weight [out, in] contiguous float32, or
-    int8 with float32 `scales` [out] (y = (x @ W.T) * scales); x [rows, in] (check `gemv_applies`
-    first). Returns a new contiguous float32 [rows, out]."""
+    """x @ weight.T for a few float32 CPU rows (csrc/gemv.c): weight [out, in] contiguous float32 or
+    bfloat16 (widened exactly), or int8 with float32 `scales` [out] (y = (x @ W.T) * scales); x
+    [rows, in] (check `gemv_applies` first). Returns a new contiguous float32 [rows, out]."""
     out_features, in_features = weight.shape
     rows = x.shape[0]
     if x.shape[1] != in_features:
@@ -225,8 +228,9 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None = No
         failed = library.gemv_i8(weight.data_ptr(), scales.data_ptr(), out_features, in_features, x.data_ptr(), rows,
                                  x.stride(0), y.data_ptr(), out_features, threads)
     else:
-        failed = library.gemv_f32(weight.data_ptr(), out_features, in_features, x.data_ptr(), rows, x.stride(0),
-                                  y.data_ptr(), out_features, threads)
+        kernel = library.gemv_bf16 if weight.dtype == torch.bfloat16 else library.gemv_f32
+        failed = kernel(weight.data_ptr(), out_features, in_features, x.data_ptr(), rows, x.stride(0), y.data_ptr(),
+                        out_features, threads)
     if failed:
         raise ValueError(f"gemv takes 1..{GEMV_MAX_INPUT_ROWS} rows, got {rows}")
     return y

@@ -1,12 +1,15 @@
-"""The decode forward of a float32 CPU model (float32 or int8 linears) as one C call
-(layers/csrc/decode_step.c).
+"""The decode forward of a CPU model as one C call (layers/csrc/decode_step.c).
 
 A decode-only step of up to 16 sequences runs embeddings, every layer, the final norm and the LM
 head in C, calling the same kernels as the module path in the same order; Python passes the
 step's ids, positions, slots and fresh buffers. It is what a captured CUDA graph is to a GPU
-engine: the per-op dispatch of ~150 ops and ~40 module calls goes, the math stays. Prefill, mixed
-steps, larger batches, other dtypes and devices and tensor parallelism keep the module path, as
-does everything with `HYBRIDSERVE_FUSED_DECODE=0` or the C kernels off.
+engine: the per-op dispatch of ~150 ops and ~40 module calls goes. Float32 models (float32 or int8
+linears) get the module path's math exactly. A bfloat16 model's weights, KV and conv state stay
+bfloat16 in memory and are widened to float32 as they are read, so its activations are float32
+where the module path rounds each one to bfloat16: closer to a float32 model, not equal to the
+module path (on a CPU without bf16 arithmetic this is also what makes bfloat16 fast). Prefill,
+mixed steps, larger batches, CUDA and tensor parallelism keep the module path, as does
+everything with `HYBRIDSERVE_FUSED_DECODE=0` or the C kernels off.
 
 The step is transactional like the module path: GDN layers update their live slots in place and
 hand the replaced state to `ForwardContext.state_undo`; snapshot captures read the updated slots.
@@ -36,10 +39,13 @@ MAX_ROWS = 16  # DECODE_STEP_MAX_ROWS in decode_step.c
 _p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
-class Linear(ctypes.Structure):
-    """A linear's weight: float32 (scales NULL) or int8 with per-output float32 scales."""
+WEIGHT_FORMATS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}  # as in decode_step.c
 
-    _fields_ = [("weight", _p), ("scales", _p)]
+
+class Linear(ctypes.Structure):
+    """A linear's weight: float32, bfloat16, or int8 with per-output float32 scales."""
+
+    _fields_ = [("weight", _p), ("scales", _p), ("format", _i64)]
 
 
 class DecodeLayer(ctypes.Structure):
@@ -56,7 +62,7 @@ class DecodeModel(ctypes.Structure):
     """Shape, weights and state storage (the C struct of the same name)."""
 
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("intermediate", _i64), ("vocab", _i64),
-                ("rms_eps", _f), ("gdn_norm_eps", _f), ("l2_eps", _f), ("embed", _p), ("final_norm", _p),
+                ("bf16_storage", _i64), ("rms_eps", _f), ("gdn_norm_eps", _f), ("l2_eps", _f), ("embed", _p), ("final_norm", _p),
                 ("head", Linear), ("cos_table", _p), ("sin_table", _p), ("max_positions", _i64), ("rot", _i64),
                 ("num_k_heads", _i64), ("num_v_heads", _i64), ("head_k", _i64), ("head_v", _i64),
                 ("conv_kernel", _i64), ("num_state_slots", _i64), ("conv_live", _p), ("rec_live", _p),
@@ -85,12 +91,13 @@ class FusedDecodeStep:
         config, text = model.config, model.model
         self._kv_cache, self._live = weakref.ref(ctx.kv_cache), weakref.ref(ctx.live_states)
         self.num_gdn_layers = len(config.gdn_layer_ids)
-        self._layers = (DecodeLayer * len(text.layers))(*[_layer_struct(layer) for layer in text.layers])
+        self._float_copies: list[torch.Tensor] = []  # a bfloat16 model's small GDN weights, in float32
+        self._layers = (DecodeLayer * len(text.layers))(*[self._layer_struct(layer) for layer in text.layers])
         attention = next((layer.self_attn for layer in text.layers if layer.is_attention), None)
         assert model.head is not None and text.norm.scale is not None
         self.model = DecodeModel(
             num_layers=len(text.layers), hidden=config.hidden_size, intermediate=config.intermediate_size,
-            vocab=model.head.weight.shape[0], rms_eps=text.norm.eps, gdn_norm_eps=_gdn_norm_eps(model),
+            vocab=model.head.weight.shape[0], bf16_storage=int(ctx.kv_cache.keys.dtype == torch.bfloat16), rms_eps=text.norm.eps, gdn_norm_eps=_gdn_norm_eps(model),
             l2_eps=L2_NORM_EPS, embed=text.embed_tokens.weight.data_ptr(), final_norm=text.norm.scale.data_ptr(),
             head=_linear_struct(model.head), cos_table=text.rotary.cos_table.data_ptr(),
             sin_table=text.rotary.sin_table.data_ptr(), max_positions=text.rotary.cos_table.shape[0],
@@ -102,6 +109,35 @@ class FusedDecodeStep:
             kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
             attn_scale=attention.scale if attention is not None else 1.0, keys=ctx.kv_cache.keys.data_ptr(),
             values=ctx.kv_cache.values.data_ptr(), num_kv_slots=ctx.kv_cache.keys.shape[1], layers=self._layers)
+
+    def _float32(self, tensor: torch.Tensor) -> int:
+        """Pointer to `tensor` as float32 (a kept copy where it is bfloat16)."""
+        if tensor.dtype != torch.float32:
+            tensor = tensor.float().contiguous()
+            self._float_copies.append(tensor)
+        return tensor.data_ptr()
+
+    def _layer_struct(self, layer: torch.nn.Module) -> DecodeLayer:
+        mlp = layer.mlp
+        struct = DecodeLayer(is_attention=int(layer.is_attention), input_norm=layer.input_layernorm.scale.data_ptr(),
+                             post_norm=layer.post_attention_layernorm.scale.data_ptr(),
+                             gate_up=_linear_struct(mlp.gate_up), down=_linear_struct(mlp.down))
+        if layer.is_attention:
+            attention = layer.self_attn
+            struct.mixer_index = attention.kv_layer
+            struct.mixer_in, struct.mixer_in_features = _linear_struct(attention.qkv), attention.qkv.weight.shape[0]
+            struct.mixer_out = _linear_struct(attention.out)
+            struct.q_norm, struct.k_norm = attention.q_norm.scale.data_ptr(), attention.k_norm.scale.data_ptr()
+        else:
+            gdn = layer.linear_attn
+            struct.mixer_index = gdn.state_layer
+            struct.mixer_in, struct.mixer_in_features = _linear_struct(gdn.in_proj), gdn.in_proj.weight.shape[0]
+            struct.mixer_out = _linear_struct(gdn.out)
+            struct.conv_weight = self._float32(gdn.conv1d.weight)
+            struct.dt_bias, struct.neg_decay_rate = self._float32(gdn.dt_bias), gdn.neg_decay_rate.data_ptr()
+            struct.gdn_norm = self._float32(gdn.norm.weight)
+            struct.b_offset = gdn.in_proj.widths[0] + gdn.in_proj.widths[1]
+        return struct
 
     def serves(self, ctx: ForwardContext) -> bool:
         """Built for this context's storage."""
@@ -127,7 +163,7 @@ class FusedDecodeStep:
         workspace = torch.empty(library.decode_step_workspace_floats(model, rows, group.max_length))
         conv, recurrent = ctx.live_states.conv, ctx.live_states.recurrent
         # one undo record per layer, as on the module path (a state-sized buffer, never a weight-sized one)
-        undo_conv = [torch.empty(rows, *conv.shape[2:]) for _ in range(self.num_gdn_layers)]
+        undo_conv = [torch.empty(rows, *conv.shape[2:], dtype=conv.dtype) for _ in range(self.num_gdn_layers)]
         undo_rec = [torch.empty(rows, *recurrent.shape[2:]) for _ in range(self.num_gdn_layers)]
         pointers = ctypes.c_void_p * self.num_gdn_layers
         logits = torch.empty(rows, self.model.vocab)
@@ -149,72 +185,60 @@ class FusedDecodeStep:
 
 
 def supported(model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> bool:
-    """Whether the fused step can run this model over this storage: float32 CPU throughout, packed
-    row-major linears (float32 or int8) without bias, one tensor-parallel rank, one norm epsilon."""
+    """Whether the fused step can run this model over this storage: on CPU, embeddings, rotary
+    tables, KV and conv state all float32 or all bfloat16, float32 recurrent state and norm scales,
+    row-major linears without bias (float32 or int8 in a float32 model, bfloat16 in a bfloat16 one),
+    one tensor-parallel rank, one norm epsilon."""
     if not fused_decode_enabled() or model.head is None:
         return False
     text = model.model
-    tensors = [text.embed_tokens.weight, text.rotary.cos_table, text.rotary.sin_table, ctx.kv_cache.keys,
-               ctx.kv_cache.values, ctx.live_states.conv, ctx.live_states.recurrent]
-    linears = [model.head]
+    storage = [text.embed_tokens.weight, text.rotary.cos_table, text.rotary.sin_table, ctx.kv_cache.keys,
+               ctx.kv_cache.values, ctx.live_states.conv]
+    dtype = storage[0].dtype
+    if dtype not in (torch.float32, torch.bfloat16) or any(t.dtype != dtype for t in storage):
+        return False
     norms = [module for module in model.modules() if isinstance(module, ZeroCenteredRMSNorm)]
+    float32 = [ctx.live_states.recurrent, *(norm.scale for norm in norms)]
+    model_dtype, linears = list(storage), [model.head]
     for layer in text.layers:
         if layer.all_reduce is not None:
             return False
         mixer = layer.self_attn if layer.is_attention else layer.linear_attn
         linears += [mixer.qkv if layer.is_attention else mixer.in_proj, mixer.out, layer.mlp.gate_up, layer.mlp.down]
         if not layer.is_attention:
-            tensors += [mixer.conv1d.weight, mixer.dt_bias, mixer.neg_decay_rate, mixer.norm.weight]
-    tensors += [norm.scale for norm in norms]
-    if any(t is None or t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+            float32.append(mixer.neg_decay_rate)
+            model_dtype += [mixer.conv1d.weight, mixer.dt_bias, mixer.norm.weight]
+    tensors = [*float32, *model_dtype]
+    if any(t is None or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
         return False
-    if any(not _plain_linear(linear) for linear in linears):
+    if any(t.dtype != torch.float32 for t in float32) or any(t.dtype != dtype for t in model_dtype):
+        return False
+    if any(not _plain_linear(linear, dtype) for linear in linears):
         return False
     if text.embed_tokens.weight.shape[0] != model.head.weight.shape[0]:
         return False
     return len({norm.eps for norm in norms}) == 1
 
 
-def _plain_linear(linear: PackedLinear | None) -> bool:
-    """A row-major CPU weight the C GEMV reads: float32, or int8 with float32 scales; no bias."""
+def _plain_linear(linear: PackedLinear | None, model_dtype: torch.dtype) -> bool:
+    """A row-major CPU weight the C GEMV reads, without bias: the model's own dtype, or int8 with
+    float32 scales in a float32 model."""
     if linear is None or linear.bias is not None or linear.prepacked:
         return False
     weight = linear.weight
     if weight.device.type != "cpu" or not weight.is_contiguous():
         return False
     if linear.scales is None:
-        return weight.dtype == torch.float32
-    return weight.dtype == torch.int8 and linear.scales.dtype == torch.float32 and linear.scales.is_contiguous()
+        return weight.dtype == model_dtype
+    return (model_dtype == torch.float32 and weight.dtype == torch.int8 and linear.scales.dtype == torch.float32
+            and linear.scales.is_contiguous())
 
 
 def _linear_struct(linear: PackedLinear) -> Linear:
     scales = linear.scales.data_ptr() if linear.scales is not None else None
-    return Linear(linear.weight.data_ptr(), scales)
+    return Linear(linear.weight.data_ptr(), scales, WEIGHT_FORMATS[linear.weight.dtype])
 
 
 def _gdn_norm_eps(model: Qwen3_5ForCausalLM) -> float:
     gdn = next((layer.linear_attn for layer in model.model.layers if not layer.is_attention), None)
     return gdn.norm.eps if gdn is not None else 0.0
-
-
-def _layer_struct(layer: torch.nn.Module) -> DecodeLayer:
-    mlp = layer.mlp
-    struct = DecodeLayer(is_attention=int(layer.is_attention), input_norm=layer.input_layernorm.scale.data_ptr(),
-                         post_norm=layer.post_attention_layernorm.scale.data_ptr(),
-                         gate_up=_linear_struct(mlp.gate_up), down=_linear_struct(mlp.down))
-    if layer.is_attention:
-        attention = layer.self_attn
-        struct.mixer_index = attention.kv_layer
-        struct.mixer_in, struct.mixer_in_features = _linear_struct(attention.qkv), attention.qkv.weight.shape[0]
-        struct.mixer_out = _linear_struct(attention.out)
-        struct.q_norm, struct.k_norm = attention.q_norm.scale.data_ptr(), attention.k_norm.scale.data_ptr()
-    else:
-        gdn = layer.linear_attn
-        struct.mixer_index = gdn.state_layer
-        struct.mixer_in, struct.mixer_in_features = _linear_struct(gdn.in_proj), gdn.in_proj.weight.shape[0]
-        struct.mixer_out = _linear_struct(gdn.out)
-        struct.conv_weight = gdn.conv1d.weight.data_ptr()
-        struct.dt_bias, struct.neg_decay_rate = gdn.dt_bias.data_ptr(), gdn.neg_decay_rate.data_ptr()
-        struct.gdn_norm = gdn.norm.weight.data_ptr()
-        struct.b_offset = gdn.in_proj.widths[0] + gdn.in_proj.widths[1]
-    return struct

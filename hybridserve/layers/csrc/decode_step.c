@@ -1,6 +1,7 @@
-/* The whole decode forward of a float32 model (float32 or int8 linears) on CPU in one call:
- * embeddings, every decoder layer (GDN or gated attention, then the MLP), the final norm and the
- * LM head, for up to 16 sequences.
+/* The whole decode forward of a model on CPU in one call: embeddings, every decoder layer (GDN or
+ * gated attention, then the MLP), the final norm and the LM head, for up to 16 sequences; float32
+ * models (float32 or int8 linears) and bfloat16 ones (bfloat16 weights, KV and conv state, widened
+ * to float32 as they are read: every activation stays float32).
  *
  * After the GEMV and the fused layer kernels, a batch-1 decode step of the built-in model spent
  * ~4 ms of ~12 outside the linears: ~150 PyTorch ops and ~40 module calls at 10-30 us each on this
@@ -26,21 +27,26 @@ int gemv_f32(const float *weight, int64_t out, int64_t in, const float *x, int64
              int64_t ld_y, int threads);
 int gemv_i8(const int8_t *weight, const float *scales, int64_t out, int64_t in, const float *x, int64_t rows,
             int64_t ld_x, float *y, int64_t ld_y, int threads);
+int gemv_bf16(const uint16_t *weight, int64_t out, int64_t in, const float *x, int64_t rows, int64_t ld_x, float *y,
+              int64_t ld_y, int threads);
 void rms_norm_f32(const float *x, int64_t rows, int64_t dim, int64_t ld_x, const float *scale, float eps,
                   float *out, int64_t ld_out);
 void rms_norm_rope_f32(const float *x, int64_t tokens, int64_t heads, int64_t dim, int64_t ld_x, const float *scale,
                        float eps, const float *cos, const float *sin, int64_t rot, float *out);
-int gdn_decode_f32(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int64_t head_k, int64_t head_v,
-                   int64_t kernel, const float *proj, int64_t proj_stride, int64_t b_offset, int64_t a_offset,
-                   const int64_t *slots, int64_t num_slots, float *conv_live, float *rec_live,
-                   const float *conv_weight, const float *dt_bias, const float *neg_decay_rate, float l2_eps,
-                   const float *norm_weight, float norm_eps, int num_threads, int in_place, float *scratch,
-                   float *out_conv, float *out_rec, float *core);
+int gdn_decode_step(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int64_t head_k, int64_t head_v,
+                    int64_t kernel, const float *proj, int64_t proj_stride, int64_t b_offset, int64_t a_offset,
+                    const int64_t *slots, int64_t num_slots, void *conv_live, float *rec_live,
+                    const float *conv_weight, const float *dt_bias, const float *neg_decay_rate, float l2_eps,
+                    const float *norm_weight, float norm_eps, int num_threads, int in_place, int conv_bf16,
+                    float *scratch, void *out_conv, float *out_rec, float *core);
 
-/* A linear's weight [out, in]: float32 (scales NULL), or int8 with one float32 scale per output. */
+enum { WEIGHT_F32 = 0, WEIGHT_I8 = 1, WEIGHT_BF16 = 2 };
+
+/* A linear's weight [out, in]: float32, bfloat16, or int8 with one float32 scale per output. */
 typedef struct {
     const void *weight;
     const float *scales;
+    int64_t format;
 } Linear;
 
 /* One decoder layer's weights (mirrored by DecodeLayer in fused_decode.py). */
@@ -52,7 +58,7 @@ typedef struct {
     int64_t mixer_in_features;
     Linear mixer_out;                    /* out_proj / o_proj [hidden, value_dim or heads * head_dim] */
     Linear gate_up, down;                /* MLP: [2 * intermediate, hidden], [hidden, intermediate] */
-    const float *conv_weight, *dt_bias, *neg_decay_rate, *gdn_norm; /* GDN only */
+    const float *conv_weight, *dt_bias, *neg_decay_rate, *gdn_norm; /* GDN only; float32 copies in a bf16 model */
     int64_t b_offset;                    /* GDN: column of the beta gate in the in_proj output */
     const float *q_norm, *k_norm;        /* attention only */
 } DecodeLayer;
@@ -60,22 +66,25 @@ typedef struct {
 /* The model's shape, weights and state storage (mirrored by DecodeModel in fused_decode.py). */
 typedef struct {
     int64_t num_layers, hidden, intermediate, vocab;
+    int64_t bf16_storage;                /* embeddings, rotary tables, KV and conv state in bfloat16, else float32 */
     float rms_eps, gdn_norm_eps, l2_eps;
-    const float *embed, *final_norm;
+    const void *embed;
+    const float *final_norm;
     Linear head;
-    const float *cos_table, *sin_table;  /* [max_positions, rot] */
+    const void *cos_table, *sin_table;   /* [max_positions, rot] */
     int64_t max_positions, rot;
     int64_t num_k_heads, num_v_heads, head_k, head_v, conv_kernel, num_state_slots;
-    float *conv_live, *rec_live;         /* [gdn layers, slots, conv_dim, K-1], [gdn layers, slots, Hv, Dk, Dv] */
+    void *conv_live;                     /* [gdn layers, slots, conv_dim, K-1] */
+    float *rec_live;                     /* [gdn layers, slots, Hv, Dk, Dv] */
     int64_t heads, kv_heads, head_dim;
     float attn_scale;
-    float *keys, *values;                /* [attention layers, kv slots, kv_heads, head_dim] */
+    void *keys, *values;                 /* [attention layers, kv slots, kv_heads, head_dim] */
     int64_t num_kv_slots;
     const DecodeLayer *layers;
 } DecodeModel;
 
 typedef struct {
-    float *x, *h, *proj, *core, *mlp, *act, *gdn_scratch, *q, *k, *cos, *sin, *scores, *max_scores;
+    float *x, *h, *proj, *core, *mlp, *act, *gdn_scratch, *q, *k, *cos, *sin, *scores, *max_scores, *kv_rows;
 } Workspace;
 
 static int64_t conv_dim_of(const DecodeModel *m) {
@@ -96,16 +105,17 @@ static int64_t widest_core(const DecodeModel *m) {
 
 /* Carves the workspace; returns the floats it needs (buffer may be NULL to only count). */
 static int64_t layout(const DecodeModel *m, int64_t batch, int64_t max_context, float *buffer, Workspace *w) {
-    int64_t sizes[13] = {
+    int64_t conv_window = conv_dim_of(m) * (m->conv_kernel - 1);
+    int64_t sizes[14] = {
         batch * m->hidden, batch * m->hidden, batch * widest_projection(m), batch * widest_core(m),
-        batch * 2 * m->intermediate, batch * m->intermediate, batch * conv_dim_of(m),
+        batch * 2 * m->intermediate, batch * m->intermediate, batch * (conv_dim_of(m) + 2 * conv_window),
         batch * m->heads * m->head_dim, batch * m->kv_heads * m->head_dim, batch * m->rot, batch * m->rot,
-        batch * m->heads * max_context, batch * m->heads,
+        batch * m->heads * max_context, batch * m->heads, batch * m->kv_heads * 2 * m->head_dim,
     };
-    float **slots[13] = {&w->x, &w->h, &w->proj, &w->core, &w->mlp, &w->act, &w->gdn_scratch, &w->q, &w->k,
-                         &w->cos, &w->sin, &w->scores, &w->max_scores};
+    float **slots[14] = {&w->x, &w->h, &w->proj, &w->core, &w->mlp, &w->act, &w->gdn_scratch, &w->q, &w->k,
+                         &w->cos, &w->sin, &w->scores, &w->max_scores, &w->kv_rows};
     int64_t total = 0;
-    for (int i = 0; i < 13; i++) {
+    for (int i = 0; i < 14; i++) {
         if (buffer) *slots[i] = buffer + total;
         total += (sizes[i] + 15) & ~(int64_t)15;  /* 64-byte aligned parts */
     }
@@ -138,10 +148,34 @@ static int inputs_valid(const DecodeModel *m, int64_t batch, const int64_t *toke
 
 /* y [rows, out] = x [rows, in] @ W.T, both contiguous. */
 static void linear(Linear w, int64_t out, int64_t in, const float *x, int64_t rows, float *y, int threads) {
-    if (w.scales)
+    if (w.format == WEIGHT_I8)
         gemv_i8((const int8_t *)w.weight, w.scales, out, in, x, rows, in, y, out, threads);
+    else if (w.format == WEIGHT_BF16)
+        gemv_bf16((const uint16_t *)w.weight, out, in, x, rows, in, y, out, threads);
     else
         gemv_f32((const float *)w.weight, out, in, x, rows, in, y, out, threads);
+}
+
+/* Row `row` ([n] wide) of a float32 or bfloat16 table, as float32. */
+static void read_row(const void *table, int64_t row, int64_t n, int bf16, float *dst) {
+    if (bf16)
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(((const uint16_t *)table)[row * n + i]);
+    else
+        memcpy(dst, (const float *)table + row * n, sizeof(float) * n);
+}
+
+/* Row `row` of a table as float32: the row itself for a float32 table, else widened into `buffer`. */
+static const float *row_as_f32(const void *table, int64_t row, int64_t n, int bf16, float *buffer) {
+    if (!bf16) return (const float *)table + row * n;
+    read_row(table, row, n, 1, buffer);
+    return buffer;
+}
+
+static void write_row(void *table, int64_t row, int64_t n, int bf16, const float *src) {
+    if (bf16)
+        for (int64_t i = 0; i < n; i++) ((uint16_t *)table)[row * n + i] = f32_to_bf16(src[i]);
+    else
+        memcpy((float *)table + row * n, src, sizeof(float) * n);
 }
 
 static void add_rows(float *x, const float *h, int64_t n) {
@@ -172,19 +206,20 @@ static void decode_attention(const DecodeModel *m, int64_t kv_layer, int64_t bat
                              const int64_t *block_tables, int64_t ld_tables, int64_t block_size, int64_t max_context,
                              Workspace *w, int threads) {
     int64_t heads = m->heads, kv_heads = m->kv_heads, dim = m->head_dim, group = heads / kv_heads;
-    const float *keys = m->keys + kv_layer * m->num_kv_slots * kv_heads * dim;
-    const float *values = m->values + kv_layer * m->num_kv_slots * kv_heads * dim;
+    int64_t layer_rows = kv_layer * m->num_kv_slots * kv_heads;  /* first (slot, head) row of this layer */
+    int bf16 = (int)m->bf16_storage;
     int64_t work = 0;
     for (int64_t b = 0; b < batch; b++) work += positions[b] + 1;
 #pragma omp parallel for num_threads(threads) if (threads > 1 && work * heads > 4096) schedule(dynamic, 1)
     for (int64_t task = 0; task < batch * kv_heads; task++) {
         int64_t b = task / kv_heads, kv_head = task % kv_heads, length = positions[b] + 1;
         int64_t first_head = b * heads + kv_head * group;  /* this group's rows of q, core and scores */
+        float *key_buffer = w->kv_rows + task * 2 * dim, *value_buffer = key_buffer + dim;  /* bf16 rows widened */
         const int64_t *table = block_tables + b * ld_tables;
         for (int64_t g = 0; g < group; g++) w->max_scores[first_head + g] = -INFINITY;
         for (int64_t j = 0; j < length; j++) {
             int64_t slot = table[j / block_size] * block_size + j % block_size;
-            const float *key = keys + (slot * kv_heads + kv_head) * dim;
+            const float *key = row_as_f32(m->keys, layer_rows + slot * kv_heads + kv_head, dim, bf16, key_buffer);
             for (int64_t g = 0; g < group; g++) {
                 float score = dot(w->q + (first_head + g) * dim, key, dim) * m->attn_scale;
                 w->scores[(first_head + g) * max_context + j] = score;
@@ -204,7 +239,8 @@ static void decode_attention(const DecodeModel *m, int64_t kv_layer, int64_t bat
         }
         for (int64_t j = 0; j < length; j++) {
             int64_t slot = table[j / block_size] * block_size + j % block_size;
-            const float *value = values + (slot * kv_heads + kv_head) * dim;
+            const float *value = row_as_f32(m->values, layer_rows + slot * kv_heads + kv_head, dim, bf16,
+                                            value_buffer);
             for (int64_t g = 0; g < group; g++) {
                 float p = w->scores[(first_head + g) * max_context + j], *out = w->core + (first_head + g) * dim;
                 for (int64_t d = 0; d < dim; d++) out[d] += p * value[d];
@@ -219,17 +255,16 @@ static void attention_mixer(const DecodeModel *m, const DecodeLayer *layer, int6
                             const int64_t *kv_write_slots, const int64_t *block_tables, int64_t ld_tables,
                             int64_t block_size, int64_t max_context, Workspace *w, int threads) {
     int64_t heads = m->heads, kv_heads = m->kv_heads, dim = m->head_dim, width = layer->mixer_in_features;
-    int64_t kv_width = kv_heads * dim;
-    float *keys = m->keys + layer->mixer_index * m->num_kv_slots * kv_width;
-    float *values = m->values + layer->mixer_index * m->num_kv_slots * kv_width;
+    int64_t kv_width = kv_heads * dim, layer_slots = layer->mixer_index * m->num_kv_slots;
+    int bf16 = (int)m->bf16_storage;
     for (int64_t b = 0; b < batch; b++) {
         const float *row = w->proj + b * width, *cos = w->cos + b * m->rot, *sin = w->sin + b * m->rot;
         float *k = w->k + b * kv_width;
         rms_norm_rope_f32(row, 1, heads, dim, 2 * dim, layer->q_norm, m->rms_eps, cos, sin, m->rot,
                           w->q + b * heads * dim);
         rms_norm_rope_f32(row + 2 * heads * dim, 1, kv_heads, dim, dim, layer->k_norm, m->rms_eps, cos, sin, m->rot, k);
-        memcpy(keys + kv_write_slots[b] * kv_width, k, sizeof(float) * kv_width);
-        memcpy(values + kv_write_slots[b] * kv_width, row + 2 * heads * dim + kv_width, sizeof(float) * kv_width);
+        write_row(m->keys, layer_slots + kv_write_slots[b], kv_width, bf16, k);
+        write_row(m->values, layer_slots + kv_write_slots[b], kv_width, bf16, row + 2 * heads * dim + kv_width);
     }
     decode_attention(m, layer->mixer_index, batch, positions, block_tables, ld_tables, block_size, max_context, w,
                      threads);
@@ -258,7 +293,7 @@ static void mlp(const DecodeModel *m, const DecodeLayer *layer, int64_t batch, W
  * undo_conv[i] / undo_rec[i] [batch, ...] for GDN layer i; logits [batch, vocab]. */
 int decode_step_f32(const DecodeModel *m, int64_t batch, const int64_t *tokens, const int64_t *positions,
                     const int64_t *state_slots, const int64_t *kv_write_slots, const int64_t *block_tables,
-                    int64_t ld_tables, int64_t block_size, int64_t max_context, float *workspace, float **undo_conv,
+                    int64_t ld_tables, int64_t block_size, int64_t max_context, float *workspace, void **undo_conv,
                     float **undo_rec, float *logits, int threads) {
     if (!inputs_valid(m, batch, tokens, positions, state_slots, kv_write_slots, block_tables, ld_tables, block_size,
                       max_context))
@@ -268,9 +303,9 @@ int decode_step_f32(const DecodeModel *m, int64_t batch, const int64_t *tokens, 
     int64_t hidden = m->hidden, conv_size = conv_dim_of(m) * (m->conv_kernel - 1);
     int64_t rec_size = m->num_v_heads * m->head_k * m->head_v;
     for (int64_t b = 0; b < batch; b++) {
-        memcpy(w.x + b * hidden, m->embed + tokens[b] * hidden, sizeof(float) * hidden);
-        memcpy(w.cos + b * m->rot, m->cos_table + positions[b] * m->rot, sizeof(float) * m->rot);
-        memcpy(w.sin + b * m->rot, m->sin_table + positions[b] * m->rot, sizeof(float) * m->rot);
+        read_row(m->embed, tokens[b], hidden, (int)m->bf16_storage, w.x + b * hidden);
+        read_row(m->cos_table, positions[b], m->rot, (int)m->bf16_storage, w.cos + b * m->rot);
+        read_row(m->sin_table, positions[b], m->rot, (int)m->bf16_storage, w.sin + b * m->rot);
     }
     for (int64_t l = 0; l < m->num_layers; l++) {
         const DecodeLayer *layer = &m->layers[l];
@@ -283,12 +318,13 @@ int decode_step_f32(const DecodeModel *m, int64_t batch, const int64_t *tokens, 
             core_width = m->heads * m->head_dim;
         } else {
             int64_t index = layer->mixer_index;
-            gdn_decode_f32(batch, m->num_k_heads, m->num_v_heads, m->head_k, m->head_v, m->conv_kernel, w.proj, width,
-                           layer->b_offset, layer->b_offset + m->num_v_heads, state_slots, m->num_state_slots,
-                           m->conv_live + index * m->num_state_slots * conv_size,
-                           m->rec_live + index * m->num_state_slots * rec_size, layer->conv_weight, layer->dt_bias,
-                           layer->neg_decay_rate, m->l2_eps, layer->gdn_norm, m->gdn_norm_eps, threads, 1,
-                           w.gdn_scratch, undo_conv[index], undo_rec[index], w.core);
+            size_t conv_bytes = m->bf16_storage ? sizeof(uint16_t) : sizeof(float);
+            gdn_decode_step(batch, m->num_k_heads, m->num_v_heads, m->head_k, m->head_v, m->conv_kernel, w.proj,
+                            width, layer->b_offset, layer->b_offset + m->num_v_heads, state_slots,
+                            m->num_state_slots, (char *)m->conv_live + index * m->num_state_slots * conv_size * conv_bytes,
+                            m->rec_live + index * m->num_state_slots * rec_size, layer->conv_weight, layer->dt_bias,
+                            layer->neg_decay_rate, m->l2_eps, layer->gdn_norm, m->gdn_norm_eps, threads, 1,
+                            (int)m->bf16_storage, w.gdn_scratch, undo_conv[index], undo_rec[index], w.core);
             core_width = m->num_v_heads * m->head_v;
         }
         linear(layer->mixer_out, hidden, core_width, w.core, batch, w.h, threads);

@@ -59,32 +59,43 @@ static void gated_rms_norm(float *out, const float *z, const float *w, int64_t n
 }
 
 /* proj rows hold [mixed (conv_dim), z (Hv*Dv), b (Hv), a (Hv)] (b and a at the given offsets);
- * norm_weight [Dv] or NULL; conv_live [num_slots, conv_dim, K-1], rec_live [num_slots, Hv, Dk, Dv]; core [B, Hv, Dv];
- * scratch [B, conv_dim] (the conv output of each row). */
-int gdn_decode_f32(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int64_t head_k, int64_t head_v,
-                   int64_t kernel, const float *proj, int64_t proj_stride, int64_t b_offset, int64_t a_offset,
-                   const int64_t *slots, int64_t num_slots, float *conv_live, float *rec_live,
-                   const float *conv_weight, const float *dt_bias, const float *neg_decay_rate, float l2_eps,
-                   const float *norm_weight, float norm_eps, int num_threads, int in_place, float *scratch,
-                   float *out_conv, float *out_rec, float *core) {
+ * norm_weight [Dv] or NULL; conv_live [num_slots, conv_dim, K-1] (float32, or bfloat16 with conv_bf16,
+ * in place only), rec_live [num_slots, Hv, Dk, Dv]; core [B, Hv, Dv]; scratch [B, conv_dim] (the conv
+ * output of each row), [B, conv_dim + 2 * conv_dim * (K-1)] with conv_bf16 (the window widened to
+ * float32 and its successor); out_conv in conv_live's type. */
+int gdn_decode_step(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int64_t head_k, int64_t head_v,
+                    int64_t kernel, const float *proj, int64_t proj_stride, int64_t b_offset, int64_t a_offset,
+                    const int64_t *slots, int64_t num_slots, void *conv_live, float *rec_live,
+                    const float *conv_weight, const float *dt_bias, const float *neg_decay_rate, float l2_eps,
+                    const float *norm_weight, float norm_eps, int num_threads, int in_place, int conv_bf16,
+                    float *scratch, void *out_conv, float *out_rec, float *core) {
     int64_t key_dim = num_k_heads * head_k, value_dim = num_v_heads * head_v;
     int64_t conv_dim = 2 * key_dim + value_dim, hist = kernel - 1, group = num_v_heads / num_k_heads;
     int64_t conv_size = conv_dim * hist, rec_size = num_v_heads * head_k * head_v, head_size = head_k * head_v;
     float q_scale = 1.0f / sqrtf((float)head_k);
+    if (conv_bf16 && !in_place) return 3;
     for (int64_t b = 0; b < batch; b++)
         if (slots[b] < 0 || slots[b] >= num_slots) return 2;
+    size_t conv_bytes = conv_bf16 ? sizeof(uint16_t) : sizeof(float);
+    int64_t scratch_row = conv_bf16 ? conv_dim + 2 * conv_size : conv_dim;
 #pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && batch > 1) schedule(static)
     for (int64_t b = 0; b < batch; b++) {
-        float *conv_out = scratch + b * conv_dim;
+        float *conv_out = scratch + b * scratch_row;
         const float *row = proj + b * proj_stride;
-        float *conv_slot = conv_live + slots[b] * conv_size, *rec_slot = rec_live + slots[b] * rec_size;
-        float *conv_next = out_conv + b * conv_size, *rec_next = out_rec + b * rec_size;
-        if (in_place) {  /* keep the undo record, then update the slot itself */
-            memcpy(conv_next, conv_slot, sizeof(float) * conv_size);
-            conv_next = conv_slot;
+        char *conv_slot = (char *)conv_live + slots[b] * conv_size * conv_bytes;
+        float *rec_slot = rec_live + slots[b] * rec_size, *rec_next = out_rec + b * rec_size;
+        char *conv_undo = (char *)out_conv + b * conv_size * conv_bytes;
+        if (in_place) memcpy(conv_undo, conv_slot, conv_bytes * conv_size);  /* the undo record */
+        if (conv_bf16) {  /* widen the window, step it in float32, store the successor rounded */
+            float *window = conv_out + conv_dim, *next = window + conv_size;
+            for (int64_t i = 0; i < conv_size; i++) window[i] = bf16_to_f32(((const uint16_t *)conv_slot)[i]);
+            conv_step(row, window, conv_weight, conv_dim, kernel, conv_out, next);
+            for (int64_t i = 0; i < conv_size; i++) ((uint16_t *)conv_slot)[i] = f32_to_bf16(next[i]);
+        } else {
+            /* in place: read the window from the undo copy, write the successor into the slot */
+            conv_step(row, (const float *)(in_place ? conv_undo : conv_slot), conv_weight, conv_dim, kernel, conv_out,
+                      (float *)(in_place ? conv_slot : conv_undo));
         }
-        conv_step(row, in_place ? out_conv + b * conv_size : conv_slot, conv_weight, conv_dim, kernel, conv_out,
-                  conv_next);
         for (int64_t h = 0; h < num_k_heads; h++) {
             l2_normalize(conv_out + h * head_k, head_k, l2_eps, q_scale);
             l2_normalize(conv_out + key_dim + h * head_k, head_k, l2_eps, 1.0f);
@@ -107,4 +118,16 @@ int gdn_decode_f32(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int6
         }
     }
     return 0;
+}
+
+/* The float32-state form, as the module path calls it. */
+int gdn_decode_f32(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int64_t head_k, int64_t head_v,
+                   int64_t kernel, const float *proj, int64_t proj_stride, int64_t b_offset, int64_t a_offset,
+                   const int64_t *slots, int64_t num_slots, float *conv_live, float *rec_live,
+                   const float *conv_weight, const float *dt_bias, const float *neg_decay_rate, float l2_eps,
+                   const float *norm_weight, float norm_eps, int num_threads, int in_place, float *scratch,
+                   float *out_conv, float *out_rec, float *core) {
+    return gdn_decode_step(batch, num_k_heads, num_v_heads, head_k, head_v, kernel, proj, proj_stride, b_offset,
+                           a_offset, slots, num_slots, conv_live, rec_live, conv_weight, dt_bias, neg_decay_rate,
+                           l2_eps, norm_weight, norm_eps, num_threads, in_place, 0, scratch, out_conv, out_rec, core);
 }

@@ -1,4 +1,4 @@
-/* y = x @ W.T for up to 16 float32 rows of x (CPU decode and short prefills).
+/* y = x @ W.T for up to 16 float32 rows of x (CPU decode), W float32, int8 or bfloat16.
  *
  * A batch-1 decode step is a stream of every weight, so the GEMV must read memory as fast as the
  * machine allows. Measured on the 2-core AVX2 host over a 105 MB matrix with 2 threads: a plain sum
@@ -48,14 +48,45 @@ static inline v8f load8_i8(const int8_t *p) {
 #endif
 }
 
-/* Weights i..i+7 of a float32 (int8 = 0) or int8 (int8 = 1) row; `int8` is a constant at every
- * call site, so the branch folds away. */
-static inline __attribute__((always_inline)) v8f load_weights(const void *w, int64_t i, int int8) {
-    return int8 ? load8_i8((const int8_t *)w + i) : load8((const float *)w + i);
+/* Eight bfloat16 weights widened to float32 (exact: the bits move to the high half). */
+static inline v8f load8_bf16(const uint16_t *p) {
+#if defined(__AVX2__)
+    __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    v8f v;
+    __builtin_memcpy(&v, &wide, sizeof v);
+    return v;
+#else
+    v8f v;
+    for (int k = 0; k < 8; k++) {
+        uint32_t bits = (uint32_t)p[k] << 16;
+        __builtin_memcpy(&v[k], &bits, sizeof bits);
+    }
+    return v;
+#endif
 }
 
-static inline __attribute__((always_inline)) float weight_at(const void *w, int64_t i, int int8) {
-    return int8 ? (float)((const int8_t *)w)[i] : ((const float *)w)[i];
+enum { WEIGHT_F32 = 0, WEIGHT_I8 = 1, WEIGHT_BF16 = 2 };
+
+static inline __attribute__((always_inline)) int64_t weight_bytes(int format) {
+    return format == WEIGHT_F32 ? 4 : format == WEIGHT_I8 ? 1 : 2;
+}
+
+/* Weights i..i+7 of a row in `format`, a constant at every call site, so the branches fold away. */
+static inline __attribute__((always_inline)) v8f load_weights(const void *w, int64_t i, int format) {
+    if (format == WEIGHT_I8) return load8_i8((const int8_t *)w + i);
+    if (format == WEIGHT_BF16) return load8_bf16((const uint16_t *)w + i);
+    return load8((const float *)w + i);
+}
+
+static inline __attribute__((always_inline)) float weight_at(const void *w, int64_t i, int format) {
+    if (format == WEIGHT_I8) return (float)((const int8_t *)w)[i];
+    if (format == WEIGHT_BF16) {
+        uint32_t bits = (uint32_t)((const uint16_t *)w)[i] << 16;
+        float f;
+        __builtin_memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    return ((const float *)w)[i];
 }
 
 static inline float lane_sum(v8f v) {
@@ -64,57 +95,57 @@ static inline float lane_sum(v8f v) {
     return s;
 }
 
-/* out[r * ld_out] = scale * dot(w, x + r * ld_x) for r < rows (<= GEMV_GROUP); `rows` and `int8`
- * are constants at each call site, so the loops over r unroll and the accumulators live in
- * registers. */
-static inline __attribute__((always_inline)) void dot_rows(const void *w, int int8, float scale, int64_t in,
+/* out[r * ld_out] = dot(w, x + r * ld_x) (times `scale` for int8) for r < rows (<= GEMV_GROUP);
+ * `rows` and `format` are constants at each call site, so the loops over r unroll and the
+ * accumulators live in registers. */
+static inline __attribute__((always_inline)) void dot_rows(const void *w, int format, float scale, int64_t in,
                                                            const float *x, int64_t ld_x, int rows, float *out,
                                                            int64_t ld_out) {
     v8f acc[GEMV_GROUP] = {{0}};
     int64_t i = 0;
-    int64_t prefetch = GEMV_PREFETCH_BYTES / (int8 ? 1 : 4);
+    int64_t prefetch = GEMV_PREFETCH_BYTES / weight_bytes(format);
     if (rows == 1) {  /* four accumulators keep the FMA latency off the stream */
         v8f a = {0}, b = {0}, c = {0}, d = {0};
         for (; i + 32 <= in; i += 32) {
-            a += load_weights(w, i, int8) * load8(x + i);
-            b += load_weights(w, i + 8, int8) * load8(x + i + 8);
-            c += load_weights(w, i + 16, int8) * load8(x + i + 16);
-            d += load_weights(w, i + 24, int8) * load8(x + i + 24);
+            a += load_weights(w, i, format) * load8(x + i);
+            b += load_weights(w, i + 8, format) * load8(x + i + 8);
+            c += load_weights(w, i + 16, format) * load8(x + i + 16);
+            d += load_weights(w, i + 24, format) * load8(x + i + 24);
         }
         acc[0] = (a + b) + (c + d);
     }
     for (; i + 8 <= in; i += 8) {
-        __builtin_prefetch((const char *)w + (i + prefetch) * (int8 ? 1 : 4), 0, 0);
-        v8f wv = load_weights(w, i, int8);
+        __builtin_prefetch((const char *)w + (i + prefetch) * weight_bytes(format), 0, 0);
+        v8f wv = load_weights(w, i, format);
         for (int r = 0; r < rows; r++) acc[r] += wv * load8(x + r * ld_x + i);
     }
     for (int r = 0; r < rows; r++) {
         float s = lane_sum(acc[r]);
-        for (int64_t j = i; j < in; j++) s += weight_at(w, j, int8) * x[r * ld_x + j];
-        out[r * ld_out] = int8 ? s * scale : s;
+        for (int64_t j = i; j < in; j++) s += weight_at(w, j, format) * x[r * ld_x + j];
+        out[r * ld_out] = format == WEIGHT_I8 ? s * scale : s;
     }
 }
 
 /* Output features [first, last): each weight row is streamed from memory once, then (still in L1)
  * dotted with the input rows in groups of up to GEMV_GROUP. */
-static inline __attribute__((always_inline)) void gemv_range(const void *weight, const float *scales, int int8,
+static inline __attribute__((always_inline)) void gemv_range(const void *weight, const float *scales, int format,
                                                              int64_t in, const float *x, int64_t rows, int64_t ld_x,
                                                              float *y, int64_t ld_y, int64_t first, int64_t last) {
     for (int64_t o = first; o < last; o++) {
-        const void *w = (const char *)weight + o * in * (int8 ? 1 : 4);
-        float scale = int8 ? scales[o] : 1.0f;
+        const void *w = (const char *)weight + o * in * weight_bytes(format);
+        float scale = format == WEIGHT_I8 ? scales[o] : 1.0f;
         for (int64_t r = 0; r < rows; r += GEMV_GROUP) {
             const float *xr = x + r * ld_x;
             float *yr = y + r * ld_y + o;
             switch (rows - r < GEMV_GROUP ? rows - r : GEMV_GROUP) {  /* constant counts: loops unroll */
-                case 1: dot_rows(w, int8, scale, in, xr, ld_x, 1, yr, ld_y); break;
-                case 2: dot_rows(w, int8, scale, in, xr, ld_x, 2, yr, ld_y); break;
-                case 3: dot_rows(w, int8, scale, in, xr, ld_x, 3, yr, ld_y); break;
-                case 4: dot_rows(w, int8, scale, in, xr, ld_x, 4, yr, ld_y); break;
-                case 5: dot_rows(w, int8, scale, in, xr, ld_x, 5, yr, ld_y); break;
-                case 6: dot_rows(w, int8, scale, in, xr, ld_x, 6, yr, ld_y); break;
-                case 7: dot_rows(w, int8, scale, in, xr, ld_x, 7, yr, ld_y); break;
-                default: dot_rows(w, int8, scale, in, xr, ld_x, 8, yr, ld_y); break;
+                case 1: dot_rows(w, format, scale, in, xr, ld_x, 1, yr, ld_y); break;
+                case 2: dot_rows(w, format, scale, in, xr, ld_x, 2, yr, ld_y); break;
+                case 3: dot_rows(w, format, scale, in, xr, ld_x, 3, yr, ld_y); break;
+                case 4: dot_rows(w, format, scale, in, xr, ld_x, 4, yr, ld_y); break;
+                case 5: dot_rows(w, format, scale, in, xr, ld_x, 5, yr, ld_y); break;
+                case 6: dot_rows(w, format, scale, in, xr, ld_x, 6, yr, ld_y); break;
+                case 7: dot_rows(w, format, scale, in, xr, ld_x, 7, yr, ld_y); break;
+                default: dot_rows(w, format, scale, in, xr, ld_x, 8, yr, ld_y); break;
             }
         }
     }
@@ -122,16 +153,21 @@ static inline __attribute__((always_inline)) void gemv_range(const void *weight,
 
 static void gemv_range_f32(const void *weight, int64_t in, const float *x, int64_t rows, int64_t ld_x, float *y,
                            int64_t ld_y, int64_t first, int64_t last) {
-    gemv_range(weight, 0, 0, in, x, rows, ld_x, y, ld_y, first, last);
+    gemv_range(weight, 0, WEIGHT_F32, in, x, rows, ld_x, y, ld_y, first, last);
 }
 
 static void gemv_range_i8(const void *weight, const float *scales, int64_t in, const float *x, int64_t rows,
                           int64_t ld_x, float *y, int64_t ld_y, int64_t first, int64_t last) {
-    gemv_range(weight, scales, 1, in, x, rows, ld_x, y, ld_y, first, last);
+    gemv_range(weight, scales, WEIGHT_I8, in, x, rows, ld_x, y, ld_y, first, last);
 }
 
-static int gemv(const void *weight, const float *scales, int64_t out, int64_t in, const float *x, int64_t rows,
-                int64_t ld_x, float *y, int64_t ld_y, int threads) {
+static void gemv_range_bf16(const void *weight, int64_t in, const float *x, int64_t rows, int64_t ld_x, float *y,
+                            int64_t ld_y, int64_t first, int64_t last) {
+    gemv_range(weight, 0, WEIGHT_BF16, in, x, rows, ld_x, y, ld_y, first, last);
+}
+
+static int gemv(const void *weight, const float *scales, int format, int64_t out, int64_t in, const float *x,
+                int64_t rows, int64_t ld_x, float *y, int64_t ld_y, int threads) {
     if (rows < 1 || rows > GEMV_MAX_INPUT_ROWS) return 1;
     int64_t block = GEMV_BLOCK_ROWS;
     int64_t blocks = (out + block - 1) / block;
@@ -141,8 +177,10 @@ static int gemv(const void *weight, const float *scales, int64_t out, int64_t in
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t b = 0; b < blocks; b++) {
         int64_t first = b * block, last = first + block < out ? first + block : out;
-        if (scales)
+        if (format == WEIGHT_I8)
             gemv_range_i8(weight, scales, in, x, rows, ld_x, y, ld_y, first, last);
+        else if (format == WEIGHT_BF16)
+            gemv_range_bf16(weight, in, x, rows, ld_x, y, ld_y, first, last);
         else
             gemv_range_f32(weight, in, x, rows, ld_x, y, ld_y, first, last);
     }
@@ -153,12 +191,18 @@ static int gemv(const void *weight, const float *scales, int64_t out, int64_t in
  * ld_y. Returns 1 (nothing written) when rows is outside 1..GEMV_MAX_INPUT_ROWS. */
 int gemv_f32(const float *weight, int64_t out, int64_t in, const float *x, int64_t rows, int64_t ld_x, float *y,
              int64_t ld_y, int threads) {
-    return gemv(weight, 0, out, in, x, rows, ld_x, y, ld_y, threads);
+    return gemv(weight, 0, WEIGHT_F32, out, in, x, rows, ld_x, y, ld_y, threads);
 }
 
 /* The same with int8 weights [out, in] and one float32 scale per output feature: y = (x @ W.T) * scale,
  * the weights widened to float32 in registers (the activations stay float32). */
 int gemv_i8(const int8_t *weight, const float *scales, int64_t out, int64_t in, const float *x, int64_t rows,
             int64_t ld_x, float *y, int64_t ld_y, int threads) {
-    return gemv(weight, scales, out, in, x, rows, ld_x, y, ld_y, threads);
+    return gemv(weight, scales, WEIGHT_I8, out, in, x, rows, ld_x, y, ld_y, threads);
+}
+
+/* The same with bfloat16 weights [out, in] widened to float32 in registers. */
+int gemv_bf16(const uint16_t *weight, int64_t out, int64_t in, const float *x, int64_t rows, int64_t ld_x, float *y,
+              int64_t ld_y, int threads) {
+    return gemv(weight, 0, WEIGHT_BF16, out, in, x, rows, ld_x, y, ld_y, threads);
 }

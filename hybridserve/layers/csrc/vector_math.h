@@ -31,4 +31,21 @@ static inline float exp_f32(float x) {
 
 static inline float silu_f32(float x) { return x / (1.0f + exp_f32(-x)); }
 
+/* bfloat16 <-> float32 as torch converts: widening is exact; narrowing rounds to nearest even and
+ * keeps NaN a NaN. */
+static inline float bf16_to_f32(uint16_t value) {
+    uint32_t bits = (uint32_t)value << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
 #endif
