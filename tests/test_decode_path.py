@@ -136,6 +136,23 @@ def test_prepacked_bfloat16_linears_match_f_linear() -> None:
         torch.testing.assert_close(shared(x), gate(x))
 
 
+@pytest.mark.skipif(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="for CPUs without native bf16 instructions (those keep oneDNN's bf16 GEMM)")
+def test_bfloat16_linears_compute_in_float32_without_native_bf16() -> None:
+    """Decode rows (the C GEMV, or F.linear without a compiler) and prefill rows (a widened copy of
+    the weight) give the float32 product of the bf16 values, rounded to bf16; the bias is added."""
+    torch.manual_seed(4)
+    linear = torch.nn.Linear(64, 96).bfloat16()
+    packed = PackedLinear([linear])
+    assert packed.widened_bf16 and not packed.onednn
+    for rows in (1, 16, 40):
+        x = torch.randn(rows, 64).bfloat16()
+        expected = (x.float() @ linear.weight.float().t() + linear.bias.float()).bfloat16()
+        y = packed(x)
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y, expected, atol=0.02, rtol=0.01)
+
+
 @pytest.mark.parametrize("fixture", [None, "text_checkpoint"])
 def test_int8_engine_is_close_to_float32(fixture: str | None, request: pytest.FixtureRequest) -> None:
     model = None if fixture is None else str(request.getfixturevalue(fixture))

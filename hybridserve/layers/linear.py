@@ -23,7 +23,11 @@ On CPU in float32 the weight stays one plain contiguous [out, in] matrix and ser
 One plain matrix serves both, where a pre-packed layout would need a second copy to keep the
 GEMV fast, and tied embeddings share it with the LM head.
 bfloat16 on a CPU with native bf16 instructions (AVX512-BF16/AMX) keeps oneDNN's pre-packed
-layout for every batch size (not measurable on the AVX2 host above, so left as it was).
+layout for every batch size (not measurable on the AVX2 host above, so left as it was). On a CPU
+without them PyTorch's bf16 GEMM is emulated (a cold 4160-token bf16 prefill took 14.5 s on the
+AVX2 host, 3.4x llama.cpp's time), so the product is computed in float32 and rounded back: decode
+rows by the C GEMV reading the bf16 weight, more rows by the float32 GEMM on a copy widened for the
+call (a cold 2048-token bf16 prefill 2.2 s instead of 11.9 s).
 Elsewhere (CUDA, other dtypes, builds without oneDNN) the plain matrix is used via F.linear.
 Projections that read the same input are fused into one matrix (concatenated outputs).
 
@@ -106,6 +110,8 @@ class PackedLinear:
         self.weight = weight
         self.split_gemv = weight.device.type == "cpu" and weight.dtype == torch.float32
         self.onednn = _onednn_usable(weight)
+        # bfloat16 on a CPU without bf16 arithmetic, where PyTorch's bf16 GEMM is emulated and slow
+        self.widened_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not self.onednn
         if self.onednn and not self.split_gemv:
             # bfloat16 on a CPU with native bf16: oneDNN serves every batch size, best from its
             # blocked layout (a second copy of a shared weight would not be: that one keeps F.linear).
@@ -126,6 +132,8 @@ class PackedLinear:
             return self._int8(x)
         if self._takes_split_gemv(x):
             return self._split_gemv(x)
+        if self.widened_bf16:
+            return self._widened_bf16(x)
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -165,6 +173,21 @@ class PackedLinear:
             y = torch.bmm(x.expand(splits, rows, in_features), blocks)  # [splits, rows, out / splits]
             y = y.transpose(0, 1).reshape(rows, out_features)
         return y.add_(self.bias) if self.bias is not None else y
+
+    def _widened_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """A bfloat16 weight on a CPU without bf16 arithmetic, computed in float32 and rounded back
+        to x's dtype: decode rows through the C GEMV (which widens the weight in registers), more
+        rows through the float32 GEMM on a widened copy of the weight made for the call (on the
+        2-core AVX2 host a cold 4160-token bfloat16 prefill took 14.5 s with PyTorch's emulated bf16
+        GEMM, see BENCHMARKS.md)."""
+        rows = x.float()
+        if native.gemv_applies(self.weight, rows):
+            y = native.gemv(self.weight, rows)
+        else:
+            y = F.linear(rows, self.weight.float())
+        if self.bias is not None:
+            y = y.add_(self.bias.float())
+        return y.to(x.dtype)
 
     def _int8(self, x: torch.Tensor) -> torch.Tensor:
         assert self.scales is not None and self.kernel_scales is not None
