@@ -9,12 +9,12 @@ import shutil
 import pytest
 import torch
 
-from hybridserve import SamplingParams
 from hybridserve.config import CacheConfig, EngineConfig
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.models import fused_decode
 from hybridserve.models.batch import DecodeGroup, ForwardBatch
 from hybridserve.models.qwen3_5 import ForwardContext
+from tests.greedy_runs import run_greedy
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the module path serves every step")
@@ -23,22 +23,6 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
 def _engine(dtype: str = "float32", quantization: str | None = None, **cache: object) -> LLMEngine:
     return LLMEngine(EngineConfig(device="cpu", dtype=dtype, quantization=quantization,
                                   cache=CacheConfig(kv_cache_mib=16, **cache)))
-
-
-def _run(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int, logprobs: int | None = None
-         ) -> dict[str, tuple]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
-    for request_id, prompt in prompts.items():
-        engine.add_request(request_id, prompt, params)
-    done: dict[str, tuple] = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                completion = output.outputs[0]
-                done[output.request_id] = (tuple(completion.token_ids), output.num_cached_tokens,
-                                           completion.logprobs)
-    engine.check_integrity()
-    return done
 
 
 def _count_fused_steps(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
@@ -69,17 +53,17 @@ def test_tokens_logprobs_and_cache_hits_match_the_module_path(quantization: str 
         monkeypatch.setenv(fused_decode.FUSED_DECODE_ENV, enabled)
         calls = _count_fused_steps(monkeypatch)
         engine = _engine(quantization=quantization, snapshot_interval=16, block_size=16)
-        cold = _run(engine, PROMPTS, max_tokens=20, logprobs=2)
-        warm = _run(engine, {f"{k}-again": p + list(cold[k][0][:12]) for k, p in PROMPTS.items()}, max_tokens=8)
-        results[enabled] = (cold, warm)
+        cold = run_greedy(engine, PROMPTS, max_tokens=20, logprobs=2)
+        again = {f"{k}-again": p + list(cold[k].token_ids[:12]) for k, p in PROMPTS.items()}
+        results[enabled] = (cold, run_greedy(engine, again, max_tokens=8))
         assert (calls["n"] > 20) == (enabled == "1")
         monkeypatch.undo()
     (cold_on, warm_on), (cold_off, warm_off) = results["1"], results["0"]
     assert {k: v[:2] for k, v in cold_on.items()} == {k: v[:2] for k, v in cold_off.items()}
     assert {k: v[:2] for k, v in warm_on.items()} == {k: v[:2] for k, v in warm_off.items()}
-    assert all(cached > 0 for key, (_, cached, _) in warm_on.items() if key != "s0-again")  # s0: under a block
-    for key, (_, _, logprobs) in cold_on.items():
-        for step_on, step_off in zip(logprobs, cold_off[key][2]):
+    assert all(run.num_cached_tokens > 0 for key, run in warm_on.items() if key != "s0-again")  # s0: under a block
+    for key, run in cold_on.items():
+        for step_on, step_off in zip(run.logprobs, cold_off[key].logprobs):
             assert step_on.keys() == step_off.keys()
             for token in step_on:
                 assert abs(step_on[token] - step_off[token]) < 1e-4
@@ -94,9 +78,9 @@ def test_bfloat16_decodes_in_float32_arithmetic(monkeypatch: pytest.MonkeyPatch)
     for name, dtype, enabled in (("fused", "bfloat16", "1"), ("module", "bfloat16", "0"), ("f32", "float32", "1")):
         monkeypatch.setenv(fused_decode.FUSED_DECODE_ENV, enabled)
         calls = _count_fused_steps(monkeypatch)
-        done = _run(_engine(dtype=dtype), SHORT_PROMPTS, max_tokens=3, logprobs=5)
+        done = run_greedy(_engine(dtype=dtype), SHORT_PROMPTS, max_tokens=3, logprobs=5)
         assert (calls["n"] > 0) == (enabled == "1")
-        logprobs[name] = {key: (tokens[0], steps[1]) for key, (tokens, _, steps) in done.items()}
+        logprobs[name] = {key: (run.token_ids[0], run.logprobs[1]) for key, run in done.items()}
         monkeypatch.undo()
 
     def differences(a: str, b: str) -> list[float]:

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridserve import SamplingParams
 from hybridserve.config import CacheConfig, EngineConfig
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.layers import native
@@ -20,6 +19,7 @@ from hybridserve.layers.rotary import PartialRotaryEmbedding
 from hybridserve.models import fused_decode
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.models.qwen3_5 import ForwardContext
+from tests.greedy_runs import run_greedy
 
 HAVE_COMPILER = shutil.which("cc") is not None or shutil.which("gcc") is not None
 needs_kernel = pytest.mark.skipif(not HAVE_COMPILER, reason="no C compiler: the eager path is used")
@@ -256,19 +256,6 @@ def _engine(**cache: object) -> LLMEngine:
     return LLMEngine(EngineConfig(device="cpu", dtype="float32", cache=CacheConfig(kv_cache_mib=8, **cache)))
 
 
-def _generate(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int = 24) -> dict[str, tuple]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for request_id, prompt in prompts.items():
-        engine.add_request(request_id, prompt, params)
-    done: dict[str, tuple] = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = (tuple(output.outputs[0].token_ids), output.num_cached_tokens)
-    engine.check_integrity()
-    return done
-
-
 PROMPTS = {"a": list(range(300, 340)), "b": [7, 8, 9] * 11, "c": list(range(1000, 1100))}
 
 
@@ -279,11 +266,11 @@ def test_greedy_tokens_are_identical_with_the_kernel_on_and_off(monkeypatch: pyt
     for enabled in ("1", "0"):
         monkeypatch.setenv(native.NATIVE_KERNELS_ENV, enabled)
         engine = _engine(snapshot_interval=16, block_size=16)
-        cold = _generate(engine, PROMPTS)
-        warm = _generate(engine, {f"{k}-again": p + list(cold[k][0][:20]) for k, p in PROMPTS.items()})
+        cold = run_greedy(engine, PROMPTS)
+        warm = run_greedy(engine, {f"{k}-again": p + list(cold[k].token_ids[:20]) for k, p in PROMPTS.items()})
         results.append((cold, warm))
     assert results[0] == results[1]
-    assert all(cached > 0 for _, cached in results[0][1].values())
+    assert all(run.num_cached_tokens > 0 for run in results[0][1].values())
 
 
 @needs_kernel
@@ -292,7 +279,7 @@ def test_a_forward_failing_after_an_in_place_update_leaves_no_trace(monkeypatch:
     failing it once mid-decode must restore those slots, so the retried step gives the tokens of an
     unfailed run."""
     monkeypatch.setenv(fused_decode.FUSED_DECODE_ENV, "0")
-    expected = _generate(_engine(prefix_cache_mib=0), PROMPTS)
+    expected = run_greedy(_engine(prefix_cache_mib=0), PROMPTS)
     engine = _engine(prefix_cache_mib=0)
     norm, calls = engine.runner.model.model.norm, {"n": 0}
     original = norm.forward
@@ -304,7 +291,7 @@ def test_a_forward_failing_after_an_in_place_update_leaves_no_trace(monkeypatch:
         return original(x)
 
     monkeypatch.setattr(norm, "forward", failing_once)
-    assert _generate(engine, PROMPTS) == expected
+    assert run_greedy(engine, PROMPTS) == expected
     assert calls["n"] > 6
 
 
@@ -312,7 +299,7 @@ def test_a_forward_failing_after_an_in_place_update_leaves_no_trace(monkeypatch:
 def test_a_fused_decode_step_failing_after_it_ran_leaves_no_trace(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fused path: the C step updated every GDN slot in place and then the forward fails; the undo
     record it handed over restores the slots, and the retried step gives an unfailed run's tokens."""
-    expected = _generate(_engine(prefix_cache_mib=0), PROMPTS)
+    expected = run_greedy(_engine(prefix_cache_mib=0), PROMPTS)
     engine = _engine(prefix_cache_mib=0)
     calls, original = {"n": 0}, fused_decode.FusedDecodeStep.run
 
@@ -324,7 +311,7 @@ def test_a_fused_decode_step_failing_after_it_ran_leaves_no_trace(monkeypatch: p
         return logits
 
     monkeypatch.setattr(fused_decode.FusedDecodeStep, "run", failing_once)
-    assert _generate(engine, PROMPTS) == expected
+    assert run_greedy(engine, PROMPTS) == expected
     assert calls["n"] > 3
 
 
@@ -333,8 +320,8 @@ def test_without_a_compiler_the_eager_path_serves(monkeypatch: pytest.MonkeyPatc
     native._library.cache_clear()
     try:
         assert not native.native_kernels_enabled()
-        expected_ids = _generate(_engine(prefix_cache_mib=0), {"a": PROMPTS["a"]}, max_tokens=8)
-        assert len(expected_ids["a"][0]) == 8
+        expected_ids = run_greedy(_engine(prefix_cache_mib=0), {"a": PROMPTS["a"]}, max_tokens=8)
+        assert len(expected_ids["a"].token_ids) == 8
     finally:
         monkeypatch.undo()
         native._library.cache_clear()
