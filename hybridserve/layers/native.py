@@ -8,13 +8,14 @@ ops of torch's CPU rms_norm for decode-sized inputs, and csrc/elementwise.c does
 q/k norm + rotary. `gdn_prefill_f32` (csrc/gdn_prefill.c) runs a prefill chunk through a GDN layer
 token by token: on CPU that beats the chunked form's matrix products at every length measured
 (see the source's header). csrc/delta_rule.h holds the delta-rule step both GDN kernels share,
-csrc/vector_math.h an exp that GCC vectorises. `gemv` (csrc/gemv.c) is the linear (float32, bfloat16 or
-int8 weights, float32 rows) for up to 16 rows, written to stream each weight as fast as a plain read (see linear.py);
-csrc/decode_step.c runs a whole decode step (see models/fused_decode.py). The sources are
-compiled with the system C compiler into the user's cache directory (keyed by sources, compiler and
-CPU, so a home shared by different CPUs is safe) and loaded with ctypes: no build step at install,
-about a second at the first start, nothing after. OpenMP in the kernels binds to the `libgomp.so.1` torch already loaded
-(one runtime, one thread pool). Without a compiler, on other devices or dtypes, or with
+csrc/vector_math.h an exp that GCC vectorises. `gemv` (csrc/gemv.c) is the linear (float32,
+bfloat16 or int8 weights, float32 rows) for up to 16 rows, written to stream each weight as fast
+as a plain read (see linear.py); csrc/decode_step.c runs a whole decode step (see
+models/fused_decode.py). The sources are compiled with the system C compiler into the user's
+cache directory (keyed by sources, compiler and CPU, so a home shared by different CPUs is safe)
+and loaded with ctypes: no build step at install, about 3 s at the first start on the 2-core VM,
+nothing after. OpenMP in the kernels binds to the `libgomp.so.1` torch already loaded (one
+runtime, one thread pool). Without a compiler, on other devices or dtypes, or with
 `HYBRIDSERVE_NATIVE_KERNELS=0`, callers fall back to the eager PyTorch ops (see
 `native_kernels_enabled`).
 """
