@@ -16,7 +16,7 @@ from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import Fork, SchedulerOutput
 from hybridserve.engine.step_plan import PlanChunk, StepPlan, ordered_requests, plan_step
 from hybridserve.layers.attention import PagedKVCache
-from hybridserve.models.batch import DecodeGroup, ForwardBatch, PrefillChunk
+from hybridserve.models.batch import DecodeGroup, ForwardBatch, PrefillChunk, context_slots
 from hybridserve.models.qwen3_5 import ForwardContext, Qwen3_5ForCausalLM, StateWrite
 
 logger = logging.getLogger(__name__)
@@ -198,11 +198,6 @@ class ModelRunner:
         block = tables.gather(-1, (positions // self.block_size).unsqueeze(-1)).squeeze(-1)
         return block * self.block_size + positions % self.block_size
 
-    def _context_slots(self, tables: torch.Tensor, length: int) -> torch.Tensor:
-        """Flat KV slots of positions [0, length) for every row of `tables` -> [rows, length]."""
-        offsets = torch.arange(self.block_size, device=self.device)
-        return (tables[:, :, None] * self.block_size + offsets).reshape(tables.shape[0], -1)[:, :length]
-
     def _decode_group(self, decodes: list[PlanChunk], tables: torch.Tensor) -> DecodeGroup:
         lengths = [c.start + 1 for c in decodes]
         captures = [(row, slot) for row, c in enumerate(decodes) for _, slot in c.captures]
@@ -216,7 +211,9 @@ class ModelRunner:
                         ) -> list[PrefillChunk]:
         result = []
         for index, chunk in enumerate(prefills):
-            prefix = self._context_slots(tables[index:index + 1], chunk.start)[0] if chunk.start > 0 else None
+            prefix = None
+            if chunk.start > 0:
+                prefix = context_slots(tables[index:index + 1], self.block_size, chunk.start)[0]
             result.append(PrefillChunk(
                 token_offset=offset, length=chunk.length, start_position=chunk.start,
                 state_slot=chunk.state_slot,

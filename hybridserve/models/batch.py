@@ -13,6 +13,12 @@ from typing import NamedTuple
 import torch
 
 
+def context_slots(tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """Flat KV slots of positions [0, length) for every row of block `tables` [rows, W] -> [rows, length]."""
+    offsets = torch.arange(block_size, device=tables.device)
+    return (tables[:, :, None] * block_size + offsets).reshape(tables.shape[0], -1)[:, :length]
+
+
 @dataclass
 class PrefillChunk:
     """One sequence's run of prompt tokens in this forward."""
@@ -46,9 +52,7 @@ class DecodeGroup:
     def context_kv_slots(self) -> torch.Tensor:
         """[B, max_length] flat KV slots of each context, padded (see `context_valid`)."""
         if self._context_kv_slots is None:
-            offsets = torch.arange(self.block_size, device=self.block_tables.device)
-            slots = (self.block_tables[:, :, None] * self.block_size + offsets).reshape(self.block_tables.shape[0], -1)
-            self._context_kv_slots = slots[:, :self.max_length]
+            self._context_kv_slots = context_slots(self.block_tables, self.block_size, self.max_length)
         return self._context_kv_slots
 
     @property
