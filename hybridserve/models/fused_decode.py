@@ -36,10 +36,9 @@ if TYPE_CHECKING:
 FUSED_DECODE_ENV = "HYBRIDSERVE_FUSED_DECODE"
 MAX_ROWS = 16  # DECODE_STEP_MAX_ROWS in decode_step.c
 
-_p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-
-
 WEIGHT_FORMATS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}  # as in decode_step.c
+
+_p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class Linear(ctypes.Structure):
@@ -53,17 +52,17 @@ class DecodeLayer(ctypes.Structure):
 
     _fields_ = [("is_attention", _i64), ("mixer_index", _i64), ("input_norm", _p), ("post_norm", _p),
                 ("mixer_in", Linear), ("mixer_in_features", _i64), ("mixer_out", Linear), ("gate_up", Linear),
-                ("down", Linear),
-                ("conv_weight", _p), ("dt_bias", _p), ("neg_decay_rate", _p), ("gdn_norm", _p), ("b_offset", _i64),
-                ("q_norm", _p), ("k_norm", _p)]
+                ("down", Linear), ("conv_weight", _p), ("dt_bias", _p), ("neg_decay_rate", _p), ("gdn_norm", _p),
+                ("b_offset", _i64), ("q_norm", _p), ("k_norm", _p)]
 
 
 class DecodeModel(ctypes.Structure):
     """Shape, weights and state storage (the C struct of the same name)."""
 
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("intermediate", _i64), ("vocab", _i64),
-                ("bf16_storage", _i64), ("rms_eps", _f), ("gdn_norm_eps", _f), ("l2_eps", _f), ("embed", _p), ("final_norm", _p),
-                ("head", Linear), ("cos_table", _p), ("sin_table", _p), ("max_positions", _i64), ("rot", _i64),
+                ("bf16_storage", _i64), ("rms_eps", _f), ("gdn_norm_eps", _f), ("l2_eps", _f), ("embed", _p),
+                ("final_norm", _p), ("head", Linear), ("cos_table", _p), ("sin_table", _p),
+                ("max_positions", _i64), ("rot", _i64),
                 ("num_k_heads", _i64), ("num_v_heads", _i64), ("head_k", _i64), ("head_v", _i64),
                 ("conv_kernel", _i64), ("num_state_slots", _i64), ("conv_live", _p), ("rec_live", _p),
                 ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("attn_scale", _f), ("keys", _p),
@@ -97,7 +96,8 @@ class FusedDecodeStep:
         assert model.head is not None and text.norm.scale is not None
         self.model = DecodeModel(
             num_layers=len(text.layers), hidden=config.hidden_size, intermediate=config.intermediate_size,
-            vocab=model.head.weight.shape[0], bf16_storage=int(ctx.kv_cache.keys.dtype == torch.bfloat16), rms_eps=text.norm.eps, gdn_norm_eps=_gdn_norm_eps(model),
+            vocab=model.head.weight.shape[0], bf16_storage=int(ctx.kv_cache.keys.dtype == torch.bfloat16),
+            rms_eps=text.norm.eps, gdn_norm_eps=_gdn_norm_eps(model),
             l2_eps=L2_NORM_EPS, embed=text.embed_tokens.weight.data_ptr(), final_norm=text.norm.scale.data_ptr(),
             head=_linear_struct(model.head), cos_table=text.rotary.cos_table.data_ptr(),
             sin_table=text.rotary.sin_table.data_ptr(), max_positions=text.rotary.cos_table.shape[0],
