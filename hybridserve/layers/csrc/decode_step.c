@@ -324,7 +324,8 @@ int decode_step_f32(const DecodeModel *m, int64_t batch, const int64_t *tokens, 
                             width, layer->b_offset, layer->b_offset + m->num_v_heads, state_slots,
                             m->num_state_slots, conv_layer, m->rec_live + index * m->num_state_slots * rec_size,
                             layer->conv_weight, layer->dt_bias, layer->neg_decay_rate, m->l2_eps, layer->gdn_norm,
-                            m->gdn_norm_eps, threads, 1, (int)m->bf16_storage, w.gdn_scratch, undo_conv[index], undo_rec[index], w.core);
+                            m->gdn_norm_eps, threads, 1, (int)m->bf16_storage, w.gdn_scratch, undo_conv[index],
+                            undo_rec[index], w.core);
             core_width = m->num_v_heads * m->head_v;
         }
         linear(layer->mixer_out, hidden, core_width, w.core, batch, w.h, threads);
