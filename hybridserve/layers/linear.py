@@ -4,7 +4,7 @@ On CPU in float32 the weight stays one plain contiguous [out, in] matrix and ser
 - up to 16 rows (`native.GEMV_MAX_INPUT_ROWS`: decode), the C GEMV of csrc/gemv.c, in which each
   thread streams one weight row after another and dots it with every input row while it is in L1
   (on the 2-core AVX2 host, the built-in model's linears take 0.83-0.88x the split `bmm`'s time at
-  one row, 0.56-0.67x at 8, 0.70-0.88x at 16);
+  one row, 0.56-0.67x at 8, 0.70-0.91x at 16);
 - up to GEMV_MAX_ROWS rows (larger decode batches, short prefills such as a warm request's suffix,
   and every small batch when the C kernels are off), a *split GEMV*: the matrix viewed as blocks of
   whole rows and one `torch.bmm` over the blocks, which the threads share out (a warm

@@ -11,7 +11,7 @@
  * GEMV_BLOCK_ROWS output features as they come free, so a worker that wakes late from OpenMP's
  * passive wait takes fewer blocks instead of holding up the call.
  * On the built-in model's linears against torch's split `bmm` (linear.py), same process, 2 threads:
- * 0.83-0.88x the time at 1 row, 0.56-0.67x at 8, 0.70-0.88x at 16, 1.16x at 32 (so 16 is the bound).
+ * 0.83-0.88x the time at 1 row, 0.56-0.67x at 8, 0.70-0.91x at 16, 1.16x at 32 (so 16 is the bound).
  */
 #include <omp.h>
 #include <stdint.h>
