@@ -195,7 +195,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_waiting_requests: int = 1024
-    max_prefill_tokens_during_decode: int = 32  # 0: no cap (prefill may fill the whole step)
+    max_prefill_tokens_during_decode: int = 12  # 0: no cap (prefill may fill the whole step)
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

@@ -45,7 +45,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
     parser.add_argument("--max-num-seqs", type=int, default=32, help="most requests running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
                         help="most tokens in one step (while requests decode, prefill is further capped)")
-    parser.add_argument("--max-prefill-tokens-during-decode", type=int, default=32,
+    parser.add_argument("--max-prefill-tokens-during-decode", type=int, default=12,
                         help="while requests decode, prefill at most this many tokens per step for each "
                              "request owed prompt tokens (bounds inter-token latency; 0 = no cap)")
     parser.add_argument("--max-model-len", type=int, default=None,
