@@ -5,9 +5,16 @@ import sys
 
 # Idle OpenMP workers sleep instead of spinning (read when the OpenMP runtime loads with torch, so
 # it must be set before the first `import torch`); spinning workers stall every parallel region
-# when another process holds a core. An explicit setting in the environment wins.
+# when another process holds a core. They first spin briefly (GOMP_SPINCOUNT, libgomp's count of
+# pause loops, tens of microseconds): waking a sleeping worker cost ~55 us per parallel region on a
+# 2-core KVM guest, and a decode step has dozens of regions a few microseconds apart
+# (`hybridserve bench threads`). An explicit OMP_WAIT_POLICY in the environment wins, with its own
+# spin count.
 TORCH_LOADED_BEFORE_HYBRIDSERVE = "torch" in sys.modules
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+OPENMP_SPIN_COUNT = "1000"
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_COUNT)
 
 from hybridserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams  # noqa: E402,E501
 

@@ -26,16 +26,22 @@ class ThreadSetting(NamedTuple):
     name: str
     threads: int
     wait_policy: str | None   # OMP_WAIT_POLICY for the worker; None: the runtime's default
+    spin_count: str | None = None  # GOMP_SPINCOUNT for the worker; None: unset
 
 
 def default_settings() -> list[ThreadSetting]:
-    """torch's default (every core, OpenMP's own wait policy) against hybridserve's default."""
+    """torch's default (every core, OpenMP's own wait policy) against hybridserve's default (passive
+    wait after a short spin) and its parts."""
+    from hybridserve import OPENMP_SPIN_COUNT
+
     cores = available_cores()
     return [
         ThreadSetting(f"torch default ({cores} threads, OpenMP default wait)", cores, None),
-        ThreadSetting(f"hybridserve default ({cores} threads, passive wait)", cores, "PASSIVE"),
+        ThreadSetting(f"hybridserve default ({cores} threads, passive wait after {OPENMP_SPIN_COUNT} spins)", cores,
+                      "PASSIVE", OPENMP_SPIN_COUNT),
+        ThreadSetting(f"passive wait, no spin ({cores} threads)", cores, "PASSIVE", "0"),
         ThreadSetting(f"all cores but one ({max(1, cores - 1)} threads, passive wait)", max(1, cores - 1),
-                      "PASSIVE"),
+                      "PASSIVE", "0"),
     ]
 
 
@@ -43,6 +49,9 @@ def _worker_command(setting: ThreadSetting, prompt_tokens: int, decode_tokens: i
     env = dict(os.environ)
     env.pop("OMP_WAIT_POLICY", None)
     env.pop("OMP_NUM_THREADS", None)
+    env.pop("GOMP_SPINCOUNT", None)
+    if setting.spin_count is not None:
+        env["GOMP_SPINCOUNT"] = setting.spin_count
     if setting.wait_policy is not None:
         env["OMP_WAIT_POLICY"] = setting.wait_policy
     else:
@@ -85,9 +94,9 @@ def format_threads_report(result: dict[str, Any]) -> str:
     lines = [f"decode ms/token, {result['cores']} cores, one core kept busy by another process "
              f"({result['decode_tokens']} tokens after a {result['prompt_tokens']}-token prompt, "
              f"median of {result['rounds']})",
-             f"{'setting':58} {'idle':>8} {'busy':>8} {'busy/idle':>9}"]
+             f"{'setting':66} {'idle':>8} {'busy':>8} {'busy/idle':>9}"]
     for row in result["rows"]:
-        lines.append(f"{row['setting']:58} {row['idle_ms_per_token']:8.1f} {row['busy_ms_per_token']:8.1f} "
+        lines.append(f"{row['setting']:66} {row['idle_ms_per_token']:8.1f} {row['busy_ms_per_token']:8.1f} "
                      f"{row['busy_over_idle']:8.1f}x")
     return "\n".join(lines)
 
