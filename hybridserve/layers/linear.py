@@ -22,12 +22,15 @@ On CPU in float32 the weight stays one plain contiguous [out, in] matrix and ser
   15-30% faster than MKL's `F.linear` at 2048 rows.
 One plain matrix serves both, where a pre-packed layout would need a second copy to keep the
 GEMV fast, and tied embeddings share it with the LM head.
-bfloat16 on a CPU with native bf16 instructions (AVX512-BF16/AMX) keeps oneDNN's pre-packed
-layout for every batch size (not measurable on the AVX2 host above, so left as it was). On a CPU
-without them PyTorch's bf16 GEMM is emulated (a cold 4160-token bf16 prefill took 14.5 s on the
-AVX2 host, 3.4x llama.cpp's time), so the product is computed in float32 and rounded back: decode
-rows by the C GEMV reading the bf16 weight, more rows by the float32 GEMM on a copy widened for the
-call (a cold 2048-token bf16 prefill 2.2 s instead of 11.9 s).
+bfloat16 on CPU also keeps the one plain matrix. Decode rows (up to the C GEMV's bound) are
+computed in float32 by the C GEMV reading the bf16 weight and rounded back, so the one-call decode
+step (models/fused_decode.py) can read the same weight. More rows take PyTorch's bf16 GEMM where the
+CPU has native bf16 instructions (AVX512-BF16/AMX: oneDNN on the plain weight is within 0.97-1.33x
+of its pre-packed layout, equal at 2048 rows, and 7x faster than float32 there), and otherwise the
+float32 GEMM on a copy widened for the call: without them PyTorch's bf16 GEMM is emulated (a cold
+4160-token bf16 prefill took 14.5 s on the AVX2 host, 3.4x llama.cpp's time; widened, a cold
+2048-token one took 2.2 s instead of 11.9 s). On the AMX host a pre-packed weight had served decode
+too, at 12.7 ms per token against 3.7 for float32 (`bench decode`).
 Elsewhere (CUDA, other dtypes, builds without oneDNN) the plain matrix is used via F.linear.
 Projections that read the same input are fused into one matrix (concatenated outputs).
 
@@ -63,7 +66,6 @@ from hybridserve.layers import native
 logger = logging.getLogger(__name__)
 GEMV_MAX_ROWS = 128  # up to this many rows a float32 CPU linear runs as a split GEMV (see above)
 SPLIT_GEMM_ROWS = 8  # from this many rows the split GEMV multiplies the rows by each block's transpose
-ONEDNN_BATCH_HINT = 2048  # a pre-packed (bf16) weight's blocking is chosen for this many rows
 QUANTIZATION_METHODS = ("int8",)
 INT8_DEQUANT_ROWS = 64  # from this many rows up, an int8 linear dequantizes its weight for the call
 
@@ -95,9 +97,10 @@ class PackedLinear:
         biases = [getattr(lin, "bias", None) for lin in linears]
         self.bias = _fused([b.detach() for b in biases]) if biases[0] is not None else None
         self.widths = [lin.weight.shape[0] for lin in linears]
-        self.onednn = False
+        self.onednn = False  # float32 CPU prefill rows use oneDNN's GEMM on the plain weight
         self.split_gemv = False  # float32 CPU: few rows run as a split GEMV (see the module docstring)
-        self.prepacked = False  # the weight is in oneDNN's opaque blocked layout (bf16 on native-bf16 CPUs)
+        self.bf16_cpu = False  # bfloat16 CPU: decode rows in float32 by the C GEMV (see the module docstring)
+        self.native_bf16 = False  # bfloat16 CPU with bf16 instructions: prefill rows in PyTorch's bf16 GEMM
         self.scales: torch.Tensor | None = None  # int8 only: per-output-channel scales (float32)
         self.kernel_scales: torch.Tensor | None = None  # int8 only: the same in the kernel's input dtype
         self.int8_kernel = False  # int8 only: PyTorch has the int8 GEMM for this device
@@ -108,20 +111,11 @@ class PackedLinear:
             self.kernel_scales = self.scales.to(int8_gemm_dtype(weight.dtype))
             return
         self.weight = weight
-        self.split_gemv = weight.device.type == "cpu" and weight.dtype == torch.float32
-        self.onednn = _onednn_usable(weight)
-        # bfloat16 on a CPU without bf16 arithmetic, where PyTorch's bf16 GEMM is emulated and slow
-        self.widened_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not self.onednn
-        if self.onednn and not self.split_gemv:
-            # bfloat16 on a CPU with native bf16: oneDNN serves every batch size, best from its
-            # blocked layout (a second copy of a shared weight would not be: that one keeps F.linear).
-            self.onednn = False
-            if allow_repack:
-                try:
-                    self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT)
-                    self.onednn = self.prepacked = True
-                except RuntimeError:  # an unusual build: fall back to the plain matrix
-                    logger.warning("oneDNN weight packing unavailable; using plain GEMMs")
+        cpu = weight.device.type == "cpu"
+        self.split_gemv = cpu and weight.dtype == torch.float32
+        self.onednn = self.split_gemv and _onednn_usable(weight)
+        self.bf16_cpu = cpu and weight.dtype == torch.bfloat16
+        self.native_bf16 = self.bf16_cpu and _onednn_usable(weight)
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors this linear owns (weight, int8 scales and bias, where present)."""
@@ -132,8 +126,8 @@ class PackedLinear:
             return self._int8(x)
         if self._takes_split_gemv(x):
             return self._split_gemv(x)
-        if self.widened_bf16:
-            return self._widened_bf16(x)
+        if self.bf16_cpu:
+            return self._bf16(x)
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -142,7 +136,7 @@ class PackedLinear:
         """silu(x @ G.T) * (x @ U.T) for a linear fused from [gate, up] of equal widths (the MLP):
         one GEMV over both for decode; for prefill on oneDNN, SiLU rides the gate GEMM as its
         post-op, which beats SiLU and product over the strided halves of one output."""
-        if self.onednn and not self.prepacked and not self._takes_split_gemv(x):
+        if self.onednn and not self._takes_split_gemv(x):
             half = self.weight.shape[0] // 2
             gate_bias, up_bias = (None, None) if self.bias is None else (self.bias[:half], self.bias[half:])
             gate = torch.ops.mkldnn._linear_pointwise(x, self.weight[:half], gate_bias, "swish", [], "")
@@ -174,17 +168,19 @@ class PackedLinear:
             y = y.transpose(0, 1).reshape(rows, out_features)
         return y.add_(self.bias) if self.bias is not None else y
 
-    def _widened_bf16(self, x: torch.Tensor) -> torch.Tensor:
-        """A bfloat16 weight on a CPU without bf16 arithmetic, computed in float32 and rounded back
-        to x's dtype: decode rows through the C GEMV (which widens the weight in registers), more
-        rows through the float32 GEMM on a widened copy of the weight made for the call (on the
-        2-core AVX2 host a cold 4160-token bfloat16 prefill took 14.5 s with PyTorch's emulated bf16
-        GEMM, see BENCHMARKS.md)."""
-        rows = x.float()
-        if native.gemv_applies(self.weight, rows):
-            y = native.gemv(self.weight, rows)
-        else:
-            y = F.linear(rows, self.weight.float())
+    def _bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """A bfloat16 CPU weight (see the module docstring): decode rows computed in float32 by the
+        C GEMV (which widens the weight in registers) and rounded back to x's dtype; more rows by
+        PyTorch's bf16 GEMM on a CPU with bf16 instructions, else by the float32 GEMM on a widened
+        copy of the weight made for the call (PyTorch's bf16 GEMM is emulated there)."""
+        if x.dim() == 2 and 0 < x.shape[0] <= native.GEMV_MAX_INPUT_ROWS:
+            rows = x.float()
+            if native.gemv_applies(self.weight, rows):
+                y = native.gemv(self.weight, rows)
+                return (y.add_(self.bias.float()) if self.bias is not None else y).to(x.dtype)
+        if self.native_bf16:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(x.float(), self.weight.float())
         if self.bias is not None:
             y = y.add_(self.bias.float())
         return y.to(x.dtype)
@@ -252,14 +248,10 @@ def drop_linears(module: nn.Module, names: list[str]) -> None:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of a tensor's data (also for oneDNN's opaque blocked tensors, which have no storage)."""
-    if tensor.layout == torch._mkldnn:  # type: ignore[attr-defined]
-        return tensor.numel() * tensor.element_size()
+    """Bytes of a tensor's storage."""
     return tensor.untyped_storage().nbytes()
 
 
 def tensor_key(tensor: torch.Tensor) -> int:
     """Identity of the memory behind a tensor (views of one storage share it)."""
-    if tensor.layout == torch._mkldnn:  # type: ignore[attr-defined]
-        return id(tensor)
     return tensor.untyped_storage().data_ptr()

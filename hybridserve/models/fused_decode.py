@@ -223,7 +223,7 @@ def supported(model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> bool:
 def _plain_linear(linear: PackedLinear | None, model_dtype: torch.dtype) -> bool:
     """A row-major CPU weight the C GEMV reads, without bias: the model's own dtype, or int8 with
     float32 scales in a float32 model."""
-    if linear is None or linear.bias is not None or linear.prepacked:
+    if linear is None or linear.bias is not None:
         return False
     weight = linear.weight
     if weight.device.type != "cpu" or not weight.is_contiguous():
