@@ -3,7 +3,11 @@ updates undone when a forward fails, bad slots rejected, and a clean fallback wi
 
 from __future__ import annotations
 
+import ctypes
+import platform
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -212,6 +216,47 @@ def test_gemv_matches_torch(weights: str, shape: tuple[int, int], rows: int, thr
     assert y.shape == (rows, shape[0]) and y.is_contiguous()
     expected = x @ weight.float().t() * (scales if scales is not None else 1.0)
     torch.testing.assert_close(y, expected, atol=1e-4 * (128 if weights == "int8" else 1), rtol=1e-4)
+
+
+def _instruction_sets() -> list[str]:
+    """-march levels this CPU runs besides `native`: the generic x86-64 baseline (SSE2) and
+    x86-64-v3 (AVX2, FMA) always, x86-64-v4 (AVX-512) where the CPU has it."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    levels = ["x86-64"] + (["x86-64-v3"] if " avx2" in flags and " fma" in flags else [])
+    return levels + (["x86-64-v4"] if " avx512f" in flags and " avx512bw" in flags else [])
+
+
+@needs_kernel
+@pytest.mark.parametrize("march", _instruction_sets())
+def test_gemv_matches_torch_on_every_vector_width(march: str, tmp_path: Path) -> None:
+    """csrc/gemv.c picks its vector width and widening intrinsics by instruction set (AVX-512, AVX2
+    or plain vectors); the kernel compiled for each level this CPU runs computes the same products,
+    so a CI machine with another CPU runs tested code."""
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    flags = [flag for flag in native.CFLAGS if not flag.startswith("-march")]
+    library_path = tmp_path / f"gemv-{march}.so"
+    subprocess.run([compiler, *flags, f"-march={march}", str(Path(native.__file__).with_name("csrc") / "gemv.c"),
+                    "-o", str(library_path)], check=True, capture_output=True, timeout=120)
+    library = ctypes.CDLL(str(library_path))
+    gen = torch.Generator().manual_seed(5)
+    for rows, (out_features, in_features) in ((1, (67, 301)), (3, (130, 64)), (8, (9, 40)), (16, (70, 517))):
+        x = torch.randn(rows, in_features + 3, generator=gen)[:, 2:2 + in_features]
+        weight = torch.randn(out_features, in_features, generator=gen)
+        int8 = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+        scales = torch.rand(out_features, generator=gen) + 0.5
+        for kernel, w, expected in ((library.gemv_f32, weight, x @ weight.t()),
+                                    (library.gemv_bf16, weight.bfloat16(), x @ weight.bfloat16().float().t()),
+                                    (library.gemv_i8, int8, x @ int8.float().t() * scales)):
+            y = torch.full((rows, out_features), float("nan"))
+            args = [w.data_ptr(), out_features, in_features, x.data_ptr(), rows, x.stride(0), y.data_ptr(),
+                    out_features, 2]
+            if kernel is library.gemv_i8:
+                args.insert(1, scales.data_ptr())
+            kernel.argtypes = [ctypes.c_void_p] * (len(args) == 10) + native._GEMV_ARGTYPES
+            assert kernel(*args) == 0
+            torch.testing.assert_close(y, expected, atol=1e-4 * (128 if w.dtype == torch.int8 else 1), rtol=1e-4)
 
 
 def test_gemv_leaves_other_inputs_to_torch() -> None:
