@@ -300,3 +300,29 @@ def test_bfloat16_path_runs_and_tracks_float32(text_checkpoint: Path) -> None:
     out = bf16.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 8
     _assert_idle(bf16)
+
+
+def test_a_burst_that_outnumbers_the_decoders_is_prefilled_whole(text_checkpoint: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Six prompts arriving while two requests decode exceed the cap (6 x 32 tokens) but outnumber
+    the decoders: the next step takes them whole; once they decode, a lone long prompt is capped."""
+    llm = _llm(text_checkpoint, max_prefill_tokens_during_decode=32)
+    engine = llm.llm_engine
+    seen = _record_step_tokens(engine, monkeypatch)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for i in range(2):
+        engine.add_request(f"decoder-{i}", _random_prompt(20, seed=1 + i), greedy)
+    engine.step()
+    for i in range(6):
+        engine.add_request(f"burst-{i}", _random_prompt(64, seed=10 + i), greedy)
+    engine.step()
+    assert seen[-1] == (2, 6 * 64)
+    engine.add_request("long", _random_prompt(200, seed=2), greedy)
+    engine.step()
+    assert seen[-1] == (8, 32)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    alone = _llm(text_checkpoint).generate([_random_prompt(64, seed=13)], greedy)[0].outputs[0]
+    assert outputs["burst-3"].outputs[0].token_ids == alone.token_ids
+    _assert_idle(llm)

@@ -7,15 +7,22 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pickle
 import signal
+import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest
+import zmq
 
 from hybridserve.api import LLM
 from hybridserve.engine.async_engine import EngineDeadError
+from hybridserve.engine.core import BURST_GAP_S, EngineCore
+from hybridserve.engine.core_messages import AddRequest, input_encoder
 from hybridserve.engine.core_client import EngineCoreClient
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.server.app import build_app
@@ -194,3 +201,58 @@ def test_core_exits_when_the_api_process_is_killed() -> None:
         os.kill(pid, signal.SIGKILL)
         server.proc.wait(10)
         wait_until(lambda: all(process_gone(c) for c in cores), timeout=10)
+
+
+class _RecordingEngine:
+    """Stands in for `LLMEngine` in `EngineCore`: records when each request was added."""
+
+    def __init__(self) -> None:
+        self.added: list[tuple[str, float]] = []
+
+    def add_request(self, request_id: str, prompt: Any, params: Any, cache_salt: str | None = None) -> None:
+        self.added.append((request_id, time.monotonic()))
+
+
+def _core_with_sockets() -> tuple[EngineCore, _RecordingEngine, list[zmq.Socket], zmq.Context]:
+    context = zmq.Context()
+    address = f"inproc://burst-{uuid.uuid4().hex}"
+    inputs, sender = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    outputs, sink = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+    inputs.bind(address)
+    sender.connect(address)
+    sink.bind(address + "-out")
+    outputs.connect(address + "-out")
+    engine = _RecordingEngine()
+    return EngineCore(engine, inputs, outputs, os.getppid()), engine, [sender, inputs, outputs, sink], context
+
+
+def test_an_idle_core_gathers_a_burst_but_not_a_lone_request() -> None:
+    """Two requests arriving together start a burst: the core keeps taking requests that follow
+    within BURST_GAP_S before its first step; a lone request is handled at once."""
+    core, engine, sockets, context = _core_with_sockets()
+    sender = sockets[0]
+    encoder, params = input_encoder(), pickle.dumps(SamplingParams(max_tokens=1))
+
+    def send(request_id: str) -> None:
+        sender.send(encoder.encode(AddRequest(request_id, [1, 2, 3], params, None)))
+
+    try:
+        send("alone")
+        start = time.monotonic()
+        core._drain_inputs(block=True)
+        assert [r for r, _ in engine.added] == ["alone"] and time.monotonic() - start < BURST_GAP_S
+        send("burst-0")
+        send("burst-1")
+        late = threading.Timer(BURST_GAP_S / 3, send, args=("burst-2",))
+        late.start()
+        core._drain_inputs(block=True)
+        late.join()
+        assert [r for r, _ in engine.added] == ["alone", "burst-0", "burst-1", "burst-2"]
+        send("next")  # a busy core never waits
+        time.sleep(0.01)
+        core._drain_inputs(block=False)
+        assert engine.added[-1][0] == "next"
+    finally:
+        for socket in sockets:
+            socket.close(linger=0)
+        context.term()

@@ -45,6 +45,15 @@ from hybridserve.engine.core_messages import (
 logger = logging.getLogger(__name__)
 
 PARENT_CHECK_S = 1.0
+# A burst of concurrent clients reaches the core over a few milliseconds (gaps of up to ~2.3 ms
+# between requests measured from the API process of 16 streaming clients on the 2-core host). When
+# an idle core receives two or more requests at once, it keeps gathering while each next one
+# follows within BURST_GAP_S (BURST_WINDOW_S at most) before the first step, so the burst is
+# prefilled in one step instead of as a first step plus latecomers that wait for it to finish. A
+# request that arrives alone is not delayed.
+BURST_GAP_S = 0.003
+BURST_WINDOW_S = 0.03
+BURST_POLL_MS = 1
 
 
 class _Sent:
@@ -139,14 +148,32 @@ class EngineCore:
 
     # ------------------------------------------------------------------ inputs
     def _drain_inputs(self, block: bool) -> None:
+        """Handle every waiting message (after waiting for one when `block`). Starting from idle,
+        when two or more requests came at once, keep gathering while more follow (see
+        BURST_GAP_S), so that a burst of clients starts in one step."""
         if block and not self.inputs.poll(int(PARENT_CHECK_S * 1000)):
             return
+        added = self._handle_waiting()
+        if not block or added < 2:
+            return
+        deadline = time.monotonic() + BURST_WINDOW_S
+        quiet_since = time.monotonic()
+        while not self._stopping and time.monotonic() < deadline and time.monotonic() - quiet_since < BURST_GAP_S:
+            if self.inputs.poll(BURST_POLL_MS) and self._handle_waiting():
+                quiet_since = time.monotonic()
+
+    def _handle_waiting(self) -> int:
+        """Handle the messages already queued; returns how many were new requests."""
+        added = 0
         while not self._stopping:
             try:
                 frame = self.inputs.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
-            self._handle(self._decoder.decode(frame.buffer))
+                return added
+            message = self._decoder.decode(frame.buffer)
+            added += isinstance(message, AddRequest)
+            self._handle(message)
+        return added
 
     def _handle(self, message: Any) -> None:
         if isinstance(message, AddRequest):

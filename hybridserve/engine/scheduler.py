@@ -201,15 +201,18 @@ class Scheduler:
             prefill_budget -= length
 
     def _prefill_budget(self, budget: int) -> int:
-        """Prefill tokens allowed this step. While any request decodes, each request still owed
-        prompt tokens (a running partial prefill, or a waiting request that fits the batch) may
-        add `max_prefill_tokens_during_decode`: one long prompt cannot stall everyone's next token
-        for a whole long step, and a burst of new requests is not admitted one chunk per step."""
+        """Prefill tokens allowed this step. While requests decode and at least as many as are
+        owed prompt tokens (running partial prefills and waiting requests that fit the batch),
+        each of those may add `max_prefill_tokens_during_decode`: one long prompt cannot stall
+        everyone's next token for a whole long step. When the requests owed prompt tokens
+        outnumber the decoding ones (a burst arriving just after the first of it started), the
+        step takes them whole: a long step then delays fewer streams than it starts, and slicing
+        the burst would make every one of its requests wait through many mixed steps."""
         cap = self.config.max_prefill_tokens_during_decode
         prefilling = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
-        if not cap or prefilling == len(self.running):
-            return budget
         admissible = min(len(self.waiting), self.config.max_num_seqs - len(self.running))
+        if not cap or prefilling + admissible > len(self.running) - prefilling:
+            return budget
         return min(budget, cap * max(1, prefilling + admissible))
 
     def _grow(self, request: Request, num_tokens: int, preempted: list[Request]) -> list[int] | None:
