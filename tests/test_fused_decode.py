@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from hybridserve import SamplingParams
 from hybridserve.config import CacheConfig, EngineConfig
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.models import fused_decode
@@ -119,7 +120,10 @@ def test_an_out_of_range_input_fails_the_step_with_nothing_written() -> None:
     good = dict(tokens=[5, 6], positions=[3, 0], state_slots=[0, 1], write_slots=[3, size], block_size=size)
     bad_cases = [dict(good, tokens=[5, model.config.vocab_size]), dict(good, positions=[3, -1]),
                  dict(good, positions=[3, size]),  # past the one block in its table
-                 dict(good, state_slots=[0, num_slots]), dict(good, write_slots=[3, runner.kv_cache.keys.shape[1]])]
+                 dict(good, state_slots=[0, num_slots]), dict(good, write_slots=[3, runner.kv_cache.keys.shape[1]]),
+                 dict(good, state_slots=[0, 0]),  # one sequence's rows must be consecutive positions
+                 dict(tokens=[5, 6, 7], positions=[3, 0, 4], state_slots=[0, 1, 0], write_slots=[3, size, 4],
+                      block_size=size)]  # and one run of rows
     for case in bad_cases:
         batch = _decode_batch(**case)
         assert step.takes(batch)
@@ -152,3 +156,51 @@ def _decode_batch(tokens: list[int], positions: list[int], state_slots: list[int
                         decode=DecodeGroup(torch.tensor(state_slots), torch.tensor([[row % 2] for row in range(rows)]),
                                            torch.tensor(lengths), max(lengths), block_size),
                         prefills=[], logits_rows=torch.arange(rows), logits_only_last_layer=True)
+
+
+def _staggered_arrivals(engine: LLMEngine) -> dict[str, tuple[tuple[int, ...], list, int]]:
+    """Four requests decode while a long prompt arrives (taken 12 tokens a step beside them) and
+    then two short ones: steps mixing decode rows and prompt chunks. (tokens, logprobs, cached)."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    arrivals = {0: {f"d{i}": PROMPTS[f"s{i}"] for i in range(4)}, 2: {"long": PROMPTS["s6"]},
+                5: {"short-a": [7, 8, 9, 10, 11], "short-b": PROMPTS["s1"][:9]}}
+    done, step = {}, 0
+    while step in arrivals or step < max(arrivals) or engine.has_unfinished_requests():
+        for request_id, prompt in arrivals.get(step, {}).items():
+            engine.add_request(request_id, prompt, params)
+        for output in engine.step():
+            if output.finished:
+                completion = output.outputs[0]
+                done[output.request_id] = (tuple(completion.token_ids), completion.logprobs, output.num_cached_tokens)
+        step += 1
+    engine.check_integrity()
+    return done
+
+
+def test_steps_mixing_decode_rows_and_prompt_chunks_match_the_module_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps that also take prompt chunks (up to 16 rows in all) run as one C call, the
+    chunk's rows stepping its state token by token and attending to each other: the same tokens
+    as the module path's prefill kernels, log-probabilities within float32 rounding of a different
+    summation order, snapshots at chunk ends restored by the warm repeat."""
+    results = {}
+    for enabled in ("1", "0"):
+        monkeypatch.setenv(fused_decode.FUSED_DECODE_ENV, enabled)
+        mixed, original = {"n": 0}, fused_decode.FusedDecodeStep.run
+
+        def counted(self: fused_decode.FusedDecodeStep, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+            mixed["n"] += bool(batch.prefills)
+            return original(self, batch, ctx)
+
+        monkeypatch.setattr(fused_decode.FusedDecodeStep, "run", counted)
+        engine = _engine(snapshot_interval=16, block_size=16)
+        results[enabled] = (_staggered_arrivals(engine), _staggered_arrivals(engine), mixed["n"])
+        monkeypatch.undo()
+    (cold_on, warm_on, mixed_on), (cold_off, warm_off, mixed_off) = results["1"], results["0"]
+    assert mixed_on >= 8 and mixed_off == 0
+    for on, off in ((cold_on, cold_off), (warm_on, warm_off)):
+        assert {k: (v[0], v[2]) for k, v in on.items()} == {k: (v[0], v[2]) for k, v in off.items()}
+        for key, (_, logprobs, _) in on.items():
+            for step_on, step_off in zip(logprobs, off[key][1]):
+                assert step_on.keys() == step_off.keys()
+                assert all(abs(step_on[t] - step_off[t]) < 1e-4 for t in step_on)
+    assert warm_on["long"][2] > 0

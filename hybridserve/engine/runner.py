@@ -185,6 +185,7 @@ class ModelRunner:
             prefills=self._prefill_chunks(prefills, tables[len(decodes):], len(decodes)),
             logits_rows=torch.tensor(logit_rows + full_rows, dtype=torch.long, device=device),
             logits_only_last_layer=not full_rows,
+            block_tables=tables,
         )
         return batch, sample_chunks, full_chunks
 

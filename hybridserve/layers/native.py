@@ -128,7 +128,7 @@ def _library() -> ctypes.CDLL | None:
     library.gemv_bf16.restype = ctypes.c_int
     library.decode_step_workspace_floats.argtypes = [_ptr, _i64, _i64]
     library.decode_step_workspace_floats.restype = _i64
-    library.decode_step_f32.argtypes = [_ptr, _i64] + [_ptr] * 5 + [_i64] * 3 + [_ptr] * 4 + [_int]
+    library.decode_step_f32.argtypes = [_ptr, _i64] + [_ptr] * 5 + [_i64] * 3 + [_ptr] * 3 + [_i64] + [_ptr] * 2 + [_int]
     library.decode_step_f32.restype = ctypes.c_int
     for name, argtypes in (("rms_norm_f32", _RMS_NORM_ARGTYPES),
                            ("rms_norm_rope_f32", _RMS_NORM_ROPE_ARGTYPES)):
@@ -286,7 +286,7 @@ def gdn_decode_f32(proj: torch.Tensor, b_offset: int, a_offset: int, slots: torc
         norm_weight.data_ptr() if norm_weight is not None else None, norm_eps, torch.get_num_threads(),
         int(in_place), scratch.data_ptr(), out_conv.data_ptr(), out_rec.data_ptr(), core.data_ptr())
     if failed:
-        raise IndexError(f"gdn_decode_f32: a state slot is outside [0, {rec_live.shape[0]})")
+        raise IndexError(f"gdn_decode_f32: a state slot is outside [0, {rec_live.shape[0]}) or repeated")
     return core, out_conv, out_rec
 
 

@@ -72,6 +72,7 @@ class ForwardBatch:
     prefills: list[PrefillChunk]
     logits_rows: torch.Tensor         # [R] rows whose logits are needed (ascending)
     logits_only_last_layer: bool = False  # logits rows are sequence ends: trim the last layer to them
+    block_tables: torch.Tensor | None = None  # [S, W] KV block ids of every sequence (decodes, then prefills)
 
     @property
     def num_decode(self) -> int:

@@ -1,15 +1,20 @@
 """The decode forward of a CPU model as one C call (layers/csrc/decode_step.c).
 
-A decode-only step of up to 16 sequences runs embeddings, every layer, the final norm and the LM
-head in C, calling the same kernels as the module path in the same order; Python passes the
-step's ids, positions, slots and fresh buffers. It is what a captured CUDA graph is to a GPU
-engine: the per-op dispatch of ~150 ops and ~40 module calls goes. Float32 models (float32 or int8
-linears) get the module path's math exactly. A bfloat16 model's weights, KV and conv state stay
+A step of up to 16 rows runs embeddings, every layer, the final norm and the LM head in C:
+decode rows, and prompt chunks taken in the same step (a burst of short prompts, the few tokens a
+long prompt adds per step while others decode), each chunk's rows stepping its sequence's state
+in order and attending to the rows before them. It calls the same kernels as the module path's
+decode in the same order; Python passes the step's ids, positions, slots and fresh buffers. It is
+what a captured CUDA graph is to a GPU engine: the per-op dispatch of ~150 ops and ~40 module calls
+goes. Float32 models (float32 or int8 linears) get the module path's decode math exactly; a prompt
+chunk's rows are stepped token by token like decode rows, where the module path's prefill uses
+its prefill kernels (the same recurrence, sums in another order). A bfloat16 model's weights, KV and conv state stay
 bfloat16 in memory and are widened to float32 as they are read, so its activations are float32
 where the module path rounds each one to bfloat16: closer to a float32 model, not equal to the
-module path (on a CPU without bf16 arithmetic this is also what makes bfloat16 fast). Prefill,
-mixed steps, larger batches, CUDA and tensor parallelism keep the module path, as does
-everything with `HYBRIDSERVE_FUSED_DECODE=0` or the C kernels off.
+module path (on a CPU without bf16 arithmetic this is also what makes bfloat16 fast). Steps of
+more rows, steps that want prompt logprobs or a snapshot inside a chunk, CUDA and tensor
+parallelism keep the module path, as does everything with `HYBRIDSERVE_FUSED_DECODE=0` or the C
+kernels off.
 
 The step is transactional like the module path: GDN layers update their live slots in place and
 hand the replaced state to `ForwardContext.state_undo`; snapshot captures read the updated slots.
@@ -145,40 +150,66 @@ class FusedDecodeStep:
 
     @staticmethod
     def takes(batch: ForwardBatch) -> bool:
-        """A decode-only step of 1..MAX_ROWS sequences whose every row produces logits."""
-        return (not batch.prefills and batch.decode is not None and 0 < batch.num_decode <= MAX_ROWS
-                and batch.logits_only_last_layer and batch.logits_rows.shape[0] == batch.num_decode)
+        """A step of 1..MAX_ROWS rows whose logits rows are sequence ends (no prompt logits): decode
+        rows, and prompt chunks (with their block tables) whose snapshot captures, if any, are at
+        the chunk's end, where the step leaves the live state."""
+        rows = int(batch.input_ids.shape[0])
+        if not 0 < rows <= MAX_ROWS or not batch.logits_only_last_layer:
+            return False
+        if batch.prefills and batch.block_tables is None:
+            return False
+        return all(boundary == chunk.start_position + chunk.length
+                   for chunk in batch.prefills for boundary, _ in chunk.captures)
 
     def run(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
-        """Logits [B, vocab] of the decode step (check `takes` and `serves` first); live GDN state is
-        updated in place, its undo record appended to ctx.state_undo, captures written to the
-        snapshot sink."""
+        """Logits [len(logits_rows), vocab] of the step (check `takes` and `serves` first); live GDN
+        state is updated in place, its undo record appended to ctx.state_undo, captures written to
+        the snapshot sink. A prompt chunk's rows are consecutive tokens of one sequence: the C step
+        writes every row's KV before attending, so each row sees the rows before it, and steps the
+        rows' GDN state in order."""
         group = batch.decode
-        assert group is not None
-        rows = batch.num_decode
-        tables = group.block_tables.contiguous()
+        rows = int(batch.input_ids.shape[0])
         tokens, positions = batch.input_ids.contiguous(), batch.positions.contiguous()
-        slots, write_slots = group.state_slots.contiguous(), batch.kv_write_slots.contiguous()
+        write_slots = batch.kv_write_slots.contiguous()
+        if batch.prefills:
+            assert batch.block_tables is not None
+            counts = [1] * batch.num_decode + [chunk.length for chunk in batch.prefills]
+            tables = batch.block_tables.index_select(0, torch.repeat_interleave(torch.arange(len(counts)),
+                                                                                torch.tensor(counts)))
+            slot_list = (group.state_slots.tolist() if group is not None else []) + [
+                chunk.state_slot for chunk in batch.prefills for _ in range(chunk.length)]
+            slots, max_context = torch.tensor(slot_list, dtype=torch.long), int(positions.max()) + 1
+        else:
+            assert group is not None
+            tables, slots, max_context = group.block_tables.contiguous(), group.state_slots.contiguous(), group.max_length
+        logit_rows = batch.logits_rows.contiguous()
         library, model = self._library, ctypes.addressof(self.model)
-        workspace = torch.empty(library.decode_step_workspace_floats(model, rows, group.max_length))
+        workspace = torch.empty(library.decode_step_workspace_floats(model, rows, max_context))
         conv, recurrent = ctx.live_states.conv, ctx.live_states.recurrent
         # one undo record per layer, as on the module path (a state-sized buffer, never a weight-sized one)
         undo_conv = [torch.empty(rows, *conv.shape[2:], dtype=conv.dtype) for _ in range(self.num_gdn_layers)]
         undo_rec = [torch.empty(rows, *recurrent.shape[2:]) for _ in range(self.num_gdn_layers)]
         pointers = ctypes.c_void_p * self.num_gdn_layers
-        logits = torch.empty(rows, self.model.vocab)
+        logits = torch.empty(logit_rows.shape[0], self.model.vocab)
         failed = library.decode_step_f32(
             model, rows, tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(), write_slots.data_ptr(),
-            tables.data_ptr(), tables.shape[1], group.block_size, group.max_length, workspace.data_ptr(),
+            tables.data_ptr(), tables.shape[1], ctx.kv_cache.block_size, max_context, workspace.data_ptr(),
             pointers(*[t.data_ptr() for t in undo_conv]), pointers(*[t.data_ptr() for t in undo_rec]),
-            logits.data_ptr(), torch.get_num_threads())
+            logit_rows.shape[0], logit_rows.data_ptr(), logits.data_ptr(), torch.get_num_threads())
         if failed:
             raise IndexError("fused decode: a token id, position or slot is out of range")
+        if batch.prefills:  # a sequence's undo record is its first row's
+            first = [row for row in range(rows) if row == 0 or slot_list[row] != slot_list[row - 1]]
+            index = torch.tensor(first, dtype=torch.long)
+            slots = slots.index_select(0, index)
+            undo_conv = [t.index_select(0, index) for t in undo_conv]
+            undo_rec = [t.index_select(0, index) for t in undo_rec]
         ctx.state_undo.extend(StateWrite(layer, slots, undo_conv[layer], undo_rec[layer])
                               for layer in range(self.num_gdn_layers))
         if ctx.snapshot_sink is not None:
-            for row, snapshot_slot in group.captures:
-                slot = int(slots[row])
+            captured = [(int(group.state_slots[row]), snapshot) for row, snapshot in group.captures] if group else []
+            captured += [(chunk.state_slot, snapshot) for chunk in batch.prefills for _, snapshot in chunk.captures]
+            for slot, snapshot_slot in captured:
                 for layer in range(self.num_gdn_layers):
                     ctx.snapshot_sink.write(layer, snapshot_slot, conv[layer, slot], recurrent[layer, slot])
         return logits

@@ -58,11 +58,41 @@ static void gated_rms_norm(float *out, const float *z, const float *w, int64_t n
     for (int64_t j = 0; j < n; j++) out[j] = out[j] * inv * w[j] * silu_f32(z[j]);
 }
 
+/* The conv of row b: SiLU(conv) and the l2-normalised q, k to conv_out; the slot's window advanced
+ * (in place: the old window to conv_undo first; otherwise the new one to conv_undo). */
+static void conv_row(const float *row, void *conv_slot, char *conv_undo, const float *conv_weight, int64_t conv_dim,
+                     int64_t kernel, int64_t num_k_heads, int64_t head_k, float l2_eps, int in_place, int conv_bf16,
+                     float *conv_out) {
+    int64_t conv_size = conv_dim * (kernel - 1), key_dim = num_k_heads * head_k;
+    size_t conv_bytes = conv_bf16 ? sizeof(uint16_t) : sizeof(float);
+    if (in_place) memcpy(conv_undo, conv_slot, conv_bytes * conv_size);  /* the undo record */
+    if (conv_bf16) {  /* widen the window, step it in float32, store the successor rounded */
+        float *window = conv_out + conv_dim, *next = window + conv_size;
+        for (int64_t i = 0; i < conv_size; i++) window[i] = bf16_to_f32(((const uint16_t *)conv_slot)[i]);
+        conv_step(row, window, conv_weight, conv_dim, kernel, conv_out, next);
+        for (int64_t i = 0; i < conv_size; i++) ((uint16_t *)conv_slot)[i] = f32_to_bf16(next[i]);
+    } else {
+        /* in place: read the window from the undo copy, write the successor into the slot */
+        conv_step(row, (const float *)(in_place ? (void *)conv_undo : conv_slot), conv_weight, conv_dim, kernel,
+                  conv_out, (float *)(in_place ? conv_slot : (void *)conv_undo));
+    }
+    float q_scale = 1.0f / sqrtf((float)head_k);
+    for (int64_t h = 0; h < num_k_heads; h++) {
+        l2_normalize(conv_out + h * head_k, head_k, l2_eps, q_scale);
+        l2_normalize(conv_out + key_dim + h * head_k, head_k, l2_eps, 1.0f);
+    }
+}
+
 /* proj rows hold [mixed (conv_dim), z (Hv*Dv), b (Hv), a (Hv)] (b and a at the given offsets);
  * norm_weight [Dv] or NULL; conv_live [num_slots, conv_dim, K-1] (float32, or bfloat16 with conv_bf16,
  * in place only), rec_live [num_slots, Hv, Dk, Dv]; core [B, Hv, Dv]; scratch [B, conv_dim] (the conv
  * output of each row), [B, conv_dim + 2 * conv_dim * (K-1)] with conv_bf16 (the window widened to
- * float32 and its successor); out_conv in conv_live's type. */
+ * float32 and its successor); out_conv in conv_live's type.
+ * Consecutive rows with the same slot are consecutive tokens of one sequence (a prompt chunk taken
+ * in a decode step, in place only): they are stepped in order, and out_conv / out_rec of the run's
+ * first row hold the undo record of the whole run (the later rows' are not written). A slot may
+ * not start two runs (returns 4). Runs are stepped in parallel in their conv phase, (run, value
+ * head) pairs in their state phase. */
 int gdn_decode_step(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int64_t head_k, int64_t head_v,
                     int64_t kernel, const float *proj, int64_t proj_stride, int64_t b_offset, int64_t a_offset,
                     const int64_t *slots, int64_t num_slots, void *conv_live, float *rec_live,
@@ -70,51 +100,45 @@ int gdn_decode_step(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int
                     const float *norm_weight, float norm_eps, int num_threads, int in_place, int conv_bf16,
                     float *scratch, void *out_conv, float *out_rec, float *core) {
     int64_t key_dim = num_k_heads * head_k, value_dim = num_v_heads * head_v;
-    int64_t conv_dim = 2 * key_dim + value_dim, hist = kernel - 1, group = num_v_heads / num_k_heads;
-    int64_t conv_size = conv_dim * hist, rec_size = num_v_heads * head_k * head_v, head_size = head_k * head_v;
-    float q_scale = 1.0f / sqrtf((float)head_k);
+    int64_t conv_dim = 2 * key_dim + value_dim, group = num_v_heads / num_k_heads;
+    int64_t conv_size = conv_dim * (kernel - 1), rec_size = num_v_heads * head_k * head_v, head_size = head_k * head_v;
     if (conv_bf16 && !in_place) return 3;
-    for (int64_t b = 0; b < batch; b++)
+    int64_t run_start[batch + 1], runs = 0;
+    for (int64_t b = 0; b < batch; b++) {
         if (slots[b] < 0 || slots[b] >= num_slots) return 2;
+        if (b > 0 && slots[b] == slots[b - 1]) continue;
+        for (int64_t r = 0; r < runs; r++)
+            if (slots[run_start[r]] == slots[b]) return 4;
+        run_start[runs++] = b;
+    }
+    run_start[runs] = batch;
+    if (runs < batch && !in_place) return 4;
     size_t conv_bytes = conv_bf16 ? sizeof(uint16_t) : sizeof(float);
     int64_t scratch_row = conv_bf16 ? conv_dim + 2 * conv_size : conv_dim;
-#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && batch > 1) schedule(static)
-    for (int64_t b = 0; b < batch; b++) {
-        float *conv_out = scratch + b * scratch_row;
-        const float *row = proj + b * proj_stride;
-        char *conv_slot = (char *)conv_live + slots[b] * conv_size * conv_bytes;
-        float *rec_slot = rec_live + slots[b] * rec_size, *rec_next = out_rec + b * rec_size;
-        char *conv_undo = (char *)out_conv + b * conv_size * conv_bytes;
-        if (in_place) memcpy(conv_undo, conv_slot, conv_bytes * conv_size);  /* the undo record */
-        if (conv_bf16) {  /* widen the window, step it in float32, store the successor rounded */
-            float *window = conv_out + conv_dim, *next = window + conv_size;
-            for (int64_t i = 0; i < conv_size; i++) window[i] = bf16_to_f32(((const uint16_t *)conv_slot)[i]);
-            conv_step(row, window, conv_weight, conv_dim, kernel, conv_out, next);
-            for (int64_t i = 0; i < conv_size; i++) ((uint16_t *)conv_slot)[i] = f32_to_bf16(next[i]);
-        } else {
-            /* in place: read the window from the undo copy, write the successor into the slot */
-            conv_step(row, (const float *)(in_place ? conv_undo : conv_slot), conv_weight, conv_dim, kernel, conv_out,
-                      (float *)(in_place ? conv_slot : conv_undo));
-        }
-        for (int64_t h = 0; h < num_k_heads; h++) {
-            l2_normalize(conv_out + h * head_k, head_k, l2_eps, q_scale);
-            l2_normalize(conv_out + key_dim + h * head_k, head_k, l2_eps, 1.0f);
-        }
-        for (int64_t h = 0; h < num_v_heads; h++) {
-            int64_t kh = h / group;
-            float decay = expf(neg_decay_rate[h] * softplus(row[a_offset + h] + dt_bias[h]));
-            float beta = sigmoid(row[b_offset + h]);
-            float *state = rec_slot + h * head_size, *next = rec_next + h * head_size;
-            if (in_place) {
-                memcpy(next, state, sizeof(float) * head_size);
-                next = state;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && batch > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < runs; r++)
+            for (int64_t b = run_start[r]; b < run_start[r + 1]; b++)
+                conv_row(proj + b * proj_stride, (char *)conv_live + slots[b] * conv_size * conv_bytes,
+                         (char *)out_conv + b * conv_size * conv_bytes, conv_weight, conv_dim, kernel, num_k_heads,
+                         head_k, l2_eps, in_place, conv_bf16, scratch + b * scratch_row);
+        /* the implicit barrier: every row's conv output is ready */
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < runs * num_v_heads; task++) {
+            int64_t r = task / num_v_heads, h = task % num_v_heads, kh = h / group, first = run_start[r];
+            float *state = rec_live + slots[first] * rec_size + h * head_size;
+            if (in_place) memcpy(out_rec + first * rec_size + h * head_size, state, sizeof(float) * head_size);
+            for (int64_t b = first; b < run_start[r + 1]; b++) {
+                const float *row = proj + b * proj_stride, *conv_out = scratch + b * scratch_row;
+                float decay = expf(neg_decay_rate[h] * softplus(row[a_offset + h] + dt_bias[h]));
+                float beta = sigmoid(row[b_offset + h]);
+                float *next = in_place ? state : out_rec + b * rec_size + h * head_size;
+                float *out = core + (b * num_v_heads + h) * head_v;
+                delta_rule_head(state, next, conv_out + kh * head_k, conv_out + key_dim + kh * head_k,
+                                conv_out + 2 * key_dim + h * head_v, decay, beta, head_k, head_v, out);
+                if (norm_weight) gated_rms_norm(out, row + conv_dim + h * head_v, norm_weight, head_v, norm_eps);
             }
-            delta_rule_head(state, next, conv_out + kh * head_k, conv_out + key_dim + kh * head_k,
-                            conv_out + 2 * key_dim + h * head_v, decay, beta, head_k, head_v,
-                            core + (b * num_v_heads + h) * head_v);
-            if (norm_weight)
-                gated_rms_norm(core + (b * num_v_heads + h) * head_v, row + conv_dim + h * head_v, norm_weight,
-                               head_v, norm_eps);
         }
     }
     return 0;
