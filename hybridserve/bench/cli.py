@@ -183,7 +183,7 @@ def _add_peer(subparsers: argparse._SubParsersAction) -> None:
 
 def run_peer(args: argparse.Namespace) -> int:
     """Handler of `bench peer`: exit status 2 with a message when a requirement is missing."""
-    from hybridserve.bench.peer_bench import PeerBenchConfig, format_peer_report, run_peer_bench
+    from hybridserve.bench.peer_bench import PeerBenchConfig, PeerCrashed, format_peer_report, run_peer_bench
 
     cfg = PeerBenchConfig(dtype=args.dtype, threads=args.threads, prompt_tokens=args.prompt_tokens,
                           shared_tokens=args.shared_tokens, extend_tokens=args.extend_tokens,
@@ -194,7 +194,7 @@ def run_peer(args: argparse.Namespace) -> int:
     try:
         result = run_peer_bench(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
     except RuntimeError as exc:
-        if "needs" not in str(exc):
+        if "needs" not in str(exc) and not isinstance(exc, PeerCrashed):
             raise
         print(f"[bench] {exc}", file=sys.stderr)
         return 2

@@ -155,7 +155,7 @@ def greedy_agreement(model_dir: Path, gguf_path: Path, prompt: list[int], cfg: P
     """Greedy continuations of `prompt` by both engines in-process: the token ids, how many
     leading tokens agree, and the largest log-probability difference over the agreed tokens."""
     hs_ids, hs_logprobs = _hybridserve_greedy(model_dir, prompt, cfg)
-    ll_ids, ll_logprobs = _llama_cpp_greedy(gguf_path, prompt, cfg)
+    ll_ids, ll_logprobs = _in_child_process(_llama_cpp_greedy, gguf_path, prompt, cfg)
     agreed = next((i for i, (a, b) in enumerate(zip(hs_ids, ll_ids)) if a != b), min(len(hs_ids), len(ll_ids)))
     diffs = [abs(hs_logprobs[i] - ll_logprobs[i]) for i in range(agreed)]
     return {"prompt_tokens": len(prompt), "tokens": cfg.agreement_tokens, "leading_agreed": agreed,
@@ -177,6 +177,25 @@ def _hybridserve_greedy(model_dir: Path, prompt: list[int], cfg: PeerBenchConfig
     logprobs = [step[token] for step, token in zip(out.logprobs or [], out.token_ids)]
     del llm
     return list(out.token_ids), logprobs
+
+
+class PeerCrashed(RuntimeError):
+    """llama.cpp's process died (a crash inside the library, e.g. a segfault)."""
+
+
+def _in_child_process(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) in a spawned child process, so that a crash inside llama.cpp's C code ends with a
+    clear error instead of taking the benchmark down (seen with q8_0 on an AVX-512/AMX CPU)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            return pool.submit(fn, *args).result()
+        except BrokenProcessPool as exc:
+            raise PeerCrashed(f"llama.cpp crashed evaluating {args[0]} (its process died: {exc}); "
+                              "this llama-cpp-python build cannot run these weights on this CPU") from exc
 
 
 def _llama_cpp_greedy(gguf_path: Path, prompt: list[int], cfg: PeerBenchConfig) -> tuple[list[int], list[float]]:
