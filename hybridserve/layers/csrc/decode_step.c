@@ -234,6 +234,17 @@ static inline v8f sum_lanes8(const v8f acc[8]) {
 #endif
 }
 
+/* rows[t]: the cached key or value row (`storage`) of context position j + t for one KV head, read
+ * through the block table (bf16 rows widened into buffer + t * head_dim). */
+static void context_rows8(const DecodeModel *m, const void *storage, int64_t layer_rows, int64_t kv_head,
+                          const int64_t *table, int64_t block_size, int64_t j, float *buffer, const float *rows[8]) {
+    for (int64_t t = 0; t < 8; t++) {
+        int64_t position = j + t, slot = table[position / block_size] * block_size + position % block_size;
+        rows[t] = row_as_f32(storage, layer_rows + slot * m->kv_heads + kv_head, m->head_dim, (int)m->bf16_storage,
+                             buffer + t * m->head_dim);
+    }
+}
+
 /* Scores of 8 consecutive context positions [j, j + 8) against the group's query heads (dim a
  * multiple of 8): the 8 key rows are read once for all heads, and each head's 8 dot products are
  * summed together (a prompt chunk's rows attend over long contexts: per-key dot products with
@@ -241,13 +252,9 @@ static inline v8f sum_lanes8(const v8f acc[8]) {
 static void scores_block8(const DecodeModel *m, int64_t layer_rows, int64_t kv_head, const int64_t *table,
                           int64_t block_size, int64_t j, int64_t group, int64_t first_head, float *key_buffer,
                           Workspace *w, int64_t max_context) {
-    int64_t dim = m->head_dim, kv_heads = m->kv_heads;
+    int64_t dim = m->head_dim;
     const float *keys[8];
-    for (int64_t t = 0; t < 8; t++) {
-        int64_t position = j + t, slot = table[position / block_size] * block_size + position % block_size;
-        keys[t] = row_as_f32(m->keys, layer_rows + slot * kv_heads + kv_head, dim, (int)m->bf16_storage,
-                             key_buffer + t * dim);
-    }
+    context_rows8(m, m->keys, layer_rows, kv_head, table, block_size, j, key_buffer, keys);
     for (int64_t g = 0; g < group; g++) {
         const float *q = w->q + (first_head + g) * dim;
         v8f acc[8] = {{0}};
@@ -268,13 +275,9 @@ static void scores_block8(const DecodeModel *m, int64_t layer_rows, int64_t kv_h
 static void values_block8(const DecodeModel *m, int64_t layer_rows, int64_t kv_head, const int64_t *table,
                           int64_t block_size, int64_t j, int64_t group, int64_t first_head, float *value_buffer,
                           Workspace *w, int64_t max_context) {
-    int64_t dim = m->head_dim, kv_heads = m->kv_heads;
+    int64_t dim = m->head_dim;
     const float *values[8];
-    for (int64_t t = 0; t < 8; t++) {
-        int64_t position = j + t, slot = table[position / block_size] * block_size + position % block_size;
-        values[t] = row_as_f32(m->values, layer_rows + slot * kv_heads + kv_head, dim, (int)m->bf16_storage,
-                               value_buffer + t * dim);
-    }
+    context_rows8(m, m->values, layer_rows, kv_head, table, block_size, j, value_buffer, values);
     for (int64_t g = 0; g < group; g++) {
         const float *p = w->scores + (first_head + g) * max_context + j;
         float *out = w->core + (first_head + g) * dim;
