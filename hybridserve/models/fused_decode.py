@@ -8,10 +8,11 @@ decode in the same order; Python passes the step's ids, positions, slots and fre
 what a captured CUDA graph is to a GPU engine: the per-op dispatch of ~150 ops and ~40 module calls
 goes. Float32 models (float32 or int8 linears) get the module path's decode math exactly; a prompt
 chunk's rows are stepped token by token like decode rows, where the module path's prefill uses
-its prefill kernels (the same recurrence, sums in another order). A bfloat16 model's weights, KV and conv state stay
-bfloat16 in memory and are widened to float32 as they are read, so its activations are float32
-where the module path rounds each one to bfloat16: closer to a float32 model, not equal to the
-module path (on a CPU without bf16 arithmetic this is also what makes bfloat16 fast). Steps of
+its prefill kernels (the same recurrence, sums in another order). A bfloat16 model's weights, KV
+and conv state stay bfloat16 in memory and are widened to float32 as they are read, so its
+activations are float32 where the module path rounds each one to bfloat16: closer to a float32
+model, not equal to the module path (on a CPU without bf16 arithmetic this is also what makes
+bfloat16 fast). Steps of
 more rows, steps that want prompt logprobs or a snapshot inside a chunk, CUDA and tensor
 parallelism keep the module path, as does everything with `HYBRIDSERVE_FUSED_DECODE=0` or the C
 kernels off.
