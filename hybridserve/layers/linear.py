@@ -30,7 +30,7 @@ of its pre-packed layout, equal at 2048 rows, and 7x faster than float32 there),
 float32 GEMM on a copy widened for the call: without them PyTorch's bf16 GEMM is emulated (a cold
 4160-token bf16 prefill took 14.5 s on the AVX2 host, 3.4x llama.cpp's time; widened, a cold
 2048-token one took 2.2 s instead of 11.9 s). On the AMX host a pre-packed weight had served decode
-too, at 12.7 ms per token against 3.7 for float32 (`bench decode`).
+too, at 12.7 ms per token against 5.2 for float32 in the same run (`bench decode`).
 Elsewhere (CUDA, other dtypes, builds without oneDNN) the plain matrix is used via F.linear.
 Projections that read the same input are fused into one matrix (concatenated outputs).
 
