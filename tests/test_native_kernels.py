@@ -195,7 +195,7 @@ def test_rms_norm_leaves_prefill_and_other_dtypes_to_torch() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 23, 32])
 @pytest.mark.parametrize("shape", [(4096, 512), (70, 37), (3, 1)])
 @pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
 def test_gemv_matches_torch(weights: str, shape: tuple[int, int], rows: int, threads: int,
@@ -211,7 +211,8 @@ def test_gemv_matches_torch(weights: str, shape: tuple[int, int], rows: int, thr
     elif weights == "int8":
         weight, scales = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8), torch.rand(shape[0]) + 0.5
     x = torch.randn(rows, shape[1] + 5, generator=gen)[:, 3:3 + shape[1]]
-    assert native.gemv_applies(weight, x)
+    assert native.gemv_applies(weight, x, native.GEMV_MAX_INPUT_ROWS)
+    assert native.gemv_applies(weight, x) == (rows <= native.GEMV_DECODE_ROWS)
     y = native.gemv(weight, x, scales)
     assert y.shape == (rows, shape[0]) and y.is_contiguous()
     expected = x @ weight.float().t() * (scales if scales is not None else 1.0)
@@ -241,7 +242,10 @@ def test_gemv_matches_torch_on_every_vector_width(march: str, tmp_path: Path) ->
                     "-o", str(library_path)], check=True, capture_output=True, timeout=120)
     library = ctypes.CDLL(str(library_path))
     gen = torch.Generator().manual_seed(5)
-    for rows, (out_features, in_features) in ((1, (67, 301)), (3, (130, 64)), (8, (9, 40)), (16, (70, 517))):
+    library.gemv_preferred_rows.restype = ctypes.c_int
+    assert library.gemv_preferred_rows() == (native.GEMV_MAX_INPUT_ROWS if march == "x86-64-v4" else 16)
+    for rows, (out_features, in_features) in ((1, (67, 301)), (3, (130, 64)), (8, (9, 40)), (16, (70, 517)),
+                                              (27, (33, 70))):
         x = torch.randn(rows, in_features + 3, generator=gen)[:, 2:2 + in_features]
         weight = torch.randn(out_features, in_features, generator=gen)
         int8 = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
@@ -262,6 +266,7 @@ def test_gemv_matches_torch_on_every_vector_width(march: str, tmp_path: Path) ->
 def test_gemv_leaves_other_inputs_to_torch() -> None:
     weight = torch.randn(8, 16)
     assert not native.gemv_applies(weight, torch.randn(native.GEMV_MAX_INPUT_ROWS + 1, 16))
+    assert not native.gemv_applies(weight, torch.randn(native.GEMV_MAX_INPUT_ROWS + 1, 16), 1000)
     assert not native.gemv_applies(weight, torch.randn(0, 16))
     assert not native.gemv_applies(weight, torch.randn(16, 2).t())  # columns not contiguous
     assert not native.gemv_applies(weight.t().contiguous().t(), torch.randn(2, 16))
@@ -271,6 +276,8 @@ def test_gemv_leaves_other_inputs_to_torch() -> None:
             native.gemv(weight, torch.randn(2, 15))
         with pytest.raises(ValueError, match="scales"):
             native.gemv(weight.to(torch.int8), torch.randn(2, 16))
+        with pytest.raises(ValueError, match="rows"):
+            native.gemv(weight, torch.randn(native.GEMV_MAX_INPUT_ROWS + 1, 16))
 
 
 @needs_kernel

@@ -1,10 +1,11 @@
 """Inference GEMMs on the loaded row-major weights, with the kernel picked by batch size.
 
 On CPU in float32 the weight stays one plain contiguous [out, in] matrix and serves every batch size:
-- up to 16 rows (`native.GEMV_MAX_INPUT_ROWS`: decode), the C GEMV of csrc/gemv.c, in which each
-  thread streams one weight row after another and dots it with every input row while it is in L1
-  (on the 2-core AVX2 host, the built-in model's linears take 0.83-0.88x the split `bmm`'s time at
-  one row, 0.56-0.67x at 8, 0.70-0.91x at 16);
+- up to 16 rows (decode), 32 on AVX-512 (`native.gemv_preferred_rows()`), the C GEMV of
+  csrc/gemv.c, in which each thread streams one weight row after another and dots it with every
+  input row while it is in L1 (on the 2-core AVX2 host, the built-in model's linears take
+  0.83-0.88x the split `bmm`'s time at one row, 0.56-0.67x at 8, 0.70-0.91x at 16; on the AVX-512
+  host 0.63x oneDNN's at 17 rows, 0.91x at 32);
 - up to GEMV_MAX_ROWS rows (larger decode batches, short prefills such as a warm request's suffix,
   and every small batch when the C kernels are off), a *split GEMV*: the matrix viewed as blocks of
   whole rows and one `torch.bmm` over the blocks, which the threads share out (a warm
@@ -13,7 +14,8 @@ On CPU in float32 the weight stays one plain contiguous [out, in] matrix and ser
   contiguous part of the weight; below SPLIT_GEMM_ROWS rows there is one block per thread, from
   there four per thread with the rows multiplied by each block's transpose (the better of the two
   where the rows make it compute-bound: 0.84-0.96x oneDNN's time on the plain weight from 33 to
-  128 rows, 1.05-1.09x at 256). Measured on a 2-core AVX2 host with cold weights, the
+  128 rows, 1.05-1.09x at 256; on the AVX-512 host MKL's `F.linear` takes these rows instead, see
+  `split_bmm_preferred`). Measured on a 2-core AVX2 host with cold weights, the
   built-in model's linears on one row take 10.5 ms instead of 12.5 ms with oneDNN's pre-packed
   weights (its 4096x512 LM head 0.6 vs 1.5 ms with `F.linear`), and a whole batch-1 decode step
   0.81x the time; a batch-16 step is as fast as with pre-packed weights (0.99x);
@@ -68,6 +70,15 @@ GEMV_MAX_ROWS = 128  # up to this many rows a float32 CPU linear runs as a split
 SPLIT_GEMM_ROWS = 8  # from this many rows the split GEMV multiplies the rows by each block's transpose
 QUANTIZATION_METHODS = ("int8",)
 INT8_DEQUANT_ROWS = 64  # from this many rows up, an int8 linear dequantizes its weight for the call
+
+
+@functools.lru_cache(maxsize=1)
+def split_bmm_preferred() -> bool:
+    """Whether the split bmm takes SPLIT_GEMM_ROWS..GEMV_MAX_ROWS rows the C GEMV does not: on the
+    AVX2 host it beat oneDNN there (0.84-0.96x its time), on the AVX-512 host MKL's `F.linear` beat
+    both (the built-in model's linears, cold: 18.1 ms vs 19.5 for oneDNN and 22.7 split at 64 rows,
+    27.8 vs 28.8 and 34.8 at 128; oneDNN leads again from ~192)."""
+    return torch.backends.cpu.get_cpu_capability() != "AVX512"
 
 
 def _onednn_usable(weight: torch.Tensor) -> bool:
@@ -154,8 +165,10 @@ class PackedLinear:
         rows = x.shape[0]
         out_features, in_features = self.weight.shape
         threads = torch.get_num_threads()
-        if native.gemv_applies(self.weight, x):  # up to GEMV_MAX_INPUT_ROWS rows
+        if native.gemv_applies(self.weight, x, native.gemv_preferred_rows()):
             y = native.gemv(self.weight, x)
+        elif rows >= SPLIT_GEMM_ROWS and not split_bmm_preferred():
+            y = F.linear(x, self.weight)
         elif rows < SPLIT_GEMM_ROWS:
             splits = gemv_splits(out_features, threads)
             blocks = self.weight.view(splits, out_features // splits, in_features)
@@ -173,7 +186,7 @@ class PackedLinear:
         C GEMV (which widens the weight in registers) and rounded back to x's dtype; more rows by
         PyTorch's bf16 GEMM on a CPU with bf16 instructions, else by the float32 GEMM on a widened
         copy of the weight made for the call (PyTorch's bf16 GEMM is emulated there)."""
-        if x.dim() == 2 and 0 < x.shape[0] <= native.GEMV_MAX_INPUT_ROWS:
+        if x.dim() == 2 and 0 < x.shape[0] <= native.GEMV_DECODE_ROWS:
             rows = x.float()
             if native.gemv_applies(self.weight, rows):
                 y = native.gemv(self.weight, rows)

@@ -54,7 +54,8 @@ _GDN_PREFILL_ARGTYPES = [_i64] * 6 + [_ptr, _i64] + [_ptr] * 5 + [_float, _i64, 
 _RMS_NORM_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _float, _ptr, _i64]
 _RMS_NORM_ROPE_ARGTYPES = [_ptr, _i64, _i64, _i64, _i64, _ptr, _float, _ptr, _ptr, _i64, _ptr]
 _GEMV_ARGTYPES = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _int]
-GEMV_MAX_INPUT_ROWS = 16  # as in csrc/gemv.c
+GEMV_MAX_INPUT_ROWS = 32  # as in csrc/gemv.c
+GEMV_DECODE_ROWS = 16  # the rows `gemv_applies` admits unless told otherwise (see gemv_preferred_rows)
 
 
 def native_kernels_enabled() -> bool:
@@ -126,6 +127,8 @@ def _library() -> ctypes.CDLL | None:
     library.gemv_i8.restype = ctypes.c_int
     library.gemv_bf16.argtypes = _GEMV_ARGTYPES
     library.gemv_bf16.restype = ctypes.c_int
+    library.gemv_preferred_rows.argtypes = []
+    library.gemv_preferred_rows.restype = ctypes.c_int
     library.decode_step_workspace_floats.argtypes = [_ptr, _i64, _i64]
     library.decode_step_workspace_floats.restype = _i64
     library.decode_step_f32.argtypes = [_ptr, _i64] + [_ptr] * 5 + [_i64] * 3 + [_ptr] * 3 + [_i64] + [_ptr] * 2 + [_int]
@@ -199,10 +202,23 @@ def rms_norm_rope_f32(x: torch.Tensor, scale: torch.Tensor, eps: float, cos: tor
     return out
 
 
-def gemv_applies(weight: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether `gemv` takes x @ weight.T: 1..GEMV_MAX_INPUT_ROWS float32 CPU rows with contiguous
-    columns, a contiguous float32, bfloat16 or int8 weight, and the kernels enabled."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_INPUT_ROWS and x.dtype == torch.float32 and x.is_cpu
+def gemv_preferred_rows() -> int:
+    """The most rows for which the compiled GEMV beats PyTorch's GEMMs (csrc/gemv.c): 32 on AVX-512,
+    16 elsewhere or without the kernels."""
+    return _library_preferred_rows() if native_kernels_enabled() else GEMV_DECODE_ROWS
+
+
+@lru_cache(maxsize=1)
+def _library_preferred_rows() -> int:
+    library = _library()
+    return int(library.gemv_preferred_rows()) if library is not None else GEMV_DECODE_ROWS
+
+
+def gemv_applies(weight: torch.Tensor, x: torch.Tensor, max_rows: int = GEMV_DECODE_ROWS) -> bool:
+    """Whether `gemv` takes x @ weight.T: 1..max_rows (at most GEMV_MAX_INPUT_ROWS) float32 CPU rows
+    with contiguous columns, a contiguous float32, bfloat16 or int8 weight, and the kernels enabled."""
+    rows = min(max_rows, GEMV_MAX_INPUT_ROWS)
+    return (x.dim() == 2 and 0 < x.shape[0] <= rows and x.dtype == torch.float32 and x.is_cpu
             and (x.stride(1) == 1 or x.shape[1] == 1)
             and weight.dtype in (torch.float32, torch.bfloat16, torch.int8)
             and weight.is_cpu and weight.is_contiguous() and native_kernels_enabled())

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from hybridserve.models.qwen3_5 import ForwardContext, Qwen3_5ForCausalLM
 
 FUSED_DECODE_ENV = "HYBRIDSERVE_FUSED_DECODE"
-MAX_ROWS = native.GEMV_MAX_INPUT_ROWS  # the GEMV's row bound, DECODE_STEP_MAX_ROWS in decode_step.c
+MAX_ROWS = native.GEMV_DECODE_ROWS  # DECODE_STEP_MAX_ROWS in decode_step.c
 
 WEIGHT_FORMATS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}  # as in decode_step.c
 

@@ -24,7 +24,7 @@
 #include <immintrin.h>
 #endif
 
-#define DECODE_STEP_MAX_ROWS 16  /* the GEMV's row bound (gemv.c) */
+#define DECODE_STEP_MAX_ROWS 16  /* rows of one step (the GEMV takes up to 32) */
 
 int gemv_f32(const float *weight, int64_t out, int64_t in, const float *x, int64_t rows, int64_t ld_x, float *y,
              int64_t ld_y, int threads);

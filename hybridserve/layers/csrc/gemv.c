@@ -1,4 +1,4 @@
-/* y = x @ W.T for up to 16 float32 rows of x (CPU decode), W float32, int8 or bfloat16.
+/* y = x @ W.T for up to 32 float32 rows of x (CPU decode), W float32, int8 or bfloat16.
  *
  * A batch-1 decode step is a stream of every weight, so the GEMV must read memory as fast as the
  * machine allows. Measured on the 2-core AVX2 host over a 105 MB matrix with 2 threads: a plain sum
@@ -16,7 +16,10 @@
  * 2.2 ms), 8 rows 2.9 ms, 16 rows 6.9 ms, with 16-lane vectors (7.9 ms with 8 lanes at 16 rows);
  * pairing weight rows for whole groups of 8 input rows (dot_rows_pair, AVX-512 only: with AVX2's
  * 16 registers the 16 accumulators spill, which measured slower on the AVX2 host) took 16 rows to
- * 5.3 ms, and the model's linears at 16 rows from 7.0 to 6.0 ms.
+ * 5.3 ms, and the model's linears at 16 rows from 7.0 to 6.0 ms. Summing a pair's 16 accumulators
+ * in one shuffle tree (lane_sums16) instead of one by one, and prefetching its weights into L2
+ * rather than L1, took them (cold, in the model's order, alternated with the previous build) from
+ * 5.49-6.28 to 5.04-5.89 ms, 8-10% less.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -24,7 +27,7 @@
 #include <immintrin.h>
 #endif
 
-#define GEMV_MAX_INPUT_ROWS 16
+#define GEMV_MAX_INPUT_ROWS 32
 #define GEMV_GROUP 8
 #define GEMV_PREFETCH_BYTES 4096  /* how far ahead in the weight row stream to prefetch */
 #define GEMV_BLOCK_ROWS 64  /* output features handed to a thread at a time */
@@ -161,36 +164,68 @@ static inline __attribute__((always_inline)) void dot_rows(const void *w, int fo
 }
 
 #if GEMV_LANES == 16
+/* Lane j of the result is the sum of v[j]'s lanes, for 16 vectors: four levels of pairwise shuffles
+ * and adds (45 operations, where 16 lane_sums take ~130, mostly scalar). Each level adds the same
+ * lanes as lane_sum's tree, so every sum is rounded exactly as lane_sum rounds it. */
+static inline vecf lane_sums16(const vecf v[16]) {
+    vecf halves[8], quarters[4], pairs[2];
+    for (int m = 0; m < 8; m++)  /* lanes 0-7: v[2m]'s k + k+8; lanes 8-15: v[2m+1]'s */
+        halves[m] = __builtin_shufflevector(v[2 * m], v[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                            22, 23) +
+                    __builtin_shufflevector(v[2 * m], v[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                                            29, 30, 31);
+    for (int n = 0; n < 4; n++)  /* lanes 4q..4q+3: v[4n+q]'s k + k+4 */
+        quarters[n] = __builtin_shufflevector(halves[2 * n], halves[2 * n + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                              19, 24, 25, 26, 27) +
+                      __builtin_shufflevector(halves[2 * n], halves[2 * n + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                              22, 23, 28, 29, 30, 31);
+    for (int p = 0; p < 2; p++)  /* lanes 2q, 2q+1: v[8p+q]'s (0 + 2, 1 + 3) */
+        pairs[p] = __builtin_shufflevector(quarters[2 * p], quarters[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
+                                           20, 21, 24, 25, 28, 29) +
+                   __builtin_shufflevector(quarters[2 * p], quarters[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
+                                           22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(pairs[0], pairs[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(pairs[0], pairs[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
 /* dot_rows for two weight rows and exactly GEMV_GROUP input rows: with AVX-512's 32 registers the
- * 16 accumulators stay in registers and each input vector loaded feeds two FMAs. */
+ * 16 accumulators stay in registers and each input vector loaded feeds two FMAs. Here the weights
+ * are prefetched into L2 only (8 input rows spend long enough on each line that an L1 prefetch
+ * evicts input rows: 3% slower). The sums of input row r land at out[r * ld_out] and
+ * out[r * ld_out + 1]. */
 static inline __attribute__((always_inline)) void dot_rows_pair(const void *w0, const void *w1, int format,
                                                                 float scale0, float scale1, int64_t in,
                                                                 const float *x, int64_t ld_x, float *out,
                                                                 int64_t ld_out) {
     const int64_t lanes = GEMV_LANES;
-    vecf acc0[GEMV_GROUP] = {{0}}, acc1[GEMV_GROUP] = {{0}};
+    vecf acc[2 * GEMV_GROUP] = {{0}};  /* [2r]: row r with w0, [2r + 1]: with w1 */
     int64_t i = 0;
     int64_t prefetch = GEMV_PREFETCH_BYTES / weight_bytes(format);
     for (; i + lanes <= in; i += lanes) {
         if (((i * weight_bytes(format)) & 63) == 0) {
-            __builtin_prefetch((const char *)w0 + (i + prefetch) * weight_bytes(format), 0, 3);
-            __builtin_prefetch((const char *)w1 + (i + prefetch) * weight_bytes(format), 0, 3);
+            __builtin_prefetch((const char *)w0 + (i + prefetch) * weight_bytes(format), 0, 2);
+            __builtin_prefetch((const char *)w1 + (i + prefetch) * weight_bytes(format), 0, 2);
         }
         vecf a = load_weights(w0, i, format), b = load_weights(w1, i, format);
         for (int r = 0; r < GEMV_GROUP; r++) {
             vecf xv = load_f32(x + r * ld_x + i);
-            acc0[r] += a * xv;
-            acc1[r] += b * xv;
+            acc[2 * r] += a * xv;
+            acc[2 * r + 1] += b * xv;
         }
     }
+    float sums[2 * GEMV_GROUP];
+    vecf total = lane_sums16(acc);
+    __builtin_memcpy(sums, &total, sizeof sums);
     for (int r = 0; r < GEMV_GROUP; r++) {
-        float s0 = lane_sum(acc0[r]), s1 = lane_sum(acc1[r]);
         for (int64_t j = i; j < in; j++) {
-            s0 += weight_at(w0, j, format) * x[r * ld_x + j];
-            s1 += weight_at(w1, j, format) * x[r * ld_x + j];
+            sums[2 * r] += weight_at(w0, j, format) * x[r * ld_x + j];
+            sums[2 * r + 1] += weight_at(w1, j, format) * x[r * ld_x + j];
         }
-        out[r * ld_out] = format == WEIGHT_I8 ? s0 * scale0 : s0;
-        out[r * ld_out + 1] = format == WEIGHT_I8 ? s1 * scale1 : s1;
+        if (format == WEIGHT_I8) {
+            sums[2 * r] *= scale0;
+            sums[2 * r + 1] *= scale1;
+        }
+        __builtin_memcpy(out + r * ld_out, sums + 2 * r, 2 * sizeof(float));
     }
 }
 #endif
@@ -255,6 +290,14 @@ static void gemv_range_i8(const void *weight, const float *scales, int64_t in, c
 static void gemv_range_bf16(const void *weight, int64_t in, const float *x, int64_t rows, int64_t ld_x, float *y,
                             int64_t ld_y, int64_t first, int64_t last) {
     gemv_range(weight, 0, WEIGHT_BF16, in, x, rows, ld_x, y, ld_y, first, last);
+}
+
+/* The most rows for which this build's GEMV beats PyTorch's GEMMs on the same plain weight: 32 where
+ * it pairs weight rows (AVX-512: the built-in model's linears, cold, 2 threads, 7.2 vs 11.4 ms for
+ * oneDNN at 17 rows, 9.1 vs 12.2 at 24, 12.8 vs 14.1 at 32, even at 40), else 16 (on the AVX2 host
+ * 32 rows took 1.16x the split bmm's time). */
+int gemv_preferred_rows(void) {
+    return GEMV_LANES == 16 ? GEMV_MAX_INPUT_ROWS : 16;
 }
 
 static int gemv(const void *weight, const float *scales, int format, int64_t out, int64_t in, const float *x,
