@@ -377,3 +377,34 @@ def test_without_a_compiler_the_eager_path_serves(monkeypatch: pytest.MonkeyPatc
     finally:
         monkeypatch.undo()
         native._library.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("vocab", [1, 15, 16, 37, 4096])
+def test_argmax_and_finite_match_torch(vocab: int) -> None:
+    """The sampler's one-pass row summary: torch's argmax (the first of tied maxima) and
+    isfinite().all() per row, for rows with NaN, +inf or -inf anywhere, rows `ld` apart."""
+    gen = torch.Generator().manual_seed(vocab)
+    wide = torch.randn(9, vocab + 3, generator=gen)
+    logits = wide[:, 1:1 + vocab]
+    logits[1] = 0.5  # all tied: the first index
+    logits[2, vocab // 2] = float("nan")
+    logits[3, -1] = float("inf")
+    logits[4, 0] = float("-inf")
+    logits[5, vocab // 3:] = logits[5].max() + 1.0  # a tie of the later maxima
+    logits[6, -1] = float("nan")
+    summary = native.argmax_and_finite(logits)
+    assert summary is not None
+    argmax, finite = summary
+    expected_finite = torch.isfinite(logits).all(dim=-1).tolist()
+    assert finite == expected_finite
+    expected_argmax = logits.argmax(dim=-1).tolist()
+    assert [a for a, ok in zip(argmax, finite) if ok] == [a for a, ok in zip(expected_argmax, finite) if ok]
+    assert all(0 <= a < vocab for a in argmax)
+
+
+def test_argmax_and_finite_leave_other_tensors_to_torch() -> None:
+    assert native.argmax_and_finite(torch.randn(2, 8).double()) is None
+    assert native.argmax_and_finite(torch.randn(8, 2).t()) is None  # columns not contiguous
+    assert native.argmax_and_finite(torch.randn(2, 0)) is None
+    assert native.argmax_and_finite(torch.randn(8)) is None

@@ -9,6 +9,7 @@ import torch
 
 from hybridserve.engine.request import Request
 from hybridserve.engine.structured_output import TokenMasker
+from hybridserve.layers import native
 
 
 class SampleResult(NamedTuple):
@@ -42,7 +43,8 @@ def sample_isolated(logits: torch.Tensor, requests: list[Request],
         NonFiniteLogitsError("the model produced non-finite logits") for _ in requests]
     if not requests:
         return results
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    summary = native.argmax_and_finite(logits)
+    finite = summary[1] if summary is not None else torch.isfinite(logits).all(dim=-1).tolist()
     healthy = [row for row, ok in enumerate(finite) if ok]
     processed = logits
     constrained = [row for row in healthy if requests[row].matcher is not None]
@@ -67,7 +69,7 @@ def sample_isolated(logits: torch.Tensor, requests: list[Request],
         except Exception as exc:  # noqa: BLE001 - this request's failure only
             results[row] = exc
             healthy.remove(row)
-    greedy = processed.argmax(dim=-1).tolist()
+    greedy = summary[0] if summary is not None and processed is logits else processed.argmax(dim=-1).tolist()
     wanted = [row for row in healthy if requests[row].params.logprobs is not None]
     all_logprobs = torch.log_softmax(logits[wanted], dim=-1) if wanted else None
     for row in healthy:

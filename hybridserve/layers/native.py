@@ -129,6 +129,8 @@ def _library() -> ctypes.CDLL | None:
     library.gemv_bf16.restype = ctypes.c_int
     library.gemv_preferred_rows.argtypes = []
     library.gemv_preferred_rows.restype = ctypes.c_int
+    library.logits_argmax_finite.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _int]
+    library.logits_argmax_finite.restype = None
     library.decode_step_workspace_floats.argtypes = [_ptr, _i64, _i64]
     library.decode_step_workspace_floats.restype = _i64
     library.decode_step_f32.argtypes = [_ptr, _i64] + [_ptr] * 5 + [_i64] * 3 + [_ptr] * 3 + [_i64] + [_ptr] * 2 + [_int]
@@ -200,6 +202,23 @@ def rms_norm_rope_f32(x: torch.Tensor, scale: torch.Tensor, eps: float, cos: tor
     library.rms_norm_rope_f32(x.data_ptr(), tokens, heads, dim, stride, scale.data_ptr(), eps, cos.data_ptr(),
                               sin.data_ptr(), rot, out.data_ptr())
     return out
+
+
+def argmax_and_finite(logits: torch.Tensor) -> tuple[list[int], list[bool]] | None:
+    """Each row's first maximum (as `argmax(dim=-1)`) and whether the row is all finite, in one C
+    pass (csrc/logits.c); None unless `logits` is a float32 CPU [rows, vocab] tensor with
+    contiguous rows and the kernels are enabled (the caller then asks torch)."""
+    if (logits.dim() != 2 or logits.dtype != torch.float32 or not logits.is_cpu or logits.shape[1] == 0
+            or logits.stride(1) != 1 or not native_kernels_enabled()):
+        return None
+    library = _library()
+    assert library is not None
+    rows = logits.shape[0]
+    argmax = torch.empty(rows, dtype=torch.int64)
+    finite = torch.empty(rows, dtype=torch.uint8)
+    library.logits_argmax_finite(logits.data_ptr(), rows, logits.shape[1], logits.stride(0), argmax.data_ptr(),
+                                 finite.data_ptr(), torch.get_num_threads())
+    return argmax.tolist(), [bool(flag) for flag in finite.tolist()]
 
 
 def gemv_preferred_rows() -> int:
