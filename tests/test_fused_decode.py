@@ -207,8 +207,8 @@ def test_steps_mixing_decode_rows_and_prompt_chunks_match_the_module_path(dtype:
                  for t in on[1][0].keys() & cold_off[key][1][0].keys()]
         assert len(diffs) >= len(cold_on) and max(diffs) < 0.15
         return
-    # int8: prefill steps of 17-63 rows (in both runs) round activations to bf16 for PyTorch's int8
-    # GEMM, which turns the ~1e-6 float32-rounding differences of the chunk rows into bf16 rounding
+    # int8: prefill steps of 17-63 rows (33-63 on AVX-512, where the C GEMV takes up to 32; in both
+    # runs) round activations to bf16 for PyTorch's int8 GEMM, which turns the ~1e-6 float32-rounding differences of the chunk rows into bf16 rounding
     # steps (measured up to 5e-3; a single mixed step's logits differ by 2e-6, as in float32)
     tolerance = 1e-4 if quantization is None else 1e-2
     for on, off in ((cold_on, cold_off), (warm_on, warm_off)):
