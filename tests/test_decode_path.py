@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hybridserve import LLM, SamplingParams
 from hybridserve.config import CacheConfig, EngineConfig
 from hybridserve.engine.engine import LLMEngine
+from hybridserve.layers import linear as linear_module
 from hybridserve.layers.gated_delta import recurrent_gated_delta_step
 from hybridserve.layers.linear import GEMV_MAX_ROWS, INT8_DEQUANT_ROWS, SPLIT_GEMM_ROWS, PackedLinear, gemv_splits, \
     quantize_int8
@@ -96,11 +97,14 @@ def test_int8_linear_matches_its_dequantized_weight() -> None:
         PackedLinear([linear], quantization="int4")
 
 
+@pytest.mark.parametrize("split_bmm", [True, False])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_split_gemv_matches_f_linear_for_every_row_count(threads: int) -> None:
-    """The float32 CPU kernels picked by row count (split GEMV, split GEMM, oneDNN) all compute
-    x @ W.T (+ b) on the one plain weight, and the fused MLP's silu(gate) * up, for out sizes a
-    thread count divides or not."""
+def test_split_gemv_matches_f_linear_for_every_row_count(threads: int, split_bmm: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The float32 CPU kernels picked by row count (C GEMV, split GEMV, split GEMM or MKL's GEMM as
+    the host prefers, oneDNN) all compute x @ W.T (+ b) on the one plain weight, and the fused
+    MLP's silu(gate) * up, for out sizes a thread count divides or not."""
+    monkeypatch.setattr(linear_module, "split_bmm_preferred", lambda: split_bmm)
     torch.manual_seed(2)
     gate, up = torch.nn.Linear(64, 97, bias=True), torch.nn.Linear(64, 97, bias=True)  # 194 rows: 3 threads do not divide it
     down = torch.nn.Linear(97, 64, bias=False)
@@ -109,7 +113,7 @@ def test_split_gemv_matches_f_linear_for_every_row_count(threads: int) -> None:
     try:
         gate_up, plain = PackedLinear([gate, up]), PackedLinear([down])
         assert plain.split_gemv and plain.weight.data_ptr() == down.weight.data_ptr()  # no copy
-        for rows in (1, 3, SPLIT_GEMM_ROWS - 1, SPLIT_GEMM_ROWS, 17, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 300):
+        for rows in (1, 3, SPLIT_GEMM_ROWS - 1, SPLIT_GEMM_ROWS, 17, 33, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 300):
             x, hidden = torch.randn(rows, 64), torch.randn(rows, 97)
             expected = torch.nn.functional.silu(gate(x)) * up(x)
             torch.testing.assert_close(gate_up.silu_mul(x), expected, atol=1e-5, rtol=1e-5)
