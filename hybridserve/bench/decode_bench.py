@@ -23,6 +23,7 @@ from hybridserve.bench.common import EngineDriver, format_table, greedy, machine
     synchronize
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
+from hybridserve.layers.huge_pages import huge_page_buffer, huge_pages_available
 from hybridserve.layers.linear import PackedLinear
 
 VARIANTS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("float32", "int8")}
@@ -51,8 +52,14 @@ def variant_config(base: EngineConfig, variant: str) -> EngineConfig:
 
 
 def weight_read_seconds(num_bytes: int, device: torch.device | str = "cpu", repeats: int = 7) -> float:
-    """Median seconds to read `num_bytes` once on `device` with a torch reduction (the decode floor)."""
-    buffer = torch.ones(max(1, num_bytes // 4), dtype=torch.float32, device=device)
+    """Median seconds to read `num_bytes` once on `device` with a torch reduction (the decode floor).
+    On CPU the buffer sits in huge pages where the engine's weights do (`layers.huge_pages`), so
+    the floor reads the same kind of memory as the decode step."""
+    count = max(1, num_bytes // 4)
+    if torch.device(device).type == "cpu" and huge_pages_available():
+        buffer = huge_page_buffer(4 * count).view(torch.float32).fill_(1.0)
+    else:
+        buffer = torch.ones(count, dtype=torch.float32, device=device)
     times = []
     for _ in range(repeats + 1):
         synchronize(buffer.device)

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -263,11 +264,20 @@ def drop_linears(module: nn.Module, names: list[str]) -> None:
         delattr(module, name)
 
 
-def tensor_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of a tensor's storage."""
-    return tensor.untyped_storage().nbytes()
-
-
-def tensor_key(tensor: torch.Tensor) -> int:
-    """Identity of the memory behind a tensor (views of one storage share it)."""
-    return tensor.untyped_storage().data_ptr()
+def union_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the memory the tensors span, each byte counted once however many tensors view it
+    (per device: the same address on two devices is two bytes)."""
+    spans: dict[torch.device, list[tuple[int, int]]] = {}
+    for tensor in tensors:
+        if tensor.numel() == 0:
+            continue
+        extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+        start = tensor.data_ptr()
+        spans.setdefault(tensor.device, []).append((start, start + extent * tensor.element_size()))
+    total = 0
+    for ranges in spans.values():
+        end = -1
+        for start, stop in sorted(ranges):
+            total += max(0, stop - max(start, end))
+            end = max(end, stop)
+    return total

@@ -13,6 +13,7 @@ to a `SnapshotSink`. Decode-only steps that fit `fused_decode` run as one C call
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 from typing import Callable, NamedTuple, Protocol
 
 import torch
@@ -22,7 +23,8 @@ from torch import nn
 from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.config import FULL_ATTENTION, ModelConfig
 from hybridserve.layers.attention import PagedKVCache, decode_attention, prefill_attention
-from hybridserve.layers.linear import PackedLinear, drop_linears, tensor_bytes, tensor_key
+from hybridserve.layers.huge_pages import move_to_huge_pages
+from hybridserve.layers.linear import PackedLinear, drop_linears, union_bytes
 from hybridserve.layers.gated_delta import L2_NORM_EPS, ChunkedResult, causal_conv_decode, \
     causal_conv_prefill, chunked_gated_delta, conv_state_after, recurrent_gated_delta_step
 from hybridserve.layers.native import gdn_decode_f32, gdn_prefill_f32, native_kernels_enabled, rms_norm_applies, \
@@ -426,22 +428,28 @@ class Qwen3_5ForCausalLM(nn.Module):
         else:
             self.head = PackedLinear([self.lm_head])
             drop_linears(self, ["lm_head"])
+        move_to_huge_pages(self.weight_slots())
+
+    def weight_slots(self) -> Iterator[tuple[object, str, torch.Tensor]]:
+        """Every weight the model holds, as (owner, attribute, tensor): parameters, packed linears'
+        tensors, precomputed norm scales; position tables are not weights."""
+        for module in self.modules():
+            for name, parameter in module._parameters.items():
+                if parameter is not None:
+                    yield module, name, parameter
+            for name, value in list(vars(module).items()):
+                if isinstance(value, PackedLinear):
+                    for attribute in ("weight", "scales", "kernel_scales", "bias"):
+                        tensor = getattr(value, attribute)
+                        if tensor is not None:
+                            yield value, attribute, tensor
+                elif isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                    yield module, name, value
 
     def weight_bytes(self) -> int:
-        """Bytes of every weight the model holds (parameters, packed linears, precomputed norm
-        scales), each distinct memory block counted once; position tables are not weights."""
-        seen: dict[int, int] = {}
-        for module in self.modules():
-            tensors = list(module._parameters.values())
-            for value in vars(module).values():
-                if isinstance(value, PackedLinear):
-                    tensors.extend(value.tensors())
-                elif isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-                    tensors.append(value)
-            for tensor in tensors:
-                if tensor is not None:
-                    seen[tensor_key(tensor)] = max(seen.get(tensor_key(tensor), 0), tensor_bytes(tensor))
-        return sum(seen.values())
+        """Bytes of every weight the model holds (see `weight_slots`), memory shared by several
+        counted once (tied embeddings; weights copied into one huge-page region stay distinct)."""
+        return union_bytes(tensor for _, _, tensor in self.weight_slots())
 
     def forward(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         step = self._fused_decode_step(batch, ctx)
