@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -24,6 +25,7 @@ from hybridserve.engine.async_engine import EngineDeadError
 from hybridserve.engine.core import BURST_GAP_S, EngineCore
 from hybridserve.engine.core_messages import AddRequest, input_encoder
 from hybridserve.engine.core_client import EngineCoreClient
+from hybridserve.engine.frames import FrameReceiver, FrameSender
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.server.app import build_app
 from tests.live_server import ServerThread, tiny_config
@@ -55,6 +57,11 @@ def check_clean(core: EngineCoreClient) -> None:
     asyncio.run(core.check_integrity())
 
 
+def reader_thread_running() -> bool:
+    """Whether an engine core client's reader thread is alive (it ends once a loop reads)."""
+    return any(thread.name == "hybridserve-core-reader" and thread.is_alive() for thread in threading.enumerate())
+
+
 def process_gone(pid: int) -> bool:
     """The process has exited and been reaped (or was never ours)."""
     try:
@@ -77,7 +84,7 @@ def core() -> Iterator[EngineCoreClient]:
 
 @pytest.fixture(scope="module")
 def server(core: EngineCoreClient) -> Iterator[ServerThread]:
-    with ServerThread(build_app(core, model_name=MODEL)) as srv:
+    with ServerThread(build_app(core, model_name=MODEL), core) as srv:  # outputs read on its loop
         yield srv
 
 
@@ -156,8 +163,9 @@ def test_core_death_fails_requests_and_health() -> None:
     assert pid is not None
     body = {"model": MODEL, "prompt": "long", "max_tokens": 5000, "ignore_eos": True, "stream": True}
     try:
-        with ServerThread(build_app(client, model_name=MODEL)) as srv:
+        with ServerThread(build_app(client, model_name=MODEL), client) as srv:
             assert httpx.get(f"{srv.url}/health").status_code == 200
+            wait_until(lambda: not reader_thread_running())  # the server's loop reads the outputs
             started = time.monotonic()
             with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as response:
                 lines = response.iter_lines()
@@ -256,3 +264,56 @@ def test_an_idle_core_gathers_a_burst_but_not_a_lone_request() -> None:
         for socket in sockets:
             socket.close(linger=0)
         context.term()
+
+
+def test_frames_cross_read_boundaries_and_end_with_the_peer() -> None:
+    """Frames of any size arrive whole and in order however the reads cut them (7-byte reads here,
+    a frame over the 64 KiB one-write size); the peer's close reads as None."""
+    ours, theirs = socket.socketpair()
+    sender, receiver = FrameSender(ours), FrameReceiver(theirs, read_bytes=7)
+    payloads = [b"", b"x", b"hello world", bytes(range(256)) * 300]
+    for payload in payloads:
+        sender.send(payload)
+    received: list[bytes] = []
+    while len(received) < len(payloads):
+        frames = receiver.receive(5.0)
+        assert frames is not None
+        received += frames
+    assert received == payloads
+    assert receiver.receive(0) == [] and receiver.receive(0.01) == []
+    sender.close()
+    assert receiver.receive(5.0) is None
+    receiver.close()
+
+
+def test_outputs_move_to_a_loop_and_back_to_the_reader_thread() -> None:
+    """After `read_on_loop` the reader thread ends and that loop reads the core's outputs, also for
+    streams of other loops; once that loop is closed, the next request resumes the thread."""
+    client = EngineCoreClient(tiny_config(), max_waiting_requests=8)
+    client.start()
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def tokens(request_id: str) -> list[int]:
+        last = None
+        async for output in client.generate(request_id, [5, 6, 7, 8], params):
+            last = output
+        assert last is not None and last.finished
+        return last.outputs[0].token_ids
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        assert reader_thread_running()
+        client.read_on_loop(loop)
+        wait_until(lambda: not reader_thread_running())
+        on_loop = asyncio.run_coroutine_threadsafe(tokens("on-loop"), loop).result(60)
+        assert len(on_loop) == 8 and asyncio.run(tokens("other-loop")) == on_loop
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+        assert asyncio.run(tokens("after-close")) == on_loop and reader_thread_running()
+        check_clean(client)
+    finally:
+        client.shutdown()
+    assert not reader_thread_running()

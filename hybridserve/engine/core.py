@@ -5,7 +5,8 @@ context). It builds the `LLMEngine` from the `EngineConfig` it receives — so w
 starts internally (threads, worker processes) lives under this process — then loops: drain the
 input socket (add / abort / utility calls), run one step while there is work, push that step's
 *incremental* outputs. It never waits on the API process: HTTP, JSON and SSE happen there, on
-the other side of two ZMQ PUSH/PULL sockets.
+the other side of a ZMQ PULL socket (inputs) and a Unix socket of length-prefixed frames
+(outputs, written from this loop's thread: no I/O thread is woken per step).
 
 The process is deliberately not daemonic (a daemonic process may not start children, and
 tensor-parallel workers hang off this one). Instead it exits when its parent goes away: it
@@ -18,6 +19,7 @@ import logging
 import os
 import pickle
 import signal
+import socket
 import time
 from typing import Any
 
@@ -41,6 +43,7 @@ from hybridserve.engine.core_messages import (
     input_decoder,
     input_encoder,
 )
+from hybridserve.engine.frames import FrameSender
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +120,10 @@ def _completion_delta(seq: Any, sent: _Sent) -> CompletionDelta:
 
 
 class EngineCore:
-    """The busy loop around one `LLMEngine`, fed and drained through two ZMQ sockets."""
+    """The busy loop around one `LLMEngine`, fed through a ZMQ socket; its outputs go to anything
+    with `send(bytes)` (a `FrameSender` in the core process)."""
 
-    def __init__(self, engine: Any, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
+    def __init__(self, engine: Any, inputs: zmq.Socket, outputs: Any, parent_pid: int) -> None:
         self.engine = engine
         self.inputs = inputs
         self.outputs = outputs
@@ -132,8 +136,11 @@ class EngineCore:
         self._next_parent_check = 0.0
 
     def send(self, message: Any) -> None:
-        """Encode and push one message to the API process."""
-        self.outputs.send(self._encoder.encode(message), copy=False)
+        """Encode and push one message to the API process (gone: the core stops)."""
+        try:
+            self.outputs.send(self._encoder.encode(message))
+        except OSError:
+            self._stopping = True
 
     def run(self) -> None:
         """Loop until `Shutdown` or until the parent process is gone."""
@@ -269,16 +276,18 @@ def core_info(engine: Any) -> CoreInfo:
 
 def run_engine_core(config: Any, input_address: str, output_address: str, parent_pid: int,
                     log_level: int = logging.WARNING) -> None:
-    """Process entry point: build the engine, report `Ready` (or `StartupFailed`), then loop."""
+    """Process entry point: build the engine, report `Ready` (or `StartupFailed`), then loop.
+    `input_address` is the API process's ZMQ PUSH endpoint, `output_address` the path of its Unix
+    socket for outputs."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
     logging.getLogger().setLevel(log_level)
     context = zmq.Context(1)
     inputs = context.socket(zmq.PULL)
-    outputs = context.socket(zmq.PUSH)
-    outputs.setsockopt(zmq.LINGER, 2000)
     inputs.connect(input_address)
-    outputs.connect(output_address)
+    output_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    output_socket.connect(output_address)
+    outputs = FrameSender(output_socket)
     encoder = input_encoder()
     try:
         from hybridserve.engine.engine import LLMEngine

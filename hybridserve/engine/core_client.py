@@ -2,11 +2,15 @@
 
 It has `AsyncLLMEngine`'s interface (add_request -> stream of cumulative `RequestOutput`s,
 abort, call/stats, start/shutdown, is_running, tokenizer, max_model_len, ...), so the HTTP app
-does not know which one it serves. Requests go out over a ZMQ PUSH socket; one reader thread
-receives the core's per-step incremental outputs (blocking in ZMQ, without the GIL) and hands
-each step to every event loop that has requests in it with *one* `call_soon_threadsafe`. On the
-event loop the deltas are appended to each request's accumulator; a stream builds its
-cumulative `RequestOutput` only when its consumer reads, so a slow consumer coalesces steps.
+does not know which one it serves. Requests go out over a ZMQ PUSH socket (queued by ZMQ's I/O
+thread, so a long prompt never blocks the event loop while the core is busy). The core's per-step
+incremental outputs come back as frames on a Unix socket (`engine/frames.py`). A reader thread
+receives them (blocking, without the GIL) and hands each step to every event loop that has
+requests in it with *one* `call_soon_threadsafe`; once the server's loop runs, `read_on_loop`
+moves the reading onto that loop, so a step wakes one thread of this process instead of the
+three a ZMQ socket and a reader thread woke. On the event loop the deltas are appended to each
+request's accumulator; a stream builds its cumulative `RequestOutput` only when its consumer
+reads, so a slow consumer coalesces steps.
 
 If the core process dies, every in-flight request fails with `EngineDeadError`, `is_running`
 turns False (/health answers 503) and new requests are refused.
@@ -23,7 +27,9 @@ import os
 import pickle
 import shutil
 import tempfile
+import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -31,6 +37,7 @@ import zmq
 
 from hybridserve.engine.async_engine import EngineDeadError, EngineOverloadedError, EngineStepError, generate_outputs
 from hybridserve.engine.core import run_engine_core
+from hybridserve.engine.frames import FrameReceiver
 from hybridserve.engine.core_messages import (
     AbortRequests,
     AddRequest,
@@ -186,6 +193,11 @@ class EngineCoreClient:
         self._pending_adds = 0
         self._process: multiprocessing.process.BaseProcess | None = None
         self._reader: threading.Thread | None = None
+        self._listener: socket.socket | None = None
+        self._outputs: FrameReceiver | None = None
+        self._home: asyncio.AbstractEventLoop | None = None  # the loop asked to read the outputs
+        self._home_reading = False  # True once that loop reads them (the reader thread has ended)
+        self._backlog: list[bytes] = []  # frames read with the start-up message
         self._dead_reason: str | None = None
         self._stopping = False
         self._context: zmq.Context | None = None
@@ -223,14 +235,14 @@ class EngineCoreClient:
             return
         self._ipc_dir = tempfile.mkdtemp(prefix="hybridserve-core-")
         input_address = f"ipc://{self._ipc_dir}/input"
-        output_address = f"ipc://{self._ipc_dir}/output"
+        output_address = os.path.join(self._ipc_dir, "output")
         self._context = zmq.Context(1)
         self._inputs = self._context.socket(zmq.PUSH)
         self._inputs.setsockopt(zmq.LINGER, 0)
         self._inputs.bind(input_address)
-        self._outputs = self._context.socket(zmq.PULL)
-        self._outputs.setsockopt(zmq.LINGER, 0)
-        self._outputs.bind(output_address)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(output_address)
+        self._listener.listen(1)
         spawn = multiprocessing.get_context("spawn")
         self._process = spawn.Process(target=run_engine_core, name="hybridserve-engine-core",
                                       args=(self.config, input_address, output_address, os.getpid(),
@@ -242,21 +254,42 @@ class EngineCoreClient:
             self._stop_process(graceful=False)
             self._close_sockets()
             raise
+        self._start_reader_thread()
+
+    def _start_reader_thread(self) -> None:
         self._reader = threading.Thread(target=self._read_loop, name="hybridserve-core-reader", daemon=True)
         self._reader.start()
 
+    def _resume_reader_thread(self) -> None:
+        """Read on a thread again when the loop given to `read_on_loop` has been closed."""
+        home = self._home
+        if not self._home_reading or home is None or not home.is_closed():
+            return
+        with self._lock:
+            if self._home_reading and not self._stopping:
+                self._home, self._home_reading, self._backlog = None, False, []
+                self._start_reader_thread()
+
     def _await_ready(self) -> None:
-        waited = 0
-        while True:
-            if self._outputs.poll(POLL_MS):
-                message = self._decoder.decode(self._outputs.recv())
-                break
-            assert self._process is not None
-            if not self._process.is_alive():
-                raise RuntimeError(f"engine core exited with code {self._process.exitcode} while starting")
-            waited += POLL_MS
-            if waited > self.start_timeout_s * 1000:
-                raise TimeoutError(f"engine core not ready after {self.start_timeout_s:.0f} s")
+        """Accept the core's output connection and read its first message (`Ready` or
+        `StartupFailed`); frames after it wait for the reader in `_backlog`."""
+        deadline = time.monotonic() + self.start_timeout_s
+        frames: list[bytes] | None = []
+        while not frames:
+            self._check_starting(deadline, exited=frames is None)
+            if self._outputs is None:
+                assert self._listener is not None
+                self._listener.settimeout(POLL_MS / 1000)
+                try:
+                    connection, _ = self._listener.accept()
+                except TimeoutError:
+                    continue
+                self._outputs = FrameReceiver(connection)
+                self._listener.close()  # one core, one connection
+            else:
+                frames = self._outputs.receive(POLL_MS / 1000)
+        message = self._decoder.decode(frames[0])
+        self._backlog = frames[1:]
         if isinstance(message, StartupFailed):
             raise _ERRORS.get(message.kind, RuntimeError)(message.message)
         assert isinstance(message, Ready)
@@ -264,6 +297,23 @@ class EngineCoreClient:
         self.tokenizer, self.model_config = info.tokenizer, info.model_config
         self.max_model_len, self.max_request_tokens = info.max_model_len, info.max_request_tokens
         self.startup_stats = info.stats
+
+    def _check_starting(self, deadline: float, exited: bool) -> None:
+        """Raise when the starting core has exited (`exited`: it closed its end) or is late."""
+        assert self._process is not None
+        if exited:
+            self._process.join(5)
+        if exited or not self._process.is_alive():
+            raise RuntimeError(f"engine core exited with code {self._process.exitcode} while starting")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"engine core not ready after {self.start_timeout_s:.0f} s")
+
+    def read_on_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the core's outputs on `loop` (the server's event loop, running or about to run)
+        instead of on the reader thread, which hands the socket over at its next wake-up (within
+        POLL_MS). Streams of other loops still get their outputs. `loop` must keep running until
+        `shutdown()`; once it is closed, the next request or call starts the reader thread again."""
+        self._home = loop
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the core process; in-flight requests fail with `EngineDeadError`."""
@@ -298,10 +348,12 @@ class EngineCoreClient:
 
     def _close_sockets(self) -> None:
         with self._lock:
+            if self._listener is not None:
+                self._listener.close()
             if self._context is not None:
                 self._inputs.close(linger=0)
                 if self._reader is None or not self._reader.is_alive():
-                    self._outputs.close(linger=0)
+                    self._close_outputs()
                     self._context.term()
                     self._context = None
         shutil.rmtree(getattr(self, "_ipc_dir", ""), ignore_errors=True)
@@ -312,6 +364,7 @@ class EngineCoreClient:
         """Submit a request and wait until the core accepted it (the engine's `ValueError` for
         bad input, `EngineOverloadedError` when the queue is full, `EngineDeadError` when down)."""
         self.start()
+        self._resume_reader_thread()
         loop = asyncio.get_running_loop()
         stream = ProcessRequestStream(request_id, prompt, params, loop, _now())
         ack: concurrent.futures.Future = concurrent.futures.Future()
@@ -356,6 +409,7 @@ class EngineCoreClient:
         """Run `fn(engine)` in the core between steps and return its (pickled) result. `fn` must be
         picklable (a module-level function), or a tuple `(method_name, *args)`."""
         self.start()
+        self._resume_reader_thread()
         result: concurrent.futures.Future = concurrent.futures.Future()
         payload = pickle.dumps(fn)
         with self._lock:
@@ -384,28 +438,89 @@ class EngineCoreClient:
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
 
-    # ------------------------------------------------------------------ reader thread
+    # ------------------------------------------------------------------ output readers
     def _read_loop(self) -> None:
+        """The reader thread: receive and dispatch frames until the core is gone, the client stops,
+        or `read_on_loop` hands the socket to an event loop."""
+        outputs = self._outputs
+        assert outputs is not None
+        frames: list[bytes] | None = self._backlog
         while not self._stopping:
+            if frames is None:  # the core closed its end: it has exited or is exiting
+                self._on_core_closed(wait_s=5.0)
+                return
+            if frames:
+                self._dispatch_frames(frames)
+            elif self._process is not None and not self._process.is_alive() and not self._stopping:
+                self._core_died()
+                return
+            if self._home is not None and self._hand_over(self._home):
+                return
             try:
-                ready = self._outputs.poll(POLL_MS)
-            except zmq.ZMQError:
-                break
-            if not ready:
-                if self._process is not None and not self._process.is_alive() and not self._stopping:
-                    self._core_died()
-                    return
-                continue
-            batch = []
-            while True:
-                try:
-                    batch.append(self._decoder.decode(self._outputs.recv(zmq.NOBLOCK, copy=False).buffer))
-                except zmq.Again:
-                    break
+                frames = outputs.receive(POLL_MS / 1000)
+            except OSError:
+                return
+
+    def _hand_over(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """From the reader thread: let `loop` read from now on (False: it is closed)."""
+        try:
+            loop.call_soon_threadsafe(self._start_reading_on_loop, loop)
+        except RuntimeError:
+            self._home = None
+            return False
+        return True
+
+    def _start_reading_on_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        outputs = self._outputs
+        if self._stopping or outputs is None:
+            return
+        self._home_reading = True
+        loop.add_reader(outputs.fileno(), self._read_ready)
+
+    def _read_ready(self) -> None:
+        """On the home loop: the socket is readable."""
+        outputs = self._outputs
+        assert outputs is not None and self._home is not None
+        try:
+            frames = outputs.receive(0)
+        except OSError:
+            frames = None
+        if frames is None:
+            self._home.remove_reader(outputs.fileno())
+            self._on_core_closed(wait_s=0.0)  # the loop does not wait for the exit code
+        elif frames:
+            self._dispatch_frames(frames)
+
+    def _on_core_closed(self, wait_s: float) -> None:
+        """The core closed the output socket, which it does only on its way out."""
+        if not self._stopping:
+            if self._process is not None and wait_s > 0:
+                self._process.join(wait_s)  # for the exit code in the error
+            self._core_died()
+
+    def _close_outputs(self) -> None:
+        """Close the output socket, on its loop when one reads it and is still open."""
+        outputs, home = self._outputs, self._home
+        if outputs is None:
+            return
+        if self._home_reading and home is not None and not home.is_closed():
             try:
-                self._dispatch(batch)
-            except Exception:  # noqa: BLE001 - the reader must survive a bad message
-                logger.exception("engine core client: dispatch failed")
+                home.call_soon_threadsafe(self._close_outputs_on_loop, home, outputs)
+                return
+            except RuntimeError:  # closed meanwhile
+                pass
+        outputs.close()
+
+    @staticmethod
+    def _close_outputs_on_loop(loop: asyncio.AbstractEventLoop, outputs: FrameReceiver) -> None:
+        loop.remove_reader(outputs.fileno())
+        outputs.close()
+
+    def _dispatch_frames(self, frames: list[bytes]) -> None:
+        try:
+            self._dispatch([self._decoder.decode(frame) for frame in frames])
+        except Exception:  # noqa: BLE001 - reading must survive a bad message
+            logger.exception("engine core client: dispatch failed")
 
     def _dispatch(self, messages: list[Any]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[ProcessRequestStream, Any]]] = {}
@@ -432,7 +547,10 @@ class EngineCoreClient:
                         if stream is not None:
                             by_loop.setdefault(stream.loop, []).append((stream, error))
         for loop, items in by_loop.items():
-            _call_in(loop, _apply_all, items)
+            if _running_loop() is loop:  # read on that loop (`read_on_loop`)
+                _apply_all(items)
+            else:
+                _call_in(loop, _apply_all, items)
 
     def _on_added(self, message: AddResult) -> None:
         self._pending_adds -= 1
@@ -456,7 +574,8 @@ class EngineCoreClient:
 
     def _core_died(self) -> None:
         code = self._process.exitcode if self._process is not None else None
-        reason = self._dead_reason or f"engine core process died (exit code {code})"
+        detail = "" if code is None else f" (exit code {code})"
+        reason = self._dead_reason or f"engine core process died{detail}"
         logger.error("%s; failing in-flight requests", reason)
         self._dead_reason = reason
         self._fail_everything(EngineDeadError(reason))
@@ -492,6 +611,13 @@ def _call_in(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:
         pass
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _now() -> float:
