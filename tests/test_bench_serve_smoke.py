@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from hybridserve.bench.serve_bench import RequestRecord, percentile, summarize
+from hybridserve.bench.serve_compare import HTTP_CLIENTS, ServerBackend, compare_config_from_args
 from hybridserve.cli import build_parser, main
+from hybridserve.engine.async_engine import AsyncLLMEngine
+from hybridserve.engine.engine import LLMEngine
+from hybridserve.server.app import build_app
+from tests.live_server import ServerThread, tiny_config
 from tests.targets import CPU
 
 pytestmark = pytest.mark.timeout(120)
@@ -53,3 +58,31 @@ def test_bench_serve_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert mixed["injected_error"] is None and mixed["injected_prompt_tokens"] == 72
     assert mixed["injected_cached_tokens"] >= 32 and mixed["baseline_gaps"] > 0
     assert "shared-prefix" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("http_client", HTTP_CLIENTS)
+def test_compare_backend_streams_over_each_http_client(http_client: str) -> None:
+    """The server backend of `--compare-offline`, over aiohttp and httpx: one timed request, a
+    concurrent batch, and a refused request recorded as an error."""
+    engine = AsyncLLMEngine(LLMEngine(tiny_config()), max_waiting_requests=16)
+    try:
+        with ServerThread(build_app(engine, model_name="tiny")) as server:
+            backend = ServerBackend(server.url, clients=2, http_client=http_client)
+            try:
+                ttft, wall = backend.one([300, 301, 302, 303], 4)
+                assert 0 < ttft <= wall
+                assert backend.batch([[310, 311], [320, 321, 322]], 3)[0] == 6
+                refused = backend.loop.run_until_complete(backend.api.stream([10**9], 2))
+                assert refused.error is not None and refused.error.startswith("HTTP 400")
+                assert refused.completion_tokens == 0 and not refused.chunk_times
+            finally:
+                backend.close()
+    finally:
+        engine.shutdown()
+
+
+def test_compare_http_clients_flag() -> None:
+    args = build_parser().parse_args(["bench", "serve", "--compare-offline", "--compare-http-clients", "httpx"])
+    assert compare_config_from_args(args).http_clients == ("httpx",)
+    with pytest.raises(ValueError, match="unknown HTTP client"):
+        ServerBackend("http://127.0.0.1:1", clients=1, http_client="curl")

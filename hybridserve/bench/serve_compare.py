@@ -1,8 +1,11 @@
 """`hybridserve bench serve --compare-offline`: the server against `LLM.generate`, in one run.
 
-The same requests (token-id prompts from the same seeds, greedy, EOS ignored) go through
+Requests of the same shapes (random token-id prompts, greedy, EOS ignored) go through
 `LLM.generate` in this process and through a `hybridserve serve` subprocess for each
-`--engine-process` mode asked for (streamed `/v1/completions`, no logprobs). The backends take
+`--engine-process` mode asked for (streamed `/v1/completions`, no logprobs), each server once per
+HTTP client library: aiohttp (what vLLM's and SGLang's serving benchmarks use) and httpx. The
+client runs on the server's cores, and its CPU per token slows the engine about one for one
+(BENCHMARKS.md); a lighter client leaves more of the machine to the server. The backends take
 turns run by run (the machine's other load falls on all alike). Each figure is the median of
 `repeats` measured runs after `warmup` discarded ones:
 
@@ -31,6 +34,7 @@ from typing import Any
 
 from hybridserve.bench.common import FIRST_PLAIN_ID, PLAIN_ID_SPAN, format_table, goal_mark, random_token_ids
 
+HTTP_CLIENTS = ("aiohttp", "httpx")
 DECODE_GOAL = 1.05
 TTFT_GOAL_MS = 5.0
 THROUGHPUT_GOAL = 0.9
@@ -50,6 +54,7 @@ class CompareConfig:
     warmup: int = 1
     repeats: int = 5
     modes: tuple[str, ...] = ("off", "on")
+    http_clients: tuple[str, ...] = ("aiohttp", "httpx")
     seed: int = 0
 
 
@@ -104,20 +109,32 @@ class OfflineBackend(Backend):
 
 
 class ServerBackend(Backend):
-    """Streamed `/v1/completions` against a running server."""
+    """Streamed `/v1/completions` against a running server, over aiohttp or httpx."""
 
-    def __init__(self, url: str, clients: int) -> None:
+    def __init__(self, url: str, clients: int, http_client: str = "aiohttp") -> None:
+        if http_client not in HTTP_CLIENTS:
+            raise ValueError(f"unknown HTTP client {http_client!r}; choose from {', '.join(HTTP_CLIENTS)}")
         self.url = url
         self.clients = clients
+        self.http_client = http_client
         self.loop = asyncio.new_event_loop()
         self.api = self.loop.run_until_complete(self._connect())
 
     async def _connect(self) -> Any:
+        from hybridserve.bench.serve_bench import AiohttpCompletionClient, CompletionClient
+
+        connections = self.clients + 4
+        if self.http_client == "aiohttp":
+            import aiohttp
+
+            self.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections),
+                                                timeout=aiohttp.ClientTimeout(total=300.0))
+            async with self.client.get(self.url + "/v1/models") as resp:
+                models = (await resp.json())["data"]
+            return AiohttpCompletionClient(self.client, self.url, models[0]["id"], token_logprobs=False)
         import httpx
 
-        from hybridserve.bench.serve_bench import CompletionClient
-
-        limits = httpx.Limits(max_connections=self.clients + 4, max_keepalive_connections=self.clients + 4)
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
         self.client = httpx.AsyncClient(base_url=self.url, limits=limits, timeout=httpx.Timeout(300.0))
         models = (await self.client.get("/v1/models")).json()["data"]
         return CompletionClient(self.client, models[0]["id"], token_logprobs=False)
@@ -142,19 +159,21 @@ class ServerBackend(Backend):
 
     def close(self) -> None:
         """Close the HTTP client and the loop."""
-        self.loop.run_until_complete(self.client.aclose())
+        close = self.client.close() if self.http_client == "aiohttp" else self.client.aclose()
+        self.loop.run_until_complete(close)
         self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         self.loop.close()
 
 
 class _Figures:
-    """The three measures of one backend, each drawing fresh prompts from its own source (every
-    backend's source has the same seed, so the n-th prompt is the same everywhere)."""
+    """The three measures of one backend, each drawing fresh prompts from its own source: a seed
+    per backend, because two clients of one server would otherwise hit each other's prompts in its
+    prefix cache (the prompts are random ids of the same lengths everywhere)."""
 
-    def __init__(self, backend: Backend, cfg: CompareConfig) -> None:
+    def __init__(self, backend: Backend, cfg: CompareConfig, source: int) -> None:
         self.backend = backend
         self.cfg = cfg
-        self.prompts = Prompts(cfg.seed)
+        self.prompts = Prompts(cfg.seed * 1000 + source)
         self.prefix = self.prompts.fresh(cfg.ttft_prefix_tokens)
         backend.one(self.prefix + self.prompts.fresh(cfg.ttft_suffix_tokens), 1)  # makes the prefix warm
 
@@ -176,7 +195,7 @@ class _Figures:
 def measure_interleaved(backends: dict[str, Backend], cfg: CompareConfig) -> dict[str, dict[str, Any]]:
     """Every figure of every backend; the backends take turns run by run, so that load from
     other processes on a shared machine falls on all of them alike."""
-    figures = {name: _Figures(backend, cfg) for name, backend in backends.items()}
+    figures = {name: _Figures(backend, cfg, index) for index, (name, backend) in enumerate(backends.items())}
     results: dict[str, dict[str, Any]] = {name: {"runs": {}} for name in backends}
     for key, measure in (("decode", _Figures.decode_ms), ("ttft", _Figures.ttft_ms), ("rate", _Figures.tokens_per_s)):
         runs: dict[str, list[float]] = {name: [] for name in backends}
@@ -204,9 +223,10 @@ def run_compare(cfg: CompareConfig, config: Any, serve_args: Sequence[str]) -> d
         backends: dict[str, Backend] = {"offline": OfflineBackend(config)}
         for mode in cfg.modes:
             server = stack.enter_context(ServerProcess([*serve_args, "--engine-process", mode]))
-            backend = ServerBackend(server.url, cfg.clients)
-            stack.callback(backend.close)
-            backends[f"server-{mode}"] = backend
+            for http_client in cfg.http_clients:
+                backend = ServerBackend(server.url, cfg.clients, http_client)
+                stack.callback(backend.close)
+                backends[f"server-{mode} {http_client}"] = backend
         print(f"[bench] measuring {', '.join(backends)} in turns ...", file=sys.stderr)
         results = measure_interleaved(backends, cfg)
     base = results["offline"]
@@ -246,6 +266,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--engine-process modes of the servers compared")
     parser.add_argument("--compare-repeats", type=int, default=5, help="measured runs per figure")
     parser.add_argument("--compare-clients", type=int, default=16, help="concurrent streams")
+    parser.add_argument("--compare-http-clients", nargs="+", choices=HTTP_CLIENTS, default=list(HTTP_CLIENTS),
+                        help="HTTP client libraries the servers are measured with (each its own row, in turns)")
     parser.add_argument("--compare-decode-tokens", type=int, default=128, help="tokens of the decode measure")
     parser.add_argument("--compare-ttft-prefix", type=int, default=4096, help="warm prefix of the TTFT measure")
 
@@ -254,4 +276,5 @@ def compare_config_from_args(args: argparse.Namespace) -> CompareConfig:
     """The `CompareConfig` the flags describe."""
     return CompareConfig(decode_tokens=args.compare_decode_tokens, ttft_prefix_tokens=args.compare_ttft_prefix,
                          clients=args.compare_clients, repeats=args.compare_repeats,
-                         modes=tuple(args.compare_modes), seed=args.bench_seed)
+                         modes=tuple(args.compare_modes), http_clients=tuple(args.compare_http_clients),
+                         seed=args.bench_seed)
