@@ -175,13 +175,7 @@ class CompletionClient:
         record = record if record is not None else RequestRecord()
         record.start = time.perf_counter()
         try:
-            async with self.client.stream("POST", "/v1/completions", json=self.body(prompt, max_tokens)) as resp:
-                if resp.status_code != 200:
-                    record.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
-                    return record
-                async for line in resp.aiter_lines():
-                    if not self._on_line(line, record):
-                        break
+            await self._exchange(self.body(prompt, max_tokens), record)
         except asyncio.CancelledError:
             record.error = record.error or "cancelled"
             raise
@@ -190,6 +184,16 @@ class CompletionClient:
         finally:
             record.end = time.perf_counter()
         return record
+
+    async def _exchange(self, body: dict[str, Any], record: RequestRecord) -> None:
+        """POST `body` and feed the response's lines to `_on_line` (an error status is recorded)."""
+        async with self.client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                record.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+                return
+            async for line in resp.aiter_lines():
+                if not self._on_line(line, record):
+                    break
 
     @staticmethod
     def _on_line(line: str, record: RequestRecord) -> bool:
@@ -225,26 +229,14 @@ class AiohttpCompletionClient(CompletionClient):
         self.session = session
         self.url = base_url.rstrip("/") + "/v1/completions"
 
-    async def stream(self, prompt: list[int], max_tokens: int, record: RequestRecord | None = None) -> RequestRecord:
-        """As `CompletionClient.stream`."""
-        record = record if record is not None else RequestRecord()
-        record.start = time.perf_counter()
-        try:
-            async with self.session.post(self.url, json=self.body(prompt, max_tokens)) as resp:
-                if resp.status != 200:
-                    record.error = f"HTTP {resp.status}: {(await resp.read())[:300]!r}"
-                    return record
-                async for line in resp.content:
-                    if not self._on_line(line.decode(), record):
-                        break
-        except asyncio.CancelledError:
-            record.error = record.error or "cancelled"
-            raise
-        except Exception as exc:  # noqa: BLE001 - a failed request is a data point, not a crash
-            record.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            record.end = time.perf_counter()
-        return record
+    async def _exchange(self, body: dict[str, Any], record: RequestRecord) -> None:
+        async with self.session.post(self.url, json=body) as resp:
+            if resp.status != 200:
+                record.error = f"HTTP {resp.status}: {(await resp.read())[:300]!r}"
+                return
+            async for line in resp.content:
+                if not self._on_line(line.decode(), record):
+                    break
 
 
 # =========================================================================== workloads
