@@ -68,14 +68,15 @@ def move_to_huge_pages(tensors: Iterable[tuple[object, str, torch.Tensor]],
             by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append((owner, name, tensor))
     if not by_storage or not huge_pages_available():
         return 0
-    sizes = [slots[0][2].untyped_storage().nbytes() for slots in by_storage.values()]
-    arena = huge_page_buffer(sum(_aligned(size) for size in sizes))
+    arena = huge_page_buffer(sum(_aligned(slots[0][2].untyped_storage().nbytes()) for slots in by_storage.values()))
     offset = 0
-    for slots, size in zip(list(by_storage.values()), sizes):
-        source = slots[0][2].untyped_storage()
-        arena[offset:offset + size].copy_(torch.empty(0, dtype=torch.uint8).set_(source))
+    for key in list(by_storage):
+        slots = by_storage.pop(key)  # nothing here holds the old storage once its tensors are rebound
+        size = slots[0][2].untyped_storage().nbytes()
+        arena[offset:offset + size].copy_(torch.empty(0, dtype=torch.uint8).set_(slots[0][2].untyped_storage()))
         for owner, name, tensor in slots:
             _rebind(owner, name, tensor, _view_at(arena, offset, tensor))
+        del slots
         offset += _aligned(size)
     return offset
 
