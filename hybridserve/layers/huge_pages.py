@@ -98,4 +98,3 @@ def _rebind(owner: object, name: str, old: torch.Tensor, new: torch.Tensor) -> N
         old.data = new
     else:
         setattr(owner, name, new)
-

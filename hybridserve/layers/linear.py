@@ -132,9 +132,12 @@ class PackedLinear:
         self.bf16_cpu = cpu and weight.dtype == torch.bfloat16
         self.native_bf16 = self.bf16_cpu and _onednn_usable(weight)
 
+    TENSOR_ATTRIBUTES = ("weight", "scales", "kernel_scales", "bias")
+
     def tensors(self) -> list[torch.Tensor]:
-        """The tensors this linear owns (weight, int8 scales and bias, where present)."""
-        return [t for t in (self.weight, self.scales, self.kernel_scales, self.bias) if t is not None]
+        """The tensors this linear owns (weight, int8 scales and bias, where present), in the
+        order of TENSOR_ATTRIBUTES."""
+        return [t for t in (getattr(self, name) for name in self.TENSOR_ATTRIBUTES) if t is not None]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scales is not None:

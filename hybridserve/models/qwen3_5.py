@@ -439,7 +439,7 @@ class Qwen3_5ForCausalLM(nn.Module):
                     yield module, name, parameter
             for name, value in list(vars(module).items()):
                 if isinstance(value, PackedLinear):
-                    for attribute in ("weight", "scales", "kernel_scales", "bias"):
+                    for attribute in PackedLinear.TENSOR_ATTRIBUTES:
                         tensor = getattr(value, attribute)
                         if tensor is not None:
                             yield value, attribute, tensor
