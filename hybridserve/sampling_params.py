@@ -3,6 +3,7 @@ the public request/response types."""
 
 from __future__ import annotations
 
+import enum
 import functools
 import json
 from dataclasses import dataclass, field, fields
@@ -72,6 +73,15 @@ class StructuredOutputsParams:
                                       f"got {type(value).__name__}")
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What a request's stream yields, as vLLM's enum of the same name: every step's cumulative
+    output, or only the final one (a non-streamed HTTP response, which then costs the API process
+    nothing per token)."""
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's completions.
@@ -84,6 +94,7 @@ class SamplingParams:
     alternatives. `ignore_eos` keeps generating past EOS up to `max_tokens`.
     `structured_outputs` constrains the text with a grammar (JSON schema, regex, choice, Lark).
     `logit_bias` adds a bias to the logits of the given token ids before sampling.
+    `output_kind=RequestOutputKind.FINAL_ONLY` makes a request's stream yield only its final output.
     """
 
     n: int = 1
@@ -105,6 +116,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -177,6 +189,8 @@ class SamplingParams:
              "logit_bias needs token ids >= 0 and biases in [-100, 100]"),
             (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
              "structured_outputs must be a StructuredOutputsParams"),
+            (isinstance(self.output_kind, RequestOutputKind),
+             f"output_kind must be a RequestOutputKind, got {self.output_kind!r}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -132,6 +132,8 @@ def test_type_errors_name_the_type(kwargs: dict, message: str) -> None:
 def test_bad_api_arguments(llm: LLM) -> None:
     with pytest.raises(ValueError, match="n must be in"):
         SamplingParams(n=0)
+    with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
+        SamplingParams(output_kind=2)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="list of them, got dict"):
         llm.generate("x", {"max_tokens": 3})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="got int"):

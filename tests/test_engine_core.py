@@ -26,7 +26,7 @@ from hybridserve.engine.core import BURST_GAP_S, EngineCore
 from hybridserve.engine.core_messages import AddRequest, input_encoder
 from hybridserve.engine.core_client import EngineCoreClient
 from hybridserve.engine.frames import FrameReceiver, FrameSender
-from hybridserve.sampling_params import SamplingParams
+from hybridserve.sampling_params import RequestOutputKind, SamplingParams
 from hybridserve.server.app import build_app
 from tests.live_server import ServerThread, tiny_config
 
@@ -139,6 +139,20 @@ def test_streaming_n_logprobs_stop_and_stats(core: EngineCoreClient, server: Ser
     metrics = httpx.get(f"{server.url}/metrics").text
     assert "hybridserve_kv_blocks_total" in metrics or "kv_blocks" in metrics
     assert httpx.get(f"{server.url}/health").status_code == 200
+    check_clean(core)
+
+
+def test_final_only_requests_get_one_message(core: EngineCoreClient) -> None:
+    """The core holds a final-only request's deltas back until it finishes: its stream yields one
+    output, the cumulative run's last."""
+    async def outputs(kind: RequestOutputKind) -> list:
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, output_kind=kind)
+        return [out async for out in core.generate(f"core-kind-{int(kind)}", [400, 401, 402], params)]
+
+    cumulative = asyncio.run(outputs(RequestOutputKind.CUMULATIVE))
+    final = asyncio.run(outputs(RequestOutputKind.FINAL_ONLY))
+    assert len(cumulative) > 1 and len(final) == 1 and final[0].finished
+    assert final[0].outputs[0].token_ids == cumulative[-1].outputs[0].token_ids and final[0].prompt_token_ids
     check_clean(core)
 
 

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hybridserve.engine.async_engine import AsyncLLMEngine
 from hybridserve.engine.engine import LLMEngine
-from hybridserve.sampling_params import SamplingParams
+from hybridserve.sampling_params import RequestOutputKind, SamplingParams
 from hybridserve.server.app import build_app
 from hybridserve.engine_args import engine_config_from_args
 from hybridserve.server.cli import build_parser, served_model_names
@@ -228,6 +228,32 @@ def test_metrics_move(http: httpx.Client, client: openai.OpenAI) -> None:
     assert 64 * 2**20 - after["hybridserve_bytes_per_snapshot"] < after["hybridserve_snapshot_pool_bytes"] <= 64 * 2**20
     assert after["hybridserve_weight_bytes"] == 116724608
     assert after["hybridserve_snapshots_reserved"] == after["hybridserve_snapshots_pinned"] == 0
+
+
+def test_non_streamed_requests_get_their_final_output_only(http: httpx.Client, engine: AsyncLLMEngine) -> None:
+    """A final-only request's stream yields one output, the same as the cumulative run's last; a
+    non-streamed response is built that way, and its TTFT is dated by the engine's first token."""
+    prompt = random_ids(7, 12)
+
+    async def outputs(kind: RequestOutputKind) -> list:
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, output_kind=kind)
+        return [out async for out in engine.generate(f"kind-{int(kind)}", prompt, params)]
+
+    cumulative = asyncio.run(outputs(RequestOutputKind.CUMULATIVE))
+    final = asyncio.run(outputs(RequestOutputKind.FINAL_ONLY))
+    assert len(cumulative) > 1 and len(final) == 1 and final[0].finished
+    assert final[0].outputs[0].token_ids == cumulative[-1].outputs[0].token_ids
+    before = scrape(http)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    assert http.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 40
+    after = scrape(http)
+
+    def delta(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+    assert delta("hybridserve_inter_token_latency_seconds_count") == 39
+    ttft = delta("hybridserve_time_to_first_token_seconds_sum")
+    e2e = delta("hybridserve_e2e_request_latency_seconds_sum")
+    assert 0 < ttft < 0.5 * e2e
 
 
 # --------------------------------------------------------------------------- disconnects

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, TypeVar
 
 from hybridserve.engine.engine import QueueFullError
-from hybridserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams
+from hybridserve.sampling_params import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class _Sink:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     last: RequestOutput | None = None
+    final_only: bool = False  # deliver only the finished output (RequestOutputKind.FINAL_ONLY)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Deliver from the engine thread; a closed loop (caller gone) is ignored."""
@@ -208,7 +209,8 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         ack: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(_Add(request_id, prompt, params, cache_salt, _Sink(loop, queue), ack), is_add=True)
+        sink = _Sink(loop, queue, final_only=params.output_kind == RequestOutputKind.FINAL_ONLY)
+        self._submit(_Add(request_id, prompt, params, cache_salt, sink, ack), is_add=True)
         try:
             await asyncio.wrap_future(ack)
         except asyncio.CancelledError:
@@ -357,6 +359,8 @@ class AsyncLLMEngine:
             sink.last = output
             if output.finished:
                 del self._sinks[output.request_id]
+            elif sink.final_only:
+                continue
             by_loop.setdefault(sink.loop, []).append((sink.queue, output))
         for loop, items in by_loop.items():
             try:

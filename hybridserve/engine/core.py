@@ -44,6 +44,7 @@ from hybridserve.engine.core_messages import (
     input_encoder,
 )
 from hybridserve.engine.frames import FrameSender
+from hybridserve.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,8 @@ class EngineCore:
         self._encoder = input_encoder()
         self._decoder = input_decoder()
         self._live: set[str] = set()
+        self._final_only: set[str] = set()  # requests that want only their final output
+        self._sent_waiting = -1  # the waiting count the API process last heard
         self._stopping = False
         self._next_parent_check = 0.0
 
@@ -201,12 +204,15 @@ class EngineCore:
             self.send(AddResult(message.request_id, error_kind(exc), str(exc)))
             return
         self._live.add(message.request_id)
+        if params.output_kind == RequestOutputKind.FINAL_ONLY:
+            self._final_only.add(message.request_id)
         self.send(AddResult(message.request_id))
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
         self.tracker.forget(request_id)
         self._live.discard(request_id)
+        self._final_only.discard(request_id)
 
     def _call(self, message: UtilityCall) -> None:
         try:
@@ -226,11 +232,19 @@ class EngineCore:
             return
         if not groups:
             return
+        final_only = self._final_only
+        if final_only:  # their deltas accumulate until they finish: one message per request
+            groups = [g for g in groups if g.is_finished or g.request_id not in final_only]
+        waiting = int(self.engine.num_waiting_requests)
+        if not groups and waiting == self._sent_waiting:
+            return
         deltas = self.tracker.deltas(groups)
         for delta in deltas:
             if delta.finished:
                 self._live.discard(delta.request_id)
-        self.send(StepOutputs(deltas, int(self.engine.num_waiting_requests)))
+                final_only.discard(delta.request_id)
+        self.send(StepOutputs(deltas, waiting))
+        self._sent_waiting = waiting
         reason = getattr(self.engine, "dead_reason", None)
         if reason is not None:  # its requests have just been ended with an error
             logger.error("engine stopped: %s", reason)

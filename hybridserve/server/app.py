@@ -39,7 +39,8 @@ from hybridserve.engine.async_engine import (
     RequestStream,
 )
 import hybridserve
-from hybridserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams
+from hybridserve.sampling_params import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams, \
+    StructuredOutputsParams
 from hybridserve.server.auth import ApiKeyring, TenantAuthMiddleware, request_tenant, tenant_cache_salt
 from hybridserve.server.chat import ChatRenderer, ChatTemplateError
 from hybridserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -599,6 +600,8 @@ class OpenAIServing:
              structured: StructuredOutputsParams | None) -> _Job:
         try:
             params = body.sampling_params(max_tokens, num_logprobs, structured)
+            if not body.stream:  # the response is built from the final output alone
+                params.output_kind = RequestOutputKind.FINAL_ONLY
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         if self.vocab_size is not None and params.top_k > self.vocab_size:

@@ -92,7 +92,11 @@ class RequestTracker:
         if new > 0:
             now = time.monotonic()
             if self._last_time is None:
-                self._metrics.ttft.observe(now - self._arrival)
+                # Several tokens at once (a final-only request): the engine's first-token time,
+                # on the same monotonic clock, dates the first, and the rest share the remaining time.
+                first = output.metrics.get("first_token_time") if new > 1 else None
+                self._metrics.ttft.observe((now if first is None else first) - self._arrival)
+                self._last_time = now if first is None else first
                 new -= 1
             if new > 0 and self._last_time is not None:
                 gap = (now - self._last_time) / new
