@@ -10,6 +10,7 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.config import CacheConfig, EngineConfig
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.layers import linear as linear_module
+from hybridserve.layers.attention import prefill_attention
 from hybridserve.layers.gated_delta import recurrent_gated_delta_step
 from hybridserve.layers.linear import GEMV_MAX_ROWS, INT8_DEQUANT_ROWS, SPLIT_GEMM_ROWS, PackedLinear, gemv_splits, \
     quantize_int8
@@ -235,3 +236,25 @@ def test_a_decode_step_allocates_no_weight_sized_buffer(quantization: str | None
     while engine.has_unfinished_requests():
         engine.step()
     engine.check_integrity()
+
+
+def _attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_prefix: int,
+                         scale: float) -> torch.Tensor:
+    """Plain causal attention with every KV head repeated for its query group."""
+    num_new, num_heads, _ = q.shape
+    group = num_heads // keys.shape[1]
+    k, v = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,lhd->htl", q, k) * scale
+    visible = torch.arange(keys.shape[0])[None, :] <= (num_prefix + torch.arange(num_new))[:, None]
+    return torch.einsum("htl,lhd->thd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
+
+
+@pytest.mark.parametrize("num_new, num_prefix", [(1, 0), (1, 37), (6, 0), (6, 37), (64, 300)])
+def test_prefill_attention_matches_plain_causal_attention(num_new: int, num_prefix: int) -> None:
+    """New queries behind a prefix (the lower-right causal mask), without one, and one query alone,
+    each KV head shared by a group of 4 query heads."""
+    generator = torch.Generator().manual_seed(num_new * 1000 + num_prefix)
+    q = torch.randn(num_new, 8, 16, generator=generator)
+    keys, values = (torch.randn(num_prefix + num_new, 2, 16, generator=generator) for _ in range(2))
+    out = prefill_attention(q, keys, values, num_prefix, 0.25)
+    torch.testing.assert_close(out, _attention_reference(q, keys, values, num_prefix, 0.25), rtol=1e-5, atol=1e-5)
