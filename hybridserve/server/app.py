@@ -79,6 +79,7 @@ from hybridserve.server.protocol import (
     TopLogprob,
     UsageInfo,
     VersionResponse,
+    now,
 )
 from hybridserve.server.reasoning_parser import (
     REASONING_PARSERS,
@@ -87,6 +88,7 @@ from hybridserve.server.reasoning_parser import (
     prompt_opens_thinking,
     split_reasoning,
 )
+from hybridserve.server.sse import TextChunkTemplate, sse_event
 from hybridserve.server.tool_grammar import tool_call_grammar
 from hybridserve.server.tool_parser import (
     TOOL_CALL_END,
@@ -328,11 +330,6 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             task.cancel()
 
 
-def _sse(payload: BaseModel | dict[str, Any]) -> str:
-    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {body}\n\n"
-
-
 def _finite(value: float) -> float:
     return value if math.isfinite(value) else _MIN_LOGPROB
 
@@ -363,6 +360,7 @@ class _Job:
     echo_texts: list[str]
     chat: _ChatOptions | None = None
     arrival: float = dataclasses.field(default_factory=time.monotonic)
+    created: int = dataclasses.field(default_factory=now)  # one `created` for every chunk, as OpenAI sends
 
     def engine_id(self, prompt_index: int) -> str:
         """Engine request id of prompt `prompt_index`."""
@@ -760,7 +758,7 @@ class OpenAIServing:
                                  background=BackgroundTask(self._abort_after_stream, streams))
 
     async def _stream_events(self, job: _Job, streams: list[RequestStream],
-                             chunk: Callable[[int, _ChoiceState, CompletionOutput], BaseModel | None],
+                             chunk: Callable[[int, _ChoiceState, CompletionOutput], BaseModel | str | None],
                              usage_chunk: Callable[[UsageInfo], BaseModel],
                              new_state: Callable[[], _ChoiceState]) -> AsyncIterator[str]:
         states: dict[int, _ChoiceState] = {}
@@ -772,20 +770,22 @@ class OpenAIServing:
                 lasts[prompt_index] = output
                 for completion in output.outputs:
                     index = job.choice_index(prompt_index, completion.index)
-                    state = states.setdefault(index, new_state())
+                    state = states.get(index)
+                    if state is None:
+                        state = states[index] = new_state()
                     if state.done:
                         continue
                     event = chunk(index, state, completion)
                     state.done = completion.finish_reason is not None
                     if event is not None:
-                        yield _sse(event)
+                        yield event if isinstance(event, str) else sse_event(event)
                 if output.finished and any(c.finish_reason == "error" for c in output.outputs):
-                    yield _sse(json.loads(_request_failed(output).envelope()))
+                    yield sse_event(json.loads(_request_failed(output).envelope()))
             if job.include_usage:
-                yield _sse(usage_chunk(self._usage(job, lasts)))
+                yield sse_event(usage_chunk(self._usage(job, lasts)))
         except (EngineStepError, EngineDeadError) as exc:
             error = _engine_error(exc)
-            yield _sse(json.loads(error.envelope()))
+            yield sse_event(json.loads(error.envelope()))
         finally:
             self._abort_unfinished(streams)
         yield "data: [DONE]\n\n"
@@ -794,7 +794,15 @@ class OpenAIServing:
         return max((len(stop) for stop in job.params.stop), default=1) - 1
 
     def _stream_completion(self, job: _Job, streams: list[RequestStream]) -> AsyncIterator[str]:
-        def chunk(index: int, state: _ChoiceState, out: CompletionOutput) -> BaseModel | None:
+        text_only = TextChunkTemplate(lambda index, text: CompletionStreamResponse(
+            id=job.request_id, model=job.model, created=job.created,
+            choices=[CompletionChoice(index=index, text=text)]))
+
+        def chunk(index: int, state: _ChoiceState, out: CompletionOutput) -> BaseModel | str | None:
+            if state.started and job.num_logprobs is None and out.finish_reason is None:
+                text = state.text_delta(out)
+                state.sent_tokens = len(out.token_ids)
+                return text_only.event(index, text) if text else None
             prefix = ""
             if not state.started:
                 echo = job.echo_texts[index // job.params.n]
@@ -810,10 +818,11 @@ class OpenAIServing:
                 return None
             choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
                                       stop_reason=out.stop_reason if finished else None)
-            return CompletionStreamResponse(id=job.request_id, model=job.model, choices=[choice])
+            return CompletionStreamResponse(id=job.request_id, model=job.model, created=job.created, choices=[choice])
 
         def usage_chunk(usage: UsageInfo) -> BaseModel:
-            return CompletionStreamResponse(id=job.request_id, model=job.model, choices=[], usage=usage)
+            return CompletionStreamResponse(id=job.request_id, model=job.model, created=job.created, choices=[],
+                                            usage=usage)
 
         return self._stream_events(job, streams, chunk, usage_chunk, lambda: _ChoiceState(holdback=self._holdback(job)))
 
@@ -846,7 +855,19 @@ class OpenAIServing:
         return delta
 
     def _stream_chat(self, job: _Job, streams: list[RequestStream]) -> AsyncIterator[str]:
-        def chunk(index: int, state: _ChoiceState, out: CompletionOutput) -> BaseModel | None:
+        content_only = TextChunkTemplate(lambda index, text: ChatCompletionStreamResponse(
+            id=job.request_id, model=job.model, created=job.created,
+            choices=[ChatStreamChoice(index=index, delta=DeltaMessage(content=text))]))
+
+        def chunk(index: int, state: _ChoiceState, out: CompletionOutput) -> BaseModel | str | None:
+            if (state.started and state.reasoning is None and state.tools is None and job.num_logprobs is None
+                    and out.finish_reason is None):
+                text = state.visible_text(out)
+                state.sent_tokens = len(out.token_ids)
+                if not text.startswith(state.sent_content) or len(text) == len(state.sent_content):
+                    return None
+                content, state.sent_content = text[len(state.sent_content):], text
+                return content_only.event(index, content)
             delta = self._chat_delta(job, index, state, out)
             if not state.started:
                 delta.role = "assistant"
@@ -864,10 +885,12 @@ class OpenAIServing:
             has_calls = state.tools is not None and state.tools.num_calls > 0
             choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
                                       finish_reason=self._chat_finish_reason(out.finish_reason, has_calls))
-            return ChatCompletionStreamResponse(id=job.request_id, model=job.model, choices=[choice])
+            return ChatCompletionStreamResponse(id=job.request_id, model=job.model, created=job.created,
+                                                choices=[choice])
 
         def usage_chunk(usage: UsageInfo) -> BaseModel:
-            return ChatCompletionStreamResponse(id=job.request_id, model=job.model, choices=[], usage=usage)
+            return ChatCompletionStreamResponse(id=job.request_id, model=job.model, created=job.created, choices=[],
+                                                usage=usage)
 
         return self._stream_events(job, streams, chunk, usage_chunk, lambda: self._new_chat_state(job))
 

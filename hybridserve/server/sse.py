@@ -1,0 +1,52 @@
+"""Server-sent events of a streamed response, with a fast path for chunks that only carry text.
+
+Most chunks of a stream carry one token's text and nothing else. Building two or three pydantic
+models per chunk and dumping them was the largest part of the API process's work per streamed
+token that this code controls. `TextChunkTemplate` dumps such a chunk once through its pydantic
+model with placeholder values, keeps the JSON around the two values that change (the choice index
+and the text), and afterwards writes only those, escaped as pydantic escapes them (`json.dumps`
+with `ensure_ascii=False` writes the same bytes; tests/test_sse.py checks it). Every other chunk
+(logprobs, a finish reason, a role, tool calls, usage) still goes through its model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel
+
+_TEXT_MARK = "\x01hybridserve-text\x01"
+_INDEX_MARK = 987_654_321
+
+
+def sse_event(payload: BaseModel | dict[str, Any]) -> str:
+    """One SSE event carrying `payload` as JSON."""
+    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {body}\n\n"
+
+
+class TextChunkTemplate:
+    """The SSE event of a text-only chunk for any choice index and text, without pydantic per chunk.
+
+    `build(index, text)` must return the chunk model whose only variable fields are that choice
+    index and text; the template is cut from its JSON once, at construction.
+    """
+
+    __slots__ = ("_head", "_middle", "_tail")
+
+    def __init__(self, build: Callable[[int, str], BaseModel]) -> None:
+        dumped = build(_INDEX_MARK, _TEXT_MARK).model_dump_json()
+        index_at = dumped.index(str(_INDEX_MARK))
+        text_json = json.dumps(_TEXT_MARK, ensure_ascii=False)
+        text_at = dumped.index(text_json)
+        if not index_at < text_at or dumped.count(str(_INDEX_MARK)) != 1 or dumped.count(text_json) != 1:
+            raise ValueError("a text chunk template needs the index once, before the text once")
+        self._head = "data: " + dumped[:index_at]
+        self._middle = dumped[index_at + len(str(_INDEX_MARK)):text_at]
+        self._tail = dumped[text_at + len(text_json):] + "\n\n"
+
+    def event(self, index: int, text: str) -> str:
+        """The SSE event of the chunk carrying `text` for choice `index`."""
+        return f"{self._head}{index}{self._middle}{json.dumps(text, ensure_ascii=False)}{self._tail}"
