@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import importlib
 import json
 import logging
@@ -25,7 +26,7 @@ from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.background import BackgroundTask
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -88,7 +89,7 @@ from hybridserve.server.reasoning_parser import (
     prompt_opens_thinking,
     split_reasoning,
 )
-from hybridserve.server.sse import TextChunkTemplate, sse_event
+from hybridserve.server.sse import EventStreamResponse, SendEvent, TextChunkTemplate, sse_event
 from hybridserve.server.tool_grammar import tool_call_grammar
 from hybridserve.server.tool_parser import (
     TOOL_CALL_END,
@@ -751,49 +752,55 @@ class OpenAIServing:
                                       usage=self._usage(job, [final]))
 
     # ------------------------------------------------------------- streamed responses
-    def _event_stream(self, chunks: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
-        # The background task also covers a client gone before the body iterator ever started.
-        return StreamingResponse(chunks, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                 background=BackgroundTask(self._abort_after_stream, streams))
+    def _event_stream(self, write_events: Callable[[SendEvent], Awaitable[None]],
+                      streams: list[RequestStream]) -> EventStreamResponse:
+        # The background task also covers a client gone before the events ever started.
+        return EventStreamResponse(write_events, background=BackgroundTask(self._abort_after_stream, streams))
 
-    async def _stream_events(self, job: _Job, streams: list[RequestStream],
-                             chunk: Callable[[int, _ChoiceState, CompletionOutput], BaseModel | str | None],
-                             usage_chunk: Callable[[UsageInfo], BaseModel],
-                             new_state: Callable[[], _ChoiceState]) -> AsyncIterator[str]:
+    async def _write_events(self, job: _Job, streams: list[RequestStream],
+                            chunk: Callable[[int, _ChoiceState, CompletionOutput], BaseModel | str | None],
+                            usage_chunk: Callable[[UsageInfo], BaseModel],
+                            new_state: Callable[[], _ChoiceState], send_event: SendEvent) -> None:
         states: dict[int, _ChoiceState] = {}
         trackers = [self.metrics.tracker(job.arrival) for _ in streams]
         lasts: list[RequestOutput | None] = [None] * len(streams)
+
+        async def on_output(prompt_index: int, output: RequestOutput) -> None:
+            trackers[prompt_index].observe(output)
+            lasts[prompt_index] = output
+            for completion in output.outputs:
+                index = job.choice_index(prompt_index, completion.index)
+                state = states.get(index)
+                if state is None:
+                    state = states[index] = new_state()
+                if state.done:
+                    continue
+                event = chunk(index, state, completion)
+                state.done = completion.finish_reason is not None
+                if event is not None:
+                    await send_event(event if isinstance(event, str) else sse_event(event))
+            if output.finished and any(c.finish_reason == "error" for c in output.outputs):
+                await send_event(sse_event(json.loads(_request_failed(output).envelope())))
+
         try:
-            async for prompt_index, output in _merge(streams):
-                trackers[prompt_index].observe(output)
-                lasts[prompt_index] = output
-                for completion in output.outputs:
-                    index = job.choice_index(prompt_index, completion.index)
-                    state = states.get(index)
-                    if state is None:
-                        state = states[index] = new_state()
-                    if state.done:
-                        continue
-                    event = chunk(index, state, completion)
-                    state.done = completion.finish_reason is not None
-                    if event is not None:
-                        yield event if isinstance(event, str) else sse_event(event)
-                if output.finished and any(c.finish_reason == "error" for c in output.outputs):
-                    yield sse_event(json.loads(_request_failed(output).envelope()))
+            if len(streams) == 1:  # most requests: no merging task per stream
+                async for output in streams[0]:
+                    await on_output(0, output)
+            else:
+                async for prompt_index, output in _merge(streams):
+                    await on_output(prompt_index, output)
             if job.include_usage:
-                yield sse_event(usage_chunk(self._usage(job, lasts)))
+                await send_event(sse_event(usage_chunk(self._usage(job, lasts))))
         except (EngineStepError, EngineDeadError) as exc:
-            error = _engine_error(exc)
-            yield sse_event(json.loads(error.envelope()))
+            await send_event(sse_event(json.loads(_engine_error(exc).envelope())))
         finally:
             self._abort_unfinished(streams)
-        yield "data: [DONE]\n\n"
+        await send_event("data: [DONE]\n\n")
 
     def _holdback(self, job: _Job) -> int:
         return max((len(stop) for stop in job.params.stop), default=1) - 1
 
-    def _stream_completion(self, job: _Job, streams: list[RequestStream]) -> AsyncIterator[str]:
+    def _stream_completion(self, job: _Job, streams: list[RequestStream]) -> Callable[[SendEvent], Awaitable[None]]:
         text_only = TextChunkTemplate(lambda index, text: CompletionStreamResponse(
             id=job.request_id, model=job.model, created=job.created,
             choices=[CompletionChoice(index=index, text=text)]))
@@ -824,7 +831,8 @@ class OpenAIServing:
             return CompletionStreamResponse(id=job.request_id, model=job.model, created=job.created, choices=[],
                                             usage=usage)
 
-        return self._stream_events(job, streams, chunk, usage_chunk, lambda: _ChoiceState(holdback=self._holdback(job)))
+        return functools.partial(self._write_events, job, streams, chunk, usage_chunk,
+                                 lambda: _ChoiceState(holdback=self._holdback(job)))
 
     def _new_chat_state(self, job: _Job) -> _ChoiceState:
         assert job.chat is not None
@@ -854,7 +862,7 @@ class OpenAIServing:
             state.sent_content = text
         return delta
 
-    def _stream_chat(self, job: _Job, streams: list[RequestStream]) -> AsyncIterator[str]:
+    def _stream_chat(self, job: _Job, streams: list[RequestStream]) -> Callable[[SendEvent], Awaitable[None]]:
         content_only = TextChunkTemplate(lambda index, text: ChatCompletionStreamResponse(
             id=job.request_id, model=job.model, created=job.created,
             choices=[ChatStreamChoice(index=index, delta=DeltaMessage(content=text))]))
@@ -892,7 +900,8 @@ class OpenAIServing:
             return ChatCompletionStreamResponse(id=job.request_id, model=job.model, created=job.created, choices=[],
                                                 usage=usage)
 
-        return self._stream_events(job, streams, chunk, usage_chunk, lambda: self._new_chat_state(job))
+        return functools.partial(self._write_events, job, streams, chunk, usage_chunk,
+                                 lambda: self._new_chat_state(job))
 
 
 def _json(model: BaseModel, status: int = 200) -> Response:

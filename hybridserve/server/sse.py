@@ -1,4 +1,5 @@
-"""Server-sent events of a streamed response, with a fast path for chunks that only carry text.
+"""Server-sent events of a streamed response: the response that sends them, and a fast path for
+chunks that only carry text.
 
 Most chunks of a stream carry one token's text and nothing else. Building two or three pydantic
 models per chunk and dumping them was the largest part of the API process's work per streamed
@@ -12,10 +13,13 @@ with `ensure_ascii=False` writes the same bytes; tests/test_sse.py checks it). E
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from pydantic import BaseModel
+from starlette.background import BackgroundTask
+from starlette.responses import StreamingResponse
+from starlette.types import Send
 
 _TEXT_MARK = "\x01hybridserve-text\x01"
 _INDEX_MARK = 987_654_321
@@ -50,3 +54,38 @@ class TextChunkTemplate:
     def event(self, index: int, text: str) -> str:
         """The SSE event of the chunk carrying `text` for choice `index`."""
         return f"{self._head}{index}{self._middle}{json.dumps(text, ensure_ascii=False)}{self._tail}"
+
+
+SendEvent = Callable[[str], Awaitable[None]]
+"""Sends one SSE event (already framed) to the client."""
+
+
+async def _no_body() -> AsyncIterator[bytes]:
+    return
+    yield b""  # pragma: no cover - makes this an async generator
+
+
+class EventStreamResponse(StreamingResponse):
+    """A `text/event-stream` response whose events `write_events(send_event)` sends one by one.
+
+    Starlette's `StreamingResponse` pulls every event out of an async generator, which put two
+    generator hops between the engine's output and the socket for each streamed token; here the
+    producer awaits each send itself. Disconnect handling (the producer is cancelled when the
+    client leaves) and the background task are `StreamingResponse`'s own.
+    """
+
+    def __init__(self, write_events: Callable[[SendEvent], Awaitable[None]],
+                 background: BackgroundTask | None = None) -> None:
+        super().__init__(_no_body(), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, background=background)
+        self._write_events = write_events
+
+    async def stream_response(self, send: Send) -> None:
+        """Start the response, let the producer send its events, then end the body."""
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+
+        async def send_event(event: str) -> None:
+            await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+
+        await self._write_events(send_event)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
