@@ -24,6 +24,7 @@ from hybridserve.sampling_params import RequestOutputKind, SamplingParams
 from hybridserve.server.app import build_app
 from hybridserve.engine_args import engine_config_from_args
 from hybridserve.server.cli import build_parser, served_model_names
+from hybridserve.server.protocol import ChatCompletionStreamResponse, CompletionStreamResponse
 from tests.live_server import ServerThread, tiny_config
 from tests.targets import CPU
 
@@ -155,6 +156,24 @@ def test_sse_wire_format(http: httpx.Client) -> None:
         lines = [line for line in response.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
     assert json.loads(lines[0][6:])["usage"] is None
+
+
+def test_streamed_chunks_are_the_models_json(http: httpx.Client) -> None:
+    """Text-only chunks come from a template (server/sse.py); every chunk on the wire must still be
+    exactly the JSON its pydantic model dumps, with one `created` for the whole response."""
+    cases = [("/v1/completions", CompletionStreamResponse, {"prompt": "templates", "n": 2}),
+             ("/v1/chat/completions", ChatCompletionStreamResponse,
+              {"messages": [{"role": "user", "content": "templates"}]})]
+    for path, model, extra in cases:
+        body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}, **extra}
+        with http.stream("POST", path, json=body) as response:
+            assert response.status_code == 200
+            payloads = [line[6:] for line in response.iter_lines() if line and line != "data: [DONE]"]
+        assert len(payloads) >= 8
+        for payload in payloads:
+            assert model.model_validate_json(payload).model_dump_json() == payload
+        assert len({json.loads(payload)["created"] for payload in payloads}) == 1
 
 
 def test_n_seed_and_logprobs(client: openai.OpenAI) -> None:

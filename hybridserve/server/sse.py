@@ -42,10 +42,10 @@ class TextChunkTemplate:
 
     def __init__(self, build: Callable[[int, str], BaseModel]) -> None:
         dumped = build(_INDEX_MARK, _TEXT_MARK).model_dump_json()
-        index_at = dumped.index(str(_INDEX_MARK))
+        index_at = dumped.find(str(_INDEX_MARK))
         text_json = json.dumps(_TEXT_MARK, ensure_ascii=False)
-        text_at = dumped.index(text_json)
-        if not index_at < text_at or dumped.count(str(_INDEX_MARK)) != 1 or dumped.count(text_json) != 1:
+        text_at = dumped.find(text_json)
+        if not 0 <= index_at < text_at or dumped.count(str(_INDEX_MARK)) != 1 or dumped.count(text_json) != 1:
             raise ValueError("a text chunk template needs the index once, before the text once")
         self._head = "data: " + dumped[:index_at]
         self._middle = dumped[index_at + len(str(_INDEX_MARK)):text_at]
