@@ -5,14 +5,16 @@ Most chunks of a stream carry one token's text and nothing else. Building two or
 models per chunk and dumping them was the largest part of the API process's work per streamed
 token that this code controls. `TextChunkTemplate` dumps such a chunk once through its pydantic
 model with placeholder values, keeps the JSON around the two values that change (the choice index
-and the text), and afterwards writes only those, escaped as pydantic escapes them (`json.dumps`
-with `ensure_ascii=False` writes the same bytes; tests/test_sse.py checks it). Every other chunk
-(logprobs, a finish reason, a role, tool calls, usage) still goes through its model.
+and the text), and afterwards writes only those, escaped as pydantic escapes them (the C string
+encoder behind `json.dumps(..., ensure_ascii=False)` writes the same bytes; tests/test_sse.py
+checks it). Every other chunk (logprobs, a finish reason, a role, tool calls, usage) still goes
+through its model.
 """
 
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring  # json.dumps(text, ensure_ascii=False) without the 0.6 us of set-up
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -43,7 +45,7 @@ class TextChunkTemplate:
     def __init__(self, build: Callable[[int, str], BaseModel]) -> None:
         dumped = build(_INDEX_MARK, _TEXT_MARK).model_dump_json()
         index_at = dumped.find(str(_INDEX_MARK))
-        text_json = json.dumps(_TEXT_MARK, ensure_ascii=False)
+        text_json = encode_basestring(_TEXT_MARK)
         text_at = dumped.find(text_json)
         if not 0 <= index_at < text_at or dumped.count(str(_INDEX_MARK)) != 1 or dumped.count(text_json) != 1:
             raise ValueError("a text chunk template needs the index once, before the text once")
@@ -53,7 +55,7 @@ class TextChunkTemplate:
 
     def event(self, index: int, text: str) -> str:
         """The SSE event of the chunk carrying `text` for choice `index`."""
-        return f"{self._head}{index}{self._middle}{json.dumps(text, ensure_ascii=False)}{self._tail}"
+        return f"{self._head}{index}{self._middle}{encode_basestring(text)}{self._tail}"
 
 
 SendEvent = Callable[[str], Awaitable[None]]
