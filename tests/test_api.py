@@ -134,6 +134,10 @@ def test_bad_api_arguments(llm: LLM) -> None:
         SamplingParams(n=0)
     with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
         SamplingParams(output_kind=2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"stream_interval must be in \[1, 65536\]"):
+        SamplingParams(stream_interval=0)
+    with pytest.raises(ValueError, match="stream_interval must be an integer, got str"):
+        SamplingParams(stream_interval="4")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="list of them, got dict"):
         llm.generate("x", {"max_tokens": 3})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="got int"):

@@ -156,6 +156,19 @@ def test_final_only_requests_get_one_message(core: EngineCoreClient) -> None:
     check_clean(core)
 
 
+def test_stream_interval_holds_deltas_back(core: EngineCoreClient) -> None:
+    """The core sends a request with `stream_interval=5` its first token, then a delta per 5 new
+    tokens, then the last: the stream yields those outputs, ending in the cumulative run's."""
+    async def outputs(interval: int) -> list[list[int]]:
+        params = SamplingParams(max_tokens=23, temperature=0.0, ignore_eos=True, stream_interval=interval)
+        return [out.outputs[0].token_ids async for out in core.generate(f"core-interval-{interval}",
+                                                                         [410, 411, 412], params)]
+
+    every, chunked = asyncio.run(outputs(1)), asyncio.run(outputs(5))
+    assert [len(ids) for ids in chunked] == [1, 6, 11, 16, 21, 23] and chunked[-1] == every[-1]
+    check_clean(core)
+
+
 def test_bad_input_is_a_400_with_the_engine_message(core: EngineCoreClient, server: ServerThread) -> None:
     response = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": [1, VOCAB + 5]})
     assert response.status_code == 400 and "outside the vocabulary" in response.json()["error"]["message"]

@@ -23,7 +23,7 @@ from hybridserve.engine.engine import LLMEngine
 from hybridserve.sampling_params import RequestOutputKind, SamplingParams
 from hybridserve.server.app import build_app
 from hybridserve.engine_args import engine_config_from_args
-from hybridserve.server.cli import build_parser, served_model_names
+from hybridserve.server.cli import build_parser, check_http_arguments, served_model_names
 from hybridserve.server.protocol import ChatCompletionStreamResponse, CompletionStreamResponse
 from tests.live_server import ServerThread, tiny_config
 from tests.targets import CPU
@@ -475,6 +475,31 @@ def test_concurrent_requests_share_batches(client: openai.OpenAI, engine: AsyncL
     assert max(seen) >= 2
 
 
+def test_stream_interval_sends_tokens_in_chunks(engine: AsyncLLMEngine, http: httpx.Client) -> None:
+    """`stream_interval=5`: the first token, then an output per 5 new tokens, then the last; the
+    same tokens as a cumulative run. Through a server with `--stream-interval 4`, the streamed
+    text is the non-streamed text in fewer chunks."""
+    prompt = random_ids(11, 9)
+
+    async def counts(interval: int) -> list[list[int]]:
+        params = SamplingParams(max_tokens=23, temperature=0.0, ignore_eos=True, stream_interval=interval)
+        return [out.outputs[0].token_ids async for out in engine.generate(f"interval-{interval}", prompt, params)]
+
+    every, chunked = asyncio.run(counts(1)), asyncio.run(counts(5))
+    assert [len(ids) for ids in chunked] == [1, 6, 11, 16, 21, 23] and chunked[-1] == every[-1]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 13, "temperature": 0, "ignore_eos": True}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    with ServerThread(build_app(engine, model_name=MODEL, stream_interval=4)) as chunking:
+        with httpx.stream("POST", f"{chunking.url}/v1/completions", json={**body, "stream": True}) as response:
+            events = [json.loads(line[6:]) for line in response.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+    texts = [event["choices"][0]["text"] for event in events]
+    assert "".join(texts) == whole and len(events) <= 5  # tokens 1, 5, 9, 13 (+ a finish-only chunk)
+    with pytest.raises(ValueError, match="stream_interval must be"):
+        build_app(engine, model_name=MODEL, stream_interval=0)
+    wait_until(lambda: is_idle(engine))
+
+
 # --------------------------------------------------------------------------- CLI
 def test_serve_arguments() -> None:
     args = build_parser().parse_args([])
@@ -486,6 +511,11 @@ def test_serve_arguments() -> None:
     aliased = build_parser().parse_args(["--served-model-name", "a", "b", "--model", "/m/x"])
     assert served_model_names(aliased) == ["a", "b"] and engine_config_from_args(aliased).model == "/m/x"
     assert "(default: 127.0.0.1)" in build_parser().format_help()
+    assert args.stream_interval == 1
+    check_http_arguments(build_parser().parse_args(["--stream-interval", "8"]))
+    for bad in (["--stream-interval", "0"], ["--max-body-bytes", "0"]):
+        with pytest.raises(ValueError, match="must be"):
+            check_http_arguments(build_parser().parse_args(bad))
 
 
 # --------------------------------------------------------------------------- multi-turn chat

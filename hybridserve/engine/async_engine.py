@@ -61,6 +61,20 @@ class _Sink:
     queue: asyncio.Queue
     last: RequestOutput | None = None
     final_only: bool = False  # deliver only the finished output (RequestOutputKind.FINAL_ONLY)
+    stream_interval: int = 1  # deliver the first output, then one per this many new tokens (and the last)
+    delivered_tokens: int = -1  # tokens of the latest delivered output (-1: none yet)
+
+    def due(self, output: RequestOutput) -> bool:
+        """Whether an unfinished output is delivered (see `SamplingParams.stream_interval`)."""
+        if self.final_only:
+            return False
+        if self.stream_interval == 1:
+            return True
+        tokens = max(len(completion.token_ids) for completion in output.outputs)
+        if self.delivered_tokens >= 0 and tokens - self.delivered_tokens < self.stream_interval:
+            return False
+        self.delivered_tokens = tokens
+        return True
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Deliver from the engine thread; a closed loop (caller gone) is ignored."""
@@ -209,7 +223,8 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         ack: concurrent.futures.Future = concurrent.futures.Future()
-        sink = _Sink(loop, queue, final_only=params.output_kind == RequestOutputKind.FINAL_ONLY)
+        sink = _Sink(loop, queue, final_only=params.output_kind == RequestOutputKind.FINAL_ONLY,
+                     stream_interval=params.stream_interval)
         self._submit(_Add(request_id, prompt, params, cache_salt, sink, ack), is_add=True)
         try:
             await asyncio.wrap_future(ack)
@@ -359,7 +374,7 @@ class AsyncLLMEngine:
             sink.last = output
             if output.finished:
                 del self._sinks[output.request_id]
-            elif sink.final_only:
+            elif not sink.due(output):
                 continue
             by_loop.setdefault(sink.loop, []).append((sink.queue, output))
         for loop, items in by_loop.items():

@@ -81,6 +81,14 @@ class DeltaTracker:
         """The deltas of the groups a step touched; finished groups are forgotten."""
         return [self._delta(group) for group in groups]
 
+    def unsent_tokens(self, group: Any) -> int | None:
+        """The most tokens any of the group's completions has that were not sent yet (None: the
+        group has not been sent at all)."""
+        sent = self._sent.get(group.request_id)
+        if sent is None:
+            return None
+        return max(len(seq.output_token_ids) - mark.tokens for seq, mark in zip(group.sequences, sent))
+
     def forget(self, request_id: str) -> None:
         """Drop what is tracked for an aborted request."""
         self._sent.pop(request_id, None)
@@ -134,6 +142,7 @@ class EngineCore:
         self._decoder = input_decoder()
         self._live: set[str] = set()
         self._final_only: set[str] = set()  # requests that want only their final output
+        self._intervals: dict[str, int] = {}  # requests sent one output per this many new tokens
         self._sent_waiting = -1  # the waiting count the API process last heard
         self._stopping = False
         self._next_parent_check = 0.0
@@ -206,6 +215,8 @@ class EngineCore:
         self._live.add(message.request_id)
         if params.output_kind == RequestOutputKind.FINAL_ONLY:
             self._final_only.add(message.request_id)
+        elif params.stream_interval > 1:
+            self._intervals[message.request_id] = params.stream_interval
         self.send(AddResult(message.request_id))
 
     def _abort(self, request_id: str) -> None:
@@ -213,6 +224,7 @@ class EngineCore:
         self.tracker.forget(request_id)
         self._live.discard(request_id)
         self._final_only.discard(request_id)
+        self._intervals.pop(request_id, None)
 
     def _call(self, message: UtilityCall) -> None:
         try:
@@ -232,9 +244,9 @@ class EngineCore:
             return
         if not groups:
             return
-        final_only = self._final_only
-        if final_only:  # their deltas accumulate until they finish: one message per request
-            groups = [g for g in groups if g.is_finished or g.request_id not in final_only]
+        final_only, intervals = self._final_only, self._intervals
+        if final_only or intervals:  # their deltas accumulate until they are due
+            groups = [g for g in groups if g.is_finished or self._due(g)]
         waiting = int(self.engine.num_waiting_requests)
         if not groups and waiting == self._sent_waiting:
             return
@@ -243,6 +255,7 @@ class EngineCore:
             if delta.finished:
                 self._live.discard(delta.request_id)
                 final_only.discard(delta.request_id)
+                intervals.pop(delta.request_id, None)
         self.send(StepOutputs(deltas, waiting))
         self._sent_waiting = waiting
         reason = getattr(self.engine, "dead_reason", None)
@@ -250,6 +263,18 @@ class EngineCore:
             logger.error("engine stopped: %s", reason)
             self.send(EngineDead(reason))
             self._stopping = True
+
+    def _due(self, group: Any) -> bool:
+        """Whether an unfinished group's delta is sent this step: never for a final-only request;
+        for one with a stream interval, its first token and then every `interval` new tokens."""
+        request_id = group.request_id
+        if request_id in self._final_only:
+            return False
+        interval = self._intervals.get(request_id)
+        if interval is None:
+            return True
+        unsent = self.tracker.unsent_tokens(group)
+        return unsent is None or unsent >= interval
 
     def _fail_all(self, message: str) -> None:
         failed = sorted(self._live)

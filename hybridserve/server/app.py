@@ -40,8 +40,8 @@ from hybridserve.engine.async_engine import (
     RequestStream,
 )
 import hybridserve
-from hybridserve.sampling_params import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams, \
-    StructuredOutputsParams
+from hybridserve.sampling_params import MAX_STREAM_INTERVAL, CompletionOutput, RequestOutput, RequestOutputKind, \
+    SamplingParams, StructuredOutputsParams
 from hybridserve.server.auth import ApiKeyring, TenantAuthMiddleware, request_tenant, tenant_cache_salt
 from hybridserve.server.chat import ChatRenderer, ChatTemplateError
 from hybridserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -417,8 +417,12 @@ class OpenAIServing:
     """Turns protocol requests into engine requests and engine outputs into responses."""
 
     def __init__(self, engine: AsyncLLMEngine, model_names: str | Sequence[str],
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, stream_interval: int = 1) -> None:
+        if not isinstance(stream_interval, int) or not 1 <= stream_interval <= MAX_STREAM_INTERVAL:
+            raise ValueError(f"stream_interval must be an integer in [1, {MAX_STREAM_INTERVAL}], "
+                             f"got {stream_interval!r}")
         self.engine = engine
+        self.stream_interval = stream_interval
         self.model_names = [model_names] if isinstance(model_names, str) else list(model_names)
         if not self.model_names:
             raise ValueError("at least one served model name is needed")
@@ -601,6 +605,8 @@ class OpenAIServing:
             params = body.sampling_params(max_tokens, num_logprobs, structured)
             if not body.stream:  # the response is built from the final output alone
                 params.output_kind = RequestOutputKind.FINAL_ONLY
+            else:
+                params.stream_interval = self.stream_interval
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         if self.vocab_size is not None and params.top_k > self.vocab_size:
@@ -980,7 +986,7 @@ def _install_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
 def build_app(engine: AsyncLLMEngine, *, model_name: str | Sequence[str], api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_engine: bool = False,
-              reasoning_parser: str | None = None, api_keys: Sequence[str] = ()) -> FastAPI:
+              reasoning_parser: str | None = None, api_keys: Sequence[str] = (), stream_interval: int = 1) -> FastAPI:
     """Build the HTTP app around a started-or-not `AsyncLLMEngine`.
 
     `model_name` is the served name, or several aliases (the first is the default). The engine
@@ -988,11 +994,13 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str | Sequence[str], api_ke
     `api_key` and/or `api_keys`, one of them is required as a bearer token on `/v1/*`, and each
     key's requests are cached under that key's own salt (see `server.auth`); bodies over
     `max_body_bytes` are answered with 413. `reasoning_parser="qwen3"` moves thinking text into
-    `reasoning_content`. The OpenAPI schema is at `/openapi.json`, its interactive page at `/docs`.
+    `reasoning_content`. `stream_interval=k` sends a streamed response's text in chunks of k
+    tokens after the first (SGLang's `--stream-interval`; see `SamplingParams.stream_interval`).
+    The OpenAPI schema is at `/openapi.json`, its interactive page at `/docs`.
     """
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
-    serving = OpenAIServing(engine, model_name, reasoning_parser)
+    serving = OpenAIServing(engine, model_name, reasoning_parser, stream_interval)
     _preload_stream_backend()
     app = FastAPI(title="hybridserve", lifespan=_lifespan(engine, shutdown_engine),
                   openapi_url="/openapi.json", docs_url="/docs", redoc_url=None)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridserve.engine_args import add_engine_arguments, engine_config_from_args, model_from_args
+from hybridserve.sampling_params import MAX_STREAM_INTERVAL
 from hybridserve.server.app import DEFAULT_MAX_BODY_BYTES
 from hybridserve.server.auth import read_key_file
 from hybridserve.server.reasoning_parser import REASONING_PARSERS
@@ -47,6 +48,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="move the model's thinking into reasoning_content")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest accepted request body; larger ones get 413")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="streamed responses send the first token, then one chunk per this many new tokens "
+                             "(fewer, larger chunks: less work per token for the server and its clients)")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level")
     parser.add_argument("--engine-process", default="on", choices=("on", "off"),
                         help="on: run the engine core in its own process (API process: HTTP, JSON, SSE); "
@@ -119,6 +123,14 @@ def _raise_system_exit(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def check_http_arguments(args: argparse.Namespace) -> None:
+    """`ValueError` for HTTP flags out of range, before any engine is built."""
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    if not 1 <= args.stream_interval <= MAX_STREAM_INTERVAL:
+        raise ValueError(f"--stream-interval must be in [1, {MAX_STREAM_INTERVAL}], got {args.stream_interval}")
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Bind, build the engine and serve until interrupted; returns a process exit code
     (0 after a clean shutdown, 1 when the port cannot be bound, 2 for a bad configuration)."""
@@ -132,6 +144,7 @@ def run_server(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args)
         names = served_model_names(args)
         api_keys = api_keys_from(args)
+        check_http_arguments(args)
     except ValueError as exc:
         logger.error("cannot start: %s", exc)
         return 2
@@ -152,7 +165,7 @@ def run_server(args: argparse.Namespace) -> int:
         return 1
     _log_sizes(stats, async_engine.max_model_len)
     app = build_app(async_engine, model_name=names, api_keys=api_keys, max_body_bytes=args.max_body_bytes,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser, stream_interval=args.stream_interval)
     logger.info("serving %s on http://%s:%d (auth %s, engine %s)", ", ".join(names), args.host, args.port,
                 f"on, {len(api_keys)} key(s), per-key cache salt" if api_keys else "off",
                 "core process" if args.engine_process == "on" else "thread")
