@@ -239,6 +239,30 @@ class AiohttpCompletionClient(CompletionClient):
                     break
 
 
+class AiohttpWholeCompletionClient(AiohttpCompletionClient):
+    """The same requests not streamed (`stream: false`) over aiohttp: the server's cost without
+    its per-token streaming. The whole response arrives at once, so its first "chunk" time is the
+    request's end."""
+
+    def body(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+        """The streamed body without streaming."""
+        body = super().body(prompt, max_tokens)
+        del body["stream_options"]
+        body["stream"] = False
+        return body
+
+    async def _exchange(self, body: dict[str, Any], record: RequestRecord) -> None:
+        async with self.session.post(self.url, json=body) as resp:
+            data = await resp.read()
+            if resp.status != 200:
+                record.error = f"HTTP {resp.status}: {data[:300]!r}"
+                return
+        record.chunk_times.append(time.perf_counter())
+        usage = json.loads(data)["usage"]
+        record.prompt_tokens, record.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+        record.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
 # =========================================================================== workloads
 async def run_level(api: CompletionClient, prompts: Sequence[list[int]], concurrency: int, max_tokens: int,
                     timeout_s: float) -> tuple[list[RequestRecord], float]:

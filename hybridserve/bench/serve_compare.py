@@ -34,7 +34,8 @@ from typing import Any
 
 from hybridserve.bench.common import FIRST_PLAIN_ID, PLAIN_ID_SPAN, format_table, goal_mark, random_token_ids
 
-HTTP_CLIENTS = ("aiohttp", "httpx")
+HTTP_CLIENTS = ("aiohttp", "httpx", "aiohttp-whole")  # aiohttp-whole: not streamed (what streaming costs)
+DEFAULT_HTTP_CLIENTS = ("aiohttp", "httpx")
 DECODE_GOAL = 1.05
 TTFT_GOAL_MS = 5.0
 THROUGHPUT_GOAL = 0.9
@@ -54,7 +55,7 @@ class CompareConfig:
     warmup: int = 1
     repeats: int = 5
     modes: tuple[str, ...] = ("off", "on")
-    http_clients: tuple[str, ...] = ("aiohttp", "httpx")
+    http_clients: tuple[str, ...] = DEFAULT_HTTP_CLIENTS
     seed: int = 0
 
 
@@ -121,17 +122,19 @@ class ServerBackend(Backend):
         self.api = self.loop.run_until_complete(self._connect())
 
     async def _connect(self) -> Any:
-        from hybridserve.bench.serve_bench import AiohttpCompletionClient, CompletionClient
+        from hybridserve.bench.serve_bench import AiohttpCompletionClient, AiohttpWholeCompletionClient, \
+            CompletionClient
 
         connections = self.clients + 4
-        if self.http_client == "aiohttp":
+        if self.http_client.startswith("aiohttp"):
             import aiohttp
 
             self.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections),
                                                 timeout=aiohttp.ClientTimeout(total=300.0))
             async with self.client.get(self.url + "/v1/models") as resp:
                 models = (await resp.json())["data"]
-            return AiohttpCompletionClient(self.client, self.url, models[0]["id"], token_logprobs=False)
+            kind = AiohttpWholeCompletionClient if self.http_client == "aiohttp-whole" else AiohttpCompletionClient
+            return kind(self.client, self.url, models[0]["id"], token_logprobs=False)
         import httpx
 
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
@@ -159,7 +162,7 @@ class ServerBackend(Backend):
 
     def close(self) -> None:
         """Close the HTTP client and the loop."""
-        close = self.client.close() if self.http_client == "aiohttp" else self.client.aclose()
+        close = self.client.close() if self.http_client.startswith("aiohttp") else self.client.aclose()
         self.loop.run_until_complete(close)
         self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         self.loop.close()
@@ -266,8 +269,10 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--engine-process modes of the servers compared")
     parser.add_argument("--compare-repeats", type=int, default=5, help="measured runs per figure")
     parser.add_argument("--compare-clients", type=int, default=16, help="concurrent streams")
-    parser.add_argument("--compare-http-clients", nargs="+", choices=HTTP_CLIENTS, default=list(HTTP_CLIENTS),
-                        help="HTTP client libraries the servers are measured with (each its own row, in turns)")
+    parser.add_argument("--compare-http-clients", nargs="+", choices=HTTP_CLIENTS,
+                        default=list(DEFAULT_HTTP_CLIENTS),
+                        help="HTTP client libraries the servers are measured with (each its own row, in turns); "
+                             "aiohttp-whole sends the same requests not streamed")
     parser.add_argument("--compare-decode-tokens", type=int, default=128, help="tokens of the decode measure")
     parser.add_argument("--compare-ttft-prefix", type=int, default=4096, help="warm prefix of the TTFT measure")
 
