@@ -264,3 +264,16 @@ def test_one_mixed_step_matches_the_module_path_on_the_same_state(quantization: 
     torch.testing.assert_close(fused_logits, module_logits, atol=1e-4, rtol=1e-4)
     for fused_tensor, module_tensor in zip(fused_storage, module_storage):
         torch.testing.assert_close(fused_tensor, module_tensor, atol=1e-4, rtol=1e-4)
+
+
+def test_the_kernels_leave_the_threads_denormals_alone() -> None:
+    """The C kernels flush denormals while they run (vector_math.h: a vectorised SiLU's clamped
+    branch made denormals that cost a microcode assist each) and restore each thread's mode: a
+    denormal still survives torch's ops afterwards, on the calling thread and on the OpenMP workers."""
+    engine = _engine()
+    run_greedy(engine, SHORT_PROMPTS, max_tokens=4)
+    tiny = 1e-39  # below float32's smallest normal (1.18e-38)
+    assert (torch.tensor([tiny]) * 1.0).item() != 0.0
+    many = torch.full((1 << 20,), tiny) * 1.0  # large enough to run on every thread
+    assert int(many.count_nonzero()) == many.numel()
+    engine.check_integrity()

@@ -307,7 +307,10 @@ static void decode_attention(const DecodeModel *m, int64_t kv_layer, int64_t bat
     int bf16 = (int)m->bf16_storage;
     int64_t work = 0;
     for (int64_t b = 0; b < batch; b++) work += positions[b] + 1;
-#pragma omp parallel for num_threads(threads) if (threads > 1 && work * heads > 4096) schedule(dynamic, 1)
+#pragma omp parallel num_threads(threads) if (threads > 1 && work * heads > 4096)
+    {
+    unsigned int saved_csr = denormals_flush_begin();
+#pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < batch * kv_heads; task++) {
         int64_t b = task / kv_heads, kv_head = task % kv_heads, length = positions[b] + 1;
         int64_t first_head = b * heads + kv_head * group;  /* this group's rows of q, core and scores */
@@ -355,6 +358,8 @@ static void decode_attention(const DecodeModel *m, int64_t kv_layer, int64_t bat
                 for (int64_t d = 0; d < dim; d++) out[d] += p * value[d];
             }
         }
+    }
+    denormals_flush_end(saved_csr);
     }
 }
 
@@ -413,6 +418,7 @@ int decode_step_f32(const DecodeModel *m, int64_t batch, const int64_t *tokens, 
     if (!inputs_valid(m, batch, tokens, positions, state_slots, kv_write_slots, block_tables, ld_tables, block_size,
                       max_context, num_logit_rows, logit_rows))
         return 1;
+    unsigned int saved_csr = denormals_flush_begin();  /* this thread's part; parallel regions set their own */
     Workspace w;
     layout(m, batch, max_context, workspace, &w);
     int64_t hidden = m->hidden, conv_size = conv_dim_of(m) * (m->conv_kernel - 1);
@@ -449,10 +455,12 @@ int decode_step_f32(const DecodeModel *m, int64_t batch, const int64_t *tokens, 
         mlp(m, layer, batch, &w, threads);
         add_rows(w.x, w.h, batch * hidden);
     }
-    if (num_logit_rows == 0) return 0;
     for (int64_t i = 0; i < num_logit_rows; i++)  /* gathered in place: logit_rows ascend, so i <= logit_rows[i] */
         memmove(w.x + i * hidden, w.x + logit_rows[i] * hidden, sizeof(float) * hidden);
-    rms_norm_f32(w.x, num_logit_rows, hidden, hidden, m->final_norm, m->rms_eps, w.h, hidden);
-    linear(m->head, m->vocab, hidden, w.h, num_logit_rows, logits, threads);
+    if (num_logit_rows > 0) {
+        rms_norm_f32(w.x, num_logit_rows, hidden, hidden, m->final_norm, m->rms_eps, w.h, hidden);
+        linear(m->head, m->vocab, hidden, w.h, num_logit_rows, logits, threads);
+    }
+    denormals_flush_end(saved_csr);
     return 0;
 }

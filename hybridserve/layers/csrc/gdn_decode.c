@@ -117,6 +117,7 @@ int gdn_decode_step(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int
     int64_t scratch_row = conv_bf16 ? conv_dim + 2 * conv_size : conv_dim;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && batch > 1)
     {
+        unsigned int saved_csr = denormals_flush_begin();
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < runs; r++)
             for (int64_t b = run_start[r]; b < run_start[r + 1]; b++)
@@ -140,6 +141,7 @@ int gdn_decode_step(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int
                 if (norm_weight) gated_rms_norm(out, row + conv_dim + h * head_v, norm_weight, head_v, norm_eps);
             }
         }
+        denormals_flush_end(saved_csr);
     }
     return 0;
 }

@@ -86,6 +86,7 @@ int gdn_prefill_f32(int64_t tokens, int64_t num_k_heads, int64_t num_v_heads, in
     }
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
+        unsigned int saved_csr = denormals_flush_begin();
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tokens; t++) {
             float *row = conv_out + t * conv_dim;
@@ -104,6 +105,7 @@ int gdn_prefill_f32(int64_t tokens, int64_t num_k_heads, int64_t num_v_heads, in
                             g + h, beta + h, num_v_heads, tokens, head_k, head_v, core + h * head_v, value_dim,
                             num_captures, capture_tokens, captured + h * head_size, num_v_heads * head_size);
         }
+        denormals_flush_end(saved_csr);
     }
     return 0;
 }
