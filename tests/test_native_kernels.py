@@ -182,6 +182,36 @@ def test_norm_rope_matches_the_eager_ops() -> None:
     torch.testing.assert_close(native.rms_norm_rope_f32(q, norm.scale, norm.eps, cos, sin), expected)
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 7, 512])
+def test_gate_kernels_match_torch(rows: int) -> None:
+    """The GDN output norm with its SiLU gate and the MLP's silu(gate) * up on a short chunk; the
+    gate rows of the norm are evenly spaced columns of a wider projection, as in the model."""
+    gen = torch.Generator().manual_seed(4)
+    x, scale = torch.randn(rows, 64, generator=gen) * 3, torch.rand(64, generator=gen) + 0.5
+    gate = (torch.randn(rows, 192, generator=gen) * 6)[:, 64:128]  # wide enough to reach SiLU's tails
+    assert native.chunk_rows_apply(x, gate)
+    torch.testing.assert_close(native.gated_rms_norm_f32(x, gate, scale, 1e-6),
+                               F.rms_norm(x, (64,), scale, 1e-6) * F.silu(gate), atol=1e-5, rtol=1e-5)
+    norm = GatedRMSNorm(64)
+    with torch.no_grad():
+        norm.weight.copy_(scale)
+    torch.testing.assert_close(norm(x, gate), F.rms_norm(x, (64,), scale, 1e-6) * F.silu(gate), atol=1e-5, rtol=1e-5)
+    fused = torch.randn(min(rows, 64), 2 * 96, generator=gen) * 6
+    gate_half, up = fused.chunk(2, dim=-1)
+    torch.testing.assert_close(native.silu_mul_f32(fused), F.silu(gate_half) * up, atol=1e-5, rtol=1e-5)
+
+
+def test_gate_kernels_leave_long_chunks_and_other_dtypes_to_torch() -> None:
+    assert not native.chunk_rows_apply(torch.randn(native.CHUNK_MAX_ELEMENTS + 1))
+    assert not native.chunk_rows_apply(torch.randn(4, 16, dtype=torch.bfloat16))
+    assert not native.chunk_rows_apply(torch.randn(4, 16), torch.randn(16, 4).t())
+    with pytest.raises(ValueError, match="shapes"):
+        native.gated_rms_norm_f32(torch.randn(2, 16), torch.randn(2, 8), torch.ones(16), 1e-6)
+    with pytest.raises(ValueError, match="even"):
+        native.silu_mul_f32(torch.randn(2, 15))
+
+
 def test_rms_norm_leaves_prefill_and_other_dtypes_to_torch() -> None:
     scale = torch.ones(16)
     assert not native.rms_norm_applies(torch.randn(native.DECODE_MAX_ROWS + 1, 16), scale)

@@ -159,7 +159,10 @@ class PackedLinear:
             gate_bias, up_bias = (None, None) if self.bias is None else (self.bias[:half], self.bias[half:])
             gate = torch.ops.mkldnn._linear_pointwise(x, self.weight[:half], gate_bias, "swish", [], "")
             return gate.mul_(torch.ops.mkldnn._linear_pointwise(x, self.weight[half:], up_bias, "none", [], ""))
-        gate, up = self(x).chunk(2, dim=-1)
+        fused = self(x)
+        if native.chunk_rows_apply(fused):  # a short chunk: one C pass, not two parallel ops
+            return native.silu_mul_f32(fused)
+        gate, up = fused.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
 
     def _takes_split_gemv(self, x: torch.Tensor) -> bool:

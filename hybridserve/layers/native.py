@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 NATIVE_KERNELS_ENV = "HYBRIDSERVE_NATIVE_KERNELS"
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
 DECODE_MAX_ROWS = 64  # rows (last-dim vectors) the elementwise kernels take; prefill keeps torch's parallel ops
+# elements the single-threaded gate kernels take (the fused MLP output of a 64-token chunk of the
+# built-in model: 64 x 3072); a longer chunk is worth torch's parallel ops
+CHUNK_MAX_ELEMENTS = 1 << 18
 HEADERS = sorted((Path(__file__).with_name("csrc")).glob("*.h"))
 # -fno-trapping-math lets GCC vectorise the branches of vector_math.h's exp; like -fno-math-errno it
 # changes no result (no -ffast-math: sums keep their order)
@@ -136,7 +139,9 @@ def _library() -> ctypes.CDLL | None:
     library.decode_step_f32.argtypes = [_ptr, _i64] + [_ptr] * 5 + [_i64] * 3 + [_ptr] * 3 + [_i64] + [_ptr] * 2 + [_int]
     library.decode_step_f32.restype = ctypes.c_int
     for name, argtypes in (("rms_norm_f32", _RMS_NORM_ARGTYPES),
-                           ("rms_norm_rope_f32", _RMS_NORM_ROPE_ARGTYPES)):
+                           ("rms_norm_rope_f32", _RMS_NORM_ROPE_ARGTYPES),
+                           ("gated_rms_norm_f32", [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _float, _ptr]),
+                           ("silu_mul_f32", [_ptr, _i64, _i64, _i64, _ptr])):
         getattr(library, name).argtypes = argtypes
         getattr(library, name).restype = None
     return library
@@ -201,6 +206,40 @@ def rms_norm_rope_f32(x: torch.Tensor, scale: torch.Tensor, eps: float, cos: tor
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     library.rms_norm_rope_f32(x.data_ptr(), tokens, heads, dim, stride, scale.data_ptr(), eps, cos.data_ptr(),
                               sin.data_ptr(), rot, out.data_ptr())
+    return out
+
+
+def chunk_rows_apply(*tensors: torch.Tensor) -> bool:
+    """Whether the gate kernels (`gated_rms_norm_f32`, `silu_mul_f32`) take these float32 CPU
+    tensors: evenly spaced contiguous rows, at most CHUNK_MAX_ELEMENTS elements each, kernels on."""
+    return all(x.is_cpu and x.dtype == torch.float32 and x.dim() >= 1 and 0 < x.numel() <= CHUNK_MAX_ELEMENTS
+               and row_stride(x) is not None for x in tensors) and native_kernels_enabled()
+
+
+def gated_rms_norm_f32(x: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """scale * rms_norm(x) * silu(gate) over the last dim (x and gate of one shape); returns a
+    contiguous tensor of x's shape (check `chunk_rows_apply` first)."""
+    dim = x.shape[-1]
+    if gate.shape != x.shape or scale.shape != (dim,) or not scale.is_contiguous() or scale.dtype != torch.float32:
+        raise ValueError("gated_rms_norm_f32: x, gate and scale shapes or dtypes do not match")
+    library = _library()
+    assert library is not None, "check chunk_rows_apply() first"
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    library.gated_rms_norm_f32(x.data_ptr(), gate.data_ptr(), x.numel() // dim, dim, row_stride(x),
+                               row_stride(gate), scale.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def silu_mul_f32(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :half]) * x[..., half:] for a fused [gate | up] last dim; returns a contiguous
+    [..., half] tensor (check `chunk_rows_apply` first)."""
+    width = x.shape[-1]
+    if width % 2:
+        raise ValueError(f"silu_mul_f32: the last dim must be even, got {width}")
+    library = _library()
+    assert library is not None, "check chunk_rows_apply() first"
+    out = torch.empty((*x.shape[:-1], width // 2), dtype=x.dtype, device=x.device)
+    library.silu_mul_f32(x.data_ptr(), x.numel() // width, width // 2, row_stride(x), out.data_ptr())
     return out
 
 

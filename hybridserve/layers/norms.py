@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridserve.layers.native import rms_norm_applies, rms_norm_f32
+from hybridserve.layers.native import chunk_rows_apply, gated_rms_norm_f32, rms_norm_applies, rms_norm_f32
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -46,6 +46,8 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            if chunk_rows_apply(x, gate):  # a short chunk: one C pass, not three parallel ops
+                return gated_rms_norm_f32(x, gate, self.weight, self.eps)
             # The same products in the same order as below, without the no-op conversions.
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps).mul_(F.silu(gate))
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(dtype)
