@@ -22,6 +22,28 @@
 
 #include "delta_rule.h"
 #include "vector_math.h"
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+/* dst = src for an undo record, with non-temporal stores where dst is 64-byte aligned: the record
+ * is read back only when a step fails, so writing it around the caches saves reading each of its
+ * lines first and keeps the caches for the live state the delta rule reads next. The caller
+ * fences (_mm_sfence) before the record may be read. */
+static void copy_to_undo(float *dst, const float *src, int64_t n) {
+#if defined(__AVX512F__)
+    if (((uintptr_t)dst & 63) == 0 && n % 16 == 0) {
+        for (int64_t i = 0; i < n; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+        return;
+    }
+#elif defined(__AVX__)
+    if (((uintptr_t)dst & 31) == 0 && n % 8 == 0) {
+        for (int64_t i = 0; i < n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+        return;
+    }
+#endif
+    memcpy(dst, src, sizeof(float) * (size_t)n);
+}
 
 static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
@@ -129,7 +151,7 @@ int gdn_decode_step(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int
         for (int64_t task = 0; task < runs * num_v_heads; task++) {
             int64_t r = task / num_v_heads, h = task % num_v_heads, kh = h / group, first = run_start[r];
             float *state = rec_live + slots[first] * rec_size + h * head_size;
-            if (in_place) memcpy(out_rec + first * rec_size + h * head_size, state, sizeof(float) * head_size);
+            if (in_place) copy_to_undo(out_rec + first * rec_size + h * head_size, state, head_size);
             for (int64_t b = first; b < run_start[r + 1]; b++) {
                 const float *row = proj + b * proj_stride, *conv_out = scratch + b * scratch_row;
                 float decay = expf(neg_decay_rate[h] * softplus(row[a_offset + h] + dt_bias[h]));
@@ -141,6 +163,9 @@ int gdn_decode_step(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int
                 if (norm_weight) gated_rms_norm(out, row + conv_dim + h * head_v, norm_weight, head_v, norm_eps);
             }
         }
+#if defined(__SSE__)
+        _mm_sfence();  /* the undo record's streaming stores are visible before the caller reads it */
+#endif
         denormals_flush_end(saved_csr);
     }
     return 0;
