@@ -149,10 +149,11 @@ class GatedAttention(nn.Module):
                 continue
             end = chunk.token_offset + chunk.length
             first = end - 1 if last_rows_only else chunk.token_offset
-            keys, values = k[chunk.token_offset:end], v[chunk.token_offset:end]
-            if chunk.prefix_kv_slots is not None:
-                old_k, old_v = ctx.kv_cache.read(self.kv_layer, chunk.prefix_kv_slots)
-                keys, values = torch.cat([old_k, keys]), torch.cat([old_v, values])
+            if chunk.prefix_kv_slots is not None:  # the chunk's own K/V are in the cache already: one gather
+                slots = torch.cat([chunk.prefix_kv_slots, batch.kv_write_slots[chunk.token_offset:end]])
+                keys, values = ctx.kv_cache.read(self.kv_layer, slots)
+            else:
+                keys, values = k[chunk.token_offset:end], v[chunk.token_offset:end]
             num_prefix = chunk.start_position + first - chunk.token_offset
             parts.append(prefill_attention(q[first:end], keys, values, num_prefix, self.scale))
             part_rows.append(torch.arange(first, end, device=q.device))
