@@ -5,11 +5,13 @@ state: the eager GDN decode runs ~25 ATen ops per layer and reads and writes eac
 recurrent state five times. `gdn_decode_f32` (csrc/gdn_decode.c) does the whole step of one layer,
 output norm included, in one call and one pass; `rms_norm_f32` (csrc/rms_norm.c) replaces the six
 ops of torch's CPU rms_norm for decode-sized inputs, and csrc/elementwise.c does the attention's
-q/k norm + rotary. `gdn_prefill_f32` (csrc/gdn_prefill.c) runs a prefill chunk through a GDN layer
+q/k norm + rotary and, on short chunks, the GDN output norm with its SiLU gate and the MLP's
+silu(gate) * up. `gdn_prefill_f32` (csrc/gdn_prefill.c) runs a prefill chunk through a GDN layer
 token by token: on CPU that beats the chunked form's matrix products at every length measured
 (see the source's header). csrc/delta_rule.h holds the delta-rule step both GDN kernels share,
-csrc/vector_math.h an exp that GCC vectorises. `gemv` (csrc/gemv.c) is the linear (float32,
-bfloat16 or int8 weights, float32 rows) for up to 16 rows, written to stream each weight as fast
+csrc/vector_math.h an exp that GCC vectorises and the denormal flush the kernels using it set.
+`gemv` (csrc/gemv.c) is the linear (float32, bfloat16 or int8 weights, float32 rows) for up to
+16 rows, written to stream each weight as fast
 as a plain read (see linear.py); csrc/decode_step.c runs a whole decode step (see
 models/fused_decode.py). The sources are compiled with the system C compiler into the user's
 cache directory (keyed by sources, compiler and CPU, so a home shared by different CPUs is safe)
