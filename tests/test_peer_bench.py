@@ -3,10 +3,13 @@ llama-cpp-python is installed."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from hybridserve.bench.llama_cpp_launch import NO_EXTRA_BUFTS, server_argv
 from hybridserve.bench.peer_bench import (
     METRICS,
     PeerBenchConfig,
@@ -45,6 +48,9 @@ def test_summary_and_report() -> None:
                             "max_logprob_diff": 1e-5}}
     report = format_peer_report(result)
     assert "32/32 leading tokens" in report and "3.00" in report and "4096 cached" in report
+    assert "extra buffer types" not in report
+    result["agreement"] |= {"llama_cpp_extra_bufts": False, "llama_cpp_crash_with_extra_bufts": "died"}
+    assert "without its extra buffer types (AMX / repacked weights) after it crashed" in format_peer_report(result)
 
 
 @pytest.mark.skipif(hybridserve_supports_quantization(), reason="this hybridserve has --quantization")
@@ -66,3 +72,24 @@ def test_peer_bench_end_to_end(tmp_path: Path) -> None:
         assert all(result["median"][name][m] > 0 for m in METRICS)
     assert result["median"]["hybridserve"]["warm_ttft_cached_tokens"] == 256  # a snapshot boundary (interval 256)
     assert "llama.cpp / hybridserve" in format_peer_report(result)
+
+
+def test_extra_bufts_mode_is_checked() -> None:
+    with pytest.raises(ValueError, match="llama_cpp_extra_bufts"):
+        PeerBenchConfig(llama_cpp_extra_bufts="maybe")
+
+
+def test_server_argv_without_extra_bufts() -> None:
+    assert server_argv(True)[1:] == ["-m", "llama_cpp.server"]
+    assert server_argv(False)[1:] == ["-m", "hybridserve.bench.llama_cpp_launch", NO_EXTRA_BUFTS]
+
+
+def test_disable_extra_buffer_types_changes_the_default_params() -> None:
+    pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (pip install -e '.[peer]')")
+    code = ("from hybridserve.bench.llama_cpp_launch import disable_extra_buffer_types as off\n"
+            "import llama_cpp.llama_cpp as lib\n"
+            "before = lib.llama_model_default_params().use_extra_bufts\n"
+            "off()\n"
+            "print(before, lib.llama_model_default_params().use_extra_bufts)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == ["True", "False"]

@@ -176,6 +176,9 @@ def _add_peer(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--work-dir", default="", help="where the model dir and GGUF files are kept "
                         "(default: <tmp>/hybridserve-peer)")
     parser.add_argument("--rebuild-gguf", action="store_true", help="write the GGUF file even if present")
+    parser.add_argument("--llama-cpp-extra-bufts", default="auto", choices=("auto", "on", "off"),
+                        help="llama.cpp's extra weight buffer types (AMX, repacked layouts); auto: on, "
+                             "and off if llama.cpp crashes with them (q8_0 on an AMX CPU)")
     parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON here")
     parser.set_defaults(handler=run_peer)
@@ -190,7 +193,7 @@ def run_peer(args: argparse.Namespace) -> int:
                           decode_tokens=args.decode_tokens, iterations=args.iterations, warmup=args.warmup,
                           agreement_tokens=args.agreement_tokens, n_ctx=args.n_ctx, n_batch=args.n_batch,
                           model=args.model, work_dir=args.work_dir, rebuild_gguf=args.rebuild_gguf,
-                          seed=args.bench_seed)
+                          seed=args.bench_seed, llama_cpp_extra_bufts=args.llama_cpp_extra_bufts)
     try:
         result = run_peer_bench(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
     except RuntimeError as exc:

@@ -37,6 +37,7 @@ from hybridserve.models.tokenizer import Tokenizer
 
 DTYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0"}  # hybridserve mode -> GGUF type
 METRICS = ("cold_ttft_ms", "warm_ttft_ms", "extend_ttft_ms", "decode_ms_per_token")
+EXTRA_BUFTS_MODES = ("auto", "on", "off")
 NEEDS_QUANTIZATION = ("--dtype int8 needs --quantization support in `hybridserve serve` (the `--quantization "
                       "int8` flag and LLM(quantization=...)), which this hybridserve does not have")
 
@@ -61,6 +62,7 @@ class PeerBenchConfig:
     work_dir: str = ""
     rebuild_gguf: bool = False
     seed: int = 0
+    llama_cpp_extra_bufts: str = "auto"  # on / off / auto: off only when llama.cpp crashes with them
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -71,6 +73,9 @@ class PeerBenchConfig:
             raise ValueError("n_ctx must hold the extended prompt")
         if self.decode_tokens < 2 or self.iterations < 1:
             raise ValueError("decode_tokens must be >= 2 and iterations >= 1")
+        if self.llama_cpp_extra_bufts not in EXTRA_BUFTS_MODES:
+            raise ValueError(f"llama_cpp_extra_bufts must be one of {EXTRA_BUFTS_MODES}, "
+                             f"got {self.llama_cpp_extra_bufts!r}")
 
 
 # =========================================================================== prompts
@@ -151,17 +156,31 @@ def serve_args(cfg: PeerBenchConfig, model_dir: Path) -> list[str]:
 
 
 # =========================================================================== agreement
-def greedy_agreement(model_dir: Path, gguf_path: Path, prompt: list[int], cfg: PeerBenchConfig) -> dict[str, Any]:
+def greedy_agreement(model_dir: Path, gguf_path: Path, prompt: list[int], cfg: PeerBenchConfig,
+                     log: Callable[[str], None] = print) -> dict[str, Any]:
     """Greedy continuations of `prompt` by both engines in-process: the token ids, how many
-    leading tokens agree, and the largest log-probability difference over the agreed tokens."""
+    leading tokens agree, and the largest log-probability difference over the agreed tokens.
+    `llama_cpp_extra_bufts` says whether llama.cpp ran with its extra buffer types: with "auto"
+    they are on unless llama.cpp crashes with them, and then off (the reason is kept)."""
     hs_ids, hs_logprobs = _hybridserve_greedy(model_dir, prompt, cfg)
-    ll_ids, ll_logprobs = _in_child_process(_llama_cpp_greedy, gguf_path, prompt, cfg)
+    extra_bufts = cfg.llama_cpp_extra_bufts != "off"
+    crash = None
+    try:
+        ll_ids, ll_logprobs = _in_child_process(_llama_cpp_greedy, gguf_path, prompt, cfg, extra_bufts)
+    except PeerCrashed as exc:
+        if cfg.llama_cpp_extra_bufts != "auto":
+            raise
+        crash = str(exc)
+        log(f"[peer] {crash}; retrying with llama.cpp's extra buffer types off")
+        extra_bufts = False
+        ll_ids, ll_logprobs = _in_child_process(_llama_cpp_greedy, gguf_path, prompt, cfg, extra_bufts)
     agreed = next((i for i, (a, b) in enumerate(zip(hs_ids, ll_ids)) if a != b), min(len(hs_ids), len(ll_ids)))
     diffs = [abs(hs_logprobs[i] - ll_logprobs[i]) for i in range(agreed)]
     return {"prompt_tokens": len(prompt), "tokens": cfg.agreement_tokens, "leading_agreed": agreed,
             "same_positions": sum(a == b for a, b in zip(hs_ids, ll_ids)),
             "max_logprob_diff": max(diffs) if diffs else float("nan"),
-            "hybridserve_ids": hs_ids, "llama_cpp_ids": ll_ids}
+            "hybridserve_ids": hs_ids, "llama_cpp_ids": ll_ids,
+            "llama_cpp_extra_bufts": extra_bufts, "llama_cpp_crash_with_extra_bufts": crash}
 
 
 def _hybridserve_greedy(model_dir: Path, prompt: list[int], cfg: PeerBenchConfig) -> tuple[list[int], list[float]]:
@@ -198,9 +217,15 @@ def _in_child_process(fn: Callable[..., Any], *args: Any) -> Any:
                               "this llama-cpp-python build cannot run these weights on this CPU") from exc
 
 
-def _llama_cpp_greedy(gguf_path: Path, prompt: list[int], cfg: PeerBenchConfig) -> tuple[list[int], list[float]]:
+def _llama_cpp_greedy(gguf_path: Path, prompt: list[int], cfg: PeerBenchConfig,
+                      extra_bufts: bool) -> tuple[list[int], list[float]]:
     import numpy as np
     from llama_cpp import Llama
+
+    from hybridserve.bench.llama_cpp_launch import disable_extra_buffer_types
+
+    if not extra_bufts:
+        disable_extra_buffer_types()
 
     llm = Llama(model_path=str(gguf_path), n_ctx=len(prompt) + cfg.agreement_tokens + 8, n_threads=cfg.threads,
                 n_threads_batch=cfg.threads, logits_all=True, verbose=False)
@@ -306,11 +331,12 @@ def run_peer_bench(cfg: PeerBenchConfig, log: Callable[[str], None] = print) -> 
     tokenizer = Tokenizer.from_model_dir(model_dir)
     source = WordPrompts(tokenizer, cfg.seed)
     log(f"[peer] model {model_dir}, GGUF {gguf_path} ({gguf_path.stat().st_size / 2**20:.1f} MiB)")
-    agreement = greedy_agreement(model_dir, gguf_path, source.fresh(32), cfg)
+    agreement = greedy_agreement(model_dir, gguf_path, source.fresh(32), cfg, log)
     log(f"[peer] greedy agreement: {agreement['leading_agreed']}/{cfg.agreement_tokens} leading tokens")
     eos_ids = list(tokenizer.eos_token_ids)
     with ServerProcess(serve_args(cfg, model_dir), threads=cfg.threads) as hs_server, \
-            LlamaCppServer(gguf_path, threads=cfg.threads, n_ctx=cfg.n_ctx, n_batch=cfg.n_batch) as ll_server:
+            LlamaCppServer(gguf_path, threads=cfg.threads, n_ctx=cfg.n_ctx, n_batch=cfg.n_batch,
+                           extra_bufts=agreement["llama_cpp_extra_bufts"]) as ll_server:
         clients = [PeerClient("hybridserve", hs_server.url, text_prompts=False, eos_ids=eos_ids),
                    PeerClient("llama.cpp", ll_server.url, text_prompts=True, eos_ids=eos_ids,
                               decode_text=source.text)]
@@ -376,4 +402,8 @@ def format_peer_report(result: dict[str, Any]) -> str:
              f"max |logprob diff| over the agreed tokens {agreement['max_logprob_diff']:.2g}"]
     if cached is not None:
         lines.append(f"hybridserve warm TTFT restored {cached:.0f} cached prompt tokens (median)")
+    if agreement.get("llama_cpp_extra_bufts") is False:
+        reason = (" after it crashed with them" if agreement.get("llama_cpp_crash_with_extra_bufts")
+                  else " (--llama-cpp-extra-bufts off)")
+        lines.append(f"llama.cpp ran without its extra buffer types (AMX / repacked weights){reason}")
     return "\n".join(lines)

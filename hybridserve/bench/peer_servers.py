@@ -1,7 +1,8 @@
 """The two servers of `hybridserve bench peer` and a synchronous client for each.
 
 `hybridserve serve` runs as in `bench serve` (`ServerProcess`); llama.cpp runs as
-`python -m llama_cpp.server` (the `llama-cpp-python` package) on the GGUF file. Requests are
+`python -m llama_cpp.server` (the `llama-cpp-python` package) on the GGUF file, through
+`llama_cpp_launch` when its extra buffer types are off. Requests are
 sent one at a time, so at most one server computes at any moment.
 
 The two servers take prompts differently: `hybridserve` gets the token ids; `llama_cpp.server`
@@ -25,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from hybridserve.bench.llama_cpp_launch import server_argv
 from hybridserve.bench.serve_bench import ServerProcess, free_port
 
 EOS_BAN = -100.0  # the most negative bias both servers accept
@@ -36,10 +38,12 @@ class LlamaCppServer(ServerProcess):
     health_path = "/v1/models"
 
     def __init__(self, gguf_path: str | Path, *, threads: int, n_ctx: int, n_batch: int = 512,
-                 start_timeout_s: float = 180.0) -> None:
+                 extra_bufts: bool = True, start_timeout_s: float = 180.0) -> None:
+        """`extra_bufts=False` keeps llama.cpp's weights out of its AMX / repacked buffer types
+        (see `llama_cpp_launch`)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_path),
+        self.argv = [*server_argv(extra_bufts), "--model", str(gguf_path),
                      "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
                      "--n_batch", str(n_batch), "--host", "127.0.0.1", "--port", str(self.port)]
         self.start_timeout_s = start_timeout_s
