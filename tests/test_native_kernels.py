@@ -293,6 +293,72 @@ def test_gemv_matches_torch_on_every_vector_width(march: str, tmp_path: Path) ->
             torch.testing.assert_close(y, expected, atol=1e-4 * (128 if w.dtype == torch.int8 else 1), rtol=1e-4)
 
 
+def _gemm_rows_available() -> bool:
+    return native.native_kernels_enabled() and native.gemm_rows_bounds() != (0, 0)
+
+
+@pytest.mark.skipif(not _gemm_rows_available(), reason="csrc/gemm_rows.c needs AVX-512 and the C kernels")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [17, 18, 23, 24, 64, 127, 128])
+@pytest.mark.parametrize("shape", [(1552, 512), (70, 37), (3, 1), (5, 16), (130, 1536)])
+def test_gemm_rows_matches_torch(shape: tuple[int, int], rows: int, threads: int,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiles of 4 weight rows x 6 input rows and their ragged ends on both sides, inputs that are
+    not a multiple of 16 (the masked step), fewer output blocks than threads, strided input rows."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(*shape, generator=gen)
+    x = torch.randn(rows, shape[1] + 5, generator=gen)[:, 3:3 + shape[1]]
+    assert native.gemm_rows_applies(weight, x)
+    y = native.gemm_rows(weight, x)
+    assert y.shape == (rows, shape[0]) and y.is_contiguous()
+    torch.testing.assert_close(y, x @ weight.t(), atol=1e-4, rtol=1e-4)
+
+
+def test_gemm_rows_leaves_other_inputs_to_torch() -> None:
+    weight = torch.randn(8, 16)
+    low, high = native.gemm_rows_bounds()
+    assert (low, high) in ((0, 0), (17, 128))
+    for rows in (1, 16, 129):
+        assert not native.gemm_rows_applies(weight, torch.randn(rows, 16))
+    assert not native.gemm_rows_applies(weight, torch.randn(16, 40).t())  # columns not contiguous
+    assert not native.gemm_rows_applies(weight.bfloat16(), torch.randn(40, 16))
+    assert not native.gemm_rows_applies(weight, torch.randn(40, 16).bfloat16())
+    assert not native.gemm_rows_applies(weight.t().contiguous().t(), torch.randn(40, 16))
+    if _gemm_rows_available():
+        assert native.gemm_rows_applies(weight, torch.randn(40, 16))
+        with pytest.raises(ValueError, match="columns"):
+            native.gemm_rows(weight, torch.randn(40, 15))
+
+
+@needs_kernel
+@pytest.mark.parametrize("march", _instruction_sets())
+def test_gemm_rows_builds_on_every_vector_width(march: str, tmp_path: Path) -> None:
+    """csrc/gemm_rows.c takes rows only where it is compiled for AVX-512; elsewhere it declines
+    (bounds (0, 0), status 1) and the linear keeps its other paths."""
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    flags = [flag for flag in native.CFLAGS if not flag.startswith("-march")]
+    library_path = tmp_path / f"gemm-rows-{march}.so"
+    subprocess.run([compiler, *flags, f"-march={march}", str(Path(native.__file__).with_name("csrc") / "gemm_rows.c"),
+                    "-o", str(library_path)], check=True, capture_output=True, timeout=120)
+    library = ctypes.CDLL(str(library_path))
+    low, high = ctypes.c_int(), ctypes.c_int()
+    library.gemm_rows_bounds(ctypes.byref(low), ctypes.byref(high))
+    avx512 = march == "x86-64-v4"
+    assert (low.value, high.value) == ((17, 128) if avx512 else (0, 0))
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 70 + 3, generator=gen)[:, 2:72]
+    weight = torch.randn(33, 70, generator=gen)
+    y = torch.full((40, 33), float("nan"))
+    library.gemm_rows_f32.argtypes = native._GEMV_ARGTYPES
+    status = library.gemm_rows_f32(weight.data_ptr(), 33, 70, x.data_ptr(), 40, x.stride(0), y.data_ptr(), 33, 2)
+    assert status == (0 if avx512 else 1)
+    if avx512:
+        torch.testing.assert_close(y, x @ weight.t(), atol=1e-4, rtol=1e-4)
+    else:
+        assert torch.isnan(y).all()
+
+
 def test_gemv_leaves_other_inputs_to_torch() -> None:
     weight = torch.randn(8, 16)
     assert not native.gemv_applies(weight, torch.randn(native.GEMV_MAX_INPUT_ROWS + 1, 16))

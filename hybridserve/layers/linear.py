@@ -175,7 +175,11 @@ class PackedLinear:
         rows = x.shape[0]
         out_features, in_features = self.weight.shape
         threads = torch.get_num_threads()
-        if native.gemv_applies(self.weight, x, native.gemv_preferred_rows()):
+        if native.gemv_applies(self.weight, x):
+            y = native.gemv(self.weight, x)
+        elif native.gemm_rows_applies(self.weight, x):
+            y = native.gemm_rows(self.weight, x)
+        elif native.gemv_applies(self.weight, x, native.gemv_preferred_rows()):
             y = native.gemv(self.weight, x)
         elif rows >= SPLIT_GEMM_ROWS and not split_bmm_preferred():
             y = F.linear(x, self.weight)

@@ -12,7 +12,8 @@ token by token: on CPU that beats the chunked form's matrix products at every le
 csrc/vector_math.h an exp that GCC vectorises and the denormal flush the kernels using it set.
 `gemv` (csrc/gemv.c) is the linear (float32, bfloat16 or int8 weights, float32 rows) for up to
 16 rows, written to stream each weight as fast
-as a plain read (see linear.py); csrc/decode_step.c runs a whole decode step (see
+as a plain read (see linear.py), and `gemm_rows` (csrc/gemm_rows.c) the float32 one for 17 to 128
+rows on AVX-512; csrc/decode_step.c runs a whole decode step (see
 models/fused_decode.py). The sources are compiled with the system C compiler into the user's
 cache directory (keyed by sources, compiler and CPU, so a home shared by different CPUs is safe)
 and loaded with ctypes: no build step at install, about 3 s at the first start on the 2-core VM,
@@ -134,6 +135,10 @@ def _library() -> ctypes.CDLL | None:
     library.gemv_bf16.restype = ctypes.c_int
     library.gemv_preferred_rows.argtypes = []
     library.gemv_preferred_rows.restype = ctypes.c_int
+    library.gemm_rows_f32.argtypes = _GEMV_ARGTYPES
+    library.gemm_rows_f32.restype = ctypes.c_int
+    library.gemm_rows_bounds.argtypes = [ctypes.POINTER(_int), ctypes.POINTER(_int)]
+    library.gemm_rows_bounds.restype = None
     library.logits_argmax_finite.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _int]
     library.logits_argmax_finite.restype = None
     library.decode_step_workspace_floats.argtypes = [_ptr, _i64, _i64]
@@ -282,6 +287,43 @@ def gemv_applies(weight: torch.Tensor, x: torch.Tensor, max_rows: int = GEMV_DEC
             and (x.stride(1) == 1 or x.shape[1] == 1)
             and weight.dtype in (torch.float32, torch.bfloat16, torch.int8)
             and weight.is_cpu and weight.is_contiguous() and native_kernels_enabled())
+
+
+@lru_cache(maxsize=1)
+def gemm_rows_bounds() -> tuple[int, int]:
+    """The rows `gemm_rows` takes with this build of the kernels, (0, 0) for none (csrc/gemm_rows.c:
+    17..128 where the compiler targets AVX-512)."""
+    library = _library()
+    if library is None:
+        return 0, 0
+    low, high = _int(), _int()
+    library.gemm_rows_bounds(ctypes.byref(low), ctypes.byref(high))
+    return low.value, high.value
+
+
+def gemm_rows_applies(weight: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether `gemm_rows` takes x @ weight.T: float32 CPU rows (contiguous, evenly spaced) in
+    `gemm_rows_bounds`, a contiguous float32 CPU weight, and the kernels enabled."""
+    if x.dim() != 2 or x.dtype != torch.float32 or weight.dtype != torch.float32 or not x.is_cpu:
+        return False
+    low, high = gemm_rows_bounds() if native_kernels_enabled() else (0, 0)
+    return (low <= x.shape[0] <= high and low > 0 and (x.stride(1) == 1 or x.shape[1] == 1)
+            and weight.is_cpu and weight.is_contiguous())
+
+
+def gemm_rows(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T for 17..128 float32 CPU rows on the plain [out, in] float32 weight
+    (csrc/gemm_rows.c; check `gemm_rows_applies` first). Returns a new contiguous [rows, out]."""
+    out_features, in_features = weight.shape
+    if x.shape[1] != in_features:
+        raise ValueError(f"gemm_rows: x has {x.shape[1]} columns, the weight {in_features}")
+    library = _library()
+    assert library is not None, "check gemm_rows_applies() first"
+    y = torch.empty(x.shape[0], out_features)
+    if library.gemm_rows_f32(weight.data_ptr(), out_features, in_features, x.data_ptr(), x.shape[0], x.stride(0),
+                             y.data_ptr(), out_features, torch.get_num_threads()):
+        raise ValueError(f"gemm_rows takes {gemm_rows_bounds()} rows with this build, got {x.shape[0]}")
+    return y
 
 
 def gemv(weight: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
