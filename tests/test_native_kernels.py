@@ -147,7 +147,7 @@ def test_token_by_token_prefill_matches_the_chunked_form(tokens: int, threads: i
 
 
 @needs_kernel
-@pytest.mark.parametrize("shape", [(1, 512), (3, 8, 64), (64, 20)])
+@pytest.mark.parametrize("shape", [(1, 512), (3, 8, 64), (64, 20), (64, 512), (64, 8, 64)])
 def test_rms_norm_matches_torch(shape: tuple[int, ...]) -> None:
     gen = torch.Generator().manual_seed(2)
     x, scale = torch.randn(*shape, generator=gen) * 3, torch.rand(shape[-1], generator=gen) + 0.5
@@ -168,16 +168,18 @@ def test_rms_norm_reads_evenly_spaced_rows_of_a_fused_projection() -> None:
 
 
 @needs_kernel
-def test_norm_rope_matches_the_eager_ops() -> None:
+@pytest.mark.parametrize("tokens", [2, 64])
+def test_norm_rope_matches_the_eager_ops(tokens: int) -> None:
+    """Decode rows and a short chunk (a warm request's 64-token suffix)."""
     gen = torch.Generator().manual_seed(3)
     rotary = PartialRotaryEmbedding(head_dim=64, rotary_dim=16, theta=10_000.0, max_positions=128)
     norm = ZeroCenteredRMSNorm(64)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(64, generator=gen) * 0.1)
     norm.pack()
-    q = torch.randn(2, 3, 2 * 64, generator=gen).chunk(2, dim=-1)[0]  # evenly spaced heads
-    cos, sin = rotary.cos_sin(torch.tensor([5, 97]), torch.float32)
-    assert norm.scale is not None
+    q = torch.randn(tokens, 3, 2 * 64, generator=gen).chunk(2, dim=-1)[0]  # evenly spaced heads
+    cos, sin = rotary.cos_sin(torch.randint(0, 128, (tokens,), generator=gen), torch.float32)
+    assert norm.scale is not None and native.rms_norm_applies(q, norm.scale)
     expected = rotary.apply(F.rms_norm(q, (64,), norm.scale, norm.eps), cos, sin)
     torch.testing.assert_close(native.rms_norm_rope_f32(q, norm.scale, norm.eps, cos, sin), expected)
 
@@ -214,7 +216,8 @@ def test_gate_kernels_leave_long_chunks_and_other_dtypes_to_torch() -> None:
 
 def test_rms_norm_leaves_prefill_and_other_dtypes_to_torch() -> None:
     scale = torch.ones(16)
-    assert not native.rms_norm_applies(torch.randn(native.DECODE_MAX_ROWS + 1, 16), scale)
+    assert native.rms_norm_applies(torch.randn(native.CHUNK_MAX_ELEMENTS // 16, 16), scale)
+    assert not native.rms_norm_applies(torch.randn(native.CHUNK_MAX_ELEMENTS // 16 + 1, 16), scale)
     assert not native.rms_norm_applies(torch.randn(4, 16, dtype=torch.bfloat16), scale)
     assert not native.rms_norm_applies(torch.randn(16, 4).t(), scale)
     assert native.row_stride(torch.randn(3, 4, 16)[:, ::2]) == 32  # every other row: still evenly spaced

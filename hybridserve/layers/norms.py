@@ -28,7 +28,7 @@ class ZeroCenteredRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.scale if self.scale is not None else 1.0 + self.weight.float()  # before pack()
-        if rms_norm_applies(x, scale):  # decode-sized float32 rows on CPU: one C call, not six ops
+        if rms_norm_applies(x, scale):  # decode rows or a short chunk, float32 on CPU: one C call, not six ops
             return rms_norm_f32(x, scale, self.eps)
         if x.dtype == torch.float32:  # skips two no-op conversions, which cost dispatch in decode
             return F.rms_norm(x, (x.shape[-1],), scale, self.eps)
