@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from hybridserve.config import CacheConfig, EngineConfig
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.layers import native
+from hybridserve.layers.attention import prefill_attention
 from hybridserve.layers.gated_delta import L2_NORM_EPS, causal_conv_decode, causal_conv_prefill, chunked_gated_delta, \
     conv_state_after, recurrent_gated_delta_step
 from hybridserve.layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
@@ -318,6 +319,45 @@ def test_gemm_rows_matches_torch(shape: tuple[int, int], rows: int, threads: int
     torch.testing.assert_close(y, x @ weight.t(), atol=1e-4, rtol=1e-4)
 
 
+def _prefill_attention_available() -> bool:
+    return native.native_kernels_enabled() and native.prefill_attention_max_tokens() > 0
+
+
+@pytest.mark.skipif(not _prefill_attention_available(), reason="csrc/prefill_attention.c needs AVX-512")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("tokens", "prefix", "heads", "kv_heads", "dim"),
+                         [(64, 1000, 8, 2, 64), (1, 100, 8, 2, 64), (5, 0, 4, 1, 128), (17, 33, 16, 4, 256),
+                          (64, 0, 8, 2, 64), (128, 63, 2, 2, 64), (3, 65, 6, 3, 192)])
+def test_prefill_attention_matches_the_eager_path(tokens: int, prefix: int, heads: int, kv_heads: int, dim: int,
+                                                  threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys read in place through a scattered slot table against the gather + SDPA path: query
+    groups, key blocks and their ragged ends, a chunk without a prefix, one query (the last layer's
+    logit row), head sizes up to 256."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen = torch.Generator().manual_seed(tokens + prefix)
+    num_slots = prefix + tokens + 40
+    cache_keys = torch.randn(num_slots, kv_heads, dim, generator=gen)
+    cache_values = torch.randn(num_slots, kv_heads, dim, generator=gen)
+    slots = torch.randperm(num_slots, generator=gen)[:prefix + tokens].contiguous()
+    q = torch.randn(tokens, heads, dim, generator=gen) * 2
+    assert native.prefill_attention_applies(q, cache_keys, slots)
+    got = native.prefill_attention(q, cache_keys, cache_values, slots, dim ** -0.5)
+    expected = prefill_attention(q, cache_keys[slots], cache_values[slots], prefix, dim ** -0.5)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_prefill_attention_leaves_other_inputs_to_torch() -> None:
+    cache = torch.randn(300, 2, 64)
+    slots = torch.arange(200)
+    assert not native.prefill_attention_applies(torch.randn(129, 8, 64), cache, slots)  # a long chunk
+    assert not native.prefill_attention_applies(torch.randn(4, 8, 48), torch.randn(300, 2, 48), slots)  # head dim
+    assert not native.prefill_attention_applies(torch.randn(4, 8, 128)[:, :, :64], cache, slots)  # strided heads
+    assert not native.prefill_attention_applies(torch.randn(4, 8, 64).bfloat16(), cache, slots)
+    assert not native.prefill_attention_applies(torch.randn(4, 8, 64), cache, slots.int())
+    assert not native.prefill_attention_applies(torch.randn(4, 7, 64), cache, slots)  # heads not a multiple
+    assert native.prefill_attention_applies(torch.randn(4, 8, 64), cache, slots) == _prefill_attention_available()
+
+
 def test_gemm_rows_leaves_other_inputs_to_torch() -> None:
     weight = torch.randn(8, 16)
     low, high = native.gemm_rows_bounds()
@@ -337,8 +377,9 @@ def test_gemm_rows_leaves_other_inputs_to_torch() -> None:
 @needs_kernel
 @pytest.mark.parametrize("march", _instruction_sets())
 def test_gemm_rows_builds_on_every_vector_width(march: str, tmp_path: Path) -> None:
-    """csrc/gemm_rows.c takes rows only where it is compiled for AVX-512; elsewhere it declines
-    (bounds (0, 0), status 1) and the linear keeps its other paths."""
+    """csrc/gemm_rows.c and csrc/prefill_attention.c take work only where they are compiled for
+    AVX-512; elsewhere they decline (no rows, no tokens, status 1) and the callers keep their other
+    paths."""
     compiler = shutil.which("gcc") or shutil.which("cc")
     flags = [flag for flag in native.CFLAGS if not flag.startswith("-march")]
     library_path = tmp_path / f"gemm-rows-{march}.so"
@@ -360,6 +401,13 @@ def test_gemm_rows_builds_on_every_vector_width(march: str, tmp_path: Path) -> N
         torch.testing.assert_close(y, x @ weight.t(), atol=1e-4, rtol=1e-4)
     else:
         assert torch.isnan(y).all()
+    attention_path = tmp_path / f"prefill-attention-{march}.so"
+    subprocess.run([compiler, *flags, f"-march={march}",
+                    str(Path(native.__file__).with_name("csrc") / "prefill_attention.c"), "-o", str(attention_path)],
+                   check=True, capture_output=True, timeout=120)
+    attention = ctypes.CDLL(str(attention_path))
+    attention.prefill_attention_max_tokens.restype = ctypes.c_int
+    assert attention.prefill_attention_max_tokens() == (128 if avx512 else 0)
 
 
 def test_gemv_leaves_other_inputs_to_torch() -> None:

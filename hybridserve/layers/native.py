@@ -13,7 +13,8 @@ csrc/vector_math.h an exp that GCC vectorises and the denormal flush the kernels
 `gemv` (csrc/gemv.c) is the linear (float32, bfloat16 or int8 weights, float32 rows) for up to
 16 rows, written to stream each weight as fast
 as a plain read (see linear.py), and `gemm_rows` (csrc/gemm_rows.c) the float32 one for 17 to 128
-rows on AVX-512; csrc/decode_step.c runs a whole decode step (see
+rows on AVX-512; `prefill_attention` (csrc/prefill_attention.c) attends a short chunk over the
+paged KV in place; csrc/decode_step.c runs a whole decode step (see
 models/fused_decode.py). The sources are compiled with the system C compiler into the user's
 cache directory (keyed by sources, compiler and CPU, so a home shared by different CPUs is safe)
 and loaded with ctypes: no build step at install, about 3 s at the first start on the 2-core VM,
@@ -139,6 +140,11 @@ def _library() -> ctypes.CDLL | None:
     library.gemm_rows_f32.restype = ctypes.c_int
     library.gemm_rows_bounds.argtypes = [ctypes.POINTER(_int), ctypes.POINTER(_int)]
     library.gemm_rows_bounds.restype = None
+    library.prefill_attention_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _float,
+                                              _ptr, _int]
+    library.prefill_attention_f32.restype = ctypes.c_int
+    library.prefill_attention_max_tokens.argtypes = []
+    library.prefill_attention_max_tokens.restype = ctypes.c_int
     library.logits_argmax_finite.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _int]
     library.logits_argmax_finite.restype = None
     library.decode_step_workspace_floats.argtypes = [_ptr, _i64, _i64]
@@ -318,6 +324,50 @@ def gemm_rows(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
                              y.data_ptr(), out_features, torch.get_num_threads()):
         raise ValueError(f"gemm_rows takes {gemm_rows_bounds()} rows with this build, got {x.shape[0]}")
     return y
+
+
+@lru_cache(maxsize=1)
+def prefill_attention_max_tokens() -> int:
+    """The longest chunk `prefill_attention` takes with this build (csrc/prefill_attention.c: 128
+    query tokens where the compiler targets AVX-512, else 0)."""
+    library = _library()
+    return int(library.prefill_attention_max_tokens()) if library is not None else 0
+
+
+def prefill_attention_applies(q: torch.Tensor, cache_keys: torch.Tensor, slots: torch.Tensor) -> bool:
+    """Whether `prefill_attention` takes this chunk: float32 CPU queries [T, heads, dim] with heads
+    contiguous, T up to `prefill_attention_max_tokens`, dim a multiple of 64 up to 256; one layer of
+    the paged keys contiguous; int64 slots; the kernels enabled."""
+    if q.dim() != 3 or q.dtype != torch.float32 or not q.is_cpu or cache_keys.dtype != torch.float32:
+        return False
+    tokens, heads, dim = q.shape
+    return (0 < tokens <= (prefill_attention_max_tokens() if native_kernels_enabled() else 0)
+            and dim % 64 == 0 and dim <= 256 and q.stride(2) == 1 and q.stride(1) == dim
+            and cache_keys.dim() == 3 and cache_keys.is_contiguous() and cache_keys.shape[2] == dim
+            and heads % cache_keys.shape[1] == 0 and slots.dtype == torch.int64 and slots.is_contiguous()
+            and slots.dim() == 1 and slots.shape[0] >= tokens)
+
+
+def prefill_attention(q: torch.Tensor, cache_keys: torch.Tensor, cache_values: torch.Tensor, slots: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Causal attention of a chunk's T queries (the sequence's last T positions) over the keys and
+    values at `slots` ([prefix + T] flat slots, in position order) of one layer of the paged cache
+    ([num_slots, kv_heads, dim] each), read in place (csrc/prefill_attention.c; check
+    `prefill_attention_applies` first). Returns a new contiguous [T, heads, dim]."""
+    tokens, heads, dim = q.shape
+    if cache_values.shape != cache_keys.shape or not cache_values.is_contiguous():
+        raise ValueError("prefill_attention: keys and values must be contiguous and of one shape")
+    library = _library()
+    assert library is not None, "check prefill_attention_applies() first"
+    out = torch.empty(tokens, heads, dim)
+    status = library.prefill_attention_f32(q.data_ptr(), tokens, heads, dim, q.stride(0), cache_keys.data_ptr(),
+                                           cache_values.data_ptr(), cache_keys.shape[1], slots.data_ptr(),
+                                           slots.shape[0] - tokens, scale, out.data_ptr(), torch.get_num_threads())
+    if status == 2:
+        raise MemoryError("prefill_attention: out of memory for its scratch")
+    if status:
+        raise ValueError(f"prefill_attention: this build does not take q {tuple(q.shape)}")
+    return out
 
 
 def gemv(weight: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:

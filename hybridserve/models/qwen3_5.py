@@ -27,8 +27,9 @@ from hybridserve.layers.huge_pages import move_to_huge_pages
 from hybridserve.layers.linear import PackedLinear, drop_linears, union_bytes
 from hybridserve.layers.gated_delta import L2_NORM_EPS, ChunkedResult, causal_conv_decode, \
     causal_conv_prefill, chunked_gated_delta, conv_state_after, recurrent_gated_delta_step
-from hybridserve.layers.native import gdn_decode_f32, gdn_prefill_f32, native_kernels_enabled, rms_norm_applies, \
-    rms_norm_rope_f32
+from hybridserve.layers.native import gdn_decode_f32, gdn_prefill_f32, native_kernels_enabled, \
+    prefill_attention_applies, rms_norm_applies, rms_norm_rope_f32
+from hybridserve.layers.native import prefill_attention as native_prefill_attention
 from hybridserve.layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from hybridserve.layers.rotary import PartialRotaryEmbedding
 from hybridserve.models import fused_decode
@@ -149,17 +150,30 @@ class GatedAttention(nn.Module):
                 continue
             end = chunk.token_offset + chunk.length
             first = end - 1 if last_rows_only else chunk.token_offset
-            if chunk.prefix_kv_slots is not None:  # the chunk's own K/V are in the cache already: one gather
-                slots = torch.cat([chunk.prefix_kv_slots, batch.kv_write_slots[chunk.token_offset:end]])
-                keys, values = ctx.kv_cache.read(self.kv_layer, slots)
-            else:
-                keys, values = k[chunk.token_offset:end], v[chunk.token_offset:end]
-            num_prefix = chunk.start_position + first - chunk.token_offset
-            parts.append(prefill_attention(q[first:end], keys, values, num_prefix, self.scale))
+            parts.append(self._attend_chunk(q[first:end], k, v, chunk, end, batch, ctx))
             part_rows.append(torch.arange(first, end, device=q.device))
         if not parts:  # a step of intermediate prefill chunks only: no row needs output
             return q.new_empty((0, *q.shape[1:])), torch.empty(0, dtype=torch.long, device=q.device)
         return torch.cat(parts), torch.cat(part_rows)
+
+
+    def _attend_chunk(self, queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk, end: int,
+                      batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+        """Causal attention of a prefill chunk's last `len(queries)` rows (its rows end at flat row
+        `end`). The chunk's own K/V are in the cache already, so a short chunk on CPU is attended
+        over the paged cache in place (`native.prefill_attention`); otherwise the sequence's keys
+        are gathered in one read behind a prefix, or taken from this step's k/v without one."""
+        chunk_slots = batch.kv_write_slots[chunk.token_offset:end]
+        slots = chunk_slots if chunk.prefix_kv_slots is None else torch.cat([chunk.prefix_kv_slots, chunk_slots])
+        cache_keys, cache_values = ctx.kv_cache.keys[self.kv_layer], ctx.kv_cache.values[self.kv_layer]
+        if prefill_attention_applies(queries, cache_keys, slots):
+            return native_prefill_attention(queries, cache_keys, cache_values, slots, self.scale)
+        num_prefix = slots.shape[0] - queries.shape[0]
+        if chunk.prefix_kv_slots is not None:
+            keys, values = ctx.kv_cache.read(self.kv_layer, slots)
+        else:
+            keys, values = k[chunk.token_offset:end], v[chunk.token_offset:end]
+        return prefill_attention(queries, keys, values, num_prefix, self.scale)
 
 
 class GatedDeltaNet(nn.Module):

@@ -1,0 +1,241 @@
+/* Causal attention of a short prompt chunk over its sequence's paged KV (float32, AVX-512 only).
+ *
+ * A warm request prefills a short suffix (64 tokens) behind thousands of cached tokens. The eager
+ * path gathers every key and value of the sequence from the paged cache into new tensors, builds a
+ * [T, prefix + T] mask and runs torch's CPU flash attention: ~4 ms of SDPA and ~1 ms of gathers per
+ * attention layer for 64 queries over 4160 keys on the 2-core host. Here the keys and values are
+ * read in place through the slot table, the mask is a bound per query, and each KV head's queries
+ * (its G query heads times a block of tokens) share every key block while it is in L1.
+ *
+ * Per task (a KV head and a block of tokens): the queries are scaled into a local copy; keys come in
+ * blocks of ATT_KEYS; for each group of ATT_ROWS query rows the scores of 4 keys at a time are a
+ * register tile of dot products (as in csrc/gemm_rows.c), then an online softmax (running max and
+ * sum per row, the output rescaled when the max grows) and the weighted values, ATT_VCHUNK floats of
+ * the head at a time, accumulated in registers over the key block.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <omp.h>
+
+#include "vector_math.h"
+
+#define ATT_KEYS 64          /* keys per block */
+#define ATT_ROWS 6           /* query rows per score tile */
+#define ATT_VCHUNK 64        /* floats of the value head accumulated in registers at once */
+#define ATT_TOKEN_BLOCK 16   /* tokens per task */
+#define ATT_MAX_TOKENS 128   /* longest chunk taken; longer ones are worth torch's kernels */
+#define ATT_MAX_HEAD_DIM 256
+#define ATT_MASKED -1e30f    /* a score that no real score reaches: its weight is set to 0 */
+
+#if defined(__AVX512F__)
+/* exp_f32 (vector_math.h) on 16 lanes: the same clamps, reduction and polynomial. */
+static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(12582912.0f)),
+                             _mm512_set1_ps(12582912.0f));
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+static inline __m128 sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
+    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+/* scores[r * ATT_KEYS + j] = dot(q + r * dim, key[j]) for r < rows, j < 4 (keys padded to 4 by
+ * the caller); rows is a constant at each call site. */
+static inline __attribute__((always_inline)) void score_tile(const float *q, int64_t dim, const float *const *key,
+                                                              int rows, float *scores) {
+    __m512 acc[ATT_ROWS][4];
+    for (int r = 0; r < ATT_ROWS; r++)
+        for (int a = 0; a < 4; a++) acc[r][a] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 16) {
+        __m512 k0 = _mm512_loadu_ps(key[0] + d), k1 = _mm512_loadu_ps(key[1] + d);
+        __m512 k2 = _mm512_loadu_ps(key[2] + d), k3 = _mm512_loadu_ps(key[3] + d);
+        for (int r = 0; r < rows; r++) {
+            __m512 qv = _mm512_loadu_ps(q + r * dim + d);
+            acc[r][0] = _mm512_fmadd_ps(k0, qv, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(k1, qv, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(k2, qv, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(k3, qv, acc[r][3]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm_storeu_ps(scores + r * ATT_KEYS, sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+}
+
+/* out[r] = out[r] * rescale[r] + sum_j weights[r][j] * value[j] over ATT_VCHUNK floats from
+ * `offset`, for r < rows (a constant at each call site) and j < keys. */
+static inline __attribute__((always_inline)) void value_chunk(float *out, int64_t dim, const float *const *value,
+                                                               int keys, const float *weights, const float *rescale,
+                                                               int rows, int64_t offset) {
+    __m512 acc[ATT_ROWS][ATT_VCHUNK / 16];
+    for (int r = 0; r < rows; r++) {
+        __m512 s = _mm512_set1_ps(rescale[r]);
+        for (int c = 0; c < ATT_VCHUNK / 16; c++)
+            acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(out + r * dim + offset + 16 * c), s);
+    }
+    for (int j = 0; j < keys; j++) {
+        __m512 v[ATT_VCHUNK / 16];
+        for (int c = 0; c < ATT_VCHUNK / 16; c++) v[c] = _mm512_loadu_ps(value[j] + offset + 16 * c);
+        for (int r = 0; r < rows; r++) {
+            __m512 w = _mm512_set1_ps(weights[r * ATT_KEYS + j]);
+            for (int c = 0; c < ATT_VCHUNK / 16; c++) acc[r][c] = _mm512_fmadd_ps(w, v[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < ATT_VCHUNK / 16; c++) _mm512_storeu_ps(out + r * dim + offset + 16 * c, acc[r][c]);
+}
+
+/* One key block for `rows` query rows: scores, the online softmax update of each row's running
+ * max `m` and sum `l`, and the weighted values into `out`. Key j (< ATT_KEYS; pointers padded past
+ * `keys`) is the sequence's key j0 + j; row r sees keys up to limit[r]. */
+static inline __attribute__((always_inline)) void key_block_rows(const float *q, float *out, float *m, float *l,
+                                                                  const int64_t *limit, int64_t dim, int64_t j0,
+                                                                  int keys, const float *const *key,
+                                                                  const float *const *value, int rows) {
+    float scores[ATT_ROWS * ATT_KEYS], rescale[ATT_ROWS];
+    for (int a = 0; a < ATT_KEYS; a += 4) score_tile(q, dim, key + a, rows, scores + a);  /* padded keys: masked */
+    for (int r = 0; r < rows; r++) {
+        float *s = scores + r * ATT_KEYS;
+        int64_t visible = limit[r] - j0 + 1 < keys ? limit[r] - j0 + 1 : keys;
+        __m512 block_max = _mm512_set1_ps(ATT_MASKED);
+        __mmask16 lanes[ATT_KEYS / 16];
+        for (int c = 0; c < ATT_KEYS / 16; c++) {
+            int64_t n = visible - 16 * c;
+            lanes[c] = n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+            block_max = _mm512_mask_max_ps(block_max, lanes[c], block_max, _mm512_loadu_ps(s + 16 * c));
+        }
+        float top = _mm512_reduce_max_ps(block_max);
+        float new_max = top > m[r] ? top : m[r];
+        __m512 sum = _mm512_setzero_ps(), shift = _mm512_set1_ps(new_max);
+        for (int c = 0; c < ATT_KEYS / 16; c++) {
+            __m512 p = _mm512_maskz_mov_ps(lanes[c], exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * c), shift)));
+            _mm512_storeu_ps(s + 16 * c, p);
+            sum = _mm512_add_ps(sum, p);
+        }
+        rescale[r] = exp_f32(m[r] - new_max);
+        l[r] = l[r] * rescale[r] + _mm512_reduce_add_ps(sum);
+        m[r] = new_max;
+    }
+    for (int64_t offset = 0; offset < dim; offset += ATT_VCHUNK)
+        value_chunk(out, dim, value, keys, scores, rescale, rows, offset);
+}
+
+static void task_rows(const float *q, float *out, float *m, float *l, const int64_t *limit, int64_t dim, int64_t j0,
+                      int keys, const float *const *key, const float *const *value, int rows) {
+    switch (rows) {  /* constant counts: the tiles unroll */
+        case 1: key_block_rows(q, out, m, l, limit, dim, j0, keys, key, value, 1); break;
+        case 2: key_block_rows(q, out, m, l, limit, dim, j0, keys, key, value, 2); break;
+        case 3: key_block_rows(q, out, m, l, limit, dim, j0, keys, key, value, 3); break;
+        case 4: key_block_rows(q, out, m, l, limit, dim, j0, keys, key, value, 4); break;
+        case 5: key_block_rows(q, out, m, l, limit, dim, j0, keys, key, value, 5); break;
+        default: key_block_rows(q, out, m, l, limit, dim, j0, keys, key, value, ATT_ROWS); break;
+    }
+}
+
+/* Tokens [t0, t1) of KV head g: its G query heads per token as rows, every visible key. Returns 1
+ * when the scratch could not be allocated. */
+static int attention_task(const float *q, int64_t heads, int64_t dim, int64_t ld_q, const float *keys,
+                          const float *values, int64_t kv_heads, const int64_t *slots, int64_t num_prefix,
+                          float scale, float *out, int64_t g, int64_t t0, int64_t t1) {
+    int64_t group = heads / kv_heads, rows = (t1 - t0) * group;
+    float *scratch = malloc((size_t)(2 * rows * dim + 2 * rows) * sizeof(float));
+    int64_t *limit = malloc((size_t)rows * sizeof(int64_t));
+    if (scratch == NULL || limit == NULL) {
+        free(scratch);
+        free(limit);
+        return 1;
+    }
+    float *qs = scratch, *acc = scratch + rows * dim, *m = acc + rows * dim, *l = m + rows;
+    for (int64_t i = 0; i < rows; i++) {
+        int64_t t = t0 + i / group, h = g * group + i % group;
+        for (int64_t d = 0; d < dim; d++) {
+            qs[i * dim + d] = q[t * ld_q + h * dim + d] * scale;
+            acc[i * dim + d] = 0.0f;
+        }
+        m[i] = ATT_MASKED;
+        l[i] = 0.0f;
+        limit[i] = num_prefix + t;
+    }
+    const float *key[ATT_KEYS], *value[ATT_KEYS];
+    for (int64_t j0 = 0; j0 < num_prefix + t1; j0 += ATT_KEYS) {
+        int count = (int)(num_prefix + t1 - j0 < ATT_KEYS ? num_prefix + t1 - j0 : ATT_KEYS);
+        for (int j = 0; j < ATT_KEYS; j++) {  /* past the end: a valid key, its weight is 0 */
+            int64_t slot = slots[j0 + (j < count ? j : 0)];
+            key[j] = keys + (slot * kv_heads + g) * dim;
+            value[j] = values + (slot * kv_heads + g) * dim;
+        }
+        for (int64_t r = 0; r < rows; r += ATT_ROWS) {
+            int n = (int)(rows - r < ATT_ROWS ? rows - r : ATT_ROWS);
+            task_rows(qs + r * dim, acc + r * dim, m + r, l + r, limit + r, dim, j0, count, key, value, n);
+        }
+    }
+    for (int64_t i = 0; i < rows; i++) {
+        int64_t t = t0 + i / group, h = g * group + i % group;
+        float inverse = 1.0f / l[i];
+        for (int64_t d = 0; d < dim; d++) out[(t * heads + h) * dim + d] = acc[i * dim + d] * inverse;
+    }
+    free(scratch);
+    free(limit);
+    return 0;
+}
+#endif
+
+/* The longest chunk (query tokens) this build takes: ATT_MAX_TOKENS with AVX-512, 0 otherwise. */
+int prefill_attention_max_tokens(void) {
+#if defined(__AVX512F__)
+    return ATT_MAX_TOKENS;
+#else
+    return 0;
+#endif
+}
+
+/* Causal attention of `tokens` queries at positions num_prefix .. num_prefix + tokens - 1 over keys
+ * 0 .. num_prefix + tokens - 1 of one sequence. q [tokens, heads, dim] with token stride ld_q (heads
+ * contiguous); keys / values: one layer of the paged cache, [slots, kv_heads, dim] contiguous;
+ * slots [num_prefix + tokens] the flat slot of each key; out [tokens, heads, dim] contiguous.
+ * Returns 1 (nothing written) for shapes this build does not take, 2 if scratch memory ran out. */
+int prefill_attention_f32(const float *q, int64_t tokens, int64_t heads, int64_t dim, int64_t ld_q,
+                          const float *keys, const float *values, int64_t kv_heads, const int64_t *slots,
+                          int64_t num_prefix, float scale, float *out, int threads) {
+#if defined(__AVX512F__)
+    if (tokens < 1 || tokens > ATT_MAX_TOKENS || num_prefix < 0 || dim < 16 || dim % ATT_VCHUNK != 0
+        || dim > ATT_MAX_HEAD_DIM || kv_heads < 1 || heads % kv_heads != 0)
+        return 1;
+    int64_t token_blocks = (tokens + ATT_TOKEN_BLOCK - 1) / ATT_TOKEN_BLOCK, tasks = kv_heads * token_blocks;
+    if (threads > tasks) threads = (int)tasks;
+    if (threads < 1) threads = 1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        unsigned int saved_csr = denormals_flush_begin();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            int64_t g = task % kv_heads, t0 = (task / kv_heads) * ATT_TOKEN_BLOCK;
+            int64_t t1 = t0 + ATT_TOKEN_BLOCK < tokens ? t0 + ATT_TOKEN_BLOCK : tokens;
+            failed |= attention_task(q, heads, dim, ld_q, keys, values, kv_heads, slots, num_prefix, scale, out, g,
+                                     t0, t1);
+        }
+        denormals_flush_end(saved_csr);
+    }
+    return failed ? 2 : 0;
+#else
+    (void)q; (void)tokens; (void)heads; (void)dim; (void)ld_q; (void)keys; (void)values; (void)kv_heads;
+    (void)slots; (void)num_prefix; (void)scale; (void)out; (void)threads;
+    return 1;
+#endif
+}
