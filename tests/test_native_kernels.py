@@ -169,20 +169,27 @@ def test_rms_norm_reads_evenly_spaced_rows_of_a_fused_projection() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("layout", ["q", "k"])
 @pytest.mark.parametrize("tokens", [2, 64])
-def test_norm_rope_matches_the_eager_ops(tokens: int) -> None:
-    """Decode rows and a short chunk (a warm request's 64-token suffix)."""
+def test_norm_rope_matches_the_eager_ops(tokens: int, layout: str) -> None:
+    """Decode rows and a short chunk (a warm request's 64-token suffix), with the heads laid out as
+    in the fused q|k|v projection: q heads every other 64 columns (q|gate), k heads contiguous inside
+    a wider token row."""
     gen = torch.Generator().manual_seed(3)
     rotary = PartialRotaryEmbedding(head_dim=64, rotary_dim=16, theta=10_000.0, max_positions=128)
     norm = ZeroCenteredRMSNorm(64)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(64, generator=gen) * 0.1)
     norm.pack()
-    q = torch.randn(tokens, 3, 2 * 64, generator=gen).chunk(2, dim=-1)[0]  # evenly spaced heads
+    fused = torch.randn(tokens, 6 * 64 + 2 * 64 + 2 * 64, generator=gen)
+    if layout == "q":
+        x = fused[:, :6 * 64].reshape(tokens, 3, 2 * 64).chunk(2, dim=-1)[0]
+    else:
+        x = fused[:, 6 * 64:8 * 64].reshape(tokens, 2, 64)
     cos, sin = rotary.cos_sin(torch.randint(0, 128, (tokens,), generator=gen), torch.float32)
-    assert norm.scale is not None and native.rms_norm_applies(q, norm.scale)
-    expected = rotary.apply(F.rms_norm(q, (64,), norm.scale, norm.eps), cos, sin)
-    torch.testing.assert_close(native.rms_norm_rope_f32(q, norm.scale, norm.eps, cos, sin), expected)
+    assert norm.scale is not None and native.norm_rope_applies(x, norm.scale)
+    expected = rotary.apply(F.rms_norm(x, (64,), norm.scale, norm.eps), cos, sin)
+    torch.testing.assert_close(native.rms_norm_rope_f32(x, norm.scale, norm.eps, cos, sin), expected)
 
 
 @needs_kernel

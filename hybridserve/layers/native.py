@@ -59,7 +59,7 @@ _GDN_DECODE_ARGTYPES = [_i64] * 6 + [_ptr, _i64, _i64, _i64, _ptr, _i64] + [_ptr
     + [_float, _ptr, _float, _int, _int] + [_ptr] * 4
 _GDN_PREFILL_ARGTYPES = [_i64] * 6 + [_ptr, _i64] + [_ptr] * 5 + [_float, _i64, _ptr, _int] + [_ptr] * 4
 _RMS_NORM_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _float, _ptr, _i64]
-_RMS_NORM_ROPE_ARGTYPES = [_ptr, _i64, _i64, _i64, _i64, _ptr, _float, _ptr, _ptr, _i64, _ptr]
+_RMS_NORM_ROPE_ARGTYPES = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _float, _ptr, _ptr, _i64, _ptr]
 _GEMV_ARGTYPES = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _int]
 GEMV_MAX_INPUT_ROWS = 32  # as in csrc/gemv.c
 GEMV_DECODE_ROWS = 16  # the rows `gemv_applies` admits unless told otherwise (see gemv_preferred_rows)
@@ -175,9 +175,9 @@ def row_stride(x: torch.Tensor) -> int | None:
 
 
 def rms_norm_applies(x: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Whether `rms_norm_f32` (and `rms_norm_rope_f32`) take these inputs: evenly spaced float32 CPU
-    rows of at most CHUNK_MAX_ELEMENTS elements (decode rows and short chunks; the q/k norm of a
-    64-token chunk took 1.0-1.3 ms less per warm request than torch's ops)."""
+    """Whether `rms_norm_f32` takes these inputs: evenly spaced float32 CPU rows of at most
+    CHUNK_MAX_ELEMENTS elements (decode rows and short chunks: on a 64-token chunk torch's six ops
+    each wait for a sleeping OpenMP worker)."""
     return scale.dtype == torch.float32 and chunk_rows_apply(x)
 
 
@@ -197,22 +197,32 @@ def rms_norm_f32(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tens
     return out
 
 
+def norm_rope_applies(x: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether `rms_norm_rope_f32` takes x [T, heads, dim]: float32 CPU with each head's dims
+    contiguous (tokens and heads at any strides: a chunk's q or k heads inside the fused projection
+    rows), at most CHUNK_MAX_ELEMENTS elements, and the kernels enabled."""
+    return (x.dim() == 3 and x.is_cpu and x.dtype == torch.float32 and scale.dtype == torch.float32
+            and 0 < x.numel() <= CHUNK_MAX_ELEMENTS and (x.stride(2) == 1 or x.shape[2] == 1)
+            and native_kernels_enabled())
+
+
 def rms_norm_rope_f32(x: torch.Tensor, scale: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
                       ) -> torch.Tensor:
-    """RMSNorm of each head of x [T, heads, dim] (float32 CPU, evenly spaced rows) times `scale`,
+    """RMSNorm of each head of x [T, heads, dim] (float32 CPU, each head contiguous) times `scale`,
     then rotary on the first `rot` dims with cos, sin [T, 1, rot] (rotate-half layout); returns a
-    contiguous [T, heads, dim] (check `rms_norm_applies` first)."""
+    contiguous [T, heads, dim] (check `norm_rope_applies` first)."""
     tokens, heads, dim = x.shape
-    rot, stride = cos.shape[-1], row_stride(x)
-    if stride is None or scale.shape != (dim,) or cos.shape != (tokens, 1, rot) or sin.shape != cos.shape \
-            or rot > dim or rot % 2 or not (cos.is_contiguous() and sin.is_contiguous() and scale.is_contiguous()) \
+    rot = cos.shape[-1]
+    if (x.stride(2) != 1 and dim > 1) or scale.shape != (dim,) or cos.shape != (tokens, 1, rot) \
+            or sin.shape != cos.shape or rot > dim or rot % 2 \
+            or not (cos.is_contiguous() and sin.is_contiguous() and scale.is_contiguous()) \
             or cos.dtype != torch.float32 or sin.dtype != torch.float32:
         raise ValueError("rms_norm_rope_f32: shapes, layouts or dtypes do not match")
     library = _library()
-    assert library is not None, "check rms_norm_applies() first"
+    assert library is not None, "check norm_rope_applies() first"
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    library.rms_norm_rope_f32(x.data_ptr(), tokens, heads, dim, stride, scale.data_ptr(), eps, cos.data_ptr(),
-                              sin.data_ptr(), rot, out.data_ptr())
+    library.rms_norm_rope_f32(x.data_ptr(), tokens, heads, dim, x.stride(0), x.stride(1), scale.data_ptr(), eps,
+                              cos.data_ptr(), sin.data_ptr(), rot, out.data_ptr())
     return out
 
 

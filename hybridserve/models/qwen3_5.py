@@ -28,7 +28,7 @@ from hybridserve.layers.linear import PackedLinear, drop_linears, union_bytes
 from hybridserve.layers.gated_delta import L2_NORM_EPS, ChunkedResult, causal_conv_decode, \
     causal_conv_prefill, chunked_gated_delta, conv_state_after, recurrent_gated_delta_step
 from hybridserve.layers.native import gdn_decode_f32, gdn_prefill_f32, native_kernels_enabled, \
-    prefill_attention_applies, rms_norm_applies, rms_norm_rope_f32
+    norm_rope_applies, prefill_attention_applies, rms_norm_rope_f32
 from hybridserve.layers.native import prefill_attention as native_prefill_attention
 from hybridserve.layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from hybridserve.layers.rotary import PartialRotaryEmbedding
@@ -130,8 +130,9 @@ class GatedAttention(nn.Module):
 
     def _norm_rotate(self, x: torch.Tensor, norm: ZeroCenteredRMSNorm, cos_sin: tuple[torch.Tensor, torch.Tensor]
                      ) -> torch.Tensor:
-        """RMSNorm then rotary of each head of x [T, heads, head_dim]: one C call for decode rows."""
-        if norm.scale is not None and rms_norm_applies(x, norm.scale) and cos_sin[0].dtype == torch.float32:
+        """RMSNorm then rotary of each head of x [T, heads, head_dim]: one C call for decode rows and
+        short chunks."""
+        if norm.scale is not None and norm_rope_applies(x, norm.scale) and cos_sin[0].dtype == torch.float32:
             return rms_norm_rope_f32(x, norm.scale, norm.eps, *cos_sin)
         return self.rotary.apply(norm(x), *cos_sin)
 

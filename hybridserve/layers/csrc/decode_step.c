@@ -34,8 +34,8 @@ int gemv_bf16(const uint16_t *weight, int64_t out, int64_t in, const float *x, i
               int64_t ld_y, int threads);
 void rms_norm_f32(const float *x, int64_t rows, int64_t dim, int64_t ld_x, const float *scale, float eps,
                   float *out, int64_t ld_out);
-void rms_norm_rope_f32(const float *x, int64_t tokens, int64_t heads, int64_t dim, int64_t ld_x, const float *scale,
-                       float eps, const float *cos, const float *sin, int64_t rot, float *out);
+void rms_norm_rope_f32(const float *x, int64_t tokens, int64_t heads, int64_t dim, int64_t ld_token, int64_t ld_head,
+                       const float *scale, float eps, const float *cos, const float *sin, int64_t rot, float *out);
 int gdn_decode_step(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int64_t head_k, int64_t head_v,
                     int64_t kernel, const float *proj, int64_t proj_stride, int64_t b_offset, int64_t a_offset,
                     const int64_t *slots, int64_t num_slots, void *conv_live, float *rec_live,
@@ -374,9 +374,9 @@ static void attention_mixer(const DecodeModel *m, const DecodeLayer *layer, int6
     for (int64_t b = 0; b < batch; b++) {
         const float *row = w->proj + b * width, *cos = w->cos + b * m->rot, *sin = w->sin + b * m->rot;
         float *k = w->k + b * kv_width;
-        rms_norm_rope_f32(row, 1, heads, dim, 2 * dim, layer->q_norm, m->rms_eps, cos, sin, m->rot,
+        rms_norm_rope_f32(row, 1, heads, dim, 0, 2 * dim, layer->q_norm, m->rms_eps, cos, sin, m->rot,
                           w->q + b * heads * dim);
-        rms_norm_rope_f32(row + 2 * heads * dim, 1, kv_heads, dim, dim, layer->k_norm, m->rms_eps, cos, sin, m->rot, k);
+        rms_norm_rope_f32(row + 2 * heads * dim, 1, kv_heads, dim, 0, dim, layer->k_norm, m->rms_eps, cos, sin, m->rot, k);
         write_row(m->keys, layer_slots + kv_write_slots[b], kv_width, bf16, k);
         write_row(m->values, layer_slots + kv_write_slots[b], kv_width, bf16, row + 2 * heads * dim + kv_width);
     }

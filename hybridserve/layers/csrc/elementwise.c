@@ -12,13 +12,14 @@
 
 /* For each token t and head h: y = rms_norm(x[t, h]) * scale, then its first rot dims rotated in
  * the rotate-half layout with cos[t], sin[t] ([T, rot]); the other dims pass through.
- * x rows (one per head) are `ld_x` apart; out is contiguous [T, heads, dim]. */
-void rms_norm_rope_f32(const float *x, int64_t tokens, int64_t heads, int64_t dim, int64_t ld_x, const float *scale,
-                       float eps, const float *cos, const float *sin, int64_t rot, float *out) {
+ * x[t, h] starts at x + t * ld_token + h * ld_head (the k heads of a chunk sit in a wider fused
+ * projection row); out is contiguous [T, heads, dim]. */
+void rms_norm_rope_f32(const float *x, int64_t tokens, int64_t heads, int64_t dim, int64_t ld_token, int64_t ld_head,
+                       const float *scale, float eps, const float *cos, const float *sin, int64_t rot, float *out) {
     int64_t half = rot / 2;
     for (int64_t t = 0; t < tokens; t++) {
         for (int64_t h = 0; h < heads; h++) {
-            const float *row = x + (t * heads + h) * ld_x;
+            const float *row = x + t * ld_token + h * ld_head;
             float *dst = out + (t * heads + h) * dim;
             float sum = 0.0f;
             for (int64_t i = 0; i < dim; i++) sum += row[i] * row[i];
