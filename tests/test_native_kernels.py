@@ -365,6 +365,25 @@ def test_prefill_attention_leaves_other_inputs_to_torch() -> None:
     assert native.prefill_attention_applies(torch.randn(4, 8, 64), cache, slots) == _prefill_attention_available()
 
 
+@pytest.mark.skipif(not _gemm_rows_available(), reason="csrc/gemm_rows.c needs AVX-512 and the C kernels")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [17, 64, 128])
+@pytest.mark.parametrize(("half", "in_features"), [(1536, 512), (33, 70), (5, 16)])
+def test_gemm_rows_silu_mul_matches_torch(half: int, in_features: int, rows: int, threads: int,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MLP's silu(gate) * up written by the GEMM: blocks of gate and up columns with their
+    ragged ends, against the projection followed by torch's SiLU and product."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen = torch.Generator().manual_seed(half + rows)
+    weight = torch.randn(2 * half, in_features, generator=gen) * 0.2
+    x = torch.randn(rows, in_features + 3, generator=gen)[:, :in_features]
+    fused = x @ weight.t()
+    expected = F.silu(fused[:, :half]) * fused[:, half:]
+    torch.testing.assert_close(native.gemm_rows_silu_mul(weight, x), expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="even"):
+        native.gemm_rows_silu_mul(weight[1:], x)
+
+
 def test_gemm_rows_leaves_other_inputs_to_torch() -> None:
     weight = torch.randn(8, 16)
     low, high = native.gemm_rows_bounds()

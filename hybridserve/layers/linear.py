@@ -152,13 +152,16 @@ class PackedLinear:
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x @ G.T) * (x @ U.T) for a linear fused from [gate, up] of equal widths (the MLP):
-        one GEMV over both for decode; for prefill on oneDNN, SiLU rides the gate GEMM as its
-        post-op, which beats SiLU and product over the strided halves of one output."""
+        one GEMV over both for decode; for 17-128 rows on AVX-512 the C GEMM writes the product
+        itself; for prefill on oneDNN, SiLU rides the gate GEMM as its post-op, which beats SiLU
+        and product over the strided halves of one output."""
         if self.onednn and not self._takes_split_gemv(x):
             half = self.weight.shape[0] // 2
             gate_bias, up_bias = (None, None) if self.bias is None else (self.bias[:half], self.bias[half:])
             gate = torch.ops.mkldnn._linear_pointwise(x, self.weight[:half], gate_bias, "swish", [], "")
             return gate.mul_(torch.ops.mkldnn._linear_pointwise(x, self.weight[half:], up_bias, "none", [], ""))
+        if self.bias is None and self.split_gemv and self.scales is None and native.gemm_rows_applies(self.weight, x):
+            return native.gemm_rows_silu_mul(self.weight, x)  # the product written by the GEMM itself
         fused = self(x)
         if native.chunk_rows_apply(fused):  # a short chunk: one C pass, not two parallel ops
             return native.silu_mul_f32(fused)

@@ -138,6 +138,8 @@ def _library() -> ctypes.CDLL | None:
     library.gemv_preferred_rows.restype = ctypes.c_int
     library.gemm_rows_f32.argtypes = _GEMV_ARGTYPES
     library.gemm_rows_f32.restype = ctypes.c_int
+    library.gemm_rows_silu_mul_f32.argtypes = _GEMV_ARGTYPES
+    library.gemm_rows_silu_mul_f32.restype = ctypes.c_int
     library.gemm_rows_bounds.argtypes = [ctypes.POINTER(_int), ctypes.POINTER(_int)]
     library.gemm_rows_bounds.restype = None
     library.prefill_attention_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _float,
@@ -378,6 +380,24 @@ def prefill_attention(q: torch.Tensor, cache_keys: torch.Tensor, cache_values: t
     if status:
         raise ValueError(f"prefill_attention: this build does not take q {tuple(q.shape)}")
     return out
+
+
+def gemm_rows_silu_mul(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """silu(x @ G.T) * (x @ U.T) for the fused [G; U] weight [2 * half, in] (the MLP's gate and up),
+    17..128 float32 CPU rows, the [rows, 2 * half] projection never stored (csrc/gemm_rows.c; check
+    `gemm_rows_applies` first). Returns a new contiguous [rows, half]."""
+    out_features, in_features = weight.shape
+    if x.shape[1] != in_features or out_features % 2:
+        raise ValueError(f"gemm_rows_silu_mul: x has {x.shape[1]} columns, the weight {tuple(weight.shape)} "
+                         "(an even number of rows)")
+    library = _library()
+    assert library is not None, "check gemm_rows_applies() first"
+    half = out_features // 2
+    y = torch.empty(x.shape[0], half)
+    if library.gemm_rows_silu_mul_f32(weight.data_ptr(), half, in_features, x.data_ptr(), x.shape[0], x.stride(0),
+                                      y.data_ptr(), half, torch.get_num_threads()):
+        raise ValueError(f"gemm_rows takes {gemm_rows_bounds()} rows with this build, got {x.shape[0]}")
+    return y
 
 
 def gemv(weight: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:

@@ -26,6 +26,8 @@
 #endif
 #include <omp.h>
 
+#include "vector_math.h"
+
 #define TILE_MIN_ROWS 17
 #define TILE_MAX_ROWS 128
 #define TILE_W 4        /* weight rows per tile */
@@ -93,21 +95,23 @@ static inline __attribute__((always_inline)) void weight_rows(const float *w, in
     }
 }
 
-static void block_rows(const float *weight, int64_t out, int64_t in, const float *x, int64_t rows, int64_t ld_x,
-                       float *y, int64_t ld_y, int64_t first, int64_t last) {
-    int64_t o = first;
-    for (; o + TILE_W <= last; o += TILE_W) {
-        if (o + 2 * TILE_W <= out) {  /* the next weight rows into L2 while these are used */
-            const char *next = (const char *)(weight + (o + TILE_W) * in);
+/* Weight rows [0, count) of `w` (which has `after` more rows past them, for the prefetch) against
+ * every input row; column c of the result lands at y[r * ld_y + c]. */
+static void block_rows(const float *w, int64_t count, int64_t after, int64_t in, const float *x, int64_t rows,
+                       int64_t ld_x, float *y, int64_t ld_y) {
+    int64_t o = 0;
+    for (; o + TILE_W <= count; o += TILE_W) {
+        if (o + 2 * TILE_W <= count + after) {  /* the next weight rows into L2 while these are used */
+            const char *next = (const char *)(w + (o + TILE_W) * in);
             for (int64_t byte = 0; byte < TILE_W * in * (int64_t)sizeof(float); byte += 64)
                 _mm_prefetch(next + byte, _MM_HINT_T1);
         }
-        weight_rows(weight + o * in, in, x, rows, ld_x, y + o, ld_y, TILE_W);
+        weight_rows(w + o * in, in, x, rows, ld_x, y + o, ld_y, TILE_W);
     }
-    switch (last - o) {
-        case 1: weight_rows(weight + o * in, in, x, rows, ld_x, y + o, ld_y, 1); break;
-        case 2: weight_rows(weight + o * in, in, x, rows, ld_x, y + o, ld_y, 2); break;
-        case 3: weight_rows(weight + o * in, in, x, rows, ld_x, y + o, ld_y, 3); break;
+    switch (count - o) {
+        case 1: weight_rows(w + o * in, in, x, rows, ld_x, y + o, ld_y, 1); break;
+        case 2: weight_rows(w + o * in, in, x, rows, ld_x, y + o, ld_y, 2); break;
+        case 3: weight_rows(w + o * in, in, x, rows, ld_x, y + o, ld_y, 3); break;
         default: break;
     }
 }
@@ -135,12 +139,47 @@ int gemm_rows_f32(const float *weight, int64_t out, int64_t in, const float *x, 
     if (threads < 1) threads = 1;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t b = 0; b < blocks; b++) {
-        int64_t first = b * TILE_BLOCK, last = first + TILE_BLOCK < out ? first + TILE_BLOCK : out;
-        block_rows(weight, out, in, x, rows, ld_x, y, ld_y, first, last);
+        int64_t first = b * TILE_BLOCK, count = first + TILE_BLOCK < out ? TILE_BLOCK : out - first;
+        block_rows(weight + first * in, count, out - first - count, in, x, rows, ld_x, y + first, ld_y);
     }
     return 0;
 #else
     (void)weight; (void)out; (void)in; (void)x; (void)rows; (void)ld_x; (void)y; (void)ld_y; (void)threads;
+    return 1;
+#endif
+}
+
+/* The MLP's first half: y = silu(x @ G.T) * (x @ U.T) for the fused [G; U] weight [2 * half, in]
+ * (row-major float32), y [rows, half] with row stride ld_y. Each task computes a block of gate
+ * columns and the same block of up columns into scratch and writes only the product, so the
+ * [rows, 2 * half] projection is never stored, nor read back by a second pass from the other
+ * core's cache (silu_mul_f32 over a 64 x 3072 output took ~85-300 us a call in a forward against
+ * 40 in isolation). Returns 1 (nothing written) outside gemm_rows_bounds, as gemm_rows_f32. */
+int gemm_rows_silu_mul_f32(const float *weight, int64_t half, int64_t in, const float *x, int64_t rows,
+                           int64_t ld_x, float *y, int64_t ld_y, int threads) {
+#if defined(__AVX512F__)
+    if (rows < TILE_MIN_ROWS || rows > TILE_MAX_ROWS) return 1;
+    int64_t blocks = (half + TILE_BLOCK - 1) / TILE_BLOCK;
+    if (threads > blocks) threads = (int)blocks;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        unsigned int saved_csr = denormals_flush_begin();
+        float gate[TILE_MAX_ROWS * TILE_BLOCK], up[TILE_MAX_ROWS * TILE_BLOCK];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t first = b * TILE_BLOCK, count = first + TILE_BLOCK < half ? TILE_BLOCK : half - first;
+            block_rows(weight + first * in, count, 2 * half - first - count, in, x, rows, ld_x, gate, TILE_BLOCK);
+            block_rows(weight + (half + first) * in, count, half - first - count, in, x, rows, ld_x, up, TILE_BLOCK);
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t c = 0; c < count; c++)
+                    y[r * ld_y + first + c] = silu_f32(gate[r * TILE_BLOCK + c]) * up[r * TILE_BLOCK + c];
+        }
+        denormals_flush_end(saved_csr);
+    }
+    return 0;
+#else
+    (void)weight; (void)half; (void)in; (void)x; (void)rows; (void)ld_x; (void)y; (void)ld_y; (void)threads;
     return 1;
 #endif
 }
