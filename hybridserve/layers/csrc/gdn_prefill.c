@@ -13,7 +13,9 @@
  *   state:  S' = exp(g) * S + k^T (beta * (v - k (exp(g) * S))),  out = q S'.
  * Live state is only read: the final state goes to `final_state` and the state after
  * capture_tokens[i] tokens (1-based, any order) to captured[i], for the caller to commit once the
- * forward succeeded. Threads share out tokens for the conv, value heads for the recurrence.
+ * forward succeeded. Threads take tokens for the conv (8 at a time) and value heads for the
+ * recurrence as they come free: with a static split the calling thread waited for its share of a
+ * worker that was still waking from OpenMP's passive wait.
  */
 #include <math.h>
 #include <stdint.h>
@@ -87,7 +89,7 @@ int gdn_prefill_f32(int64_t tokens, int64_t num_k_heads, int64_t num_v_heads, in
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         unsigned int saved_csr = denormals_flush_begin();
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 8)
         for (int64_t t = 0; t < tokens; t++) {
             float *row = conv_out + t * conv_dim;
             conv_token(history, x, x_stride, weight_t, conv_dim, kernel, t, row);
@@ -96,7 +98,7 @@ int gdn_prefill_f32(int64_t tokens, int64_t num_k_heads, int64_t num_v_heads, in
                 normalize(row + key_dim + h * head_k, head_k, l2_eps, 1.0f);
             }
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t h = 0; h < num_v_heads; h++) {
             int64_t kh = h / group;
             float *state = final_state + h * head_size;
