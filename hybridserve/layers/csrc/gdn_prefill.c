@@ -13,9 +13,12 @@
  *   state:  S' = exp(g) * S + k^T (beta * (v - k (exp(g) * S))),  out = q S'.
  * Live state is only read: the final state goes to `final_state` and the state after
  * capture_tokens[i] tokens (1-based, any order) to captured[i], for the caller to commit once the
- * forward succeeded. Threads take tokens for the conv (8 at a time) and value heads for the
- * recurrence as they come free: with a static split the calling thread waited for its share of a
- * worker that was still waking from OpenMP's passive wait.
+ * forward succeeded. A task is one key head: the conv of its q and k channels and of its value
+ * heads' v channels over every token, then those value heads' recurrences, so a thread reads only
+ * what it wrote and tasks never wait for each other. With the conv of all channels first, split by
+ * token, and the recurrences after a barrier, two threads took as long as one (a 64-token chunk of
+ * the built-in model: 282 against 244 us): each recurrence read conv rows from the other core's
+ * cache, and the barrier waited for a worker that had gone to sleep.
  */
 #include <math.h>
 #include <stdint.h>
@@ -38,16 +41,18 @@ static inline const float *conv_input(const float *history, const float *x, int6
     return p < hist ? history + p * conv_dim : x + (p - hist) * x_stride;
 }
 
-/* out [conv_dim] = silu of token t's conv, summed over the kernel taps in order (as the decode
- * kernel does); weight_t [K, conv_dim] is the weight transposed, so every loop runs along channels. */
-static void conv_token(const float *history, const float *x, int64_t x_stride, const float *weight_t,
-                       int64_t conv_dim, int64_t kernel, int64_t t, float *out) {
-    for (int64_t c = 0; c < conv_dim; c++) out[c] = 0.0f;
+/* out[c] = silu of token t's conv for channels c in [first, first + count), summed over the kernel
+ * taps in order (as the decode kernel does); weight_t [K, conv_dim] is the weight transposed, so
+ * every loop runs along channels. */
+static void conv_channels(const float *history, const float *x, int64_t x_stride, const float *weight_t,
+                          int64_t conv_dim, int64_t kernel, int64_t t, int64_t first, int64_t count, float *out) {
+    for (int64_t c = 0; c < count; c++) out[c] = 0.0f;
     for (int64_t j = 0; j < kernel; j++) {
-        const float *in = conv_input(history, x, x_stride, conv_dim, kernel - 1, t + j), *w = weight_t + j * conv_dim;
-        for (int64_t c = 0; c < conv_dim; c++) out[c] += in[c] * w[c];
+        const float *in = conv_input(history, x, x_stride, conv_dim, kernel - 1, t + j) + first;
+        const float *w = weight_t + j * conv_dim + first;
+        for (int64_t c = 0; c < count; c++) out[c] += in[c] * w[c];
     }
-    for (int64_t c = 0; c < conv_dim; c++) out[c] = silu_f32(out[c]);
+    for (int64_t c = 0; c < count; c++) out[c] = silu_f32(out[c]);
 }
 
 /* One value head over all tokens: state [dk, dv] advanced in place. */
@@ -89,23 +94,25 @@ int gdn_prefill_f32(int64_t tokens, int64_t num_k_heads, int64_t num_v_heads, in
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         unsigned int saved_csr = denormals_flush_begin();
-#pragma omp for schedule(dynamic, 8)
-        for (int64_t t = 0; t < tokens; t++) {
-            float *row = conv_out + t * conv_dim;
-            conv_token(history, x, x_stride, weight_t, conv_dim, kernel, t, row);
-            for (int64_t h = 0; h < num_k_heads; h++) {
-                normalize(row + h * head_k, head_k, l2_eps, q_scale);
-                normalize(row + key_dim + h * head_k, head_k, l2_eps, 1.0f);
-            }
-        }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t h = 0; h < num_v_heads; h++) {
-            int64_t kh = h / group;
-            float *state = final_state + h * head_size;
-            memcpy(state, rec_state + h * head_size, sizeof(float) * head_size);
-            head_recurrence(state, conv_out, conv_dim, kh * head_k, key_dim + kh * head_k, 2 * key_dim + h * head_v,
-                            g + h, beta + h, num_v_heads, tokens, head_k, head_v, core + h * head_v, value_dim,
-                            num_captures, capture_tokens, captured + h * head_size, num_v_heads * head_size);
+        for (int64_t kh = 0; kh < num_k_heads; kh++) {
+            int64_t q_first = kh * head_k, k_first = key_dim + kh * head_k, v_first = 2 * key_dim + kh * group * head_v;
+            for (int64_t t = 0; t < tokens; t++) {
+                float *row = conv_out + t * conv_dim;
+                conv_channels(history, x, x_stride, weight_t, conv_dim, kernel, t, q_first, head_k, row + q_first);
+                conv_channels(history, x, x_stride, weight_t, conv_dim, kernel, t, k_first, head_k, row + k_first);
+                conv_channels(history, x, x_stride, weight_t, conv_dim, kernel, t, v_first, group * head_v,
+                              row + v_first);
+                normalize(row + q_first, head_k, l2_eps, q_scale);
+                normalize(row + k_first, head_k, l2_eps, 1.0f);
+            }
+            for (int64_t h = kh * group; h < (kh + 1) * group; h++) {
+                float *state = final_state + h * head_size;
+                memcpy(state, rec_state + h * head_size, sizeof(float) * head_size);
+                head_recurrence(state, conv_out, conv_dim, q_first, k_first, 2 * key_dim + h * head_v, g + h,
+                                beta + h, num_v_heads, tokens, head_k, head_v, core + h * head_v, value_dim,
+                                num_captures, capture_tokens, captured + h * head_size, num_v_heads * head_size);
+            }
         }
         denormals_flush_end(saved_csr);
     }
