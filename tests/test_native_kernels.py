@@ -409,8 +409,9 @@ def test_gemm_rows_builds_on_every_vector_width(march: str, tmp_path: Path) -> N
     compiler = shutil.which("gcc") or shutil.which("cc")
     flags = [flag for flag in native.CFLAGS if not flag.startswith("-march")]
     library_path = tmp_path / f"gemm-rows-{march}.so"
-    subprocess.run([compiler, *flags, f"-march={march}", str(Path(native.__file__).with_name("csrc") / "gemm_rows.c"),
-                    "-o", str(library_path)], check=True, capture_output=True, timeout=120)
+    csrc = Path(native.__file__).with_name("csrc")
+    subprocess.run([compiler, *flags, f"-march={march}", str(csrc / "gemm_rows.c"), str(csrc / "task_pool.c"),
+                    "-o", str(library_path), "-lpthread"], check=True, capture_output=True, timeout=120)
     library = ctypes.CDLL(str(library_path))
     low, high = ctypes.c_int(), ctypes.c_int()
     library.gemm_rows_bounds(ctypes.byref(low), ctypes.byref(high))
@@ -428,9 +429,8 @@ def test_gemm_rows_builds_on_every_vector_width(march: str, tmp_path: Path) -> N
     else:
         assert torch.isnan(y).all()
     attention_path = tmp_path / f"prefill-attention-{march}.so"
-    subprocess.run([compiler, *flags, f"-march={march}",
-                    str(Path(native.__file__).with_name("csrc") / "prefill_attention.c"), "-o", str(attention_path)],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run([compiler, *flags, f"-march={march}", str(csrc / "prefill_attention.c"), str(csrc / "task_pool.c"),
+                    "-o", str(attention_path), "-lpthread"], check=True, capture_output=True, timeout=120)
     attention = ctypes.CDLL(str(attention_path))
     attention.prefill_attention_max_tokens.restype = ctypes.c_int
     assert attention.prefill_attention_max_tokens() == (128 if avx512 else 0)

@@ -99,7 +99,7 @@ def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
-        subprocess.run([*compiler.split(), *CFLAGS, *map(str, SOURCES), "-o", str(partial), "-lm"],
+        subprocess.run([*compiler.split(), *CFLAGS, *map(str, SOURCES), "-o", str(partial), "-lm", "-lpthread"],
                        check=True, capture_output=True, text=True, timeout=120)
         os.replace(partial, target)
 

@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "delta_rule.h"
+#include "task_pool.h"
 #include "vector_math.h"
 
 static void normalize(float *x, int64_t n, float eps, float scale) {
@@ -69,6 +70,43 @@ static void head_recurrence(float *state, const float *conv_out, int64_t conv_di
     }
 }
 
+/* One call's operands, shared by its tasks (a task is a key head). */
+typedef struct {
+    const float *x, *history, *weight_t, *g, *beta, *rec_state;
+    const int64_t *capture_tokens;
+    float *conv_out, *captured, *final_state, *core;
+    int64_t x_stride, conv_dim, kernel, tokens, num_v_heads, head_k, head_v, group, num_captures;
+    float l2_eps, q_scale;
+} GdnPrefillCall;
+
+/* Key head kh: the conv of its q and k channels and of its value heads' v channels over every
+ * token, then those value heads' recurrences. */
+static void key_head_task(void *context, int64_t kh) {
+    const GdnPrefillCall *c = context;
+    int64_t key_dim = (c->conv_dim - c->num_v_heads * c->head_v) / 2;
+    int64_t head_k = c->head_k, head_v = c->head_v, group = c->group, head_size = head_k * head_v;
+    int64_t q_first = kh * head_k, k_first = key_dim + kh * head_k, v_first = 2 * key_dim + kh * group * head_v;
+    for (int64_t t = 0; t < c->tokens; t++) {
+        float *row = c->conv_out + t * c->conv_dim;
+        conv_channels(c->history, c->x, c->x_stride, c->weight_t, c->conv_dim, c->kernel, t, q_first, head_k,
+                      row + q_first);
+        conv_channels(c->history, c->x, c->x_stride, c->weight_t, c->conv_dim, c->kernel, t, k_first, head_k,
+                      row + k_first);
+        conv_channels(c->history, c->x, c->x_stride, c->weight_t, c->conv_dim, c->kernel, t, v_first, group * head_v,
+                      row + v_first);
+        normalize(row + q_first, head_k, c->l2_eps, c->q_scale);
+        normalize(row + k_first, head_k, c->l2_eps, 1.0f);
+    }
+    for (int64_t h = kh * group; h < (kh + 1) * group; h++) {
+        float *state = c->final_state + h * head_size;
+        memcpy(state, c->rec_state + h * head_size, sizeof(float) * head_size);
+        head_recurrence(state, c->conv_out, c->conv_dim, q_first, k_first, 2 * key_dim + h * head_v, c->g + h,
+                        c->beta + h, c->num_v_heads, c->tokens, head_k, head_v, c->core + h * head_v,
+                        c->num_v_heads * head_v, c->num_captures, c->capture_tokens, c->captured + h * head_size,
+                        c->num_v_heads * head_size);
+    }
+}
+
 /* x: the chunk's conv inputs, one row of conv_dim per token, rows x_stride apart (the in_proj
  * output); conv_state [conv_dim, K-1]; conv_weight [conv_dim, K]; g, beta [tokens, Hv] (log-decay and
  * beta); rec_state, final_state [Hv, Dk, Dv]; captured [num_captures, Hv, Dk, Dv]; scratch
@@ -82,7 +120,6 @@ int gdn_prefill_f32(int64_t tokens, int64_t num_k_heads, int64_t num_v_heads, in
                     float *captured, float *final_state, float *core) {
     int64_t key_dim = num_k_heads * head_k, value_dim = num_v_heads * head_v;
     int64_t conv_dim = 2 * key_dim + value_dim, hist = kernel - 1, group = num_v_heads / num_k_heads;
-    int64_t head_size = head_k * head_v;
     float q_scale = 1.0f / sqrtf((float)head_k);
     for (int64_t i = 0; i < num_captures; i++)
         if (capture_tokens[i] < 1 || capture_tokens[i] > tokens) return 2;
@@ -91,30 +128,11 @@ int gdn_prefill_f32(int64_t tokens, int64_t num_k_heads, int64_t num_v_heads, in
         for (int64_t j = 0; j < kernel; j++) weight_t[j * conv_dim + c] = conv_weight[c * kernel + j];
         for (int64_t j = 0; j < hist; j++) history[j * conv_dim + c] = conv_state[c * hist + j];
     }
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
-    {
-        unsigned int saved_csr = denormals_flush_begin();
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t kh = 0; kh < num_k_heads; kh++) {
-            int64_t q_first = kh * head_k, k_first = key_dim + kh * head_k, v_first = 2 * key_dim + kh * group * head_v;
-            for (int64_t t = 0; t < tokens; t++) {
-                float *row = conv_out + t * conv_dim;
-                conv_channels(history, x, x_stride, weight_t, conv_dim, kernel, t, q_first, head_k, row + q_first);
-                conv_channels(history, x, x_stride, weight_t, conv_dim, kernel, t, k_first, head_k, row + k_first);
-                conv_channels(history, x, x_stride, weight_t, conv_dim, kernel, t, v_first, group * head_v,
-                              row + v_first);
-                normalize(row + q_first, head_k, l2_eps, q_scale);
-                normalize(row + k_first, head_k, l2_eps, 1.0f);
-            }
-            for (int64_t h = kh * group; h < (kh + 1) * group; h++) {
-                float *state = final_state + h * head_size;
-                memcpy(state, rec_state + h * head_size, sizeof(float) * head_size);
-                head_recurrence(state, conv_out, conv_dim, q_first, k_first, 2 * key_dim + h * head_v, g + h,
-                                beta + h, num_v_heads, tokens, head_k, head_v, core + h * head_v, value_dim,
-                                num_captures, capture_tokens, captured + h * head_size, num_v_heads * head_size);
-            }
-        }
-        denormals_flush_end(saved_csr);
-    }
+    GdnPrefillCall call = {x, history, weight_t, g, beta, rec_state, capture_tokens, conv_out, captured, final_state,
+                           core, x_stride, conv_dim, kernel, tokens, num_v_heads, head_k, head_v, group,
+                           num_captures, l2_eps, q_scale};
+    unsigned int saved_csr = denormals_flush_begin();  /* the pool's workers keep it set */
+    task_pool_run(num_threads, key_head_task, &call, num_k_heads);
+    denormals_flush_end(saved_csr);
     return 0;
 }

@@ -11,9 +11,9 @@
  * are dotted with TILE_X input rows at a time: 24 accumulators stay in registers and each
  * k-step loads TILE_W + TILE_X vectors for TILE_W * TILE_X FMAs (the GEMV's pairs load 10 for 16).
  * The TILE_W rows stay in L1 while every group of input rows passes over them, and the next
- * TILE_W rows are prefetched into L2 meanwhile. Tasks are handed out dynamically, so the calling
- * thread starts at once and a worker that wakes late takes fewer blocks. No packing: the weight is
- * the same matrix the GEMV streams.
+ * TILE_W rows are prefetched into L2 meanwhile. The blocks run on the task pool (task_pool.h): the
+ * calling thread starts at once and a worker that wakes late takes fewer blocks. No packing: the
+ * weight is the same matrix the GEMV streams.
  *
  * On the AVX-512 host, 2 threads, the built-in model's 32 linears back to back (ms, in one process,
  * against F.linear on MKL and the GEMV): 17 rows 6.7 (MKL 11.0, GEMV 7.1), 32 rows 9.8 (12.8, 12.0),
@@ -24,8 +24,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#include <omp.h>
-
+#include "task_pool.h"
 #include "vector_math.h"
 
 #define TILE_MIN_ROWS 17
@@ -128,20 +127,46 @@ void gemm_rows_bounds(int *min_rows, int *max_rows) {
 #endif
 }
 
+/* One call's operands, shared by its tasks (a task is a block of TILE_BLOCK output features). */
+typedef struct {
+    const float *weight, *x;
+    float *y;
+    int64_t out, in, rows, ld_x, ld_y;
+} GemmCall;
+
+#if defined(__AVX512F__)
+static void gemm_task(void *context, int64_t block) {
+    const GemmCall *c = context;
+    int64_t first = block * TILE_BLOCK, count = first + TILE_BLOCK < c->out ? TILE_BLOCK : c->out - first;
+    block_rows(c->weight + first * c->in, count, c->out - first - count, c->in, c->x, c->rows, c->ld_x,
+               c->y + first, c->ld_y);
+}
+
+/* The fused MLP variant: `out` is the half width; gate rows [first, first + count) and up rows
+ * half + [first, first + count) into scratch, then silu(gate) * up into y. */
+static void silu_mul_task(void *context, int64_t block) {
+    const GemmCall *c = context;
+    int64_t half = c->out, first = block * TILE_BLOCK, count = first + TILE_BLOCK < half ? TILE_BLOCK : half - first;
+    float gate[TILE_MAX_ROWS * TILE_BLOCK], up[TILE_MAX_ROWS * TILE_BLOCK];
+    block_rows(c->weight + first * c->in, count, 2 * half - first - count, c->in, c->x, c->rows, c->ld_x, gate,
+               TILE_BLOCK);
+    block_rows(c->weight + (half + first) * c->in, count, half - first - count, c->in, c->x, c->rows, c->ld_x, up,
+               TILE_BLOCK);
+    for (int64_t r = 0; r < c->rows; r++)
+        for (int64_t j = 0; j < count; j++)
+            c->y[r * c->ld_y + first + j] = silu_f32(gate[r * TILE_BLOCK + j]) * up[r * TILE_BLOCK + j];
+}
+#endif
+
 /* weight [out, in] row-major float32; x [rows, in] with row stride ld_x; y [rows, out] with row
- * stride ld_y. Returns 1 (nothing written) when this build or `rows` is outside gemm_rows_bounds. */
+ * stride ld_y. Returns 1 (nothing written) when this build or `rows` is outside gemm_rows_bounds.
+ * The blocks run on the task pool (task_pool.h). */
 int gemm_rows_f32(const float *weight, int64_t out, int64_t in, const float *x, int64_t rows, int64_t ld_x,
                   float *y, int64_t ld_y, int threads) {
 #if defined(__AVX512F__)
     if (rows < TILE_MIN_ROWS || rows > TILE_MAX_ROWS) return 1;
-    int64_t blocks = (out + TILE_BLOCK - 1) / TILE_BLOCK;
-    if (threads > blocks) threads = (int)blocks;
-    if (threads < 1) threads = 1;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t b = 0; b < blocks; b++) {
-        int64_t first = b * TILE_BLOCK, count = first + TILE_BLOCK < out ? TILE_BLOCK : out - first;
-        block_rows(weight + first * in, count, out - first - count, in, x, rows, ld_x, y + first, ld_y);
-    }
+    GemmCall call = {weight, x, y, out, in, rows, ld_x, ld_y};
+    task_pool_run(threads, gemm_task, &call, (out + TILE_BLOCK - 1) / TILE_BLOCK);
     return 0;
 #else
     (void)weight; (void)out; (void)in; (void)x; (void)rows; (void)ld_x; (void)y; (void)ld_y; (void)threads;
@@ -159,24 +184,10 @@ int gemm_rows_silu_mul_f32(const float *weight, int64_t half, int64_t in, const 
                            int64_t ld_x, float *y, int64_t ld_y, int threads) {
 #if defined(__AVX512F__)
     if (rows < TILE_MIN_ROWS || rows > TILE_MAX_ROWS) return 1;
-    int64_t blocks = (half + TILE_BLOCK - 1) / TILE_BLOCK;
-    if (threads > blocks) threads = (int)blocks;
-    if (threads < 1) threads = 1;
-#pragma omp parallel num_threads(threads)
-    {
-        unsigned int saved_csr = denormals_flush_begin();
-        float gate[TILE_MAX_ROWS * TILE_BLOCK], up[TILE_MAX_ROWS * TILE_BLOCK];
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < blocks; b++) {
-            int64_t first = b * TILE_BLOCK, count = first + TILE_BLOCK < half ? TILE_BLOCK : half - first;
-            block_rows(weight + first * in, count, 2 * half - first - count, in, x, rows, ld_x, gate, TILE_BLOCK);
-            block_rows(weight + (half + first) * in, count, half - first - count, in, x, rows, ld_x, up, TILE_BLOCK);
-            for (int64_t r = 0; r < rows; r++)
-                for (int64_t c = 0; c < count; c++)
-                    y[r * ld_y + first + c] = silu_f32(gate[r * TILE_BLOCK + c]) * up[r * TILE_BLOCK + c];
-        }
-        denormals_flush_end(saved_csr);
-    }
+    GemmCall call = {weight, x, y, half, in, rows, ld_x, ld_y};
+    unsigned int saved_csr = denormals_flush_begin();  /* the pool's workers keep it set */
+    task_pool_run(threads, silu_mul_task, &call, (half + TILE_BLOCK - 1) / TILE_BLOCK);
+    denormals_flush_end(saved_csr);
     return 0;
 #else
     (void)weight; (void)half; (void)in; (void)x; (void)rows; (void)ld_x; (void)y; (void)ld_y; (void)threads;

@@ -18,8 +18,9 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#include <omp.h>
+#include <stdatomic.h>
 
+#include "task_pool.h"
 #include "vector_math.h"
 
 #define ATT_KEYS 64          /* keys per block */
@@ -193,6 +194,25 @@ static int attention_task(const float *q, int64_t heads, int64_t dim, int64_t ld
     free(limit);
     return 0;
 }
+
+/* One call's operands, shared by its tasks (a task is a KV head and a block of tokens). */
+typedef struct {
+    const float *q, *keys, *values;
+    const int64_t *slots;
+    float *out;
+    int64_t tokens, heads, dim, ld_q, kv_heads, num_prefix;
+    float scale;
+    _Atomic int failed;
+} AttentionCall;
+
+static void attention_pool_task(void *context, int64_t task) {
+    AttentionCall *c = context;
+    int64_t g = task % c->kv_heads, t0 = (task / c->kv_heads) * ATT_TOKEN_BLOCK;
+    int64_t t1 = t0 + ATT_TOKEN_BLOCK < c->tokens ? t0 + ATT_TOKEN_BLOCK : c->tokens;
+    if (attention_task(c->q, c->heads, c->dim, c->ld_q, c->keys, c->values, c->kv_heads, c->slots, c->num_prefix,
+                       c->scale, c->out, g, t0, t1))
+        atomic_store(&c->failed, 1);
+}
 #endif
 
 /* The longest chunk (query tokens) this build takes: ATT_MAX_TOKENS with AVX-512, 0 otherwise. */
@@ -216,22 +236,12 @@ int prefill_attention_f32(const float *q, int64_t tokens, int64_t heads, int64_t
     if (tokens < 1 || tokens > ATT_MAX_TOKENS || num_prefix < 0 || dim < 16 || dim % ATT_VCHUNK != 0
         || dim > ATT_MAX_HEAD_DIM || kv_heads < 1 || heads % kv_heads != 0)
         return 1;
-    int64_t token_blocks = (tokens + ATT_TOKEN_BLOCK - 1) / ATT_TOKEN_BLOCK, tasks = kv_heads * token_blocks;
-    if (threads > tasks) threads = (int)tasks;
-    if (threads < 1) threads = 1;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
-    {
-        unsigned int saved_csr = denormals_flush_begin();
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < tasks; task++) {
-            int64_t g = task % kv_heads, t0 = (task / kv_heads) * ATT_TOKEN_BLOCK;
-            int64_t t1 = t0 + ATT_TOKEN_BLOCK < tokens ? t0 + ATT_TOKEN_BLOCK : tokens;
-            failed |= attention_task(q, heads, dim, ld_q, keys, values, kv_heads, slots, num_prefix, scale, out, g,
-                                     t0, t1);
-        }
-        denormals_flush_end(saved_csr);
-    }
+    int64_t token_blocks = (tokens + ATT_TOKEN_BLOCK - 1) / ATT_TOKEN_BLOCK;
+    AttentionCall call = {q, keys, values, slots, out, tokens, heads, dim, ld_q, kv_heads, num_prefix, scale, 0};
+    unsigned int saved_csr = denormals_flush_begin();  /* the pool's workers keep it set */
+    task_pool_run(threads, attention_pool_task, &call, kv_heads * token_blocks);
+    denormals_flush_end(saved_csr);
+    int failed = atomic_load(&call.failed);
     return failed ? 2 : 0;
 #else
     (void)q; (void)tokens; (void)heads; (void)dim; (void)ld_q; (void)keys; (void)values; (void)kv_heads;
