@@ -279,8 +279,9 @@ def test_gemv_matches_torch_on_every_vector_width(march: str, tmp_path: Path) ->
     compiler = shutil.which("gcc") or shutil.which("cc")
     flags = [flag for flag in native.CFLAGS if not flag.startswith("-march")]
     library_path = tmp_path / f"gemv-{march}.so"
-    subprocess.run([compiler, *flags, f"-march={march}", str(Path(native.__file__).with_name("csrc") / "gemv.c"),
-                    "-o", str(library_path)], check=True, capture_output=True, timeout=120)
+    csrc = Path(native.__file__).with_name("csrc")
+    subprocess.run([compiler, *flags, f"-march={march}", str(csrc / "gemv.c"), str(csrc / "task_pool.c"),
+                    "-o", str(library_path), "-lpthread"], check=True, capture_output=True, timeout=120)
     library = ctypes.CDLL(str(library_path))
     gen = torch.Generator().manual_seed(5)
     library.gemv_preferred_rows.restype = ctypes.c_int

@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "task_pool.h"
 #include "vector_math.h"
 #if defined(__AVX__)
 #include <immintrin.h>
@@ -297,70 +298,85 @@ static void values_block8(const DecodeModel *m, int64_t layer_rows, int64_t kv_h
     }
 }
 
-/* softmax(q K^T * scale) V for each query head, by (sequence, KV head): each cached key and value
- * row is read once for all the query heads of its group. */
+/* One attention call's operands, shared by its tasks (a task is a sequence and a KV head). */
+typedef struct {
+    const DecodeModel *m;
+    const int64_t *positions, *block_tables;
+    int64_t ld_tables, block_size, max_context, layer_rows, heads, kv_heads, dim, group;
+    int bf16;
+    Workspace *w;
+} AttentionCall;
+
+/* softmax(q K^T * scale) V for each query head of one (sequence, KV head): each cached key and
+ * value row is read once for all the query heads of its group. */
+static void attention_task(void *context, int64_t task) {
+    const AttentionCall *c = context;
+    const DecodeModel *m = c->m;
+    const int64_t *positions = c->positions, *block_tables = c->block_tables;
+    int64_t ld_tables = c->ld_tables, block_size = c->block_size, max_context = c->max_context;
+    int64_t layer_rows = c->layer_rows, heads = c->heads, kv_heads = c->kv_heads, dim = c->dim, group = c->group;
+    int bf16 = c->bf16;
+    Workspace *w = c->w;
+    int64_t b = task / kv_heads, kv_head = task % kv_heads, length = positions[b] + 1;
+    int64_t first_head = b * heads + kv_head * group;  /* this group's rows of q, core and scores */
+    float *key_buffer = w->kv_rows + task * 16 * dim, *value_buffer = key_buffer + 8 * dim;  /* bf16 rows widened */
+    const int64_t *table = block_tables + b * ld_tables;
+    for (int64_t g = 0; g < group; g++) w->max_scores[first_head + g] = -INFINITY;
+    int64_t j = 0;
+    if (dim % 8 == 0)
+        for (; j + 8 <= length; j += 8)
+            scores_block8(m, layer_rows, kv_head, table, block_size, j, group, first_head, key_buffer, w,
+                          max_context);
+    for (; j < length; j++) {
+        int64_t slot = table[j / block_size] * block_size + j % block_size;
+        const float *key = row_as_f32(m->keys, layer_rows + slot * kv_heads + kv_head, dim, bf16, key_buffer);
+        for (int64_t g = 0; g < group; g++) {
+            float score = dot(w->q + (first_head + g) * dim, key, dim) * m->attn_scale;
+            w->scores[(first_head + g) * max_context + j] = score;
+            if (score > w->max_scores[first_head + g]) w->max_scores[first_head + g] = score;
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *scores = w->scores + (first_head + g) * max_context, top = w->max_scores[first_head + g];
+        for (int64_t j = 0; j < length; j++) scores[j] = exp_f32(scores[j] - top);
+        v8f partial = {0};  /* eight running sums: a single one is a chain of `length` dependent adds */
+        int64_t i = 0;
+        for (; i + 8 <= length; i += 8) partial += load8(scores + i);
+        float total = 0.0f;
+        for (int k = 0; k < 8; k++) total += partial[k];
+        for (; i < length; i++) total += scores[i];
+        float inv = 1.0f / total;
+        for (i = 0; i < length; i++) scores[i] *= inv;
+        memset(w->core + (first_head + g) * dim, 0, sizeof(float) * dim);
+    }
+    j = 0;
+    if (dim % 8 == 0)
+        for (; j + 8 <= length; j += 8)
+            values_block8(m, layer_rows, kv_head, table, block_size, j, group, first_head, value_buffer, w,
+                          max_context);
+    for (; j < length; j++) {
+        int64_t slot = table[j / block_size] * block_size + j % block_size;
+        const float *value = row_as_f32(m->values, layer_rows + slot * kv_heads + kv_head, dim, bf16,
+                                        value_buffer);
+        for (int64_t g = 0; g < group; g++) {
+            float p = w->scores[(first_head + g) * max_context + j], *out = w->core + (first_head + g) * dim;
+            for (int64_t d = 0; d < dim; d++) out[d] += p * value[d];
+        }
+    }
+}
+
+/* softmax(q K^T * scale) V for each query head, by (sequence, KV head) tasks on the task pool. */
 static void decode_attention(const DecodeModel *m, int64_t kv_layer, int64_t batch, const int64_t *positions,
                              const int64_t *block_tables, int64_t ld_tables, int64_t block_size, int64_t max_context,
                              Workspace *w, int threads) {
-    int64_t heads = m->heads, kv_heads = m->kv_heads, dim = m->head_dim, group = heads / kv_heads;
-    int64_t layer_rows = kv_layer * m->num_kv_slots * kv_heads;  /* first (slot, head) row of this layer */
-    int bf16 = (int)m->bf16_storage;
+    int64_t heads = m->heads, kv_heads = m->kv_heads;
     int64_t work = 0;
     for (int64_t b = 0; b < batch; b++) work += positions[b] + 1;
-#pragma omp parallel num_threads(threads) if (threads > 1 && work * heads > 4096)
-    {
-    unsigned int saved_csr = denormals_flush_begin();
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < batch * kv_heads; task++) {
-        int64_t b = task / kv_heads, kv_head = task % kv_heads, length = positions[b] + 1;
-        int64_t first_head = b * heads + kv_head * group;  /* this group's rows of q, core and scores */
-        float *key_buffer = w->kv_rows + task * 16 * dim, *value_buffer = key_buffer + 8 * dim;  /* bf16 rows widened */
-        const int64_t *table = block_tables + b * ld_tables;
-        for (int64_t g = 0; g < group; g++) w->max_scores[first_head + g] = -INFINITY;
-        int64_t j = 0;
-        if (dim % 8 == 0)
-            for (; j + 8 <= length; j += 8)
-                scores_block8(m, layer_rows, kv_head, table, block_size, j, group, first_head, key_buffer, w,
-                              max_context);
-        for (; j < length; j++) {
-            int64_t slot = table[j / block_size] * block_size + j % block_size;
-            const float *key = row_as_f32(m->keys, layer_rows + slot * kv_heads + kv_head, dim, bf16, key_buffer);
-            for (int64_t g = 0; g < group; g++) {
-                float score = dot(w->q + (first_head + g) * dim, key, dim) * m->attn_scale;
-                w->scores[(first_head + g) * max_context + j] = score;
-                if (score > w->max_scores[first_head + g]) w->max_scores[first_head + g] = score;
-            }
-        }
-        for (int64_t g = 0; g < group; g++) {
-            float *scores = w->scores + (first_head + g) * max_context, top = w->max_scores[first_head + g];
-            for (int64_t j = 0; j < length; j++) scores[j] = exp_f32(scores[j] - top);
-            v8f partial = {0};  /* eight running sums: a single one is a chain of `length` dependent adds */
-            int64_t i = 0;
-            for (; i + 8 <= length; i += 8) partial += load8(scores + i);
-            float total = 0.0f;
-            for (int k = 0; k < 8; k++) total += partial[k];
-            for (; i < length; i++) total += scores[i];
-            float inv = 1.0f / total;
-            for (i = 0; i < length; i++) scores[i] *= inv;
-            memset(w->core + (first_head + g) * dim, 0, sizeof(float) * dim);
-        }
-        j = 0;
-        if (dim % 8 == 0)
-            for (; j + 8 <= length; j += 8)
-                values_block8(m, layer_rows, kv_head, table, block_size, j, group, first_head, value_buffer, w,
-                              max_context);
-        for (; j < length; j++) {
-            int64_t slot = table[j / block_size] * block_size + j % block_size;
-            const float *value = row_as_f32(m->values, layer_rows + slot * kv_heads + kv_head, dim, bf16,
-                                            value_buffer);
-            for (int64_t g = 0; g < group; g++) {
-                float p = w->scores[(first_head + g) * max_context + j], *out = w->core + (first_head + g) * dim;
-                for (int64_t d = 0; d < dim; d++) out[d] += p * value[d];
-            }
-        }
-    }
-    denormals_flush_end(saved_csr);
-    }
+    AttentionCall call = {m, positions, block_tables, ld_tables, block_size, max_context,
+                          kv_layer * m->num_kv_slots * kv_heads, heads, kv_heads, m->head_dim, heads / kv_heads,
+                          (int)m->bf16_storage, w};
+    /* the caller holds the denormal flush (decode_step_f32); the pool's workers keep it set */
+    task_pool_run(work * heads > 4096 ? threads : 1, attention_task, &call, batch * kv_heads);
 }
 
 /* Attention mixer: q/k norm + rotary, this token's K/V into its slot, attention, sigmoid gate.
@@ -418,7 +434,7 @@ int decode_step_f32(const DecodeModel *m, int64_t batch, const int64_t *tokens, 
     if (!inputs_valid(m, batch, tokens, positions, state_slots, kv_write_slots, block_tables, ld_tables, block_size,
                       max_context, num_logit_rows, logit_rows))
         return 1;
-    unsigned int saved_csr = denormals_flush_begin();  /* this thread's part; parallel regions set their own */
+    unsigned int saved_csr = denormals_flush_begin();  /* this thread's part; the pool's workers keep it set */
     Workspace w;
     layout(m, batch, max_context, workspace, &w);
     int64_t hidden = m->hidden, conv_size = conv_dim_of(m) * (m->conv_kernel - 1);

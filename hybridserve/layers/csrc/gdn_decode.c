@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "delta_rule.h"
+#include "task_pool.h"
 #include "vector_math.h"
 #if defined(__AVX__)
 #include <immintrin.h>
@@ -105,6 +106,58 @@ static void conv_row(const float *row, void *conv_slot, char *conv_undo, const f
     }
 }
 
+/* One call's operands, shared by its tasks (see gdn_decode_step). */
+typedef struct {
+    const float *proj;
+    int64_t proj_stride, b_offset, a_offset;
+    const int64_t *slots;
+    void *conv_live;
+    float *rec_live;
+    const float *conv_weight, *dt_bias, *neg_decay_rate;
+    float l2_eps;
+    const float *norm_weight;
+    float norm_eps;
+    int in_place, conv_bf16;
+    float *scratch;
+    void *out_conv;
+    float *out_rec, *core;
+    const int64_t *run_start;
+    int64_t num_k_heads, num_v_heads, head_k, head_v, kernel, conv_dim, key_dim, group, conv_size, rec_size,
+        head_size, scratch_row;
+    size_t conv_bytes;
+} GdnDecodeCall;
+
+/* The conv of every row of run r (the rows of one sequence, in order). */
+static void conv_run_task(void *context, int64_t r) {
+    const GdnDecodeCall *c = context;
+    for (int64_t b = c->run_start[r]; b < c->run_start[r + 1]; b++)
+        conv_row(c->proj + b * c->proj_stride, (char *)c->conv_live + c->slots[b] * c->conv_size * c->conv_bytes,
+                 (char *)c->out_conv + b * c->conv_size * c->conv_bytes, c->conv_weight, c->conv_dim, c->kernel,
+                 c->num_k_heads, c->head_k, c->l2_eps, c->in_place, c->conv_bf16, c->scratch + b * c->scratch_row);
+}
+
+/* Value head h of run r: its state advanced over the run's rows (the undo record first). */
+static void head_run_task(void *context, int64_t task) {
+    const GdnDecodeCall *c = context;
+    int64_t r = task / c->num_v_heads, h = task % c->num_v_heads, kh = h / c->group, first = c->run_start[r];
+    int64_t head_k = c->head_k, head_v = c->head_v, key_dim = c->key_dim;
+    float *state = c->rec_live + c->slots[first] * c->rec_size + h * c->head_size;
+    if (c->in_place) copy_to_undo(c->out_rec + first * c->rec_size + h * c->head_size, state, c->head_size);
+    for (int64_t b = first; b < c->run_start[r + 1]; b++) {
+        const float *row = c->proj + b * c->proj_stride, *conv_out = c->scratch + b * c->scratch_row;
+        float decay = expf(c->neg_decay_rate[h] * softplus(row[c->a_offset + h] + c->dt_bias[h]));
+        float beta = sigmoid(row[c->b_offset + h]);
+        float *next = c->in_place ? state : c->out_rec + b * c->rec_size + h * c->head_size;
+        float *out = c->core + (b * c->num_v_heads + h) * head_v;
+        delta_rule_head(state, next, conv_out + kh * head_k, conv_out + key_dim + kh * head_k,
+                        conv_out + 2 * key_dim + h * head_v, decay, beta, head_k, head_v, out);
+        if (c->norm_weight) gated_rms_norm(out, row + c->conv_dim + h * head_v, c->norm_weight, head_v, c->norm_eps);
+    }
+#if defined(__SSE__)
+    _mm_sfence();  /* the undo record's streaming stores are visible before the caller reads it */
+#endif
+}
+
 /* proj rows hold [mixed (conv_dim), z (Hv*Dv), b (Hv), a (Hv)] (b and a at the given offsets);
  * norm_weight [Dv] or NULL; conv_live [num_slots, conv_dim, K-1] (float32, or bfloat16 with conv_bf16,
  * in place only), rec_live [num_slots, Hv, Dk, Dv]; core [B, Hv, Dv]; scratch [B, conv_dim] (the conv
@@ -137,37 +190,15 @@ int gdn_decode_step(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int
     if (runs < batch && !in_place) return 4;
     size_t conv_bytes = conv_bf16 ? sizeof(uint16_t) : sizeof(float);
     int64_t scratch_row = conv_bf16 ? conv_dim + 2 * conv_size : conv_dim;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && batch > 1)
-    {
-        unsigned int saved_csr = denormals_flush_begin();
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < runs; r++)
-            for (int64_t b = run_start[r]; b < run_start[r + 1]; b++)
-                conv_row(proj + b * proj_stride, (char *)conv_live + slots[b] * conv_size * conv_bytes,
-                         (char *)out_conv + b * conv_size * conv_bytes, conv_weight, conv_dim, kernel, num_k_heads,
-                         head_k, l2_eps, in_place, conv_bf16, scratch + b * scratch_row);
-        /* the implicit barrier: every row's conv output is ready */
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < runs * num_v_heads; task++) {
-            int64_t r = task / num_v_heads, h = task % num_v_heads, kh = h / group, first = run_start[r];
-            float *state = rec_live + slots[first] * rec_size + h * head_size;
-            if (in_place) copy_to_undo(out_rec + first * rec_size + h * head_size, state, head_size);
-            for (int64_t b = first; b < run_start[r + 1]; b++) {
-                const float *row = proj + b * proj_stride, *conv_out = scratch + b * scratch_row;
-                float decay = expf(neg_decay_rate[h] * softplus(row[a_offset + h] + dt_bias[h]));
-                float beta = sigmoid(row[b_offset + h]);
-                float *next = in_place ? state : out_rec + b * rec_size + h * head_size;
-                float *out = core + (b * num_v_heads + h) * head_v;
-                delta_rule_head(state, next, conv_out + kh * head_k, conv_out + key_dim + kh * head_k,
-                                conv_out + 2 * key_dim + h * head_v, decay, beta, head_k, head_v, out);
-                if (norm_weight) gated_rms_norm(out, row + conv_dim + h * head_v, norm_weight, head_v, norm_eps);
-            }
-        }
-#if defined(__SSE__)
-        _mm_sfence();  /* the undo record's streaming stores are visible before the caller reads it */
-#endif
-        denormals_flush_end(saved_csr);
-    }
+    GdnDecodeCall call = {proj, proj_stride, b_offset, a_offset, slots, conv_live, rec_live, conv_weight, dt_bias,
+                          neg_decay_rate, l2_eps, norm_weight, norm_eps, in_place, conv_bf16, scratch, out_conv,
+                          out_rec, core, run_start, num_k_heads, num_v_heads, head_k, head_v, kernel, conv_dim,
+                          key_dim, group, conv_size, rec_size, head_size, scratch_row, conv_bytes};
+    int threads = batch > 1 ? num_threads : 1;
+    unsigned int saved_csr = denormals_flush_begin();  /* the pool's workers keep it set */
+    task_pool_run(threads, conv_run_task, &call, runs);  /* every row's conv output is ready after it */
+    task_pool_run(threads, head_run_task, &call, runs * num_v_heads);
+    denormals_flush_end(saved_csr);
     return 0;
 }
 
