@@ -25,6 +25,13 @@ from hybridserve.sampling_params import RequestOutput, SamplingParams
 FIRST_PLAIN_ID = IM_END_ID + 1  # ids below are bytes and specials; start random prompts after them
 PLAIN_ID_SPAN = 256             # random prompts draw from [FIRST_PLAIN_ID, FIRST_PLAIN_ID + span)
 
+# Clients keep idle connections 5 s (httpx) or 15 s (aiohttp) by default, and uvicorn closes them
+# after 5 s: a request sent on a pooled connection just as the server closes it fails (httpx
+# ReadError, aiohttp "Can not write request body"), a known race of client pools (one abandoned
+# stream in ~17,000 soak requests; the first request after a few idle seconds in
+# `--compare-offline`). Expiring them sooner leaves transport errors to the server's own faults.
+KEEPALIVE_EXPIRY_S = 2.0
+
 
 def random_token_ids(num_tokens: int, seed: int, vocab_size: int) -> list[int]:
     """`num_tokens` pseudo-random ordinary token ids, fixed by `seed` (no special tokens)."""

@@ -32,7 +32,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from hybridserve.bench.common import FIRST_PLAIN_ID, PLAIN_ID_SPAN, format_table, goal_mark, random_token_ids
+from hybridserve.bench.common import FIRST_PLAIN_ID, KEEPALIVE_EXPIRY_S, PLAIN_ID_SPAN, format_table, goal_mark, \
+    random_token_ids
 
 HTTP_CLIENTS = ("aiohttp", "httpx", "aiohttp-whole")  # aiohttp-whole: not streamed (what streaming costs)
 DEFAULT_HTTP_CLIENTS = ("aiohttp", "httpx")
@@ -129,15 +130,16 @@ class ServerBackend(Backend):
         if self.http_client.startswith("aiohttp"):
             import aiohttp
 
-            self.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections),
-                                                timeout=aiohttp.ClientTimeout(total=300.0))
+            connector = aiohttp.TCPConnector(limit=connections, keepalive_timeout=KEEPALIVE_EXPIRY_S)
+            self.client = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300.0))
             async with self.client.get(self.url + "/v1/models") as resp:
                 models = (await resp.json())["data"]
             kind = AiohttpWholeCompletionClient if self.http_client == "aiohttp-whole" else AiohttpCompletionClient
             return kind(self.client, self.url, models[0]["id"], token_logprobs=False)
         import httpx
 
-        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections,
+                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
         self.client = httpx.AsyncClient(base_url=self.url, limits=limits, timeout=httpx.Timeout(300.0))
         models = (await self.client.get("/v1/models")).json()["data"]
         return CompletionClient(self.client, models[0]["id"], token_logprobs=False)

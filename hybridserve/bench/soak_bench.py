@@ -27,16 +27,11 @@ from typing import Any
 
 import httpx
 
-from hybridserve.bench.common import FIRST_PLAIN_ID, PLAIN_ID_SPAN, write_json
+from hybridserve.bench.common import FIRST_PLAIN_ID, KEEPALIVE_EXPIRY_S, PLAIN_ID_SPAN, write_json
 from hybridserve.bench.serve_bench import ServerProcess
 
 KINDS = ("complete", "stream", "chat", "long", "shared", "abort", "disconnect", "bad")
 WEIGHTS = (3, 3, 2, 1, 3, 1, 1, 1)
-# httpx keeps idle connections 5 s by default, as long as uvicorn's keep-alive timeout: a request
-# sent on a pooled connection just as the server closes it fails with ReadError, a known race of
-# the client's pool (one abandoned stream in ~17,000 soak requests here). Expiring them sooner
-# leaves transport errors to the server's own faults.
-KEEPALIVE_EXPIRY_S = 2.0
 
 
 @dataclass(frozen=True)
