@@ -18,8 +18,9 @@ paged KV in place; csrc/decode_step.c runs a whole decode step (see
 models/fused_decode.py). The sources are compiled with the system C compiler into the user's
 cache directory (keyed by sources, compiler and CPU, so a home shared by different CPUs is safe)
 and loaded with ctypes: no build step at install, about 3 s at the first start on the 2-core VM,
-nothing after. OpenMP in the kernels binds to the `libgomp.so.1` torch already loaded (one
-runtime, one thread pool). Without a compiler, on other devices or dtypes, or with
+nothing after. The kernels' parallel work runs on their own task pool (csrc/task_pool.c), whose
+caller never waits for a worker that has not started; the one OpenMP loop left (logits.c) binds to
+the `libgomp.so.1` torch already loaded. Without a compiler, on other devices or dtypes, or with
 `HYBRIDSERVE_NATIVE_KERNELS=0`, callers fall back to the eager PyTorch ops (see
 `native_kernels_enabled`).
 """
