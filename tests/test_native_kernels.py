@@ -385,6 +385,46 @@ def test_gemm_rows_silu_mul_matches_torch(half: int, in_features: int, rows: int
         native.gemm_rows_silu_mul(weight[1:], x)
 
 
+def _gemm_rows_case(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weight, x, gemm_rows(weight, x)) for a seed, in whatever thread or process calls it."""
+    gen = torch.Generator().manual_seed(seed)
+    weight, x = torch.randn(300, 96, generator=gen), torch.randn(40, 96, generator=gen)
+    return weight, x, native.gemm_rows(weight, x)
+
+
+def _gemm_rows_in_child(seed: int) -> list[list[float]]:
+    return _gemm_rows_case(seed)[2].tolist()  # a list: unpickling a tensor is torch's OpenMP work again
+
+
+@pytest.mark.skipif(not _gemm_rows_available(), reason="csrc/gemm_rows.c needs AVX-512 and the C kernels")
+def test_the_task_pool_serves_concurrent_callers_and_forked_children() -> None:
+    """csrc/task_pool.c runs one call at a time: other threads calling in meanwhile run their tasks
+    themselves; a child forked from a process whose pool is running starts its own workers. (The
+    child computes nothing else with torch: after the parent's OpenMP work, torch's own parallel
+    ops hang in a forked child, pickling a tensor included.)"""
+    import multiprocessing
+    import threading
+
+    def check(seed: int, result: torch.Tensor) -> None:
+        weight, x, _ = _gemm_rows_case(seed)
+        torch.testing.assert_close(result, x @ weight.t(), atol=1e-4, rtol=1e-4)
+
+    check(0, _gemm_rows_case(0)[2])  # the parent's workers are up
+    results: list[tuple[int, torch.Tensor]] = []
+    threads = [threading.Thread(target=lambda i=i: results.extend((i, _gemm_rows_case(i)[2]) for _ in range(200)))
+               for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 600
+    for seed, result in results[::37]:
+        check(seed, result)
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        for seed, rows in enumerate(pool.map(_gemm_rows_in_child, range(10), chunksize=1)):
+            check(seed, torch.tensor(rows))
+
+
 def test_gemm_rows_leaves_other_inputs_to_torch() -> None:
     weight = torch.randn(8, 16)
     low, high = native.gemm_rows_bounds()
