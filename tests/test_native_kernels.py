@@ -270,19 +270,25 @@ def _instruction_sets() -> list[str]:
     return levels + (["x86-64-v4"] if " avx512f" in flags and " avx512bw" in flags else [])
 
 
+def _compile_for(march: str, sources: list[str], tmp_path: Path) -> ctypes.CDLL:
+    """csrc/ `sources` (with the task pool) compiled alone for one -march level and loaded."""
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    flags = [flag for flag in native.CFLAGS if not flag.startswith("-march")]
+    csrc = Path(native.__file__).with_name("csrc")
+    library_path = tmp_path / f"{'-'.join(Path(source).stem for source in sources)}-{march}.so"
+    subprocess.run([compiler, *flags, f"-march={march}", *(str(csrc / source) for source in sources),
+                    str(csrc / "task_pool.c"), "-o", str(library_path), "-lpthread"],
+                   check=True, capture_output=True, timeout=120)
+    return ctypes.CDLL(str(library_path))
+
+
 @needs_kernel
 @pytest.mark.parametrize("march", _instruction_sets())
 def test_gemv_matches_torch_on_every_vector_width(march: str, tmp_path: Path) -> None:
     """csrc/gemv.c picks its vector width and widening intrinsics by instruction set (AVX-512, AVX2
     or plain vectors); the kernel compiled for each level this CPU runs computes the same products,
     so a CI machine with another CPU runs tested code."""
-    compiler = shutil.which("gcc") or shutil.which("cc")
-    flags = [flag for flag in native.CFLAGS if not flag.startswith("-march")]
-    library_path = tmp_path / f"gemv-{march}.so"
-    csrc = Path(native.__file__).with_name("csrc")
-    subprocess.run([compiler, *flags, f"-march={march}", str(csrc / "gemv.c"), str(csrc / "task_pool.c"),
-                    "-o", str(library_path), "-lpthread"], check=True, capture_output=True, timeout=120)
-    library = ctypes.CDLL(str(library_path))
+    library = _compile_for(march, ["gemv.c"], tmp_path)
     gen = torch.Generator().manual_seed(5)
     library.gemv_preferred_rows.restype = ctypes.c_int
     assert library.gemv_preferred_rows() == (native.GEMV_MAX_INPUT_ROWS if march == "x86-64-v4" else 16)
@@ -447,13 +453,7 @@ def test_gemm_rows_builds_on_every_vector_width(march: str, tmp_path: Path) -> N
     """csrc/gemm_rows.c and csrc/prefill_attention.c take work only where they are compiled for
     AVX-512; elsewhere they decline (no rows, no tokens, status 1) and the callers keep their other
     paths."""
-    compiler = shutil.which("gcc") or shutil.which("cc")
-    flags = [flag for flag in native.CFLAGS if not flag.startswith("-march")]
-    library_path = tmp_path / f"gemm-rows-{march}.so"
-    csrc = Path(native.__file__).with_name("csrc")
-    subprocess.run([compiler, *flags, f"-march={march}", str(csrc / "gemm_rows.c"), str(csrc / "task_pool.c"),
-                    "-o", str(library_path), "-lpthread"], check=True, capture_output=True, timeout=120)
-    library = ctypes.CDLL(str(library_path))
+    library = _compile_for(march, ["gemm_rows.c"], tmp_path)
     low, high = ctypes.c_int(), ctypes.c_int()
     library.gemm_rows_bounds(ctypes.byref(low), ctypes.byref(high))
     avx512 = march == "x86-64-v4"
@@ -469,10 +469,7 @@ def test_gemm_rows_builds_on_every_vector_width(march: str, tmp_path: Path) -> N
         torch.testing.assert_close(y, x @ weight.t(), atol=1e-4, rtol=1e-4)
     else:
         assert torch.isnan(y).all()
-    attention_path = tmp_path / f"prefill-attention-{march}.so"
-    subprocess.run([compiler, *flags, f"-march={march}", str(csrc / "prefill_attention.c"), str(csrc / "task_pool.c"),
-                    "-o", str(attention_path), "-lpthread"], check=True, capture_output=True, timeout=120)
-    attention = ctypes.CDLL(str(attention_path))
+    attention = _compile_for(march, ["prefill_attention.c"], tmp_path)
     attention.prefill_attention_max_tokens.restype = ctypes.c_int
     assert attention.prefill_attention_max_tokens() == (128 if avx512 else 0)
 

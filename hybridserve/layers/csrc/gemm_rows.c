@@ -34,14 +34,6 @@
 #define TILE_BLOCK 32   /* output features per task */
 
 #if defined(__AVX512F__)
-/* [sum(a), sum(b), sum(c), sum(d)]: pairwise shuffles, a few operations for four sums. */
-static inline __m128 sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
-    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
-    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
 
 /* y[r * ld_y + a] = dot(w + a * in, x + r * ld_x) for a < wr (<= TILE_W), r < xr (<= TILE_X); wr
  * and xr are constants at each call site, so the loops unroll and the accumulators stay in
@@ -71,7 +63,7 @@ static inline __attribute__((always_inline)) void tile(const float *w, int64_t i
     }
     for (int r = 0; r < xr; r++) {
         if (wr == TILE_W) {
-            _mm_storeu_ps(y + r * ld_y, sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+            _mm_storeu_ps(y + r * ld_y, sums4_ps(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
         } else {
             for (int a = 0; a < wr; a++) y[r * ld_y + a] = _mm512_reduce_add_ps(acc[r][a]);
         }

@@ -32,31 +32,6 @@
 #define ATT_MASKED -1e30f    /* a score that no real score reaches: its weight is set to 0 */
 
 #if defined(__AVX512F__)
-/* exp_f32 (vector_math.h) on 16 lanes: the same clamps, reduction and polynomial. */
-static inline __m512 exp_ps(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(12582912.0f)),
-                             _mm512_set1_ps(12582912.0f));
-    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
-static inline __m128 sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
-    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
-    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
-
 /* scores[r * ATT_KEYS + j] = dot(q + r * dim, key[j]) for r < rows, j < 4 (keys padded to 4 by
  * the caller); rows is a constant at each call site. */
 static inline __attribute__((always_inline)) void score_tile(const float *q, int64_t dim, const float *const *key,
@@ -75,7 +50,7 @@ static inline __attribute__((always_inline)) void score_tile(const float *q, int
             acc[r][3] = _mm512_fmadd_ps(k3, qv, acc[r][3]);
         }
     }
-    for (int r = 0; r < rows; r++) _mm_storeu_ps(scores + r * ATT_KEYS, sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    for (int r = 0; r < rows; r++) _mm_storeu_ps(scores + r * ATT_KEYS, sums4_ps(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 }
 
 /* out[r] = out[r] * rescale[r] + sum_j weights[r][j] * value[j] over ATT_VCHUNK floats from
@@ -124,7 +99,7 @@ static inline __attribute__((always_inline)) void key_block_rows(const float *q,
         float new_max = top > m[r] ? top : m[r];
         __m512 sum = _mm512_setzero_ps(), shift = _mm512_set1_ps(new_max);
         for (int c = 0; c < ATT_KEYS / 16; c++) {
-            __m512 p = _mm512_maskz_mov_ps(lanes[c], exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * c), shift)));
+            __m512 p = _mm512_maskz_mov_ps(lanes[c], exp16_ps(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * c), shift)));
             _mm512_storeu_ps(s + 16 * c, p);
             sum = _mm512_add_ps(sum, p);
         }
