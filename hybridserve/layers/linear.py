@@ -2,8 +2,8 @@
 
 On CPU in float32 the weight stays one plain contiguous [out, in] matrix and serves every batch size:
 - up to 16 rows (decode), the C GEMV of csrc/gemv.c (32 where no C GEMM takes 17-32 rows, see
-  `native.gemv_preferred_rows()`), in which each thread streams one weight row after another and dots it with every
-  input row while it is in L1 (on the 2-core AVX2 host, the built-in model's linears take
+  `native.gemv_preferred_rows()`), in which each thread streams one weight row after another and
+  dots it with every input row while it is in L1 (on the 2-core AVX2 host, the built-in model's linears take
   0.83-0.88x the split `bmm`'s time at one row, 0.56-0.67x at 8, 0.70-0.91x at 16; on the AVX-512
   host 0.63x oneDNN's at 17 rows, 0.91x at 32);
 - from 17 up to 128 rows on AVX-512 (larger decode batches, short prefills such as a warm
@@ -11,10 +11,10 @@ On CPU in float32 the weight stays one plain contiguous [out, in] matrix and ser
   register tiles of dot products, no packing, blocks handed out on the kernels' task pool (the
   built-in model's linears at 64 rows 14.9 against 16.3-17.0 ms for MKL, faster than the GEMV from
   17 rows; the MLP's silu(gate) * up is written by it directly, `silu_mul`);
-- otherwise up to GEMV_MAX_ROWS rows (and every small batch when the C kernels are off), a *split GEMV*: the matrix viewed as blocks of
-  whole rows and one `torch.bmm` over the blocks, which the threads share out (a warm
-  4096+64-token TTFT 0.94x, a cold 64-token one 0.87x the time with the bound at 32 rows instead
-  of 128). Each thread streams its own
+- otherwise up to GEMV_MAX_ROWS rows (and every small batch when the C kernels are off), a
+  *split GEMV*: the matrix viewed as blocks of whole rows and one `torch.bmm` over the blocks,
+  which the threads share out (a warm 4096+64-token TTFT 0.94x, a cold 64-token one 0.87x the time
+  with the bound at 32 rows instead of 128). Each thread streams its own
   contiguous part of the weight; below SPLIT_GEMM_ROWS rows there is one block per thread, from
   there four per thread with the rows multiplied by each block's transpose (the better of the two
   where the rows make it compute-bound: 0.84-0.96x oneDNN's time on the plain weight from 33 to

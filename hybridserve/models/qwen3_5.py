@@ -157,7 +157,6 @@ class GatedAttention(nn.Module):
             return q.new_empty((0, *q.shape[1:])), torch.empty(0, dtype=torch.long, device=q.device)
         return torch.cat(parts), torch.cat(part_rows)
 
-
     def _attend_chunk(self, queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk, end: int,
                       batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         """Causal attention of a prefill chunk's last `len(queries)` rows (its rows end at flat row
