@@ -16,6 +16,7 @@
 
 #define TASK_POOL_MAX_WORKERS 63
 #define TASK_POOL_SPIN_US 300  /* how long an idle worker keeps polling before it sleeps */
+#define TASK_POOL_CALLER_SPINS 4096  /* pause rounds before the caller, waiting for a task, yields */
 
 /* One call's work. Calls alternate between two descriptors: a worker that read call g's claim word
  * may read the descriptor late, but it runs a task only after claiming it with call g's generation,
@@ -148,8 +149,14 @@ void task_pool_run(int threads, task_fn fn, void *context, int64_t tasks) {
     atomic_store(&pool.generation, generation);
     if (atomic_load(&pool.sleeping) > 0) futex_wake_all(&pool.generation);
     run_tasks(generation);
-    /* every task is claimed now; wait for the ones workers are running */
-    while (atomic_load(&pool.done) < tasks) cpu_relax();
+    /* every task is claimed now; wait for the ones workers are running (yielding after a while, in
+     * case a worker waits for this very core: more threads than CPUs) */
+    for (int spins = 0; atomic_load(&pool.done) < tasks; spins++) {
+        if (spins < TASK_POOL_CALLER_SPINS)
+            cpu_relax();
+        else
+            sched_yield();
+    }
     pthread_mutex_unlock(&pool.lock);
 }
 
