@@ -370,6 +370,9 @@ def test_prefill_attention_leaves_other_inputs_to_torch() -> None:
     assert not native.prefill_attention_applies(torch.randn(4, 8, 64), cache, slots.int())
     assert not native.prefill_attention_applies(torch.randn(4, 7, 64), cache, slots)  # heads not a multiple
     assert native.prefill_attention_applies(torch.randn(4, 8, 64), cache, slots) == _prefill_attention_available()
+    if _prefill_attention_available():
+        with pytest.raises(IndexError, match="slots"):
+            native.prefill_attention(torch.randn(4, 8, 64), cache, cache.clone(), torch.tensor([0, 1, 2, 300]), 0.125)
 
 
 @pytest.mark.skipif(not _gemm_rows_available(), reason="csrc/gemm_rows.c needs AVX-512 and the C kernels")

@@ -370,6 +370,9 @@ def prefill_attention(q: torch.Tensor, cache_keys: torch.Tensor, cache_values: t
     tokens, heads, dim = q.shape
     if cache_values.shape != cache_keys.shape or not cache_values.is_contiguous():
         raise ValueError("prefill_attention: keys and values must be contiguous and of one shape")
+    lowest, highest = (int(bound) for bound in slots.aminmax())  # the kernel reads through them unchecked
+    if lowest < 0 or highest >= cache_keys.shape[0]:
+        raise IndexError(f"prefill_attention: slots [{lowest}, {highest}] outside the cache's {cache_keys.shape[0]}")
     library = _library()
     assert library is not None, "check prefill_attention_applies() first"
     out = torch.empty(tokens, heads, dim)
