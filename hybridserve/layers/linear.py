@@ -1,7 +1,7 @@
 """Inference GEMMs on the loaded row-major weights, with the kernel picked by batch size.
 
 On CPU in float32 the weight stays one plain contiguous [out, in] matrix and serves every batch size:
-- up to 16 rows (decode), the C GEMV of csrc/gemv.c (32 where no C GEMM takes 17-32 rows, see
+- up to 16 rows (decode), the C GEMV of csrc/gemv.c (int8 weights up to 32 rows on AVX-512, see
   `native.gemv_preferred_rows()`), in which each thread streams one weight row after another and
   dots it with every input row while it is in L1 (on the 2-core AVX2 host, the built-in model's linears take
   0.83-0.88x the split `bmm`'s time at one row, 0.56-0.67x at 8, 0.70-0.91x at 16; on the AVX-512
@@ -186,8 +186,6 @@ class PackedLinear:
             y = native.gemv(self.weight, x)
         elif native.gemm_rows_applies(self.weight, x):
             y = native.gemm_rows(self.weight, x)
-        elif native.gemv_applies(self.weight, x, native.gemv_preferred_rows()):
-            y = native.gemv(self.weight, x)
         elif rows >= SPLIT_GEMM_ROWS and not split_bmm_preferred():
             y = F.linear(x, self.weight)
         elif rows < SPLIT_GEMM_ROWS:
