@@ -1,16 +1,18 @@
 """Inference GEMMs on the loaded row-major weights, with the kernel picked by batch size.
 
 On CPU in float32 the weight stays one plain contiguous [out, in] matrix and serves every batch size:
-- up to 16 rows (decode), the C GEMV of csrc/gemv.c (int8 weights up to 32 rows on AVX-512, see
+- up to 16 rows (decode; 5 where the C GEMM below runs), the C GEMV of csrc/gemv.c (int8 weights
+  up to 32 rows on AVX-512, see
   `native.gemv_preferred_rows()`), in which each thread streams one weight row after another and
   dots it with every input row while it is in L1 (on the 2-core AVX2 host, the built-in model's linears take
   0.83-0.88x the split `bmm`'s time at one row, 0.56-0.67x at 8, 0.70-0.91x at 16; on the AVX-512
   host 0.63x oneDNN's at 17 rows, 0.91x at 32);
-- from 17 up to 128 rows on AVX-512 (larger decode batches, short prefills such as a warm
+- from 6 up to 128 rows on AVX-512 (decode batches, short prefills such as a warm
   request's 64-token suffix), the C GEMM of csrc/gemm_rows.c on the same plain weight: 4x6
   register tiles of dot products, no packing, blocks handed out on the kernels' task pool (the
-  built-in model's linears at 64 rows 14.9 against 16.3-17.0 ms for MKL, faster than the GEMV from
-  17 rows; the MLP's silu(gate) * up is written by it directly, `silu_mul`);
+  built-in model's linears at 64 rows 14.9 against 16.3-17.0 ms for MKL, and faster than the GEMV
+  from 6 rows since it prefetches the next weight rows a line per k-step: 4.6 vs 5.3 ms at 16
+  rows; the MLP's silu(gate) * up is written by it directly, `silu_mul`);
 - otherwise up to GEMV_MAX_ROWS rows (and every small batch when the C kernels are off), a
   *split GEMV*: the matrix viewed as blocks of whole rows and one `torch.bmm` over the blocks,
   which the threads share out (a warm 4096+64-token TTFT 0.94x, a cold 64-token one 0.87x the time
@@ -156,7 +158,7 @@ class PackedLinear:
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x @ G.T) * (x @ U.T) for a linear fused from [gate, up] of equal widths (the MLP):
-        one GEMV over both for decode; for 17-128 rows on AVX-512 the C GEMM writes the product
+        one GEMV over both for a few rows; for 6-128 rows on AVX-512 the C GEMM writes the product
         itself; for prefill on oneDNN, SiLU rides the gate GEMM as its post-op, which beats SiLU
         and product over the strided halves of one output."""
         if self.onednn and not self._takes_split_gemv(x):
@@ -182,10 +184,10 @@ class PackedLinear:
         rows = x.shape[0]
         out_features, in_features = self.weight.shape
         threads = torch.get_num_threads()
-        if native.gemv_applies(self.weight, x):
-            y = native.gemv(self.weight, x)
-        elif native.gemm_rows_applies(self.weight, x):
+        if native.gemm_rows_applies(self.weight, x):
             y = native.gemm_rows(self.weight, x)
+        elif native.gemv_applies(self.weight, x):
+            y = native.gemv(self.weight, x)
         elif rows >= SPLIT_GEMM_ROWS and not split_bmm_preferred():
             y = F.linear(x, self.weight)
         elif rows < SPLIT_GEMM_ROWS:

@@ -12,8 +12,8 @@ token by token: on CPU that beats the chunked form's matrix products at every le
 csrc/vector_math.h an exp that GCC vectorises and the denormal flush the kernels using it set.
 `gemv` (csrc/gemv.c) is the linear (float32, bfloat16 or int8 weights, float32 rows) for up to
 16 rows, written to stream each weight as fast
-as a plain read (see linear.py), and `gemm_rows` (csrc/gemm_rows.c) the float32 one for 17 to 128
-rows on AVX-512; `prefill_attention` (csrc/prefill_attention.c) attends a short chunk over the
+as a plain read (see linear.py), and `gemm_rows` (csrc/gemm_rows.c) the float32 one for 6 to 128
+rows on AVX-512 (where it comes first); `prefill_attention` (csrc/prefill_attention.c) attends a short chunk over the
 paged KV in place; csrc/decode_step.c runs a whole decode step (see
 models/fused_decode.py). The sources are compiled with the system C compiler into the user's
 cache directory (keyed by sources, compiler and CPU, so a home shared by different CPUs is safe)
@@ -305,7 +305,7 @@ def gemv_applies(weight: torch.Tensor, x: torch.Tensor, max_rows: int = GEMV_DEC
 @lru_cache(maxsize=1)
 def gemm_rows_bounds() -> tuple[int, int]:
     """The rows `gemm_rows` takes with this build of the kernels, (0, 0) for none (csrc/gemm_rows.c:
-    17..128 where the compiler targets AVX-512)."""
+    6..128 where the compiler targets AVX-512)."""
     library = _library()
     if library is None:
         return 0, 0
@@ -325,7 +325,7 @@ def gemm_rows_applies(weight: torch.Tensor, x: torch.Tensor) -> bool:
 
 
 def gemm_rows(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T for 17..128 float32 CPU rows on the plain [out, in] float32 weight
+    """x @ weight.T for 6..128 float32 CPU rows on the plain [out, in] float32 weight
     (csrc/gemm_rows.c; check `gemm_rows_applies` first). Returns a new contiguous [rows, out]."""
     out_features, in_features = weight.shape
     if x.shape[1] != in_features:
@@ -388,7 +388,7 @@ def prefill_attention(q: torch.Tensor, cache_keys: torch.Tensor, cache_values: t
 
 def gemm_rows_silu_mul(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """silu(x @ G.T) * (x @ U.T) for the fused [G; U] weight [2 * half, in] (the MLP's gate and up),
-    17..128 float32 CPU rows, the [rows, 2 * half] projection never stored (csrc/gemm_rows.c; check
+    6..128 float32 CPU rows, the [rows, 2 * half] projection never stored (csrc/gemm_rows.c; check
     `gemm_rows_applies` first). Returns a new contiguous [rows, half]."""
     out_features, in_features = weight.shape
     if x.shape[1] != in_features or out_features % 2:

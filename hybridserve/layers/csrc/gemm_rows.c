@@ -1,4 +1,4 @@
-/* y = x @ W.T for 17 to 128 float32 rows of x on the plain row-major float32 weight (AVX-512 only).
+/* y = x @ W.T for 6 to 128 float32 rows of x on the plain row-major float32 weight (AVX-512 only).
  *
  * A warm request's suffix (64 tokens), a chunk next to decode rows, or a decode batch over 16 rows
  * is too many rows for the GEMV (csrc/gemv.c), which dots each weight row with 8 input rows at a
@@ -19,6 +19,14 @@
  * against F.linear on MKL and the GEMV): 17 rows 6.7 (MKL 11.0, GEMV 7.1), 32 rows 9.8 (12.8, 12.0),
  * 64 rows 14.3-14.8 (16.9-17.2), 128 rows 30.4 (29.9). Within a forward the gap is wider, since MKL
  * waits for its sleeping worker: the 64-token cold floor 27.0 -> 24.5-25.2 ms.
+ *
+ * The next weight rows were first prefetched in one burst of 128 lines before each group. Issued
+ * instead as one line of each next row per k-step of the group's first tile, the same linears
+ * (cold, alternated with the burst build in one process) took 16 rows from 5.6-5.9 to 4.9-5.1 ms
+ * and 64 rows from 15.0-15.5 to 13.8-14.0 ms; spreading them over every tile of the group, or
+ * prefetching two groups ahead, was slower. With that the tile beats the GEMV from 6 rows (6: 2.5
+ * vs 2.9 ms, as fast as one row streams the weights; 8: 3.0 vs 3.2; 16: 4.6 vs 5.3), not below
+ * (5: 3.1 vs 2.8), hence TILE_MIN_ROWS.
  */
 #include <stdint.h>
 #if defined(__AVX512F__)
@@ -27,7 +35,7 @@
 #include "task_pool.h"
 #include "vector_math.h"
 
-#define TILE_MIN_ROWS 17
+#define TILE_MIN_ROWS 6
 #define TILE_MAX_ROWS 128
 #define TILE_W 4        /* weight rows per tile */
 #define TILE_X 6        /* input rows per tile */
@@ -39,7 +47,7 @@
  * and xr are constants at each call site, so the loops unroll and the accumulators stay in
  * registers. A ragged end of the row (in not a multiple of 16) takes one masked step. */
 static inline __attribute__((always_inline)) void tile(const float *w, int64_t in, const float *x, int64_t ld_x,
-                                                        float *y, int64_t ld_y, int wr, int xr) {
+                                                        float *y, int64_t ld_y, int wr, int xr, const float *next) {
     __m512 acc[TILE_X][TILE_W];
     for (int r = 0; r < TILE_X; r++)
         for (int a = 0; a < TILE_W; a++) acc[r][a] = _mm512_setzero_ps();
@@ -47,6 +55,8 @@ static inline __attribute__((always_inline)) void tile(const float *w, int64_t i
     for (; k + 16 <= in; k += 16) {
         __m512 wv[TILE_W];
         for (int a = 0; a < wr; a++) wv[a] = _mm512_loadu_ps(w + a * in + k);
+        if (next)
+            for (int a = 0; a < TILE_W; a++) _mm_prefetch((const char *)(next + a * in + k), _MM_HINT_T1);
         for (int r = 0; r < xr; r++) {
             __m512 xv = _mm512_loadu_ps(x + r * ld_x + k);
             for (int a = 0; a < wr; a++) acc[r][a] = _mm512_fmadd_ps(wv[a], xv, acc[r][a]);
@@ -70,18 +80,21 @@ static inline __attribute__((always_inline)) void tile(const float *w, int64_t i
     }
 }
 
-/* Every input row against weight rows [o, o + wr): groups of TILE_X input rows, the last one ragged. */
+/* Every input row against weight rows [o, o + wr): groups of TILE_X input rows, the last one ragged.
+ * The first group also prefetches the TILE_W weight rows at `next` (NULL: none) into L2, a line of
+ * each per k-step. */
 static inline __attribute__((always_inline)) void weight_rows(const float *w, int64_t in, const float *x,
                                                                int64_t rows, int64_t ld_x, float *y, int64_t ld_y,
-                                                               int wr) {
+                                                               int wr, const float *next) {
     int64_t r = 0;
-    for (; r + TILE_X <= rows; r += TILE_X) tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, TILE_X);
+    for (; r + TILE_X <= rows; r += TILE_X)
+        tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, TILE_X, r == 0 ? next : 0);
     switch (rows - r) {  /* constant counts: the tile unrolls */
-        case 1: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 1); break;
-        case 2: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 2); break;
-        case 3: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 3); break;
-        case 4: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 4); break;
-        case 5: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 5); break;
+        case 1: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 1, 0); break;
+        case 2: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 2, 0); break;
+        case 3: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 3, 0); break;
+        case 4: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 4, 0); break;
+        case 5: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 5, 0); break;
         default: break;
     }
 }
@@ -91,18 +104,14 @@ static inline __attribute__((always_inline)) void weight_rows(const float *w, in
 static void block_rows(const float *w, int64_t count, int64_t after, int64_t in, const float *x, int64_t rows,
                        int64_t ld_x, float *y, int64_t ld_y) {
     int64_t o = 0;
-    for (; o + TILE_W <= count; o += TILE_W) {
-        if (o + 2 * TILE_W <= count + after) {  /* the next weight rows into L2 while these are used */
-            const char *next = (const char *)(w + (o + TILE_W) * in);
-            for (int64_t byte = 0; byte < TILE_W * in * (int64_t)sizeof(float); byte += 64)
-                _mm_prefetch(next + byte, _MM_HINT_T1);
-        }
-        weight_rows(w + o * in, in, x, rows, ld_x, y + o, ld_y, TILE_W);
+    for (; o + TILE_W <= count; o += TILE_W) {  /* the next weight rows into L2 while these are used */
+        const float *next = o + 2 * TILE_W <= count + after ? w + (o + TILE_W) * in : 0;
+        weight_rows(w + o * in, in, x, rows, ld_x, y + o, ld_y, TILE_W, next);
     }
     switch (count - o) {
-        case 1: weight_rows(w + o * in, in, x, rows, ld_x, y + o, ld_y, 1); break;
-        case 2: weight_rows(w + o * in, in, x, rows, ld_x, y + o, ld_y, 2); break;
-        case 3: weight_rows(w + o * in, in, x, rows, ld_x, y + o, ld_y, 3); break;
+        case 1: weight_rows(w + o * in, in, x, rows, ld_x, y + o, ld_y, 1, 0); break;
+        case 2: weight_rows(w + o * in, in, x, rows, ld_x, y + o, ld_y, 2, 0); break;
+        case 3: weight_rows(w + o * in, in, x, rows, ld_x, y + o, ld_y, 3, 0); break;
         default: break;
     }
 }
