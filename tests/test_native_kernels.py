@@ -338,7 +338,7 @@ def _prefill_attention_available() -> bool:
 
 
 @pytest.mark.skipif(not _prefill_attention_available(), reason="csrc/prefill_attention.c needs AVX-512")
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize(("tokens", "prefix", "heads", "kv_heads", "dim"),
                          [(64, 1000, 8, 2, 64), (1, 100, 8, 2, 64), (5, 0, 4, 1, 128), (17, 33, 16, 4, 256),
                           (64, 0, 8, 2, 64), (128, 63, 2, 2, 64), (3, 65, 6, 3, 192)])

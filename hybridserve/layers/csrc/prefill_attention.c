@@ -7,7 +7,9 @@
  * read in place through the slot table, the mask is a bound per query, and each KV head's queries
  * (its G query heads times a block of tokens) share every key block while it is in L1.
  *
- * Per task (a KV head and a block of tokens): the queries are scaled into a local copy; keys come in
+ * Per task (a KV head and a block of tokens, as many tasks as threads where the KV heads allow:
+ * 64 queries over 4160 keys took 2.6-2.75 ms with blocks of 16 tokens, 2.0-2.2 with one block per
+ * KV head on 2 threads): the queries are scaled into a local copy; keys come in
  * blocks of ATT_KEYS, transposed in registers once per block; for each group of ATT_ROWS query rows
  * the scores of all ATT_KEYS keys are then broadcast FMAs into registers (dot-product tiles, as in
  * csrc/gemm_rows.c, spent a third of their instructions summing lanes at a head size of 64: 2.89-2.93
@@ -28,7 +30,6 @@
 #define ATT_KEYS 64          /* keys per block */
 #define ATT_ROWS 6           /* query rows per score tile */
 #define ATT_VCHUNK 64        /* floats of the value head accumulated in registers at once */
-#define ATT_TOKEN_BLOCK 16   /* tokens per task */
 #define ATT_MAX_TOKENS 128   /* longest chunk taken; longer ones are worth torch's kernels */
 #define ATT_MAX_HEAD_DIM 256
 #define ATT_MASKED -1e30f    /* a score that no real score reaches: its weight is set to 0 */
@@ -207,15 +208,15 @@ typedef struct {
     const float *q, *keys, *values;
     const int64_t *slots;
     float *out;
-    int64_t tokens, heads, dim, ld_q, kv_heads, num_prefix;
+    int64_t tokens, heads, dim, ld_q, kv_heads, num_prefix, token_block;
     float scale;
     _Atomic int failed;
 } AttentionCall;
 
 static void attention_pool_task(void *context, int64_t task) {
     AttentionCall *c = context;
-    int64_t g = task % c->kv_heads, t0 = (task / c->kv_heads) * ATT_TOKEN_BLOCK;
-    int64_t t1 = t0 + ATT_TOKEN_BLOCK < c->tokens ? t0 + ATT_TOKEN_BLOCK : c->tokens;
+    int64_t g = task % c->kv_heads, t0 = (task / c->kv_heads) * c->token_block;
+    int64_t t1 = t0 + c->token_block < c->tokens ? t0 + c->token_block : c->tokens;
     if (attention_task(c->q, c->heads, c->dim, c->ld_q, c->keys, c->values, c->kv_heads, c->slots, c->num_prefix,
                        c->scale, c->out, g, t0, t1))
         atomic_store(&c->failed, 1);
@@ -243,8 +244,13 @@ int prefill_attention_f32(const float *q, int64_t tokens, int64_t heads, int64_t
     if (tokens < 1 || tokens > ATT_MAX_TOKENS || num_prefix < 0 || dim < 16 || dim % ATT_VCHUNK != 0
         || dim > ATT_MAX_HEAD_DIM || kv_heads < 1 || heads % kv_heads != 0)
         return 1;
-    int64_t token_blocks = (tokens + ATT_TOKEN_BLOCK - 1) / ATT_TOKEN_BLOCK;
-    AttentionCall call = {q, keys, values, slots, out, tokens, heads, dim, ld_q, kv_heads, num_prefix, scale, 0};
+    /* as few tasks as give every thread one: each task transposes every key block once, so fewer,
+     * larger token blocks do less of it and share each key and value block among more rows */
+    int64_t blocks_per_head = threads > kv_heads ? (threads + kv_heads - 1) / kv_heads : 1;
+    int64_t token_block = (tokens + blocks_per_head - 1) / blocks_per_head;
+    int64_t token_blocks = (tokens + token_block - 1) / token_block;
+    AttentionCall call = {q, keys, values, slots, out, tokens, heads, dim, ld_q, kv_heads, num_prefix, token_block,
+                          scale, 0};
     unsigned int saved_csr = denormals_flush_begin();  /* the pool's workers keep it set */
     task_pool_run(threads, attention_pool_task, &call, kv_heads * token_blocks);
     denormals_flush_end(saved_csr);
