@@ -23,10 +23,14 @@
  * The next weight rows were first prefetched in one burst of 128 lines before each group. Issued
  * instead as one line of each next row per k-step of the group's first tile, the same linears
  * (cold, alternated with the burst build in one process) took 16 rows from 5.6-5.9 to 4.9-5.1 ms
- * and 64 rows from 15.0-15.5 to 13.8-14.0 ms; spreading them over every tile of the group, or
- * prefetching two groups ahead, was slower. With that the tile beats the GEMV from 6 rows (6: 2.5
- * vs 2.9 ms, as fast as one row streams the weights; 8: 3.0 vs 3.2; 16: 4.6 vs 5.3), not below
- * (5: 3.1 vs 2.8), hence TILE_MIN_ROWS.
+ * and 64 rows from 15.0-15.5 to 13.8-14.0 ms (two groups ahead was slower). With that the tile
+ * beats the GEMV from 6 rows (6: 2.5 vs 2.9 ms, as fast as one row streams the weights; 8: 3.0 vs
+ * 3.2; 16: 4.6 vs 5.3), not below (5: 3.1 vs 2.8), hence TILE_MIN_ROWS. With 4 or more tiles of
+ * input rows (from 19 rows) the first tile's share is too short a burst: there every tile fetches
+ * its share of the next rows' bytes in address order, which the hardware prefetcher then runs
+ * ahead of (against the first-tile lines, in turns on a busy host: 24 rows 0.94x, 64 rows 0.91x,
+ * 128 rows 0.92x the time). With fewer tiles the first-tile lines stay: there the address-order
+ * share measured 1.11x (6 rows) and 1.03x (16 rows), the per-row lines spread over the tiles 1.03x.
  */
 #include <stdint.h>
 #if defined(__AVX512F__)
@@ -39,15 +43,23 @@
 #define TILE_MAX_ROWS 128
 #define TILE_W 4        /* weight rows per tile */
 #define TILE_X 6        /* input rows per tile */
+#define PREFETCH_SPREAD_GROUPS 4  /* input-row groups from which the prefetch is spread (see weight_rows) */
 #define TILE_BLOCK 32   /* output features per task */
 
 #if defined(__AVX512F__)
 
-/* y[r * ld_y + a] = dot(w + a * in, x + r * ld_x) for a < wr (<= TILE_W), r < xr (<= TILE_X); wr
- * and xr are constants at each call site, so the loops unroll and the accumulators stay in
- * registers. A ragged end of the row (in not a multiple of 16) takes one masked step. */
+/* How a tile prefetches the next TILE_W weight rows (see weight_rows). */
+enum { PREFETCH_NONE, PREFETCH_ROWS_TOGETHER, PREFETCH_SPREAD };
+
+/* y[r * ld_y + a] = dot(w + a * in, x + r * ld_x) for a < wr (<= TILE_W), r < xr (<= TILE_X); wr,
+ * xr and mode are constants at each call site, so the loops unroll and the accumulators stay in
+ * registers. A ragged end of the row (in not a multiple of 16) takes one masked step. Meanwhile
+ * the TILE_W weight rows at `next` go into L2: PREFETCH_ROWS_TOGETHER, a line of each per k-step;
+ * PREFETCH_SPREAD, lines [line, line_end) of their contiguous bytes, per_step a k-step. */
 static inline __attribute__((always_inline)) void tile(const float *w, int64_t in, const float *x, int64_t ld_x,
-                                                        float *y, int64_t ld_y, int wr, int xr, const float *next) {
+                                                        float *y, int64_t ld_y, int wr, int xr, int mode,
+                                                        const float *next, int64_t line, int64_t line_end,
+                                                        int64_t per_step) {
     __m512 acc[TILE_X][TILE_W];
     for (int r = 0; r < TILE_X; r++)
         for (int a = 0; a < TILE_W; a++) acc[r][a] = _mm512_setzero_ps();
@@ -55,8 +67,11 @@ static inline __attribute__((always_inline)) void tile(const float *w, int64_t i
     for (; k + 16 <= in; k += 16) {
         __m512 wv[TILE_W];
         for (int a = 0; a < wr; a++) wv[a] = _mm512_loadu_ps(w + a * in + k);
-        if (next)
+        if (mode == PREFETCH_ROWS_TOGETHER)
             for (int a = 0; a < TILE_W; a++) _mm_prefetch((const char *)(next + a * in + k), _MM_HINT_T1);
+        if (mode == PREFETCH_SPREAD)
+            for (int64_t p = 0; p < per_step && line < line_end; p++, line++)
+                _mm_prefetch((const char *)next + 64 * line, _MM_HINT_T1);
         for (int r = 0; r < xr; r++) {
             __m512 xv = _mm512_loadu_ps(x + r * ld_x + k);
             for (int a = 0; a < wr; a++) acc[r][a] = _mm512_fmadd_ps(wv[a], xv, acc[r][a]);
@@ -81,22 +96,43 @@ static inline __attribute__((always_inline)) void tile(const float *w, int64_t i
 }
 
 /* Every input row against weight rows [o, o + wr): groups of TILE_X input rows, the last one ragged.
- * The first group also prefetches the TILE_W weight rows at `next` (NULL: none) into L2, a line of
- * each per k-step. */
+ * Meanwhile the TILE_W weight rows at `next` (NULL: none; they follow these in memory) go into L2.
+ * With few groups the first one fetches them, a line of each row per k-step, in the order the
+ * next group reads them; from PREFETCH_SPREAD_GROUPS groups up every group fetches its share of
+ * their bytes in address order, which the hardware prefetcher then runs ahead of. */
 static inline __attribute__((always_inline)) void weight_rows(const float *w, int64_t in, const float *x,
                                                                int64_t rows, int64_t ld_x, float *y, int64_t ld_y,
                                                                int wr, const float *next) {
-    int64_t r = 0;
-    for (; r + TILE_X <= rows; r += TILE_X)
-        tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, TILE_X, r == 0 ? next : 0);
-    switch (rows - r) {  /* constant counts: the tile unrolls */
-        case 1: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 1, 0); break;
-        case 2: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 2, 0); break;
-        case 3: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 3, 0); break;
-        case 4: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 4, 0); break;
-        case 5: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 5, 0); break;
+    int64_t groups = (rows + TILE_X - 1) / TILE_X, steps = (in + 15) / 16, r = 0;
+    if (next == 0 || groups < PREFETCH_SPREAD_GROUPS) {
+        int first = next ? PREFETCH_ROWS_TOGETHER : PREFETCH_NONE;
+        for (; r + TILE_X <= rows; r += TILE_X)
+            tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, TILE_X, r == 0 ? first : PREFETCH_NONE, next,
+                 0, 0, 0);
+        switch (rows - r) {  /* constant counts: the tile unrolls */
+            case 1: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 1, PREFETCH_NONE, 0, 0, 0, 0); break;
+            case 2: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 2, PREFETCH_NONE, 0, 0, 0, 0); break;
+            case 3: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 3, PREFETCH_NONE, 0, 0, 0, 0); break;
+            case 4: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 4, PREFETCH_NONE, 0, 0, 0, 0); break;
+            case 5: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 5, PREFETCH_NONE, 0, 0, 0, 0); break;
+            default: break;
+        }
+        return;
+    }
+    int64_t lines = (TILE_W * in * (int64_t)sizeof(float) + 63) / 64, share = (lines + groups - 1) / groups;
+    int64_t per_step = (share + steps - 1) / steps, line = 0;
+#define SPREAD PREFETCH_SPREAD, next, line, line + share < lines ? line + share : lines, per_step
+    for (; r + TILE_X <= rows; r += TILE_X, line += share)
+        tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, TILE_X, SPREAD);
+    switch (rows - r) {
+        case 1: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 1, SPREAD); break;
+        case 2: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 2, SPREAD); break;
+        case 3: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 3, SPREAD); break;
+        case 4: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 4, SPREAD); break;
+        case 5: tile(w, in, x + r * ld_x, ld_x, y + r * ld_y, ld_y, wr, 5, SPREAD); break;
         default: break;
     }
+#undef SPREAD
 }
 
 /* Weight rows [0, count) of `w` (which has `after` more rows past them, for the prefetch) against
