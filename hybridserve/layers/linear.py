@@ -178,9 +178,9 @@ class PackedLinear:
         return self.split_gemv and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS
 
     def _split_gemv(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T for a few rows (see the module docstring): the C GEMV up to its row bound, else
-        one bmm over contiguous row blocks of W, one block per thread below SPLIT_GEMM_ROWS rows,
-        four per thread from there."""
+        """x @ W.T for a few rows (see the module docstring): the C GEMM for the rows it takes, the
+        C GEMV up to its row bound, else MKL or one bmm over contiguous row blocks of W, one block
+        per thread below SPLIT_GEMM_ROWS rows, four per thread from there."""
         rows = x.shape[0]
         out_features, in_features = self.weight.shape
         threads = torch.get_num_threads()

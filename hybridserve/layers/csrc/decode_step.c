@@ -8,9 +8,8 @@
  * 2-core VM. Here the same work runs as straight C: it calls the kernels the module path calls
  * (gemv_f32 / gemv_i8 / gemm_rows_f32, rms_norm_f32, rms_norm_rope_f32, gdn_decode_f32) in the
  * same order, adds the decode attention over the paged KV, and does the small elementwise steps
- * inline. It is the CPU
- * counterpart of replaying a captured CUDA graph: the Python side only passes the step's token
- * ids, positions, slots and buffers (see hybridserve/models/fused_decode.py).
+ * inline. It is the CPU counterpart of replaying a captured CUDA graph: the Python side only passes
+ * the step's token ids, positions, slots and buffers (see hybridserve/models/fused_decode.py).
  *
  * Every index is checked before anything is written, so a bad input fails the call with nothing
  * changed. GDN layers update their live state slots in place, the replaced state going to the
