@@ -333,6 +333,32 @@ def test_gemm_rows_matches_torch(shape: tuple[int, int], rows: int, threads: int
     torch.testing.assert_close(y, x @ weight.t(), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.skipif(not _gemm_rows_available(), reason="csrc/gemm_rows.c needs AVX-512 and the C kernels")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [6, 16, 23, 32])
+@pytest.mark.parametrize("shape", [(1552, 512), (70, 37), (5, 16)])
+def test_gemm_rows_int8_matches_torch(shape: tuple[int, int], rows: int, threads: int,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 weights widened in registers and scaled per output row, the linear and the MLP's
+    silu(gate) * up, against the dequantized weight in float32; the wrong scales are refused."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen = torch.Generator().manual_seed(rows + shape[0])
+    weight = torch.randint(-127, 128, (2 * shape[0], shape[1]), generator=gen, dtype=torch.int8)
+    scales = torch.rand(2 * shape[0], generator=gen) * 0.002
+    x = torch.randn(rows, shape[1] + 5, generator=gen)[:, 3:3 + shape[1]]
+    assert native.gemm_rows_applies(weight, x)
+    projection = x @ (weight.float() * scales[:, None]).t()
+    torch.testing.assert_close(native.gemm_rows(weight, x, scales), projection, atol=1e-4, rtol=1e-4)
+    gate, up = projection.chunk(2, dim=-1)
+    torch.testing.assert_close(native.gemm_rows_silu_mul(weight, x, scales), F.silu(gate) * up, atol=1e-4,
+                               rtol=1e-4)
+    for wrong in (None, scales[1:], scales.double()):
+        with pytest.raises(ValueError, match="scales"):
+            native.gemm_rows(weight, x, wrong)
+    with pytest.raises(ValueError, match="scales"):
+        native.gemm_rows(weight.float(), x, scales)
+
+
 def _prefill_attention_available() -> bool:
     return native.native_kernels_enabled() and native.prefill_attention_max_tokens() > 0
 
@@ -443,6 +469,10 @@ def test_gemm_rows_leaves_other_inputs_to_torch() -> None:
     assert not native.gemm_rows_applies(weight, torch.randn(16, 40).t())  # columns not contiguous
     assert not native.gemm_rows_applies(weight.bfloat16(), torch.randn(40, 16))
     assert not native.gemm_rows_applies(weight, torch.randn(40, 16).bfloat16())
+    int8 = weight.to(torch.int8)
+    assert not native.gemm_rows_applies(int8, torch.randn(native.GEMM_ROWS_INT8_MAX_ROWS + 1, 16))
+    if _gemm_rows_available():
+        assert native.gemm_rows_applies(int8, torch.randn(native.GEMM_ROWS_INT8_MAX_ROWS, 16))
     assert not native.gemm_rows_applies(weight.t().contiguous().t(), torch.randn(40, 16))
     if _gemm_rows_available():
         assert native.gemm_rows_applies(weight, torch.randn(40, 16))
@@ -465,8 +495,8 @@ def test_gemm_rows_builds_on_every_vector_width(march: str, tmp_path: Path) -> N
     x = torch.randn(40, 70 + 3, generator=gen)[:, 2:72]
     weight = torch.randn(33, 70, generator=gen)
     y = torch.full((40, 33), float("nan"))
-    library.gemm_rows_f32.argtypes = native._GEMV_ARGTYPES
-    status = library.gemm_rows_f32(weight.data_ptr(), 33, 70, x.data_ptr(), 40, x.stride(0), y.data_ptr(), 33, 2)
+    library.gemm_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, *native._GEMV_ARGTYPES[1:]]
+    status = library.gemm_rows(weight.data_ptr(), None, 0, 33, 70, x.data_ptr(), 40, x.stride(0), y.data_ptr(), 33, 2)
     assert status == (0 if avx512 else 1)
     if avx512:
         torch.testing.assert_close(y, x @ weight.t(), atol=1e-4, rtol=1e-4)

@@ -44,11 +44,12 @@ Projections that read the same input are fused into one matrix (concatenated out
 
 Weight-only int8 (`quantization="int8"`): each output channel is quantized symmetrically
 (int8 values, one scale per channel, absmax / 127) when the model is packed. Float32 CPU rows up to
-the C GEMV's bound take that kernel (int8 widened to float32 in registers, activations in float32:
-2.15 vs 6.54 ms for the built-in model's int8 linears on one row; on the AVX-512 host at 17, 24 and
-32 rows 5.9, 7.5 and 11.3 ms against 9.4, 12.7 and 15.3 with `_weight_int8pack_mm`; bfloat16 keeps
-the 16-row bound, since from ~20 rows its AMX GEMM is faster: 5.7-5.9 ms at 24-32 rows against
-6.3-9.4). Otherwise the GEMM is
+the C GEMV's bound take the C kernels (int8 widened to float32 in registers, activations in float32):
+the GEMV (2.15 vs 6.54 ms for the built-in model's int8 linears on one row; on the AVX-512 host at
+17, 24 and 32 rows 5.9, 7.5 and 11.3 ms against 9.4, 12.7 and 15.3 with `_weight_int8pack_mm`), and
+on AVX-512 from 6 rows the tile GEMM of csrc/gemm_rows.c instead (0.77x, 0.70x and 0.63x the GEMV's
+time at 8, 16 and 32 rows); bfloat16 keeps the 16-row bound, since from ~20 rows its AMX GEMM is
+faster: 5.7-5.9 ms at 24-32 rows against 6.3-9.4. Otherwise the GEMM is
 PyTorch's `_weight_int8pack_mm`, which reads the int8 weight directly. Its fast path takes
 bfloat16 inputs (on this AVX2 CPU a float32 input is 2.4x slower than a float32 GEMM, bf16 2.2x
 faster), so a float32 activation is rounded to bfloat16 for the GEMM and its output returned in
@@ -166,8 +167,8 @@ class PackedLinear:
             gate_bias, up_bias = (None, None) if self.bias is None else (self.bias[:half], self.bias[half:])
             gate = torch.ops.mkldnn._linear_pointwise(x, self.weight[:half], gate_bias, "swish", [], "")
             return gate.mul_(torch.ops.mkldnn._linear_pointwise(x, self.weight[half:], up_bias, "none", [], ""))
-        if self.bias is None and self.split_gemv and self.scales is None and native.gemm_rows_applies(self.weight, x):
-            return native.gemm_rows_silu_mul(self.weight, x)  # the product written by the GEMM itself
+        if self.bias is None and native.gemm_rows_applies(self.weight, x):  # float32 or int8 on CPU
+            return native.gemm_rows_silu_mul(self.weight, x, self.scales)  # the product written by the GEMM itself
         fused = self(x)
         if native.chunk_rows_apply(fused):  # a short chunk: one C pass, not two parallel ops
             return native.silu_mul_f32(fused)
@@ -221,7 +222,9 @@ class PackedLinear:
 
     def _int8(self, x: torch.Tensor) -> torch.Tensor:
         assert self.scales is not None and self.kernel_scales is not None
-        if native.gemv_applies(self.weight, x, native.gemv_preferred_rows()):  # the C GEMV widens int8 in registers
+        if native.gemm_rows_applies(self.weight, x):  # the C GEMM and GEMV widen int8 in registers
+            y = native.gemm_rows(self.weight, x, self.scales)
+        elif native.gemv_applies(self.weight, x, native.gemv_preferred_rows()):
             y = native.gemv(self.weight, x, self.scales)
         elif self.int8_kernel and x.shape[0] < INT8_DEQUANT_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x.to(self.kernel_scales.dtype), self.weight,

@@ -64,6 +64,10 @@ _RMS_NORM_ROPE_ARGTYPES = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _float, _pt
 _GEMV_ARGTYPES = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _int]
 GEMV_MAX_INPUT_ROWS = 32  # as in csrc/gemv.c
 GEMV_DECODE_ROWS = 16  # the rows `gemv_applies` admits unless told otherwise (see gemv_preferred_rows)
+# int8 weights take the tile GEMM up to here, where it replaced the GEMV (built-in model's linears at
+# 8, 16 and 32 rows: 0.77x, 0.70x and 0.63x the GEMV's time); more rows keep PyTorch's int8 GEMM.
+GEMM_ROWS_INT8_MAX_ROWS = GEMV_MAX_INPUT_ROWS
+_GEMM_FORMATS = {torch.float32: 0, torch.int8: 1}  # as in csrc/gemm_rows.c
 
 
 def native_kernels_enabled() -> bool:
@@ -137,10 +141,9 @@ def _library() -> ctypes.CDLL | None:
     library.gemv_bf16.restype = ctypes.c_int
     library.gemv_preferred_rows.argtypes = []
     library.gemv_preferred_rows.restype = ctypes.c_int
-    library.gemm_rows_f32.argtypes = _GEMV_ARGTYPES
-    library.gemm_rows_f32.restype = ctypes.c_int
-    library.gemm_rows_silu_mul_f32.argtypes = _GEMV_ARGTYPES
-    library.gemm_rows_silu_mul_f32.restype = ctypes.c_int
+    for kernel in (library.gemm_rows, library.gemm_rows_silu_mul):
+        kernel.argtypes = [_ptr, _ptr, _int, *_GEMV_ARGTYPES[1:]]
+        kernel.restype = ctypes.c_int
     library.gemm_rows_bounds.argtypes = [ctypes.POINTER(_int), ctypes.POINTER(_int)]
     library.gemm_rows_bounds.restype = None
     library.prefill_attention_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _float,
@@ -316,27 +319,59 @@ def gemm_rows_bounds() -> tuple[int, int]:
 
 def gemm_rows_applies(weight: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether `gemm_rows` takes x @ weight.T: float32 CPU rows (contiguous, evenly spaced) in
-    `gemm_rows_bounds`, a contiguous float32 CPU weight, and the kernels enabled."""
-    if x.dim() != 2 or x.dtype != torch.float32 or weight.dtype != torch.float32 or not x.is_cpu:
+    `gemm_rows_bounds` (int8 weights: up to GEMM_ROWS_INT8_MAX_ROWS of them), a contiguous float32
+    or int8 CPU weight, and the kernels enabled."""
+    if x.dim() != 2 or x.dtype != torch.float32 or weight.dtype not in _GEMM_FORMATS or not x.is_cpu:
         return False
     low, high = gemm_rows_bounds() if native_kernels_enabled() else (0, 0)
+    if weight.dtype == torch.int8:
+        high = min(high, GEMM_ROWS_INT8_MAX_ROWS)
     return (low <= x.shape[0] <= high and low > 0 and (x.stride(1) == 1 or x.shape[1] == 1)
             and weight.is_cpu and weight.is_contiguous())
 
 
-def gemm_rows(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T for 6..128 float32 CPU rows on the plain [out, in] float32 weight
-    (csrc/gemm_rows.c; check `gemm_rows_applies` first). Returns a new contiguous [rows, out]."""
+def gemm_rows(weight: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T for 6..128 float32 CPU rows on the plain [out, in] weight: float32, or int8
+    with float32 `scales` [out] (y = (x @ W.T) * scales) (csrc/gemm_rows.c; check
+    `gemm_rows_applies` first). Returns a new contiguous [rows, out]."""
     out_features, in_features = weight.shape
     if x.shape[1] != in_features:
         raise ValueError(f"gemm_rows: x has {x.shape[1]} columns, the weight {in_features}")
+    y = torch.empty(x.shape[0], out_features)
+    _gemm_rows_call("gemm_rows", weight, scales, out_features, x, y)
+    return y
+
+
+def gemm_rows_silu_mul(weight: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x @ G.T) * (x @ U.T) for the fused [G; U] weight [2 * half, in] (the MLP's gate and up;
+    float32, or int8 with `scales` [2 * half]) and 6..128 float32 CPU rows, the [rows, 2 * half]
+    projection never stored (csrc/gemm_rows.c; check `gemm_rows_applies` first). Returns a new
+    contiguous [rows, half]."""
+    out_features, in_features = weight.shape
+    if x.shape[1] != in_features or out_features % 2:
+        raise ValueError(f"gemm_rows_silu_mul: x has {x.shape[1]} columns, the weight {tuple(weight.shape)} "
+                         "(an even number of rows)")
+    half = out_features // 2
+    y = torch.empty(x.shape[0], half)
+    _gemm_rows_call("gemm_rows_silu_mul", weight, scales, half, x, y)
+    return y
+
+
+def _gemm_rows_call(name: str, weight: torch.Tensor, scales: torch.Tensor | None, out_features: int,
+                    x: torch.Tensor, y: torch.Tensor) -> None:
+    int8 = weight.dtype == torch.int8
+    if int8 != (scales is not None) or (int8 and (scales.shape != (weight.shape[0],) or scales.dtype != torch.float32
+                                                  or not scales.is_contiguous())):
+        raise ValueError(f"{name}: int8 weights need contiguous float32 scales [{weight.shape[0]}], "
+                         "float32 weights none")
     library = _library()
     assert library is not None, "check gemm_rows_applies() first"
-    y = torch.empty(x.shape[0], out_features)
-    if library.gemm_rows_f32(weight.data_ptr(), out_features, in_features, x.data_ptr(), x.shape[0], x.stride(0),
-                             y.data_ptr(), out_features, torch.get_num_threads()):
-        raise ValueError(f"gemm_rows takes {gemm_rows_bounds()} rows with this build, got {x.shape[0]}")
-    return y
+    kernel = getattr(library, name)
+    if kernel(weight.data_ptr(), scales.data_ptr() if scales is not None else None, _GEMM_FORMATS[weight.dtype],
+              out_features, weight.shape[1], x.data_ptr(), x.shape[0], x.stride(0), y.data_ptr(), y.shape[1],
+              torch.get_num_threads()):
+        raise ValueError(f"gemm_rows takes {gemm_rows_bounds()} rows of float32 or int8 weights with this build, "
+                         f"got {x.shape[0]} of {weight.dtype}")
 
 
 @lru_cache(maxsize=1)
@@ -384,24 +419,6 @@ def prefill_attention(q: torch.Tensor, cache_keys: torch.Tensor, cache_values: t
     if status:
         raise ValueError(f"prefill_attention: this build does not take q {tuple(q.shape)}")
     return out
-
-
-def gemm_rows_silu_mul(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """silu(x @ G.T) * (x @ U.T) for the fused [G; U] weight [2 * half, in] (the MLP's gate and up),
-    6..128 float32 CPU rows, the [rows, 2 * half] projection never stored (csrc/gemm_rows.c; check
-    `gemm_rows_applies` first). Returns a new contiguous [rows, half]."""
-    out_features, in_features = weight.shape
-    if x.shape[1] != in_features or out_features % 2:
-        raise ValueError(f"gemm_rows_silu_mul: x has {x.shape[1]} columns, the weight {tuple(weight.shape)} "
-                         "(an even number of rows)")
-    library = _library()
-    assert library is not None, "check gemm_rows_applies() first"
-    half = out_features // 2
-    y = torch.empty(x.shape[0], half)
-    if library.gemm_rows_silu_mul_f32(weight.data_ptr(), half, in_features, x.data_ptr(), x.shape[0], x.stride(0),
-                                      y.data_ptr(), half, torch.get_num_threads()):
-        raise ValueError(f"gemm_rows takes {gemm_rows_bounds()} rows with this build, got {x.shape[0]}")
-    return y
 
 
 def gemv(weight: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:

@@ -6,7 +6,7 @@
  * After the GEMV and the fused layer kernels, a batch-1 decode step of the built-in model spent
  * ~4 ms of ~12 outside the linears: ~150 PyTorch ops and ~40 module calls at 10-30 us each on this
  * 2-core VM. Here the same work runs as straight C: it calls the kernels the module path calls
- * (gemv_f32 / gemv_i8 / gemm_rows_f32, rms_norm_f32, rms_norm_rope_f32, gdn_decode_f32) in the
+ * (gemv_f32 / gemv_i8 / gemm_rows, rms_norm_f32, rms_norm_rope_f32, gdn_decode_f32) in the
  * same order, adds the decode attention over the paged KV, and does the small elementwise steps
  * inline. It is the CPU counterpart of replaying a captured CUDA graph: the Python side only passes
  * the step's token ids, positions, slots and buffers (see hybridserve/models/fused_decode.py).
@@ -33,10 +33,10 @@ int gemv_i8(const int8_t *weight, const float *scales, int64_t out, int64_t in, 
             int64_t ld_x, float *y, int64_t ld_y, int threads);
 int gemv_bf16(const uint16_t *weight, int64_t out, int64_t in, const float *x, int64_t rows, int64_t ld_x, float *y,
               int64_t ld_y, int threads);
-int gemm_rows_f32(const float *weight, int64_t out, int64_t in, const float *x, int64_t rows, int64_t ld_x,
-                  float *y, int64_t ld_y, int threads);
-int gemm_rows_silu_mul_f32(const float *weight, int64_t half, int64_t in, const float *x, int64_t rows,
-                           int64_t ld_x, float *y, int64_t ld_y, int threads);
+int gemm_rows(const void *weight, const float *scales, int format, int64_t out, int64_t in, const float *x,
+              int64_t rows, int64_t ld_x, float *y, int64_t ld_y, int threads);
+int gemm_rows_silu_mul(const void *weight, const float *scales, int format, int64_t half, int64_t in,
+                       const float *x, int64_t rows, int64_t ld_x, float *y, int64_t ld_y, int threads);
 void rms_norm_f32(const float *x, int64_t rows, int64_t dim, int64_t ld_x, const float *scale, float eps,
                   float *out, int64_t ld_out);
 void rms_norm_rope_f32(const float *x, int64_t tokens, int64_t heads, int64_t dim, int64_t ld_token, int64_t ld_head,
@@ -162,14 +162,17 @@ static int inputs_valid(const DecodeModel *m, int64_t batch, const int64_t *toke
     return 1;
 }
 
-/* y [rows, out] = x [rows, in] @ W.T, both contiguous: float32 weights on the tile GEMM for the
- * rows it takes (gemm_rows.c, as the module path's linears), else the GEMV. */
+/* y [rows, out] = x [rows, in] @ W.T, both contiguous: float32 and int8 weights on the tile GEMM
+ * for the rows it takes (gemm_rows.c, as the module path's linears), else the GEMV. */
 static void linear(Linear w, int64_t out, int64_t in, const float *x, int64_t rows, float *y, int threads) {
+    if (w.format != WEIGHT_BF16 &&
+        !gemm_rows(w.weight, w.scales, (int)w.format, out, in, x, rows, in, y, out, threads))
+        return;
     if (w.format == WEIGHT_I8)
         gemv_i8((const int8_t *)w.weight, w.scales, out, in, x, rows, in, y, out, threads);
     else if (w.format == WEIGHT_BF16)
         gemv_bf16((const uint16_t *)w.weight, out, in, x, rows, in, y, out, threads);
-    else if (gemm_rows_f32((const float *)w.weight, out, in, x, rows, in, y, out, threads))
+    else
         gemv_f32((const float *)w.weight, out, in, x, rows, in, y, out, threads);
 }
 
@@ -413,9 +416,10 @@ static void attention_mixer(const DecodeModel *m, const DecodeLayer *layer, int6
 
 static void mlp(const DecodeModel *m, const DecodeLayer *layer, int64_t batch, Workspace *w, int threads) {
     int64_t hidden = m->hidden, inter = m->intermediate;
-    if (layer->gate_up.format != WEIGHT_F32 ||  /* the tile GEMM writes the product itself where it runs */
-        gemm_rows_silu_mul_f32((const float *)layer->gate_up.weight, inter, hidden, w->h, batch, hidden, w->act, inter,
-                               threads)) {
+    Linear gate_up = layer->gate_up;
+    if (gate_up.format == WEIGHT_BF16 ||  /* the tile GEMM writes the product itself where it runs */
+        gemm_rows_silu_mul(gate_up.weight, gate_up.scales, (int)gate_up.format, inter, hidden, w->h, batch, hidden,
+                           w->act, inter, threads)) {
         linear(layer->gate_up, 2 * inter, hidden, w->h, batch, w->mlp, threads);
         for (int64_t b = 0; b < batch; b++) {
             const float *gate = w->mlp + b * 2 * inter, *up = gate + inter;
