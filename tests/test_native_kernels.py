@@ -357,6 +357,8 @@ def test_gemm_rows_int8_matches_torch(shape: tuple[int, int], rows: int, threads
             native.gemm_rows(weight, x, wrong)
     with pytest.raises(ValueError, match="scales"):
         native.gemm_rows(weight.float(), x, scales)
+    with pytest.raises(ValueError, match="float32 or int8"):
+        native.gemm_rows(weight.bfloat16(), x)
 
 
 def _prefill_attention_available() -> bool:

@@ -159,9 +159,9 @@ class PackedLinear:
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x @ G.T) * (x @ U.T) for a linear fused from [gate, up] of equal widths (the MLP):
-        one GEMV over both for a few rows; for 6-128 rows on AVX-512 the C GEMM writes the product
-        itself; for prefill on oneDNN, SiLU rides the gate GEMM as its post-op, which beats SiLU
-        and product over the strided halves of one output."""
+        one GEMV over both for a few rows; for 6-128 rows (int8: 6-32) on AVX-512 the C GEMM
+        writes the product itself; for prefill on oneDNN, SiLU rides the gate GEMM as its post-op,
+        which beats SiLU and product over the strided halves of one output."""
         if self.onednn and not self._takes_split_gemv(x):
             half = self.weight.shape[0] // 2
             gate_bias, up_bias = (None, None) if self.bias is None else (self.bias[:half], self.bias[half:])

@@ -11,10 +11,10 @@ token by token: on CPU that beats the chunked form's matrix products at every le
 (see the source's header). csrc/delta_rule.h holds the delta-rule step both GDN kernels share,
 csrc/vector_math.h an exp that GCC vectorises and the denormal flush the kernels using it set.
 `gemv` (csrc/gemv.c) is the linear (float32, bfloat16 or int8 weights, float32 rows) for up to
-16 rows, written to stream each weight as fast
-as a plain read (see linear.py), and `gemm_rows` (csrc/gemm_rows.c) the float32 one for 6 to 128
-rows on AVX-512 (where it comes first); `prefill_attention` (csrc/prefill_attention.c) attends a short chunk over the
-paged KV in place; csrc/decode_step.c runs a whole decode step (see
+16 rows, written to stream each weight as fast as a plain read (see linear.py), and `gemm_rows`
+(csrc/gemm_rows.c) the one for 6 to 128 rows on AVX-512 (float32 weights; int8 up to 32 rows),
+which comes first where it applies; `prefill_attention` (csrc/prefill_attention.c) attends a short
+chunk over the paged KV in place; csrc/decode_step.c runs a whole decode step (see
 models/fused_decode.py). The sources are compiled with the system C compiler into the user's
 cache directory (keyed by sources, compiler and CPU, so a home shared by different CPUs is safe)
 and loaded with ctypes: no build step at install, about 3 s at the first start on the 2-core VM,
@@ -359,6 +359,8 @@ def gemm_rows_silu_mul(weight: torch.Tensor, x: torch.Tensor, scales: torch.Tens
 
 def _gemm_rows_call(name: str, weight: torch.Tensor, scales: torch.Tensor | None, out_features: int,
                     x: torch.Tensor, y: torch.Tensor) -> None:
+    if weight.dtype not in _GEMM_FORMATS:
+        raise ValueError(f"{name}: weights must be float32 or int8, got {weight.dtype}")
     int8 = weight.dtype == torch.int8
     if int8 != (scales is not None) or (int8 and (scales.shape != (weight.shape[0],) or scales.dtype != torch.float32
                                                   or not scales.is_contiguous())):
