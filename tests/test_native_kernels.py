@@ -71,11 +71,18 @@ class _Layer:
                                      self.neg_decay_rate, self.hk, L2_NORM_EPS, in_place=in_place)
 
 
+# The odd shape takes the scalar conv; the second (conv_dim 128, kernel 4) the AVX-512 conv where
+# the CPU has it, and with 2 threads its 5 sequences run as one task each (conv, then every head).
+GDN_SHAPES = [dict(), dict(batch=5, hk=2, hv=4, dk=16, dv=16, num_slots=9)]
+
+
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
-def test_fused_gdn_decode_matches_the_eager_ops(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("shape", GDN_SHAPES, ids=["odd", "aligned"])
+def test_fused_gdn_decode_matches_the_eager_ops(threads: int, shape: dict[str, int],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    layer = _Layer()
+    layer = _Layer(**shape)
     conv_before, rec_before = layer.conv_live.clone(), layer.rec_live.clone()
     core, new_conv, new_state = layer.eager()
     fused_core, fused_conv, fused_state = layer.fused()

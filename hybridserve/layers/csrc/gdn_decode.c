@@ -29,20 +29,29 @@
 
 /* dst = src for an undo record, with non-temporal stores where dst is 64-byte aligned: the record
  * is read back only when a step fails, so writing it around the caches saves reading each of its
- * lines first and keeps the caches for the live state the delta rule reads next. The caller
- * fences (_mm_sfence) before the record may be read. */
-static void copy_to_undo(float *dst, const float *src, int64_t n) {
+ * lines first and keeps the caches for the live state the delta rule reads next. Meanwhile the
+ * matching lines of `prefetch` (the state this thread steps next; NULL: none) go into L2, so that
+ * the next head does not wait for its state line by line (batch-16 GDN layers 0.94-0.96x the time
+ * on the C harness). The caller fences (_mm_sfence) before the record may be read. */
+static void copy_to_undo(float *dst, const float *src, int64_t n, const float *prefetch) {
 #if defined(__AVX512F__)
     if (((uintptr_t)dst & 63) == 0 && n % 16 == 0) {
-        for (int64_t i = 0; i < n; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+        for (int64_t i = 0; i < n; i += 16) {
+            if (prefetch) _mm_prefetch((const char *)(prefetch + i), _MM_HINT_T1);
+            _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+        }
         return;
     }
 #elif defined(__AVX__)
     if (((uintptr_t)dst & 31) == 0 && n % 8 == 0) {
-        for (int64_t i = 0; i < n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+        for (int64_t i = 0; i < n; i += 8) {
+            if (prefetch && i % 16 == 0) _mm_prefetch((const char *)(prefetch + i), _MM_HINT_T1);
+            _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+        }
         return;
     }
 #endif
+    (void)prefetch;
     memcpy(dst, src, sizeof(float) * (size_t)n);
 }
 
@@ -56,11 +65,62 @@ static void l2_normalize(float *x, int64_t n, float eps, float scale) {
     for (int64_t i = 0; i < n; i++) x[i] *= factor;
 }
 
+#if defined(__AVX512F__)
+/* conv_step for a kernel of 4 (a window of 3 inputs), 16 channels a step: the window's
+ * [channel][3] and the weight's [channel][4] layouts are split into one vector per tap with
+ * permutes; the successor window is the old one shifted by one element, x in every third place.
+ * The same sums in the same order as the scalar loop (bit-identical), at ~1 us a row instead of
+ * ~5 (the built-in model's 1024 channels). */
+static void conv_step4_avx512(const float *x, const float *state, const float *weight, int64_t conv_dim, float *out,
+                              float *next) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i x_at[3] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 1, 0, 0, 2, 0, 0, 3, 0, 0, 4, 0),
+                             _mm512_setr_epi32(0, 5, 0, 0, 6, 0, 0, 7, 0, 0, 8, 0, 0, 9, 0, 0),
+                             _mm512_setr_epi32(10, 0, 0, 11, 0, 0, 12, 0, 0, 13, 0, 0, 14, 0, 0, 15)};
+    const __mmask16 x_mask[3] = {0x4924, 0x2492, 0x9249};  /* window positions 3i + 2 in each vector */
+    __m512i window_tap[3], weight_tap[4];
+    __mmask16 in_third[3];  /* lanes whose window element lies in the third vector */
+    for (int j = 0; j < 3; j++) {
+        window_tap[j] = _mm512_add_epi32(_mm512_mullo_epi32(lane, _mm512_set1_epi32(3)), _mm512_set1_epi32(j));
+        in_third[j] = _mm512_cmpge_epi32_mask(window_tap[j], _mm512_set1_epi32(32));
+    }
+    for (int j = 0; j < 4; j++) weight_tap[j] = _mm512_add_epi32(_mm512_slli_epi32(lane, 2), _mm512_set1_epi32(j));
+    for (int64_t c = 0; c < conv_dim; c += 16) {
+        const float *s = state + c * 3, *w = weight + c * 4;
+        __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16), s2 = _mm512_loadu_ps(s + 32);
+        __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32);
+        __m512 w3 = _mm512_loadu_ps(w + 48), xv = _mm512_loadu_ps(x + c), acc = _mm512_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            __m512 input = j < 3 ? _mm512_mask_permutexvar_ps(_mm512_permutex2var_ps(s0, window_tap[j], s1), in_third[j],
+                                                              window_tap[j], s2)
+                                 : xv;
+            __m512 tap = _mm512_mask_mov_ps(_mm512_permutex2var_ps(w0, weight_tap[j], w1), 0xff00,
+                                            _mm512_permutex2var_ps(w2, weight_tap[j], w3));
+            acc = _mm512_fmadd_ps(input, tap, acc);
+        }
+        __m512 one = _mm512_set1_ps(1.0f);
+        _mm512_storeu_ps(out + c, _mm512_div_ps(acc, _mm512_add_ps(one, exp16_ps(_mm512_sub_ps(_mm512_setzero_ps(), acc)))));
+        __m512i i0 = _mm512_castps_si512(s0), i1 = _mm512_castps_si512(s1), i2 = _mm512_castps_si512(s2);
+        __m512 shifted[3] = {_mm512_castsi512_ps(_mm512_alignr_epi32(i1, i0, 1)),
+                             _mm512_castsi512_ps(_mm512_alignr_epi32(i2, i1, 1)),
+                             _mm512_castsi512_ps(_mm512_alignr_epi32(i2, i2, 1))};
+        for (int v = 0; v < 3; v++)
+            _mm512_storeu_ps(next + c * 3 + 16 * v, _mm512_mask_permutexvar_ps(shifted[v], x_mask[v], x_at[v], xv));
+    }
+}
+#endif
+
 /* The conv of one sequence: SiLU(conv) to `out` [conv_dim]; the window shifted by x to `next`
  * (which may be `state` itself). */
 static void conv_step(const float *x, const float *state, const float *weight, int64_t conv_dim, int64_t kernel,
                       float *out, float *next) {
     int64_t hist = kernel - 1;
+#if defined(__AVX512F__)
+    if (kernel == 4 && conv_dim % 16 == 0) {
+        conv_step4_avx512(x, state, weight, conv_dim, out, next);
+        return;
+    }
+#endif
     for (int64_t c = 0; c < conv_dim; c++) {
         const float *s = state + c * hist, *w = weight + c * kernel;
         float acc = 0.0f;
@@ -117,7 +177,7 @@ typedef struct {
     float l2_eps;
     const float *norm_weight;
     float norm_eps;
-    int in_place, conv_bf16;
+    int in_place, conv_bf16, heads_in_order;
     float *scratch;
     void *out_conv;
     float *out_rec, *core;
@@ -136,13 +196,16 @@ static void conv_run_task(void *context, int64_t r) {
                  c->num_k_heads, c->head_k, c->l2_eps, c->in_place, c->conv_bf16, c->scratch + b * c->scratch_row);
 }
 
-/* Value head h of run r: its state advanced over the run's rows (the undo record first). */
+/* Value head h of run r: its state advanced over the run's rows (the undo record first). When this
+ * thread steps the run's heads in order (heads_in_order), the next head's state is fetched
+ * meanwhile. */
 static void head_run_task(void *context, int64_t task) {
     const GdnDecodeCall *c = context;
     int64_t r = task / c->num_v_heads, h = task % c->num_v_heads, kh = h / c->group, first = c->run_start[r];
     int64_t head_k = c->head_k, head_v = c->head_v, key_dim = c->key_dim;
     float *state = c->rec_live + c->slots[first] * c->rec_size + h * c->head_size;
-    if (c->in_place) copy_to_undo(c->out_rec + first * c->rec_size + h * c->head_size, state, c->head_size);
+    const float *next_head = c->heads_in_order && h + 1 < c->num_v_heads ? state + c->head_size : 0;
+    if (c->in_place) copy_to_undo(c->out_rec + first * c->rec_size + h * c->head_size, state, c->head_size, next_head);
     for (int64_t b = first; b < c->run_start[r + 1]; b++) {
         const float *row = c->proj + b * c->proj_stride, *conv_out = c->scratch + b * c->scratch_row;
         float decay = expf(c->neg_decay_rate[h] * softplus(row[c->a_offset + h] + c->dt_bias[h]));
@@ -158,6 +221,13 @@ static void head_run_task(void *context, int64_t task) {
 #endif
 }
 
+/* Sequence r whole, on one thread: its conv, then its value heads in order. */
+static void sequence_task(void *context, int64_t r) {
+    const GdnDecodeCall *c = context;
+    conv_run_task(context, r);
+    for (int64_t h = 0; h < c->num_v_heads; h++) head_run_task(context, r * c->num_v_heads + h);
+}
+
 /* proj rows hold [mixed (conv_dim), z (Hv*Dv), b (Hv), a (Hv)] (b and a at the given offsets);
  * norm_weight [Dv] or NULL; conv_live [num_slots, conv_dim, K-1] (float32, or bfloat16 with conv_bf16,
  * in place only), rec_live [num_slots, Hv, Dk, Dv]; core [B, Hv, Dv]; scratch [B, conv_dim] (the conv
@@ -166,8 +236,12 @@ static void head_run_task(void *context, int64_t task) {
  * Consecutive rows with the same slot are consecutive tokens of one sequence (a prompt chunk taken
  * in a decode step, in place only): they are stepped in order, and out_conv / out_rec of the run's
  * first row hold the undo record of the whole run (the later rows' are not written). A slot may
- * not start two runs (returns 4). Runs are stepped in parallel in their conv phase, (run, value
- * head) pairs in their state phase. */
+ * not start two runs (returns 4). With one row per sequence (decode) each task is a sequence, its
+ * conv and then its heads: one pass of the pool, and the conv's output still in the thread's cache
+ * for the heads (with the vectorised conv, a batch of 16 over the built-in model's 6 GDN layers
+ * took 0.71x the time of a conv pass then a head pass, on the C harness with the caches swept
+ * between steps). Otherwise runs are stepped in parallel in a conv pass, then (run, value head)
+ * pairs in a state pass. */
 int gdn_decode_step(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int64_t head_k, int64_t head_v,
                     int64_t kernel, const float *proj, int64_t proj_stride, int64_t b_offset, int64_t a_offset,
                     const int64_t *slots, int64_t num_slots, void *conv_live, float *rec_live,
@@ -191,13 +265,19 @@ int gdn_decode_step(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int
     size_t conv_bytes = conv_bf16 ? sizeof(uint16_t) : sizeof(float);
     int64_t scratch_row = conv_bf16 ? conv_dim + 2 * conv_size : conv_dim;
     GdnDecodeCall call = {proj, proj_stride, b_offset, a_offset, slots, conv_live, rec_live, conv_weight, dt_bias,
-                          neg_decay_rate, l2_eps, norm_weight, norm_eps, in_place, conv_bf16, scratch, out_conv,
+                          neg_decay_rate, l2_eps, norm_weight, norm_eps, in_place, conv_bf16, 0, scratch, out_conv,
                           out_rec, core, run_start, num_k_heads, num_v_heads, head_k, head_v, kernel, conv_dim,
                           key_dim, group, conv_size, rec_size, head_size, scratch_row, conv_bytes};
     int threads = batch > 1 ? num_threads : 1;
     unsigned int saved_csr = denormals_flush_begin();  /* the pool's workers keep it set */
-    task_pool_run(threads, conv_run_task, &call, runs);  /* every row's conv output is ready after it */
-    task_pool_run(threads, head_run_task, &call, runs * num_v_heads);
+    if (runs == batch && threads > 1) {
+        call.heads_in_order = 1;
+        task_pool_run(threads, sequence_task, &call, runs);
+    } else {
+        call.heads_in_order = threads == 1;
+        task_pool_run(threads, conv_run_task, &call, runs);  /* every row's conv output is ready after it */
+        task_pool_run(threads, head_run_task, &call, runs * num_v_heads);
+    }
     denormals_flush_end(saved_csr);
     return 0;
 }
