@@ -21,8 +21,7 @@ void rms_norm_rope_f32(const float *x, int64_t tokens, int64_t heads, int64_t di
         for (int64_t h = 0; h < heads; h++) {
             const float *row = x + t * ld_token + h * ld_head;
             float *dst = out + (t * heads + h) * dim;
-            float sum = 0.0f;
-            for (int64_t i = 0; i < dim; i++) sum += row[i] * row[i];
+            float sum = sum_of_squares(row, dim);
             float inv = 1.0f / sqrtf(sum / (float)dim + eps);
             for (int64_t i = 0; i < dim; i++) dst[i] = row[i] * inv * scale[i];
             const float *c = cos + t * rot, *s = sin + t * rot;
@@ -44,8 +43,7 @@ void gated_rms_norm_f32(const float *x, const float *gate, int64_t rows, int64_t
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * ld_x, *g = gate + r * ld_gate;
         float *dst = out + r * dim;
-        float sum = 0.0f;
-        for (int64_t i = 0; i < dim; i++) sum += row[i] * row[i];
+        float sum = sum_of_squares(row, dim);
         float inv = 1.0f / sqrtf(sum / (float)dim + eps);
         for (int64_t i = 0; i < dim; i++) dst[i] = (row[i] * inv * scale[i]) * silu_f32(g[i]);
     }

@@ -59,8 +59,7 @@ static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 static void l2_normalize(float *x, int64_t n, float eps, float scale) {
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n; i++) sum += x[i] * x[i];
+    float sum = sum_of_squares(x, n);
     float factor = scale / sqrtf(sum + eps);
     for (int64_t i = 0; i < n; i++) x[i] *= factor;
 }
@@ -135,8 +134,7 @@ static void conv_step(const float *x, const float *state, const float *weight, i
 
 /* out *= w * silu(z) / sqrt(mean(out^2) + eps) over one head. */
 static void gated_rms_norm(float *out, const float *z, const float *w, int64_t n, float eps) {
-    float sum = 0.0f;
-    for (int64_t j = 0; j < n; j++) sum += out[j] * out[j];
+    float sum = sum_of_squares(out, n);
     float inv = 1.0f / sqrtf(sum / (float)n + eps);
     for (int64_t j = 0; j < n; j++) out[j] = out[j] * inv * w[j] * silu_f32(z[j]);
 }

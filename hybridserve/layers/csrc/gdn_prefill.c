@@ -29,8 +29,7 @@
 #include "vector_math.h"
 
 static void normalize(float *x, int64_t n, float eps, float scale) {
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n; i++) sum += x[i] * x[i];
+    float sum = sum_of_squares(x, n);
     float factor = scale / sqrtf(sum + eps);
     for (int64_t i = 0; i < n; i++) x[i] *= factor;
 }

@@ -9,13 +9,14 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "vector_math.h"
+
 void rms_norm_f32(const float *x, int64_t rows, int64_t dim, int64_t ld_x, const float *scale, float eps,
                   float *out, int64_t ld_out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * ld_x;
         float *dst = out + r * ld_out;
-        float sum = 0.0f;
-        for (int64_t i = 0; i < dim; i++) sum += row[i] * row[i];
+        float sum = sum_of_squares(row, dim);
         float inv = 1.0f / sqrtf(sum / (float)dim + eps);
         for (int64_t i = 0; i < dim; i++) dst[i] = row[i] * inv * scale[i];
     }
