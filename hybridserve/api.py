@@ -89,10 +89,9 @@ class LLM:
                         disable=not use_tqdm or len(groups) < TQDM_MIN_PROMPTS)
         try:
             while len(finished) < len(groups):
-                for output in engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        progress.update(1)
+                for output in engine.step(final_only=True):
+                    finished[output.request_id] = output
+                    progress.update(1)
         finally:
             progress.close()
             for group in groups:

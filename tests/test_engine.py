@@ -84,6 +84,31 @@ def test_requests_join_while_others_decode(text_checkpoint: Path) -> None:
     _assert_idle(llm)
 
 
+def test_final_only_steps_return_just_the_finished_outputs(text_checkpoint: Path) -> None:
+    """`step(final_only=True)` (what LLM.generate uses) returns an output only when its request
+    ends, equal to what `step()` returns then."""
+    prompts = {"short": _random_prompt(20, seed=7), "long": _random_prompt(25, seed=8)}
+    lengths = {"short": 3, "long": 9}
+    results = {}
+    for final_only in (False, True):
+        llm = _llm(text_checkpoint)
+        engine = llm.llm_engine
+        for request_id, prompt in prompts.items():
+            engine.add_request(request_id, prompt,
+                               SamplingParams(max_tokens=lengths[request_id], temperature=0.0, ignore_eos=True))
+        seen, finished = [], {}
+        while engine.has_unfinished_requests():
+            outputs = engine.step(final_only=final_only)
+            seen.append(len(outputs))
+            finished.update({o.request_id: o for o in outputs if o.finished})
+        assert sorted(finished) == ["long", "short"]
+        assert sum(seen) == (2 if final_only else lengths["short"] + lengths["long"])
+        results[final_only] = {k: (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+                               for k, o in finished.items()}
+        _assert_idle(llm)
+    assert results[True] == results[False]
+
+
 def test_seeded_sampling_is_reproducible(text_checkpoint: Path) -> None:
     llm = _llm(text_checkpoint)
     prompt = _random_prompt(20, seed=9)

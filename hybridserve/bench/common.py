@@ -106,14 +106,14 @@ class EngineDriver:
             engine.add_request(request_id, prompt, params)
         finished: dict[str, RequestOutput] = {}
         while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
+            for output in engine.step(final_only=True):
+                finished[output.request_id] = output
         return time.perf_counter() - start, [finished[i] for i in ids]
 
     def decode_steps(self, prompts: Sequence[list[int]], num_tokens: int) -> tuple[list[float], list[RequestOutput]]:
         """Generate `num_tokens` greedy tokens for every prompt, all in one batch; returns the
-        times of the steady-state steps (every request decoding, none prefilling) and the outputs."""
+        times of the steady-state steps (every request decoding, none prefilling) and the outputs.
+        Like `LLM.generate`, outputs are built only for requests that finished."""
         engine = self.engine
         ids = [self.next_id() for _ in prompts]
         for request_id, prompt in zip(ids, prompts):
@@ -124,14 +124,14 @@ class EngineDriver:
         while engine.has_unfinished_requests():
             all_started = len(started) == len(ids)
             step_start = time.perf_counter()
-            outputs = engine.step()
+            groups = engine.step_groups()
             elapsed = time.perf_counter() - step_start
-            if all_started and len(outputs) == len(ids):
+            if all_started and len(groups) == len(ids):
                 steady.append(elapsed)
-            for output in outputs:
-                started.add(output.request_id)
-                if output.finished:
-                    finished[output.request_id] = output
+            for group in groups:
+                started.add(group.request_id)
+                if group.is_finished:
+                    finished[group.request_id] = engine.output(group)
         return steady, [finished[i] for i in ids]
 
 

@@ -328,9 +328,12 @@ class LLMEngine:
         return len(self.scheduler.running)
 
     # -- the step -------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns outputs of requests that got a new token or finished."""
-        return [self._output(group) for group in self.step_groups()]
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Run one scheduling step; returns outputs of requests that got a new token or finished,
+        or with `final_only` of those that finished (vLLM's FINAL_ONLY output kind: `LLM.generate`
+        has no use for the others, and at 16 sequences building them took ~0.1 ms a step)."""
+        groups = self.step_groups()
+        return [self.output(group) for group in groups if not final_only or group.is_finished]
 
     def step_groups(self) -> list[RequestGroup]:
         """Run one scheduling step; returns the groups that got a new token or finished (their
@@ -499,7 +502,8 @@ class LLMEngine:
             del self.requests[request.request_id]
             self._finished_groups[request.request_id] = group
 
-    def _output(self, group: RequestGroup) -> RequestOutput:
+    def output(self, group: RequestGroup) -> RequestOutput:
+        """The `RequestOutput` of a group as it stands (a copy: later steps do not change it)."""
         first = group.first
         metrics = {"arrival_time": first.arrival_time}
         first_tokens = [s.first_token_time for s in group.sequences if s.first_token_time is not None]
