@@ -601,10 +601,14 @@ def test_a_forward_failing_after_an_in_place_update_leaves_no_trace(monkeypatch:
 
 
 @needs_kernel
-def test_a_fused_decode_step_failing_after_it_ran_leaves_no_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kept_bytes", [fused_decode._StepBuffers.KEPT_BYTES, 0], ids=["kept", "per-step"])
+def test_a_fused_decode_step_failing_after_it_ran_leaves_no_trace(kept_bytes: int,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Fused path: the C step updated every GDN slot in place and then the forward fails; the undo
-    record it handed over restores the slots, and the retried step gives an unfailed run's tokens."""
+    record it handed over restores the slots, and the retried step gives an unfailed run's tokens.
+    Its buffers are kept from step to step, or (past KEPT_BYTES) allocated for each step."""
     expected = run_greedy(_engine(prefix_cache_mib=0), PROMPTS)
+    monkeypatch.setattr(fused_decode._StepBuffers, "KEPT_BYTES", kept_bytes)
     engine = _engine(prefix_cache_mib=0)
     calls, original = {"n": 0}, fused_decode.FusedDecodeStep.run
 

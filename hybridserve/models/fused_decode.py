@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import os
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -97,6 +97,7 @@ class FusedDecodeStep:
         self._kv_cache, self._live = weakref.ref(ctx.kv_cache), weakref.ref(ctx.live_states)
         self.num_gdn_layers = len(config.gdn_layer_ids)
         self._float_copies: list[torch.Tensor] = []  # a bfloat16 model's small GDN weights, in float32
+        self._buffers = _StepBuffers(self.num_gdn_layers, ctx)
         self._layers = (DecodeLayer * len(text.layers))(*[self._layer_struct(layer) for layer in text.layers])
         attention = next((layer.self_attn for layer in text.layers if layer.is_attention), None)
         assert model.head is not None and text.norm.scale is not None
@@ -185,18 +186,17 @@ class FusedDecodeStep:
             tables, slots, max_context = group.block_tables.contiguous(), group.state_slots.contiguous(), group.max_length
         logit_rows = batch.logits_rows.contiguous()
         library, model = self._library, ctypes.addressof(self.model)
-        workspace = torch.empty(library.decode_step_workspace_floats(model, rows, max_context))
+        buffers = self._buffers
+        workspace = buffers.workspace(library.decode_step_workspace_floats(model, rows, max_context))
+        undo = buffers.undo(rows)  # one undo record per layer, as on the module path
+        undo_conv, undo_rec = undo.conv, undo.recurrent
         conv, recurrent = ctx.live_states.conv, ctx.live_states.recurrent
-        # one undo record per layer, as on the module path (a state-sized buffer, never a weight-sized one)
-        undo_conv = [torch.empty(rows, *conv.shape[2:], dtype=conv.dtype) for _ in range(self.num_gdn_layers)]
-        undo_rec = [torch.empty(rows, *recurrent.shape[2:]) for _ in range(self.num_gdn_layers)]
-        pointers = ctypes.c_void_p * self.num_gdn_layers
         logits = torch.empty(logit_rows.shape[0], self.model.vocab)
         failed = library.decode_step_f32(
             model, rows, tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(), write_slots.data_ptr(),
             tables.data_ptr(), tables.shape[1], ctx.kv_cache.block_size, max_context, workspace.data_ptr(),
-            pointers(*[t.data_ptr() for t in undo_conv]), pointers(*[t.data_ptr() for t in undo_rec]),
-            logit_rows.shape[0], logit_rows.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+            undo.conv_pointers, undo.recurrent_pointers, logit_rows.shape[0], logit_rows.data_ptr(), logits.data_ptr(),
+            torch.get_num_threads())
         if failed:
             raise IndexError("fused decode: a token id, position or slot is out of range")
         if batch.prefills:  # a sequence's undo record is its first row's
@@ -214,6 +214,56 @@ class FusedDecodeStep:
                 for layer in range(self.num_gdn_layers):
                     ctx.snapshot_sink.write(layer, snapshot_slot, conv[layer, slot], recurrent[layer, slot])
         return logits
+
+
+class UndoRecords(NamedTuple):
+    """Each GDN layer's conv and recurrent undo record for a step's rows, and their addresses."""
+
+    conv: list[torch.Tensor]
+    recurrent: list[torch.Tensor]
+    conv_pointers: ctypes.Array
+    recurrent_pointers: ctypes.Array
+
+
+class _StepBuffers:
+    """The C step's workspace and per-GDN-layer undo records, kept from step to step (up to
+    KEPT_BYTES; larger ones are the step's own) and grown when a step needs more: allocating them
+    for each step (2 MB of undo record per layer at 16 rows of the built-in model) cost page
+    faults on every step. Steps run one at a time, and a step's undo record is used, if at all,
+    before the step returns (`ModelRunner.execute_plan`)."""
+
+    KEPT_BYTES = 64 << 20
+
+    def __init__(self, num_gdn_layers: int, ctx: ForwardContext) -> None:
+        self.num_gdn_layers = num_gdn_layers
+        self.conv_shape, self.conv_dtype = ctx.live_states.conv.shape[2:], ctx.live_states.conv.dtype
+        self.rec_shape = ctx.live_states.recurrent.shape[2:]
+        self._workspace = torch.empty(0)
+        self._undo: UndoRecords | None = None
+
+    def workspace(self, floats: int) -> torch.Tensor:
+        """At least `floats` float32 of scratch."""
+        if self._workspace.numel() >= floats:
+            return self._workspace
+        workspace = torch.empty(floats)
+        if 4 * floats <= self.KEPT_BYTES:
+            self._workspace = workspace
+        return workspace
+
+    def undo(self, rows: int) -> UndoRecords:
+        """Undo records for `rows` rows (the kept ones' leading rows where they are large enough)."""
+        kept = self._undo
+        if kept is not None and kept.conv[0].shape[0] >= rows:
+            return kept._replace(conv=[t[:rows] for t in kept.conv], recurrent=[t[:rows] for t in kept.recurrent])
+        layers = range(self.num_gdn_layers)
+        conv = [torch.empty(rows, *self.conv_shape, dtype=self.conv_dtype) for _ in layers]
+        recurrent = [torch.empty(rows, *self.rec_shape) for _ in layers]
+        pointers = ctypes.c_void_p * self.num_gdn_layers
+        undo = UndoRecords(conv, recurrent, pointers(*[t.data_ptr() for t in conv]),
+                           pointers(*[t.data_ptr() for t in recurrent]))
+        if sum(t.numel() * t.element_size() for t in conv + recurrent) <= self.KEPT_BYTES:
+            self._undo = undo
+        return undo
 
 
 def supported(model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> bool:
