@@ -39,12 +39,14 @@ def sample_isolated(logits: torch.Tensor, requests: list[Request],
 
     Rows of requests with a grammar matcher are masked first (one batched mask for all of them);
     logprobs are those of the model's distribution, before masks, bias and penalties."""
-    results: list[SampledToken | Exception] = [
-        NonFiniteLogitsError("the model produced non-finite logits") for _ in requests]
     if not requests:
-        return results
+        return []
     summary = native.argmax_and_finite(logits)
     finite = summary[1] if summary is not None else torch.isfinite(logits).all(dim=-1).tolist()
+    if summary is not None and all(finite) and all(_plain_greedy(request) for request in requests):
+        return [SampledToken(token, None) for token in summary[0]]  # the common decode step, at once
+    results: list[SampledToken | Exception] = [
+        NonFiniteLogitsError("the model produced non-finite logits") for _ in requests]
     healthy = [row for row, ok in enumerate(finite) if ok]
     processed = logits
     constrained = [row for row in healthy if requests[row].matcher is not None]
@@ -83,6 +85,13 @@ def sample_isolated(logits: torch.Tensor, requests: list[Request],
         except Exception as exc:  # noqa: BLE001 - this request's failure only
             results[row] = exc
     return results
+
+
+def _plain_greedy(request: Request) -> bool:
+    """Greedy, with nothing to apply to its logits and no logprobs: its token is the row's argmax."""
+    params = request.params
+    return (params.temperature == 0 and request.matcher is None and not params.logit_bias
+            and not params.needs_penalties and params.logprobs is None)
 
 
 def sample(logits: torch.Tensor, requests: list[Request], masker: TokenMasker | None = None) -> SampleResult:
