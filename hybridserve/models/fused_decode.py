@@ -240,6 +240,7 @@ class _StepBuffers:
         self.rec_shape = ctx.live_states.recurrent.shape[2:]
         self._workspace = torch.empty(0)
         self._undo: UndoRecords | None = None
+        self._undo_rows = 0
 
     def workspace(self, floats: int) -> torch.Tensor:
         """At least `floats` float32 of scratch."""
@@ -253,7 +254,7 @@ class _StepBuffers:
     def undo(self, rows: int) -> UndoRecords:
         """Undo records for `rows` rows (the kept ones' leading rows where they are large enough)."""
         kept = self._undo
-        if kept is not None and kept.conv[0].shape[0] >= rows:
+        if kept is not None and self._undo_rows >= rows:
             return kept._replace(conv=[t[:rows] for t in kept.conv], recurrent=[t[:rows] for t in kept.recurrent])
         layers = range(self.num_gdn_layers)
         conv = [torch.empty(rows, *self.conv_shape, dtype=self.conv_dtype) for _ in layers]
@@ -262,7 +263,7 @@ class _StepBuffers:
         undo = UndoRecords(conv, recurrent, pointers(*[t.data_ptr() for t in conv]),
                            pointers(*[t.data_ptr() for t in recurrent]))
         if sum(t.numel() * t.element_size() for t in conv + recurrent) <= self.KEPT_BYTES:
-            self._undo = undo
+            self._undo, self._undo_rows = undo, rows
         return undo
 
 

@@ -68,8 +68,9 @@ static void l2_normalize(float *x, int64_t n, float eps, float scale) {
 /* conv_step for a kernel of 4 (a window of 3 inputs), 16 channels a step: the window's
  * [channel][3] and the weight's [channel][4] layouts are split into one vector per tap with
  * permutes; the successor window is the old one shifted by one element, x in every third place.
- * The same sums in the same order as the scalar loop (bit-identical), at ~1 us a row instead of
- * ~5 (the built-in model's 1024 channels). */
+ * The same sums in the same order as the scalar loop (bit-identical). The scalar loop took ~5 us
+ * a row of the built-in model's 1024 channels (a third of a batch-16 GDN layer); with this one
+ * the layers took 0.85-0.87x the time (C harness, caches swept between steps). */
 static void conv_step4_avx512(const float *x, const float *state, const float *weight, int64_t conv_dim, float *out,
                               float *next) {
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
