@@ -13,6 +13,7 @@ from hybridserve import SamplingParams
 from hybridserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.engine.step_plan import plan_step
+from hybridserve.layers import native
 from hybridserve.models import fused_decode
 from hybridserve.models.batch import DecodeGroup, ForwardBatch
 from hybridserve.models.qwen3_5 import ForwardContext
@@ -97,6 +98,28 @@ def test_bfloat16_decodes_in_float32_arithmetic(monkeypatch: pytest.MonkeyPatch)
     assert len(fused_module) > 25 and max(fused_module) < 0.15 and sum(fused_module) / len(fused_module) < 0.04
     fused_f32, module_f32 = differences("fused", "f32"), differences("module", "f32")
     assert sum(fused_f32) / len(fused_f32) <= 1.5 * sum(module_f32) / len(module_f32) + 0.005
+
+
+@pytest.mark.skipif(not native.amx_bf16_available(), reason="needs a CPU and kernel with AMX tiles")
+def test_bfloat16_batch_on_amx_tiles_matches_the_gemv() -> None:
+    """16 bfloat16 sequences decode with their linears on AMX tiles (csrc/gemm_amx.c) or on the
+    GEMV: both form every product exactly in float32 and differ only in summation order, so the
+    first decode step's log-probabilities agree to float32 rounding (and do differ: the tiles ran)."""
+    logprobs = {}
+    for amx in (True, False):
+        native.set_amx_bf16(amx)
+        try:
+            done = run_greedy(_engine(dtype="bfloat16"), PROMPTS, max_tokens=2, logprobs=5)
+        finally:
+            native.set_amx_bf16(True)
+        logprobs[amx] = {key: (run.token_ids[0], run.logprobs[1]) for key, run in done.items()}
+    differences = []
+    for key, (first, step) in logprobs[True].items():
+        other_first, other = logprobs[False][key]
+        assert first == other_first  # the prefill does not use them
+        assert step.keys() == other.keys()
+        differences += [abs(step[token] - other[token]) for token in step]
+    assert len(differences) == 80 and max(differences) < 2e-3 and max(differences) > 0
 
 
 def test_a_tensor_parallel_rank_keeps_the_module_path() -> None:

@@ -516,6 +516,76 @@ def test_gemm_rows_builds_on_every_vector_width(march: str, tmp_path: Path) -> N
     assert attention.prefill_attention_max_tokens() == (128 if avx512 else 0)
 
 
+def _amx_call(library: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor, threads: int = 2) -> tuple[int, torch.Tensor]:
+    """gemm_amx_bf16 on a NaN-filled output: (status, output)."""
+    y = torch.full((x.shape[0], weight.shape[0]), float("nan"))
+    library.gemm_amx_bf16.argtypes = native._GEMV_ARGTYPES
+    status = library.gemm_amx_bf16(weight.data_ptr(), weight.shape[0], weight.shape[1], x.data_ptr(), x.shape[0],
+                                   x.stride(0), y.data_ptr(), weight.shape[0], threads)
+    return status, y
+
+
+@pytest.mark.skipif(not native.amx_bf16_available(), reason="csrc/gemm_amx.c needs a CPU and kernel with AMX tiles")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [6, 7, 16, 17, 32])
+@pytest.mark.parametrize("shape", [(1544, 512), (70, 37), (33, 1000), (5, 16), (48, 64)])
+def test_gemm_amx_bf16_products_are_exact(shape: tuple[int, int], rows: int, threads: int) -> None:
+    """bfloat16 weights on AMX tiles, float32 inputs split exactly into three bf16 parts: every
+    product exact, so the error is float32 summation alone (<= 4e-7 of the sum of |terms|; two
+    parts would give ~1.6e-6, one ~4e-3). Ragged ends on both sides (out not a multiple of 32, in
+    not of 32), one or two groups of 16 input rows, strided rows; `gemv` takes the same path."""
+    gen = torch.Generator().manual_seed(rows * 7 + shape[1])
+    weight = (torch.randn(*shape, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(rows, shape[1] + 5, generator=gen)[:, 3:3 + shape[1]]
+    status, y = _amx_call(native._library(), weight, x, threads)
+    assert status == 0 and not torch.isnan(y).any()
+    exact = x.double() @ weight.double().t()
+    scale = x.double().abs() @ weight.double().abs().t()
+    assert ((y.double() - exact).abs() / scale).max() <= 4e-7
+    assert torch.equal(native.gemv(weight, x), y)
+
+
+@pytest.mark.skipif(not native.amx_bf16_available(), reason="csrc/gemm_amx.c needs a CPU and kernel with AMX tiles")
+def test_gemm_amx_bf16_declines_other_rows_and_when_switched_off() -> None:
+    """Outside 6..32 rows, or switched off, the AMX GEMM writes nothing and `gemv` keeps the GEMV."""
+    library = native._library()
+    weight = torch.randn(40, 64).bfloat16()
+    for rows in (1, 5, 33):
+        status, y = _amx_call(library, weight, torch.randn(rows, 64))
+        assert status == 1 and torch.isnan(y).all()
+    x = torch.randn(16, 64)
+    with_amx = native.gemv(weight, x)
+    assert native.set_amx_bf16(False)
+    try:
+        assert not native.amx_bf16_available()
+        status, y = _amx_call(library, weight, x)
+        assert status == 1 and torch.isnan(y).all()
+        assert torch.equal(native.gemv(weight, x), library_gemv_bf16(weight, x))
+    finally:
+        native.set_amx_bf16(True)
+    torch.testing.assert_close(with_amx, x @ weight.float().t(), atol=1e-5, rtol=1e-5)
+
+
+def library_gemv_bf16(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The bf16 GEMV itself (csrc/gemv.c), for comparison."""
+    y = torch.empty(x.shape[0], weight.shape[0])
+    assert native._library().gemv_bf16(weight.data_ptr(), weight.shape[0], weight.shape[1], x.data_ptr(), x.shape[0],
+                                       x.stride(0), y.data_ptr(), weight.shape[0], 2) == 0
+    return y
+
+
+@needs_kernel
+@pytest.mark.parametrize("march", _instruction_sets())
+def test_gemm_amx_bf16_declines_without_amx(march: str, tmp_path: Path) -> None:
+    """Built for a level without AMX tiles (x86-64 to x86-64-v4), csrc/gemm_amx.c takes nothing and
+    reports none: the decode step and `gemv` keep the GEMV there."""
+    library = _compile_for(march, ["gemm_amx.c"], tmp_path)
+    library.gemm_amx_available.restype = ctypes.c_int
+    assert library.gemm_amx_available() == 0
+    status, y = _amx_call(library, torch.randn(40, 64).bfloat16(), torch.randn(16, 64))
+    assert status == 1 and torch.isnan(y).all()
+
+
 def test_gemv_leaves_other_inputs_to_torch() -> None:
     weight = torch.randn(8, 16)
     assert not native.gemv_applies(weight, torch.randn(native.GEMV_MAX_INPUT_ROWS + 1, 16))

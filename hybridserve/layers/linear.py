@@ -31,7 +31,8 @@ On CPU in float32 the weight stays one plain contiguous [out, in] matrix and ser
 One plain matrix serves both, where a pre-packed layout would need a second copy to keep the
 GEMV fast, and tied embeddings share it with the LM head.
 bfloat16 on CPU also keeps the one plain matrix. Decode rows (up to the C GEMV's bound) are
-computed in float32 by the C GEMV reading the bf16 weight and rounded back, so the one-call decode
+computed in float32 by the C GEMV reading the bf16 weight (from 6 rows on AMX tiles where the CPU
+has them, csrc/gemm_amx.c, every product still exact) and rounded back, so the one-call decode
 step (models/fused_decode.py) can read the same weight. More rows take PyTorch's bf16 GEMM where the
 CPU has native bf16 instructions (AVX512-BF16/AMX: oneDNN on the plain weight is within 0.97-1.33x
 of its pre-packed layout, equal at 2048 rows, and 7x faster than float32 there), and otherwise the

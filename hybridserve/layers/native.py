@@ -13,9 +13,10 @@ csrc/vector_math.h an exp that GCC vectorises and the denormal flush the kernels
 `gemv` (csrc/gemv.c) is the linear (float32, bfloat16 or int8 weights, float32 rows) for up to
 16 rows, written to stream each weight as fast as a plain read (see linear.py), and `gemm_rows`
 (csrc/gemm_rows.c) the one for 6 to 128 rows on AVX-512 (float32 weights; int8 up to 32 rows),
-which comes first where it applies; `prefill_attention` (csrc/prefill_attention.c) attends a short
-chunk over the paged KV in place; csrc/decode_step.c runs a whole decode step (see
-models/fused_decode.py). The sources are compiled with the system C compiler into the user's
+which comes first where it applies; bfloat16 weights take AMX tiles from 6 to 32 rows where the
+CPU has them (csrc/gemm_amx.c; `HYBRIDSERVE_AMX=0` turns that off); `prefill_attention`
+(csrc/prefill_attention.c) attends a short chunk over the paged KV in place; csrc/decode_step.c
+runs a whole decode step (see models/fused_decode.py). The sources are compiled with the system C compiler into the user's
 cache directory (keyed by sources, compiler and CPU, so a home shared by different CPUs is safe)
 and loaded with ctypes: no build step at install, about 3 s at the first start on the 2-core VM,
 nothing after. The kernels' parallel work runs on their own task pool (csrc/task_pool.c), whose
@@ -44,6 +45,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 NATIVE_KERNELS_ENV = "HYBRIDSERVE_NATIVE_KERNELS"
+AMX_ENV = "HYBRIDSERVE_AMX"  # 0: bfloat16 decode rows keep the GEMV where the CPU has AMX tiles
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
 # elements the single-threaded elementwise kernels (norms, gates) take: decode rows and short chunks
 # (the fused MLP output of a 64-token chunk of the built-in model: 64 x 3072). There each of torch's
@@ -70,12 +72,32 @@ GEMM_ROWS_INT8_MAX_ROWS = GEMV_MAX_INPUT_ROWS
 _GEMM_FORMATS = {torch.float32: 0, torch.int8: 1}  # as in csrc/gemm_rows.c
 
 
+def _env_flag(name: str) -> bool:
+    """An on/off environment switch, on unless set to 0, false, no or off."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def native_kernels_enabled() -> bool:
     """Whether the C kernels may be used: not disabled by the environment and compiled (once per
     process; a failed build is logged once and the eager path is used)."""
-    if os.environ.get(NATIVE_KERNELS_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not _env_flag(NATIVE_KERNELS_ENV):
         return False
     return _library() is not None
+
+
+def amx_bf16_available() -> bool:
+    """Whether bfloat16 linears of 6 to 32 float32 rows run on AMX tiles (csrc/gemm_amx.c): the
+    kernels are built for a CPU with AMX, the kernel permits the tiles, and it is switched on
+    (`HYBRIDSERVE_AMX`, or `set_amx_bf16`)."""
+    library = _library() if native_kernels_enabled() else None
+    return library is not None and bool(library.gemm_amx_available())
+
+
+def set_amx_bf16(enabled: bool) -> bool:
+    """Switches the AMX bfloat16 GEMM on or off for this process (the decode step and `gemv`);
+    returns whether it was on. Off, those rows take the GEMV (for comparisons and tests)."""
+    library = _library()
+    return bool(library.gemm_amx_set_enabled(int(enabled))) if library is not None else False
 
 
 def _cpu_signature() -> str:
@@ -139,6 +161,13 @@ def _library() -> ctypes.CDLL | None:
     library.gemv_i8.restype = ctypes.c_int
     library.gemv_bf16.argtypes = _GEMV_ARGTYPES
     library.gemv_bf16.restype = ctypes.c_int
+    library.gemm_amx_bf16.argtypes = _GEMV_ARGTYPES
+    library.gemm_amx_bf16.restype = ctypes.c_int
+    library.gemm_amx_available.argtypes = []
+    library.gemm_amx_available.restype = ctypes.c_int
+    library.gemm_amx_set_enabled.argtypes = [_int]
+    library.gemm_amx_set_enabled.restype = ctypes.c_int
+    library.gemm_amx_set_enabled(int(_env_flag(AMX_ENV)))
     library.gemv_preferred_rows.argtypes = []
     library.gemv_preferred_rows.restype = ctypes.c_int
     for kernel in (library.gemm_rows, library.gemm_rows_silu_mul):
@@ -443,10 +472,13 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None = No
         assert scales is not None
         failed = library.gemv_i8(weight.data_ptr(), scales.data_ptr(), out_features, in_features, x.data_ptr(), rows,
                                  x.stride(0), y.data_ptr(), out_features, threads)
+    elif weight.dtype == torch.bfloat16:  # AMX tiles where they take the rows (as the decode step)
+        args = (weight.data_ptr(), out_features, in_features, x.data_ptr(), rows, x.stride(0), y.data_ptr(),
+                out_features, threads)
+        failed = library.gemm_amx_bf16(*args) and library.gemv_bf16(*args)
     else:
-        kernel = library.gemv_bf16 if weight.dtype == torch.bfloat16 else library.gemv_f32
-        failed = kernel(weight.data_ptr(), out_features, in_features, x.data_ptr(), rows, x.stride(0), y.data_ptr(),
-                        out_features, threads)
+        failed = library.gemv_f32(weight.data_ptr(), out_features, in_features, x.data_ptr(), rows, x.stride(0),
+                                  y.data_ptr(), out_features, threads)
     if failed:
         raise ValueError(f"gemv takes 1..{GEMV_MAX_INPUT_ROWS} rows, got {rows}")
     return y

@@ -35,6 +35,8 @@ int gemv_bf16(const uint16_t *weight, int64_t out, int64_t in, const float *x, i
               int64_t ld_y, int threads);
 int gemm_rows(const void *weight, const float *scales, int format, int64_t out, int64_t in, const float *x,
               int64_t rows, int64_t ld_x, float *y, int64_t ld_y, int threads);
+int gemm_amx_bf16(const uint16_t *weight, int64_t out, int64_t in, const float *x, int64_t rows, int64_t ld_x,
+                  float *y, int64_t ld_y, int threads);
 int gemm_rows_silu_mul(const void *weight, const float *scales, int format, int64_t half, int64_t in,
                        const float *x, int64_t rows, int64_t ld_x, float *y, int64_t ld_y, int threads);
 void rms_norm_f32(const float *x, int64_t rows, int64_t dim, int64_t ld_x, const float *scale, float eps,
@@ -163,10 +165,12 @@ static int inputs_valid(const DecodeModel *m, int64_t batch, const int64_t *toke
 }
 
 /* y [rows, out] = x [rows, in] @ W.T, both contiguous: float32 and int8 weights on the tile GEMM
- * for the rows it takes (gemm_rows.c, as the module path's linears), else the GEMV. */
+ * for the rows it takes (gemm_rows.c, as the module path's linears), bfloat16 ones on AMX tiles
+ * where the CPU has them (gemm_amx.c, as native.gemv), else the GEMV. */
 static void linear(Linear w, int64_t out, int64_t in, const float *x, int64_t rows, float *y, int threads) {
-    if (w.format != WEIGHT_BF16 &&
-        !gemm_rows(w.weight, w.scales, (int)w.format, out, in, x, rows, in, y, out, threads))
+    if (w.format == WEIGHT_BF16
+            ? !gemm_amx_bf16((const uint16_t *)w.weight, out, in, x, rows, in, y, out, threads)
+            : !gemm_rows(w.weight, w.scales, (int)w.format, out, in, x, rows, in, y, out, threads))
         return;
     if (w.format == WEIGHT_I8)
         gemv_i8((const int8_t *)w.weight, w.scales, out, in, x, rows, in, y, out, threads);
