@@ -100,18 +100,20 @@ def test_bfloat16_decodes_in_float32_arithmetic(monkeypatch: pytest.MonkeyPatch)
     assert sum(fused_f32) / len(fused_f32) <= 1.5 * sum(module_f32) / len(module_f32) + 0.005
 
 
-@pytest.mark.skipif(not native.amx_bf16_available(), reason="needs a CPU and kernel with AMX tiles")
-def test_bfloat16_batch_on_amx_tiles_matches_the_gemv() -> None:
-    """16 bfloat16 sequences decode with their linears on AMX tiles (csrc/gemm_amx.c) or on the
-    GEMV: both form every product exactly in float32 and differ only in summation order, so the
-    first decode step's log-probabilities agree to float32 rounding (and do differ: the tiles ran)."""
+@pytest.mark.skipif(not native.amx_available(), reason="needs a CPU and OS with AMX tiles")
+@pytest.mark.parametrize("dtype,quantization", [("bfloat16", None), ("float32", "int8")])
+def test_a_batch_on_amx_tiles_matches_the_other_kernels(dtype: str, quantization: str | None) -> None:
+    """16 sequences decode with their bf16 or int8 linears on AMX tiles (csrc/gemm_amx.c) or on the
+    GEMV and float32 tile: both form every product exactly in float32 and differ only in summation
+    order, so the first decode step's log-probabilities agree to float32 rounding (and do differ:
+    the tiles ran)."""
     logprobs = {}
     for amx in (True, False):
-        native.set_amx_bf16(amx)
+        native.set_amx(amx)
         try:
-            done = run_greedy(_engine(dtype="bfloat16"), PROMPTS, max_tokens=2, logprobs=5)
+            done = run_greedy(_engine(dtype=dtype, quantization=quantization), PROMPTS, max_tokens=2, logprobs=5)
         finally:
-            native.set_amx_bf16(True)
+            native.set_amx(True)
         logprobs[amx] = {key: (run.token_ids[0], run.logprobs[1]) for key, run in done.items()}
     differences = []
     for key, (first, step) in logprobs[True].items():

@@ -495,7 +495,7 @@ def test_gemm_rows_builds_on_every_vector_width(march: str, tmp_path: Path) -> N
     """csrc/gemm_rows.c and csrc/prefill_attention.c take work only where they are compiled for
     AVX-512; elsewhere they decline (no rows, no tokens, status 1) and the callers keep their other
     paths."""
-    library = _compile_for(march, ["gemm_rows.c"], tmp_path)
+    library = _compile_for(march, ["gemm_rows.c", "gemm_amx.c"], tmp_path)  # gemm_rows tries AMX first
     low, high = ctypes.c_int(), ctypes.c_int()
     library.gemm_rows_bounds(ctypes.byref(low), ctypes.byref(high))
     avx512 = march == "x86-64-v4"
@@ -516,74 +516,114 @@ def test_gemm_rows_builds_on_every_vector_width(march: str, tmp_path: Path) -> N
     assert attention.prefill_attention_max_tokens() == (128 if avx512 else 0)
 
 
-def _amx_call(library: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor, threads: int = 2) -> tuple[int, torch.Tensor]:
-    """gemm_amx_bf16 on a NaN-filled output: (status, output)."""
-    y = torch.full((x.shape[0], weight.shape[0]), float("nan"))
-    library.gemm_amx_bf16.argtypes = native._GEMV_ARGTYPES
-    status = library.gemm_amx_bf16(weight.data_ptr(), weight.shape[0], weight.shape[1], x.data_ptr(), x.shape[0],
-                                   x.stride(0), y.data_ptr(), weight.shape[0], threads)
+AMX_REASON = "csrc/gemm_amx.c needs a CPU and OS with AMX tiles"
+
+
+def _amx_call(library: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None = None,
+              silu: bool = False, threads: int = 2) -> tuple[int, torch.Tensor]:
+    """gemm_amx (or gemm_amx_silu_mul) on a NaN-filled output: (status, output)."""
+    out = weight.shape[0] // 2 if silu else weight.shape[0]
+    y = torch.full((x.shape[0], out), float("nan"))
+    kernel = library.gemm_amx_silu_mul if silu else library.gemm_amx
+    kernel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, *native._GEMV_ARGTYPES[1:]]
+    status = kernel(weight.data_ptr(), scales.data_ptr() if scales is not None else None,
+                    1 if weight.dtype == torch.int8 else 2, out, weight.shape[1], x.data_ptr(), x.shape[0],
+                    x.stride(0), y.data_ptr(), out, threads)
     return status, y
 
 
-@pytest.mark.skipif(not native.amx_bf16_available(), reason="csrc/gemm_amx.c needs a CPU and kernel with AMX tiles")
+def _amx_weight(dtype: str, shape: tuple[int, int], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if dtype == "int8":
+        return (torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8),
+                torch.rand(shape[0], generator=gen) * 0.01 + 0.001)
+    return (torch.randn(*shape, generator=gen) * 0.05).bfloat16(), None
+
+
+@pytest.mark.skipif(not native.amx_available(), reason=AMX_REASON)
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [6, 7, 16, 17, 32])
+@pytest.mark.parametrize("rows", [8, 9, 16, 17, 32])
 @pytest.mark.parametrize("shape", [(1544, 512), (70, 37), (33, 1000), (5, 16), (48, 64)])
-def test_gemm_amx_bf16_products_are_exact(shape: tuple[int, int], rows: int, threads: int) -> None:
-    """bfloat16 weights on AMX tiles, float32 inputs split exactly into three bf16 parts: every
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_gemm_amx_products_are_exact(dtype: str, shape: tuple[int, int], rows: int, threads: int) -> None:
+    """bf16 or int8 weights on AMX tiles, float32 inputs split exactly into three bf16 parts: every
     product exact, so the error is float32 summation alone (<= 4e-7 of the sum of |terms|; two
     parts would give ~1.6e-6, one ~4e-3). Ragged ends on both sides (out not a multiple of 32, in
-    not of 32), one or two groups of 16 input rows, strided rows; `gemv` takes the same path."""
+    not of 32), one or two groups of 16 input rows, strided rows; `gemv` (bf16) and `gemm_rows`
+    (int8) take the same path."""
     gen = torch.Generator().manual_seed(rows * 7 + shape[1])
-    weight = (torch.randn(*shape, generator=gen) * 0.05).bfloat16()
+    weight, scales = _amx_weight(dtype, shape, gen)
     x = torch.randn(rows, shape[1] + 5, generator=gen)[:, 3:3 + shape[1]]
-    status, y = _amx_call(native._library(), weight, x, threads)
+    status, y = _amx_call(native._library(), weight, x, scales, threads=threads)
     assert status == 0 and not torch.isnan(y).any()
-    exact = x.double() @ weight.double().t()
-    scale = x.double().abs() @ weight.double().abs().t()
-    assert ((y.double() - exact).abs() / scale).max() <= 4e-7
-    assert torch.equal(native.gemv(weight, x), y)
+    scale = scales.double() if scales is not None else 1.0
+    exact = x.double() @ weight.double().t() * scale
+    size = x.double().abs() @ weight.double().abs().t() * scale
+    assert ((y.double() - exact).abs() / size).max() <= 4e-7
+    same_path = native.gemv(weight, x) if dtype == "bfloat16" else native.gemm_rows(weight, x, scales)
+    assert torch.equal(same_path, y)
 
 
-@pytest.mark.skipif(not native.amx_bf16_available(), reason="csrc/gemm_amx.c needs a CPU and kernel with AMX tiles")
-def test_gemm_amx_bf16_declines_other_rows_and_when_switched_off() -> None:
-    """Outside 6..32 rows, or switched off, the AMX GEMM writes nothing and `gemv` keeps the GEMV."""
+@pytest.mark.skipif(not native.amx_available(), reason=AMX_REASON)
+@pytest.mark.parametrize("rows", [8, 16, 20])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_gemm_amx_silu_mul_matches_float64(dtype: str, rows: int) -> None:
+    """The MLP's variant: gate and up blocks of the fused [G; U] weight on tiles, silu(gate) * up
+    written directly (an odd half, so the last block is ragged)."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, scales = _amx_weight(dtype, (2 * 75, 96), gen)
+    x = torch.randn(rows, 96, generator=gen)
+    status, y = _amx_call(native._library(), weight, x, scales, silu=True)
+    assert status == 0
+    scale = scales.double() if scales is not None else 1.0
+    projection = x.double() @ weight.double().t() * scale
+    expected = F.silu(projection[:, :75]) * projection[:, 75:]
+    torch.testing.assert_close(y.double(), expected, atol=1e-5, rtol=1e-5)
+    if dtype == "int8":
+        assert torch.equal(native.gemm_rows_silu_mul(weight, x, scales), y)
+
+
+@pytest.mark.skipif(not native.amx_available(), reason=AMX_REASON)
+def test_gemm_amx_declines_other_rows_and_when_switched_off() -> None:
+    """Outside 6..32 rows (bf16) or 8..32 (int8), or switched off, the AMX GEMM writes nothing and
+    the GEMV or the float32 tile keeps those rows."""
     library = native._library()
-    weight = torch.randn(40, 64).bfloat16()
-    for rows in (1, 5, 33):
-        status, y = _amx_call(library, weight, torch.randn(rows, 64))
-        assert status == 1 and torch.isnan(y).all()
+    gen = torch.Generator().manual_seed(0)
+    bf16, _ = _amx_weight("bfloat16", (40, 64), gen)
+    int8, scales = _amx_weight("int8", (40, 64), gen)
+    for weight, w_scales, declined in ((bf16, None, (1, 5, 33)), (int8, scales, (1, 7, 33))):
+        for rows in declined:
+            status, y = _amx_call(library, weight, torch.randn(rows, 64), w_scales)
+            assert status == 1 and torch.isnan(y).all()
+    status, y = _amx_call(library, int8, torch.randn(16, 64))  # int8 without scales
+    assert status == 1 and torch.isnan(y).all()
     x = torch.randn(16, 64)
-    with_amx = native.gemv(weight, x)
-    assert native.set_amx_bf16(False)
+    assert native.set_amx(False)
     try:
-        assert not native.amx_bf16_available()
-        status, y = _amx_call(library, weight, x)
-        assert status == 1 and torch.isnan(y).all()
-        assert torch.equal(native.gemv(weight, x), library_gemv_bf16(weight, x))
+        assert not native.amx_available()
+        for weight, w_scales in ((bf16, None), (int8, scales)):
+            status, y = _amx_call(library, weight, x, w_scales)
+            assert status == 1 and torch.isnan(y).all()
+        torch.testing.assert_close(native.gemv(bf16, x), x @ bf16.float().t(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(native.gemm_rows(int8, x, scales), x @ int8.float().t() * scales,
+                                   atol=1e-5, rtol=1e-5)
     finally:
-        native.set_amx_bf16(True)
-    torch.testing.assert_close(with_amx, x @ weight.float().t(), atol=1e-5, rtol=1e-5)
-
-
-def library_gemv_bf16(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The bf16 GEMV itself (csrc/gemv.c), for comparison."""
-    y = torch.empty(x.shape[0], weight.shape[0])
-    assert native._library().gemv_bf16(weight.data_ptr(), weight.shape[0], weight.shape[1], x.data_ptr(), x.shape[0],
-                                       x.stride(0), y.data_ptr(), weight.shape[0], 2) == 0
-    return y
+        native.set_amx(True)
+    assert native.amx_available()
 
 
 @needs_kernel
 @pytest.mark.parametrize("march", _instruction_sets())
-def test_gemm_amx_bf16_declines_without_amx(march: str, tmp_path: Path) -> None:
+def test_gemm_amx_declines_without_amx(march: str, tmp_path: Path) -> None:
     """Built for a level without AMX tiles (x86-64 to x86-64-v4), csrc/gemm_amx.c takes nothing and
-    reports none: the decode step and `gemv` keep the GEMV there."""
+    reports none: the callers keep the GEMV and the float32 tile there."""
     library = _compile_for(march, ["gemm_amx.c"], tmp_path)
     library.gemm_amx_available.restype = ctypes.c_int
     assert library.gemm_amx_available() == 0
-    status, y = _amx_call(library, torch.randn(40, 64).bfloat16(), torch.randn(16, 64))
-    assert status == 1 and torch.isnan(y).all()
+    gen = torch.Generator().manual_seed(1)
+    for weight, scales in (_amx_weight("bfloat16", (40, 64), gen), _amx_weight("int8", (40, 64), gen)):
+        for silu in (False, True):
+            status, y = _amx_call(library, weight, torch.randn(16, 64), scales, silu=silu)
+            assert status == 1 and torch.isnan(y).all()
 
 
 def test_gemv_leaves_other_inputs_to_torch() -> None:

@@ -13,8 +13,8 @@ csrc/vector_math.h an exp that GCC vectorises and the denormal flush the kernels
 `gemv` (csrc/gemv.c) is the linear (float32, bfloat16 or int8 weights, float32 rows) for up to
 16 rows, written to stream each weight as fast as a plain read (see linear.py), and `gemm_rows`
 (csrc/gemm_rows.c) the one for 6 to 128 rows on AVX-512 (float32 weights; int8 up to 32 rows),
-which comes first where it applies; bfloat16 weights take AMX tiles from 6 to 32 rows where the
-CPU has them (csrc/gemm_amx.c; `HYBRIDSERVE_AMX=0` turns that off); `prefill_attention`
+which comes first where it applies; where the CPU has AMX tiles, bfloat16 weights take them from 6
+to 32 rows and int8 ones from 8 (csrc/gemm_amx.c; `HYBRIDSERVE_AMX=0` turns that off); `prefill_attention`
 (csrc/prefill_attention.c) attends a short chunk over the paged KV in place; csrc/decode_step.c
 runs a whole decode step (see models/fused_decode.py). The sources are compiled with the system C compiler into the user's
 cache directory (keyed by sources, compiler and CPU, so a home shared by different CPUs is safe)
@@ -45,7 +45,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 NATIVE_KERNELS_ENV = "HYBRIDSERVE_NATIVE_KERNELS"
-AMX_ENV = "HYBRIDSERVE_AMX"  # 0: bfloat16 decode rows keep the GEMV where the CPU has AMX tiles
+AMX_ENV = "HYBRIDSERVE_AMX"  # 0: bf16 and int8 rows keep the GEMV / float32 tile where the CPU has AMX
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
 # elements the single-threaded elementwise kernels (norms, gates) take: decode rows and short chunks
 # (the fused MLP output of a 64-token chunk of the built-in model: 64 x 3072). There each of torch's
@@ -70,6 +70,7 @@ GEMV_DECODE_ROWS = 16  # the rows `gemv_applies` admits unless told otherwise (s
 # 8, 16 and 32 rows: 0.77x, 0.70x and 0.63x the GEMV's time); more rows keep PyTorch's int8 GEMM.
 GEMM_ROWS_INT8_MAX_ROWS = GEMV_MAX_INPUT_ROWS
 _GEMM_FORMATS = {torch.float32: 0, torch.int8: 1}  # as in csrc/gemm_rows.c
+_GEMM_FORMAT_BF16 = 2  # bfloat16: taken on AMX tiles only (csrc/gemm_amx.c)
 
 
 def _env_flag(name: str) -> bool:
@@ -85,17 +86,18 @@ def native_kernels_enabled() -> bool:
     return _library() is not None
 
 
-def amx_bf16_available() -> bool:
-    """Whether bfloat16 linears of 6 to 32 float32 rows run on AMX tiles (csrc/gemm_amx.c): the
-    kernels are built for a CPU with AMX, the kernel permits the tiles, and it is switched on
-    (`HYBRIDSERVE_AMX`, or `set_amx_bf16`)."""
+def amx_available() -> bool:
+    """Whether bfloat16 linears of 6 to 32 float32 rows and int8 ones of 8 to 32 run on AMX tiles
+    (csrc/gemm_amx.c): the kernels are built for a CPU with AMX, the OS permits the tiles, and they
+    are switched on (`HYBRIDSERVE_AMX`, or `set_amx`)."""
     library = _library() if native_kernels_enabled() else None
     return library is not None and bool(library.gemm_amx_available())
 
 
-def set_amx_bf16(enabled: bool) -> bool:
-    """Switches the AMX bfloat16 GEMM on or off for this process (the decode step and `gemv`);
-    returns whether it was on. Off, those rows take the GEMV (for comparisons and tests)."""
+def set_amx(enabled: bool) -> bool:
+    """Switches the AMX GEMMs on or off for this process (the decode step, `gemv`, `gemm_rows`);
+    returns whether they were on. Off, those rows take the GEMV or the float32 tile (for
+    comparisons and tests)."""
     library = _library()
     return bool(library.gemm_amx_set_enabled(int(enabled))) if library is not None else False
 
@@ -161,8 +163,8 @@ def _library() -> ctypes.CDLL | None:
     library.gemv_i8.restype = ctypes.c_int
     library.gemv_bf16.argtypes = _GEMV_ARGTYPES
     library.gemv_bf16.restype = ctypes.c_int
-    library.gemm_amx_bf16.argtypes = _GEMV_ARGTYPES
-    library.gemm_amx_bf16.restype = ctypes.c_int
+    library.gemm_amx.argtypes = [_ptr, _ptr, _int, *_GEMV_ARGTYPES[1:]]
+    library.gemm_amx.restype = ctypes.c_int
     library.gemm_amx_available.argtypes = []
     library.gemm_amx_available.restype = ctypes.c_int
     library.gemm_amx_set_enabled.argtypes = [_int]
@@ -475,7 +477,8 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None = No
     elif weight.dtype == torch.bfloat16:  # AMX tiles where they take the rows (as the decode step)
         args = (weight.data_ptr(), out_features, in_features, x.data_ptr(), rows, x.stride(0), y.data_ptr(),
                 out_features, threads)
-        failed = library.gemm_amx_bf16(*args) and library.gemv_bf16(*args)
+        failed = library.gemm_amx(args[0], None, _GEMM_FORMAT_BF16, *args[1:]) \
+            and library.gemv_bf16(*args)
     else:
         failed = library.gemv_f32(weight.data_ptr(), out_features, in_features, x.data_ptr(), rows, x.stride(0),
                                   y.data_ptr(), out_features, threads)

@@ -35,8 +35,6 @@ int gemv_bf16(const uint16_t *weight, int64_t out, int64_t in, const float *x, i
               int64_t ld_y, int threads);
 int gemm_rows(const void *weight, const float *scales, int format, int64_t out, int64_t in, const float *x,
               int64_t rows, int64_t ld_x, float *y, int64_t ld_y, int threads);
-int gemm_amx_bf16(const uint16_t *weight, int64_t out, int64_t in, const float *x, int64_t rows, int64_t ld_x,
-                  float *y, int64_t ld_y, int threads);
 int gemm_rows_silu_mul(const void *weight, const float *scales, int format, int64_t half, int64_t in,
                        const float *x, int64_t rows, int64_t ld_x, float *y, int64_t ld_y, int threads);
 void rms_norm_f32(const float *x, int64_t rows, int64_t dim, int64_t ld_x, const float *scale, float eps,
@@ -164,13 +162,11 @@ static int inputs_valid(const DecodeModel *m, int64_t batch, const int64_t *toke
     return 1;
 }
 
-/* y [rows, out] = x [rows, in] @ W.T, both contiguous: float32 and int8 weights on the tile GEMM
- * for the rows it takes (gemm_rows.c, as the module path's linears), bfloat16 ones on AMX tiles
- * where the CPU has them (gemm_amx.c, as native.gemv), else the GEMV. */
+/* y [rows, out] = x [rows, in] @ W.T, both contiguous: on the tile GEMM for the rows it takes
+ * (gemm_rows.c, as the module path's linears: float32 and int8 weights, and int8 and bfloat16 ones
+ * on AMX tiles where the CPU has them), else the GEMV. */
 static void linear(Linear w, int64_t out, int64_t in, const float *x, int64_t rows, float *y, int threads) {
-    if (w.format == WEIGHT_BF16
-            ? !gemm_amx_bf16((const uint16_t *)w.weight, out, in, x, rows, in, y, out, threads)
-            : !gemm_rows(w.weight, w.scales, (int)w.format, out, in, x, rows, in, y, out, threads))
+    if (!gemm_rows(w.weight, w.scales, (int)w.format, out, in, x, rows, in, y, out, threads))
         return;
     if (w.format == WEIGHT_I8)
         gemv_i8((const int8_t *)w.weight, w.scales, out, in, x, rows, in, y, out, threads);
@@ -421,9 +417,8 @@ static void attention_mixer(const DecodeModel *m, const DecodeLayer *layer, int6
 static void mlp(const DecodeModel *m, const DecodeLayer *layer, int64_t batch, Workspace *w, int threads) {
     int64_t hidden = m->hidden, inter = m->intermediate;
     Linear gate_up = layer->gate_up;
-    if (gate_up.format == WEIGHT_BF16 ||  /* the tile GEMM writes the product itself where it runs */
-        gemm_rows_silu_mul(gate_up.weight, gate_up.scales, (int)gate_up.format, inter, hidden, w->h, batch, hidden,
-                           w->act, inter, threads)) {
+    if (gemm_rows_silu_mul(gate_up.weight, gate_up.scales, (int)gate_up.format, inter, hidden, w->h, batch, hidden,
+                           w->act, inter, threads)) {  /* the tile GEMM writes the product itself where it runs */
         linear(layer->gate_up, 2 * inter, hidden, w->h, batch, w->mlp, threads);
         for (int64_t b = 0; b < batch; b++) {
             const float *gate = w->mlp + b * 2 * inter, *up = gate + inter;

@@ -1,42 +1,49 @@
-/* y = x @ W.T for 6 to 32 float32 rows of x on a bfloat16 weight [out, in], on AMX tiles (Intel
- * Sapphire Rapids and later; elsewhere every call returns 1 and the caller keeps the GEMV).
+/* y = x @ W.T for 6 to 32 float32 rows of x on a bfloat16 weight [out, in], or 8 to 32 on an int8
+ * one with a float32 scale per output (y = (x @ W.T) * scales), on AMX tiles (Intel Sapphire Rapids
+ * and later; elsewhere every call returns 1 and the caller keeps its other kernel). Called through
+ * gemm_rows / gemm_rows_silu_mul (csrc/gemm_rows.c) and, for bf16, native.gemv.
  *
- * The GEMV (csrc/gemv.c) widens each bf16 weight to float32 and spends one FMA per weight per row:
- * at 16 rows of a decode step that is compute, not the weight stream (the built-in model's linears:
- * 4.3-4.8 ms at 16 rows against 1.1-1.2 ms at one). A tile multiply (TDPBF16PS) does 16 x 16 x 32
- * multiply-adds at once, so here the rows cost little more than the stream.
+ * The GEMV (csrc/gemv.c) and the float32 tile (csrc/gemm_rows.c) widen each weight to float32 and
+ * spend one FMA per weight per row: at 16 rows of a decode step that is compute, not the weight
+ * stream (the built-in model's bf16 linears: 4.3-4.8 ms at 16 rows against 1.1-1.2 ms at one). A
+ * tile multiply (TDPBF16PS) does 16 x 16 x 32 multiply-adds at once, so the rows cost little.
  *
- * Numerics: the weight is bf16 already; each float32 input x is split exactly into three bf16 parts
- * (x = hi + mid + lo: hi is x with the low 16 bits cleared, mid the same of x - hi, lo what is left,
- * which has at most 8 significant bits) and the three products are accumulated in float32, so every
- * product w * x is exact, as in the GEMV; only the summation order differs. (One part, what
- * oneDNN's bf16 GEMM does with a float32 input, would round x to 8 bits.)
+ * Numerics: a bf16 weight is bf16 already and an int8 one is a bf16 value exactly (integers to 256
+ * are); each float32 input x is split exactly into three bf16 parts (x = hi + mid + lo: hi is x with
+ * the low 16 bits cleared, mid the same of x - hi, lo what is left, which has at most 8 significant
+ * bits) and the three products are accumulated in float32, so every product w * x is exact, as in
+ * the GEMV; only the summation order differs. (One part, what oneDNN's bf16 GEMM does with a
+ * float32 input, would round x to 8 bits.)
  *
  * Layout: the weight is the plain row-major matrix the GEMV and the prefill GEMMs read. A tile
- * register holds 16 weight rows x 32 inputs straight from it (A operand, stride = the row's bytes);
- * the inputs are packed once per call as VNNI pairs, [group of 16 rows][32-input block][part][16
- * pairs][16 rows] (B operand); the 16 x 16 float32 accumulator is transposed into y. A task is a
- * block of 32 weight rows (two accumulators sharing each input tile load). A ragged end (in not a
- * multiple of 32, or out not of 32) is copied into a zero-padded tile so nothing past the matrix is
- * read.
+ * register holds 16 weight rows x 32 inputs: bf16 straight from the matrix (stride = the row's
+ * bytes), int8 widened into a scratch tile first. The inputs are packed once per call as VNNI
+ * pairs, [group of 16 rows][32-input block][part][16 pairs][16 rows]; the 16 x 16 float32
+ * accumulator is transposed (and scaled) into y. A task is a block of 32 weight rows (two
+ * accumulators sharing each input tile load); the MLP's variant computes the same block of gate
+ * and up rows and writes silu(gate) * up. A ragged end (in not a multiple of 32, or out not of 32)
+ * goes through a zero-padded tile, so nothing past the matrix is read.
  *
- * Built-in model's 33 linears, 2 threads, C harness, against the GEMV on the same bf16 weight:
- * 6 rows 0.80x the time, 8 rows 0.83-0.89x, 12 rows 0.55x, 16 rows 0.50-0.53x, 32 rows 0.44x;
- * 4 rows 1.03x (hence GEMM_AMX_MIN_ROWS).
+ * Built-in model's 33 linears, 2 threads, C harness: bf16 against the GEMV, 6 rows 0.80x the
+ * time, 8 rows 0.83-0.89x, 16 rows 0.50-0.53x, 32 rows 0.44x, 4 rows 1.03x; int8 against the float32
+ * tile, 6 rows 1.27x, 8 rows 0.89x, 16 rows 0.66x, 32 rows 0.63x (hence the lower bounds).
  *
  * The tile registers need the kernel's permission (arch_prctl ARCH_REQ_XCOMP_PERM, once per
  * process) and a tile configuration in each thread. Other libraries in the process (oneDNN's AMX
  * kernels) load their own configuration and release it, so every call configures each thread it
  * runs on, at that thread's first task of the call; the configuration is left in place afterwards
- * (releasing it per task measured ~0.3 us a task).
- */
+ * (releasing it per task measured ~0.3 us a task). HYBRIDSERVE_AMX=0 (native.py) turns it off. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "task_pool.h"
+#include "vector_math.h"
 
-#define GEMM_AMX_MIN_ROWS 6
+enum { WEIGHT_I8 = 1, WEIGHT_BF16 = 2 };  /* as in decode_step.c */
+
+#define GEMM_AMX_MIN_ROWS 6       /* bf16 */
+#define GEMM_AMX_MIN_ROWS_INT8 8  /* below, the float32 tile of gemm_rows.c is faster */
 #define GEMM_AMX_MAX_ROWS 32
 #define AMX_BLOCK 32      /* weight rows per task: two 16-row tiles */
 #define AMX_K 32          /* inputs per tile (bf16 pairs x 16) */
@@ -142,66 +149,93 @@ static void pack_inputs(const float *x, int64_t rows, int64_t ld_x, int64_t in, 
         }
 }
 
-/* One call's operands, shared by its tasks. */
+/* One call's operands, shared by its tasks. silu: `weight` is the MLP's fused [gate; up] with `out`
+ * rows each, and y = silu(x @ G.T) * (x @ U.T). */
 typedef struct {
-    const uint16_t *weight;
+    const void *weight;
+    const float *scales;
     const uint32_t *packed;
     float *y;
     int64_t out, in, rows, ld_y, call;
+    int format, silu;
 } AmxCall;
 
-/* Weight rows [0, count) x inputs [k, k + 32) of `w` (row stride `in`), zero-padded to 16 x 32. */
-static void padded_tile(const uint16_t *w, int64_t count, int64_t in, int64_t k, uint16_t tile[16][AMX_K]) {
+/* Weight rows [0, count) x inputs [k, k + 32) of a bf16 `w` (row stride `in`), zero-padded to
+ * 16 x 32 where the matrix ends. */
+static void padded_bf16_tile(const uint16_t *w, int64_t count, int64_t in, int64_t k, uint16_t tile[16][AMX_K]) {
     int64_t width = in - k < AMX_K ? in - k : AMX_K;
     memset(tile, 0, 16 * AMX_K * sizeof(uint16_t));
     for (int64_t r = 0; r < count; r++) memcpy(tile[r], w + r * in + k, (size_t)width * sizeof(uint16_t));
 }
 
-/* The 32 weight rows at `w` (`count` of them real) against input group g: accumulators 0 and 1. */
-static void block_products(const uint16_t *w, int64_t count, const AmxCall *c, int64_t g) {
+/* The same from an int8 `w`: every int8 value is a bf16 value exactly. */
+static void int8_tile(const int8_t *w, int64_t count, int64_t in, int64_t k, uint16_t tile[16][AMX_K]) {
+    __mmask16 low = first_lanes(in - k), high = first_lanes(in - k - 16);
+    int64_t r = 0;
+    for (; r < count; r++) {
+        const int8_t *src = w + r * in + k;
+        __m512 v0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(low, src)));
+        __m512 v1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(high, src + 16)));
+        _mm512_store_si512(tile[r], (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+    }
+    for (; r < 16; r++) _mm512_store_si512(tile[r], _mm512_setzero_si512());
+}
+
+/* Weight rows [row, row + count) (count <= 32) against input group g, the sums (before any
+ * scale) into sums[half][weight row][input row]. */
+static void block_sums(const AmxCall *c, int64_t row, int64_t count, int64_t g, float sums[2][16][16]) {
     int64_t blocks = (c->in + AMX_K - 1) / AMX_K, stride = c->in * (int64_t)sizeof(uint16_t);
-    int64_t upper = count > 16 ? count - 16 : 0;
-    const uint16_t *w_upper = w + 16 * c->in;
-    uint16_t pad[2][16][AMX_K] __attribute__((aligned(64)));
+    int64_t lower = count < 16 ? count : 16, upper = count - lower;
+    const uint16_t *bf16 = (const uint16_t *)c->weight + row * c->in;
+    const int8_t *int8 = (const int8_t *)c->weight + row * c->in;
+    uint16_t tile[2][16][AMX_K] __attribute__((aligned(64)));
     _tile_zero(0);
     _tile_zero(1);
     for (int64_t kb = 0; kb < blocks; kb++) {
         int64_t k = kb * AMX_K;
-        int ragged = k + AMX_K > c->in;
+        int whole = k + AMX_K <= c->in;
         const uint32_t *b = c->packed + (g * blocks + kb) * AMX_PARTS * 256;
         _tile_loadd(5, b, 64);
         _tile_loadd(6, b + 256, 64);
         _tile_loadd(7, b + 512, 64);
-        if (count >= 16 && !ragged) {
-            _tile_loadd(2, w + k, stride);
+        if (c->format == WEIGHT_I8) {
+            int8_tile(int8, lower, c->in, k, tile[0]);
+            _tile_loadd(2, tile[0], 64);
+        } else if (lower == 16 && whole) {
+            _tile_loadd(2, bf16 + k, stride);  /* straight from the matrix */
         } else {
-            padded_tile(w, count < 16 ? count : 16, c->in, k, pad[0]);
-            _tile_loadd(2, pad[0], 64);
+            padded_bf16_tile(bf16, lower, c->in, k, tile[0]);
+            _tile_loadd(2, tile[0], 64);
         }
         _tile_dpbf16ps(0, 2, 7);  /* the small parts first */
         _tile_dpbf16ps(0, 2, 6);
         _tile_dpbf16ps(0, 2, 5);
         if (upper == 0) continue;
-        if (upper == 16 && !ragged) {
-            _tile_loadd(3, w_upper + k, stride);
+        if (c->format == WEIGHT_I8) {
+            int8_tile(int8 + 16 * c->in, upper, c->in, k, tile[1]);
+            _tile_loadd(3, tile[1], 64);
+        } else if (upper == 16 && whole) {
+            _tile_loadd(3, bf16 + 16 * c->in + k, stride);
         } else {
-            padded_tile(w_upper, upper, c->in, k, pad[1]);
-            _tile_loadd(3, pad[1], 64);
+            padded_bf16_tile(bf16 + 16 * c->in, upper, c->in, k, tile[1]);
+            _tile_loadd(3, tile[1], 64);
         }
         _tile_dpbf16ps(1, 3, 7);
         _tile_dpbf16ps(1, 3, 6);
         _tile_dpbf16ps(1, 3, 5);
     }
+    _tile_stored(0, sums[0], 64);
+    if (upper) _tile_stored(1, sums[1], 64);
 }
 
-/* Accumulator tile t (16 weight rows x 16 input rows) into y's columns [column, column + width). */
-static void store_transposed(const float sums[16][16], const AmxCall *c, int64_t g, int64_t column, int64_t width) {
-    __mmask16 keep = first_lanes(width);
-    __m512i v[16];
-    for (int i = 0; i < 16; i++) v[i] = _mm512_load_si512(sums[i]);
-    transpose16(v);
-    for (int64_t n = 0; n < 16 && g * 16 + n < c->rows; n++)
-        _mm512_mask_storeu_ps(c->y + (g * 16 + n) * c->ld_y + column, keep, _mm512_castsi512_ps(v[n]));
+/* sums [weight row][input row] -> v[input row] = its 16 outputs (times the int8 scales of weight
+ * rows [row, row + 16)). */
+static void transposed(const AmxCall *c, const float sums[16][16], int64_t row, __mmask16 keep, __m512 v[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i++) t[i] = _mm512_load_si512(sums[i]);
+    transpose16(t);
+    __m512 scale = c->format == WEIGHT_I8 ? _mm512_maskz_loadu_ps(keep, c->scales + row) : _mm512_set1_ps(1.0f);
+    for (int n = 0; n < 16; n++) v[n] = _mm512_mul_ps(_mm512_castsi512_ps(t[n]), scale);
 }
 
 static void amx_task(void *context, int64_t block) {
@@ -212,14 +246,24 @@ static void amx_task(void *context, int64_t block) {
         configured_call = c->call;
     }
     int64_t first = block * AMX_BLOCK, count = first + AMX_BLOCK < c->out ? AMX_BLOCK : c->out - first;
-    float sums[2][16][16] __attribute__((aligned(64)));
+    float sums[2][2][16][16] __attribute__((aligned(64)));  /* [gate or plain, up][half] */
     for (int64_t g = 0; g * 16 < c->rows; g++) {
-        block_products(c->weight + first * c->in, count, c, g);
-        _tile_stored(0, sums[0], 64);
-        store_transposed(sums[0], c, g, first, count < 16 ? count : 16);
-        if (count > 16) {
-            _tile_stored(1, sums[1], 64);
-            store_transposed(sums[1], c, g, first + 16, count - 16);
+        block_sums(c, first, count, g, sums[0]);
+        if (c->silu) block_sums(c, c->out + first, count, g, sums[1]);
+        for (int64_t h = 0; h * 16 < count; h++) {
+            int64_t column = first + h * 16, width = count - h * 16 < 16 ? count - h * 16 : 16;
+            __mmask16 keep = first_lanes(width);
+            __m512 v[16], up[16];
+            transposed(c, sums[0][h], column, keep, v);
+            if (c->silu) transposed(c, sums[1][h], c->out + column, keep, up);
+            for (int64_t n = 0; n < 16 && g * 16 + n < c->rows; n++) {
+                __m512 out = v[n];
+                if (c->silu)  /* silu(gate) * up */
+                    out = _mm512_mul_ps(_mm512_div_ps(v[n], _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                                         exp16_ps(_mm512_sub_ps(_mm512_setzero_ps(), v[n])))),
+                                        up[n]);
+                _mm512_mask_storeu_ps(c->y + (g * 16 + n) * c->ld_y + column, keep, out);
+            }
         }
     }
 }
@@ -237,34 +281,55 @@ static uint32_t *packed_buffer(size_t words) {
     return buffer;
 }
 
-int gemm_amx_bf16(const uint16_t *weight, int64_t out, int64_t in, const float *x, int64_t rows, int64_t ld_x,
-                  float *y, int64_t ld_y, int threads) {
+static int amx_call(const void *weight, const float *scales, int format, int silu, int64_t out, int64_t in,
+                    const float *x, int64_t rows, int64_t ld_x, float *y, int64_t ld_y, int threads) {
     static int64_t calls;  /* a call's number, for the threads' tile configuration */
-    if (!amx_enabled || rows < GEMM_AMX_MIN_ROWS || rows > GEMM_AMX_MAX_ROWS || out < 1 || in < 1 || !amx_permitted())
+    int64_t min_rows = format == WEIGHT_I8 ? GEMM_AMX_MIN_ROWS_INT8 : GEMM_AMX_MIN_ROWS;
+    if (!amx_enabled || (format != WEIGHT_I8 && format != WEIGHT_BF16) || rows < min_rows
+        || rows > GEMM_AMX_MAX_ROWS || out < 1 || in < 1 || (format == WEIGHT_I8 && !scales) || !amx_permitted())
         return 1;
     int64_t groups = (rows + 15) / 16, blocks = (in + AMX_K - 1) / AMX_K;
     uint32_t *packed = packed_buffer((size_t)(groups * blocks * AMX_PARTS * 256));
     if (!packed) return 1;
     pack_inputs(x, rows, ld_x, in, packed);
-    AmxCall call = {weight, packed, y, out, in, rows, ld_y, __atomic_add_fetch(&calls, 1, __ATOMIC_RELAXED)};
+    AmxCall call = {weight, scales, packed, y, out, in, rows, ld_y, __atomic_add_fetch(&calls, 1, __ATOMIC_RELAXED),
+                    format, silu};
+    unsigned int saved_csr = denormals_flush_begin();  /* the SiLU's clamped branch (vector_math.h) */
     task_pool_run(threads, amx_task, &call, (out + AMX_BLOCK - 1) / AMX_BLOCK);
+    denormals_flush_end(saved_csr);
     return 0;
+}
+
+int gemm_amx(const void *weight, const float *scales, int format, int64_t out, int64_t in, const float *x,
+             int64_t rows, int64_t ld_x, float *y, int64_t ld_y, int threads) {
+    return amx_call(weight, scales, format, 0, out, in, x, rows, ld_x, y, ld_y, threads);
+}
+
+int gemm_amx_silu_mul(const void *weight, const float *scales, int format, int64_t half, int64_t in, const float *x,
+                      int64_t rows, int64_t ld_x, float *y, int64_t ld_y, int threads) {
+    return amx_call(weight, scales, format, 1, half, in, x, rows, ld_x, y, ld_y, threads);
 }
 
 int gemm_amx_available(void) { return amx_enabled && amx_permitted(); }
 #else
-/* y = x @ W.T for a bfloat16 weight on AMX tiles; this build has none: returns 1 (nothing written). */
-int gemm_amx_bf16(const uint16_t *weight, int64_t out, int64_t in, const float *x, int64_t rows, int64_t ld_x,
-                  float *y, int64_t ld_y, int threads) {
-    (void)weight; (void)out; (void)in; (void)x; (void)rows; (void)ld_x; (void)y; (void)ld_y; (void)threads;
+/* This build has no AMX tiles: nothing is taken (1, nothing written). */
+int gemm_amx(const void *weight, const float *scales, int format, int64_t out, int64_t in, const float *x,
+             int64_t rows, int64_t ld_x, float *y, int64_t ld_y, int threads) {
+    (void)weight; (void)scales; (void)format; (void)out; (void)in; (void)x; (void)rows; (void)ld_x; (void)y;
+    (void)ld_y; (void)threads;
     return 1;
+}
+
+int gemm_amx_silu_mul(const void *weight, const float *scales, int format, int64_t half, int64_t in, const float *x,
+                      int64_t rows, int64_t ld_x, float *y, int64_t ld_y, int threads) {
+    return gemm_amx(weight, scales, format, half, in, x, rows, ld_x, y, ld_y, threads);
 }
 
 int gemm_amx_available(void) { return 0; }
 #endif
 
-/* Turns the AMX GEMM on or off for the process (HYBRIDSERVE_AMX=0 at load: off); returns whether it
- * was on. */
+/* Turns the AMX GEMMs on or off for the process (HYBRIDSERVE_AMX=0 at load: off); returns whether
+ * they were on. */
 int gemm_amx_set_enabled(int enabled) {
     int previous = amx_enabled;
     amx_enabled = enabled != 0;

@@ -198,6 +198,14 @@ static void block_rows_any(const void *w, int format, const float *scales, int64
 }
 #endif
 
+/* int8 and bfloat16 weights go first to AMX tiles where the CPU has them (csrc/gemm_amx.c: 8 to 32
+ * int8 rows, 6 to 32 bf16 ones; 1 where not taken). */
+#define WEIGHT_F32_ANY 0
+int gemm_amx(const void *weight, const float *scales, int format, int64_t out, int64_t in, const float *x,
+             int64_t rows, int64_t ld_x, float *y, int64_t ld_y, int threads);
+int gemm_amx_silu_mul(const void *weight, const float *scales, int format, int64_t half, int64_t in, const float *x,
+                      int64_t rows, int64_t ld_x, float *y, int64_t ld_y, int threads);
+
 /* The rows this build takes: [TILE_MIN_ROWS, TILE_MAX_ROWS] with AVX-512, none otherwise (0, 0). */
 void gemm_rows_bounds(int *min_rows, int *max_rows) {
 #if defined(__AVX512F__)
@@ -246,12 +254,15 @@ static void silu_mul_task(void *context, int64_t block) {
 #endif
 
 /* y = x @ W.T for weight [out, in] row-major in `format`: 0 float32, or 1 int8 with float32
- * `scales` [out], y = (x @ W.T) * scales, the weights widened to float32 in registers; x [rows, in]
+ * `scales` [out], y = (x @ W.T) * scales, the weights widened to float32 in registers (or 2
+ * bfloat16, taken only on AMX tiles); x [rows, in]
  * float32 with row stride ld_x; y [rows, out] with row stride ld_y. Returns 1 (nothing written)
  * when this build, `rows` (outside gemm_rows_bounds) or `format` is not taken. The blocks run on
  * the task pool (task_pool.h). */
 int gemm_rows(const void *weight, const float *scales, int format, int64_t out, int64_t in, const float *x,
               int64_t rows, int64_t ld_x, float *y, int64_t ld_y, int threads) {
+    if (format != WEIGHT_F32_ANY && !gemm_amx(weight, scales, format, out, in, x, rows, ld_x, y, ld_y, threads))
+        return 0;
 #if defined(__AVX512F__)
     if (rows < TILE_MIN_ROWS || rows > TILE_MAX_ROWS || (format != WEIGHT_F32 && format != WEIGHT_I8)) return 1;
     GemmCall call = {weight, scales, x, y, out, in, rows, ld_x, ld_y, format};
@@ -272,6 +283,9 @@ int gemm_rows(const void *weight, const float *scales, int format, int64_t out, 
  * us a call in a forward against 40 in isolation). Returns 1 (nothing written) as gemm_rows. */
 int gemm_rows_silu_mul(const void *weight, const float *scales, int format, int64_t half, int64_t in,
                        const float *x, int64_t rows, int64_t ld_x, float *y, int64_t ld_y, int threads) {
+    if (format != WEIGHT_F32_ANY &&
+        !gemm_amx_silu_mul(weight, scales, format, half, in, x, rows, ld_x, y, ld_y, threads))
+        return 0;
 #if defined(__AVX512F__)
     if (rows < TILE_MIN_ROWS || rows > TILE_MAX_ROWS || (format != WEIGHT_F32 && format != WEIGHT_I8)) return 1;
     GemmCall call = {weight, scales, x, y, half, in, rows, ld_x, ld_y, format};
