@@ -142,6 +142,44 @@ def test_streaming_n_logprobs_stop_and_stats(core: EngineCoreClient, server: Ser
     check_clean(core)
 
 
+def _detokenizes_all_requests(engine: Any) -> bool:
+    return engine.detokenize_all_requests
+
+
+def test_text_is_made_in_the_api_process_except_for_stop_strings(core: EngineCoreClient) -> None:
+    """The core detokenizes only requests with stop strings (the stop is checked on the text); the
+    others' text is made from their token ids on the API side and equals `LLM.generate`'s, also
+    when a delta carries several tokens (stream_interval) and with special tokens kept or skipped.
+    Ids from the whole vocabulary: byte pieces included."""
+    assert asyncio.run(core.call(_detokenizes_all_requests)) is False
+    prompts = [[(97 * i + 31 * j) % VOCAB for j in range(12)] for i in range(4)]
+    cases = [SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True, stream_interval=1 + 3 * (i % 2),
+                            skip_special_tokens=i < 2) for i in range(4)]
+    llm = LLM.from_config(tiny_config())
+    offline = [llm.generate([prompt], params, use_tqdm=False)[0].outputs[0] for prompt, params in zip(prompts, cases)]
+
+    async def through_core(params_list: list[SamplingParams], tag: str) -> list[Any]:
+        outs = []
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            last = None
+            async for output in core.generate(f"detok-{tag}-{i}", prompt, params):
+                last = output
+            outs.append(last.outputs[0])
+        return outs
+
+    served = asyncio.run(through_core(cases, "api"))
+    assert [(o.token_ids, o.text) for o in served] == [(o.token_ids, o.text) for o in offline]
+    assert any(o.text for o in served)
+    stops = [SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True, stop=[o.text[5:7]])
+             for i, o in enumerate(offline) if len(o.text) > 8]
+    stopped = asyncio.run(through_core(stops, "stop"))
+    expected = [llm.generate([prompts[i]], params, use_tqdm=False)[0].outputs[0].text
+                for i, params in zip([i for i, o in enumerate(offline) if len(o.text) > 8], stops)]
+    assert stops and [o.text for o in stopped] == expected
+    assert all(o.finish_reason == "stop" for o in stopped)
+    check_clean(core)
+
+
 def test_final_only_requests_get_one_message(core: EngineCoreClient) -> None:
     """The core holds a final-only request's deltas back until it finishes: its stream yields one
     output, the cumulative run's last."""

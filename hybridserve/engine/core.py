@@ -333,6 +333,7 @@ def run_engine_core(config: Any, input_address: str, output_address: str, parent
 
         try:
             engine = LLMEngine(config)
+            engine.detokenize_all_requests = False  # the API process detokenizes (stop strings aside)
             info = core_info(engine)
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides the exit code
             outputs.send(encoder.encode(StartupFailed(error_kind(exc), str(exc))))

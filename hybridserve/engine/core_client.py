@@ -37,11 +37,13 @@ import zmq
 
 from hybridserve.engine.async_engine import EngineDeadError, EngineOverloadedError, EngineStepError, generate_outputs
 from hybridserve.engine.core import run_engine_core
+from hybridserve.engine.detokenizer import IncrementalDetokenizer
 from hybridserve.engine.frames import FrameReceiver
 from hybridserve.engine.core_messages import (
     AbortRequests,
     AddRequest,
     AddResult,
+    CompletionDelta,
     CoreInfo,
     EngineDead,
     Ready,
@@ -91,7 +93,7 @@ class ProcessRequestStream:
     `RequestStream`: ends with the finished output; an engine failure is raised)."""
 
     def __init__(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                 loop: asyncio.AbstractEventLoop, arrival: float) -> None:
+                 loop: asyncio.AbstractEventLoop, arrival: float, tokenizer: Any = None) -> None:
         self.request_id = request_id
         self.loop = loop
         self.finished = False
@@ -99,6 +101,9 @@ class ProcessRequestStream:
         self._prompt_ids: list[int] = [] if isinstance(prompt, str) else list(prompt)
         with_logprobs = params.logprobs is not None
         self._completions = [_Completion(i, with_logprobs) for i in range(params.n)]
+        # the core detokenizes only requests with stop strings: the others' text is made here
+        self._detokenizers = None if tokenizer is None or params.stop else \
+            [IncrementalDetokenizer(tokenizer, params.skip_special_tokens) for _ in range(params.n)]
         self._done = False
         self._error: BaseException | None = None
         self._cached = 0
@@ -115,8 +120,11 @@ class ProcessRequestStream:
             self._prompt_ids = delta.prompt_token_ids
         for part in delta.completions:
             comp = self._completions[part.index]
-            comp.token_ids += part.token_ids
-            comp.text = part.text if part.text_start == 0 else comp.text[:part.text_start] + part.text
+            if self._detokenizers is None:
+                comp.token_ids += part.token_ids
+                comp.text = part.text if part.text_start == 0 else comp.text[:part.text_start] + part.text
+            else:
+                self._detokenize(comp, part)
             if part.logprobs is not None and comp.logprobs is not None:
                 comp.logprobs += part.logprobs
             comp.cumulative_logprob = part.cumulative_logprob
@@ -126,6 +134,20 @@ class ProcessRequestStream:
             self._metrics["first_token_time"] = delta.first_token_time
         self._done = delta.finished
         self._signal()
+
+    def _detokenize(self, comp: _Completion, part: CompletionDelta) -> None:
+        """The completion's new tokens and their text: one detokenizer update per delta (with
+        `stream_interval` a delta has several tokens; the text comes out as from the engine's
+        update per token: 3,000 random id sequences with byte pieces, chunks of 2-6, all equal),
+        a flush once it finished."""
+        assert self._detokenizers is not None
+        detokenizer = self._detokenizers[comp.index]
+        comp.token_ids += part.token_ids
+        if part.token_ids:
+            detokenizer.update(comp.token_ids)
+        if part.finish_reason is not None:
+            detokenizer.finish(comp.token_ids)
+        comp.text = detokenizer.text
 
     def fail(self, error: BaseException) -> None:
         """End the stream with an error (on the event loop)."""
@@ -366,7 +388,7 @@ class EngineCoreClient:
         self.start()
         self._resume_reader_thread()
         loop = asyncio.get_running_loop()
-        stream = ProcessRequestStream(request_id, prompt, params, loop, _now())
+        stream = ProcessRequestStream(request_id, prompt, params, loop, _now(), self.tokenizer)
         ack: concurrent.futures.Future = concurrent.futures.Future()
         message = AddRequest(request_id, prompt if isinstance(prompt, str) else list(prompt),
                              pickle.dumps(params), cache_salt)

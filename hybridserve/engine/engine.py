@@ -115,6 +115,10 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None
         self._masker: TokenMasker | None = None
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        # False in the engine core process: only requests with stop strings (checked on the text)
+        # are detokenized here; the API process turns the others' token ids into text, off the
+        # step loop (core_client.ProcessRequestStream)
+        self.detokenize_all_requests = True
         logger.info("hybridserve engine: %s", self.describe())
 
     # -- construction -------------------------------------------------------------------------
@@ -233,7 +237,8 @@ class LLMEngine:
                           index=index, max_tokens=max_tokens, block_hash=self.config.cache.block_hash)
         request.generator = (torch.Generator(device=self.device).manual_seed(params.seed + index)
                              if params.seed is not None else self._generator)
-        request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        if self.detokenize_all_requests or params.stop:
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         if params.structured_outputs is not None:
             request.matcher = self.grammars.matcher(params.structured_outputs)
         return request
@@ -456,10 +461,10 @@ class LLMEngine:
 
     def _check_stop(self, request: Request) -> None:
         params, token = request.params, request.output_token_ids[-1]
-        detokenizer = request.detokenizer
-        assert detokenizer is not None
-        delta = detokenizer.update(request.output_token_ids)
-        request.output_text = detokenizer.text
+        detokenizer, delta = request.detokenizer, ""
+        if detokenizer is not None:
+            delta = detokenizer.update(request.output_token_ids)
+            request.output_text = detokenizer.text
         enough = request.num_output_tokens >= params.min_tokens
         if enough and not params.ignore_eos and token in self.tokenizer.eos_token_ids:
             return self._finish(request, "stop")
@@ -472,7 +477,7 @@ class LLMEngine:
                 return self._finish(request, "stop")
         if enough and token in params.stop_token_ids:
             return self._finish(request, "stop", token)
-        if enough and params.stop and delta:
+        if enough and params.stop and delta and detokenizer is not None:
             hit = _find_stop(detokenizer.text, params.stop, since=len(detokenizer.text) - len(delta))
             if hit is not None:
                 index, stop = hit
