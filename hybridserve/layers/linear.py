@@ -49,8 +49,9 @@ the C GEMV's bound take the C kernels (int8 widened to float32 in registers, act
 the GEMV (2.15 vs 6.54 ms for the built-in model's int8 linears on one row; on the AVX-512 host at
 17, 24 and 32 rows 5.9, 7.5 and 11.3 ms against 9.4, 12.7 and 15.3 with `_weight_int8pack_mm`), and
 on AVX-512 from 6 rows the tile GEMM of csrc/gemm_rows.c instead (0.77x, 0.70x and 0.63x the GEMV's
-time at 8, 16 and 32 rows; from 8 rows on AMX tiles where the CPU has them, csrc/gemm_amx.c); bfloat16 keeps the 16-row bound, since from ~20 rows its AMX GEMM is
-faster: 5.7-5.9 ms at 24-32 rows against 6.3-9.4. Otherwise the GEMM is
+time at 8, 16 and 32 rows; from 8 rows on AMX tiles where the CPU has them, csrc/gemm_amx.c);
+bfloat16 keeps the 16-row bound, since from ~20 rows its AMX GEMM is faster: 5.7-5.9 ms at 24-32
+rows against 6.3-9.4. Otherwise the GEMM is
 PyTorch's `_weight_int8pack_mm`, which reads the int8 weight directly. Its fast path takes
 bfloat16 inputs (on this AVX2 CPU a float32 input is 2.4x slower than a float32 GEMM, bf16 2.2x
 faster), so a float32 activation is rounded to bfloat16 for the GEMM and its output returned in

@@ -13,13 +13,13 @@ csrc/vector_math.h an exp that GCC vectorises and the denormal flush the kernels
 `gemv` (csrc/gemv.c) is the linear (float32, bfloat16 or int8 weights, float32 rows) for up to
 16 rows, written to stream each weight as fast as a plain read (see linear.py), and `gemm_rows`
 (csrc/gemm_rows.c) the one for 6 to 128 rows on AVX-512 (float32 weights; int8 up to 32 rows),
-which comes first where it applies; where the CPU has AMX tiles, bfloat16 weights take them from 6
-to 32 rows and int8 ones from 8 (csrc/gemm_amx.c; `HYBRIDSERVE_AMX=0` turns that off); `prefill_attention`
-(csrc/prefill_attention.c) attends a short chunk over the paged KV in place; csrc/decode_step.c
-runs a whole decode step (see models/fused_decode.py). The sources are compiled with the system C compiler into the user's
-cache directory (keyed by sources, compiler and CPU, so a home shared by different CPUs is safe)
-and loaded with ctypes: no build step at install, about 3 s at the first start on the 2-core VM,
-nothing after. The kernels' parallel work runs on their own task pool (csrc/task_pool.c), whose
+which comes first where it applies; where the CPU has AMX tiles, bfloat16 weights take them from
+6 to 32 rows and int8 ones from 8 (csrc/gemm_amx.c; `HYBRIDSERVE_AMX=0` turns that off);
+`prefill_attention` (csrc/prefill_attention.c) attends a short chunk over the paged KV in place;
+csrc/decode_step.c runs a whole decode step (see models/fused_decode.py). The sources are compiled
+with the system C compiler into the user's cache directory (keyed by sources, compiler and CPU, so
+a home shared by different CPUs is safe) and loaded with ctypes: no build step at install, about
+3 s at the first start on the 2-core VM, nothing after. The kernels' parallel work runs on their own task pool (csrc/task_pool.c), whose
 caller never waits for a worker that has not started; the one OpenMP loop left (logits.c) binds to
 the `libgomp.so.1` torch already loaded. Without a compiler, on other devices or dtypes, or with
 `HYBRIDSERVE_NATIVE_KERNELS=0`, callers fall back to the eager PyTorch ops (see

@@ -238,6 +238,11 @@ static void transposed(const AmxCall *c, const float sums[16][16], int64_t row, 
     for (int n = 0; n < 16; n++) v[n] = _mm512_mul_ps(_mm512_castsi512_ps(t[n]), scale);
 }
 
+/* silu_f32 (vector_math.h) on 16 lanes. */
+static inline __m512 silu16(__m512 x) {
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16_ps(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
 static void amx_task(void *context, int64_t block) {
     const AmxCall *c = context;
     static __thread int64_t configured_call = -1;
@@ -257,11 +262,7 @@ static void amx_task(void *context, int64_t block) {
             transposed(c, sums[0][h], column, keep, v);
             if (c->silu) transposed(c, sums[1][h], c->out + column, keep, up);
             for (int64_t n = 0; n < 16 && g * 16 + n < c->rows; n++) {
-                __m512 out = v[n];
-                if (c->silu)  /* silu(gate) * up */
-                    out = _mm512_mul_ps(_mm512_div_ps(v[n], _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                                                         exp16_ps(_mm512_sub_ps(_mm512_setzero_ps(), v[n])))),
-                                        up[n]);
+                __m512 out = c->silu ? _mm512_mul_ps(silu16(v[n]), up[n]) : v[n];
                 _mm512_mask_storeu_ps(c->y + (g * 16 + n) * c->ld_y + column, keep, out);
             }
         }
