@@ -118,10 +118,10 @@ def test_a_batch_on_amx_tiles_matches_the_other_kernels(dtype: str, quantization
     differences = []
     for key, (first, step) in logprobs[True].items():
         other_first, other = logprobs[False][key]
-        assert first == other_first  # the prefill does not use them
+        assert first == other_first  # prefill chunks of 6-32 rows take the tiles too; same first token here
         assert step.keys() == other.keys()
         differences += [abs(step[token] - other[token]) for token in step]
-    assert len(differences) == 80 and max(differences) < 2e-3 and max(differences) > 0
+    assert len(differences) == 80 and 0 < max(differences) < 1e-4  # measured: 1.9e-6
 
 
 def test_a_tensor_parallel_rank_keeps_the_module_path() -> None:
