@@ -16,6 +16,16 @@ if "OMP_WAIT_POLICY" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_COUNT)
 
+# oneDNN (prefill GEMMs) compiles a kernel for every shape it meets and keeps it in two caches,
+# oneDNN's own and PyTorch's (ideep), 1024 entries each by default. A prefill's row count is the
+# step's token count, new on almost every step of real traffic, so both caches filled with
+# kernels used once: the engine process grew by ~950 MiB in a 4-minute soak, 1-2 MiB per kernel.
+# 64 entries hold every linear of several step sizes; a random-length prefill ran at the same speed
+# (3208-3339 against 3150-3304 tok/s, BENCHMARKS.md). Read when oneDNN makes its first kernel.
+ONEDNN_CACHE_CAPACITY = "64"
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_CACHE_CAPACITY)
+os.environ.setdefault("LRU_CACHE_CAPACITY", ONEDNN_CACHE_CAPACITY)
+
 from hybridserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams  # noqa: E402,E501
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
