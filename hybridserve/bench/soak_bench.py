@@ -4,19 +4,21 @@ A `hybridserve serve` subprocess (or `--url`) gets, from several concurrent clie
 of streamed and non-streamed completions and chats, short and long prompts, prompts sharing a
 few common prefixes, streams abandoned mid-way (aborts), requests whose client gives up before the
 answer (disconnects) and bad requests; every `overload_every_s` a burst larger than the server's
-queue arrives at once (deliberate overload: 503 expected there and only there). The server's
-resident memory is sampled throughout.
+queue arrives at once (deliberate overload: 503 expected there and only there). The resident
+memory of the server's processes (API, engine core, tensor-parallel workers) is sampled throughout.
 
 Pass criteria (`SoakResult.passed`): no 5xx other than 503 during an overload burst, no valid
 request answered 4xx, no bad request answered 2xx, no error event in a stream, every pool back to
 its initial free counts once idle (no KV block, state slot, snapshot reservation or pin held),
-and RSS growth under 5% between the second window (minute) and the last one.
+and resident memory (API and engine processes, net of the free memory the engine's allocator keeps)
+growing under 5% between the second window (minute) and the last one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 from collections import Counter, defaultdict
@@ -63,6 +65,7 @@ class SoakStats:
     latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     ttft: list[float] = field(default_factory=list)
     rss: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, bytes)
+    heap_free: list[tuple[float, int]] = field(default_factory=list)  # the engine allocator's kept free bytes
     bursts: list[tuple[float, float]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
@@ -204,18 +207,60 @@ async def _overload_loop(traffic: Traffic, cfg: SoakConfig, deadline: float) -> 
         traffic.stats.bursts[-1] = (begin, time.monotonic() - traffic.start)
 
 
-async def _rss_loop(pid: int | None, stats: SoakStats, start: float, interval: float, deadline: float) -> None:
+async def _rss_loop(pid: int | None, client: httpx.AsyncClient, stats: SoakStats, start: float, interval: float,
+                    deadline: float) -> None:
     while pid is not None and time.monotonic() < deadline:
-        stats.rss.append((time.monotonic() - start, _rss_bytes(pid)))
+        await _sample_memory(pid, client, stats, start)
         await asyncio.sleep(interval)
 
 
+async def _sample_memory(pid: int, client: httpx.AsyncClient, stats: SoakStats, start: float) -> None:
+    """One sample of the server's resident bytes and of the free bytes its engine's allocator keeps."""
+    try:
+        heap_free = int((await _engine_stats(client)).get("heap_free_bytes", 0))
+    except (httpx.HTTPError, ValueError):
+        heap_free = 0
+    now = time.monotonic() - start
+    stats.rss.append((now, _rss_bytes(pid)))
+    stats.heap_free.append((now, heap_free))
+
+
 def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as handle:
-        for line in handle:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"no VmRSS for {pid}")
+    """Resident bytes of `pid` and every process below it: the API process, its engine core and
+    any tensor-parallel workers (the core's pools and the model live in the core process)."""
+    return sum(_own_rss_bytes(p) for p in _process_tree(pid))
+
+
+def _own_rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            for line in handle:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except FileNotFoundError:
+        return 0  # the process ended between the scan and the read
+    return 0  # a zombie has no VmRSS
+
+
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants, from the parent ids in /proc/*/stat."""
+    children: dict[int, list[int]] = defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children[parent].append(int(entry))
+    tree, frontier = [pid], [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in children.get(parent, ())]
+        tree += frontier
+    if not os.path.exists(f"/proc/{pid}/status"):
+        raise OSError(f"no process {pid}")
+    return tree
 
 
 async def _engine_stats(client: httpx.AsyncClient) -> dict[str, float]:
@@ -258,13 +303,13 @@ async def run_soak_against(url: str, cfg: SoakConfig, server_pid: int | None) ->
         start = time.monotonic()
         deadline = start + cfg.duration_s
         traffic = Traffic(client, cfg, stats, start)
-        await asyncio.gather(_rss_loop(server_pid, stats, start, cfg.rss_interval_s, deadline),
+        await asyncio.gather(_rss_loop(server_pid, client, stats, start, cfg.rss_interval_s, deadline),
                              _overload_loop(traffic, cfg, deadline),
                              *(_client_loop(traffic, cfg.seed + i, deadline) for i in range(cfg.clients)))
         elapsed = time.monotonic() - start
         final = await _wait_idle(client, cfg.idle_timeout_s)
         if server_pid is not None:
-            stats.rss.append((time.monotonic() - start, _rss_bytes(server_pid)))
+            await _sample_memory(server_pid, client, stats, start)
     return summarize(cfg, stats, initial, final, elapsed)
 
 
@@ -288,6 +333,13 @@ def _leaks(initial: dict[str, float], final: dict[str, float]) -> dict[str, floa
     return leaks
 
 
+def net_rss(stats: SoakStats) -> list[tuple[float, int]]:
+    """Resident bytes net of the free memory the engine's allocator keeps: what a leak would grow.
+    The CPU engine keeps freed activations in its heap on purpose (`retain_freed_activation_memory`),
+    so its resident size climbs with the largest steps met so far and stays there."""
+    return [(t, rss - free) for (t, rss), (_, free) in zip(stats.rss, stats.heap_free)]
+
+
 def rss_growth(rss: list[tuple[float, int]], window_s: float) -> float:
     """Relative growth of the mean RSS of the last window over the second window."""
     if not rss:
@@ -307,7 +359,7 @@ def summarize(cfg: SoakConfig, stats: SoakStats, initial: dict[str, float], fina
     for (_, outcome), count in stats.outcomes.items():
         by_class[outcome] += count
     leaks = _leaks(initial, final)
-    growth = rss_growth(stats.rss, cfg.rss_window_s)
+    growth = rss_growth(net_rss(stats), cfg.rss_window_s)
     all_latencies = [v for values in stats.latencies.values() for v in values]
     latency = {kind: {"n": len(v), "p50": _percentile(v, 50), "p90": _percentile(v, 90), "p99": _percentile(v, 99)}
                for kind, v in sorted(stats.latencies.items())}
@@ -319,7 +371,8 @@ def summarize(cfg: SoakConfig, stats: SoakStats, initial: dict[str, float], fina
         "config": asdict(cfg), "elapsed_s": elapsed, "requests": sum(stats.outcomes.values()),
         "by_class": dict(by_class), "by_kind": {f"{k}/{o}": c for (k, o), c in sorted(stats.outcomes.items())},
         "latency_s": latency, "ttft_s": {"p50": _percentile(stats.ttft, 50), "p99": _percentile(stats.ttft, 99)},
-        "leaks": leaks, "rss_growth": growth, "rss": stats.rss, "bursts": stats.bursts,
+        "leaks": leaks, "rss_growth": growth, "rss_growth_gross": rss_growth(stats.rss, cfg.rss_window_s),
+        "rss": stats.rss, "heap_free": stats.heap_free, "net_rss": net_rss(stats), "bursts": stats.bursts,
         "failures": stats.failures[:50], "initial": initial, "final": final, "passed": passed,
     }
 
@@ -348,9 +401,11 @@ def format_soak_report(result: dict[str, Any]) -> str:
              f"stream TTFT p50={result['ttft_s']['p50']:.3f} s p99={result['ttft_s']['p99']:.3f} s",
              f"leaks after idle: {result['leaks'] or 'none'}"]
     if result["rss"]:
-        rss = [b for _, b in result["rss"]]
-        lines.append(f"server RSS: start {rss[0] / mib:.0f} MiB, max {max(rss) / mib:.0f} MiB, end {rss[-1] / mib:.0f} "
-                     f"MiB; growth last window vs second window {100 * result['rss_growth']:+.2f}%")
+        rss, net = [b for _, b in result["rss"]], [b for _, b in result["net_rss"]]
+        lines.append(f"server RSS (API and engine processes): start {rss[0] / mib:.0f} MiB, max {max(rss) / mib:.0f} "
+                     f"MiB, end {rss[-1] / mib:.0f} MiB; net of the engine allocator's kept free memory: start "
+                     f"{net[0] / mib:.0f} MiB, end {net[-1] / mib:.0f} MiB; net growth last window vs second window "
+                     f"{100 * result['rss_growth']:+.2f}% (gross {100 * result['rss_growth_gross']:+.2f}%)")
     lines += [f"failure: {f}" for f in result["failures"][:10]]
     return "\n".join(lines)
 
@@ -365,12 +420,14 @@ def plot_rss(result: dict[str, Any], path: str | Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 3.5))
     times = [t for t, _ in result["rss"]]
     ax.plot(times, [b / (1 << 20) for _, b in result["rss"]], label="server RSS")
+    ax.plot([t for t, _ in result["net_rss"]], [b / (1 << 20) for _, b in result["net_rss"]],
+            label="net of the allocator's kept free memory")
     for index, (start, end) in enumerate(result["bursts"]):
         ax.axvspan(start, end, color="tab:red", alpha=0.15, label="overload burst" if index == 0 else None)
     ax.set_xlabel("seconds")
     ax.set_ylabel("MiB")
     ax.set_title(f"hybridserve soak: {result['requests']} requests in {result['elapsed_s']:.0f} s, "
-                 f"RSS growth {100 * result['rss_growth']:+.1f}%")
+                 f"net RSS growth {100 * result['rss_growth']:+.1f}%")
     ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -19,7 +19,7 @@ from hybridserve.cache.state_slots import StateSlotPool
 from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.config import EngineConfig, ModelConfig
 from hybridserve.engine.detokenizer import IncrementalDetokenizer
-from hybridserve.engine.memory import retain_freed_activation_memory
+from hybridserve.engine.memory import allocator_free_bytes, retain_freed_activation_memory
 from hybridserve.engine.memory_plan import DeviceMemory, MemoryPlan, PlanInputs, device_memory, plan_memory, \
     profile_forward
 from hybridserve.engine.request import Request, RequestGroup, RequestStatus
@@ -574,6 +574,7 @@ class LLMEngine:
             "kv_pool_bytes": report.kv_pool_bytes, "kv_used_bytes": report.kv_used_bytes,
             "kv_cached_free_bytes": report.kv_cached_free_bytes, "snapshot_pool_bytes": report.snapshot_pool_bytes,
             "weight_bytes": self.weight_bytes,
+            "heap_free_bytes": allocator_free_bytes() if self.device.type == "cpu" else 0,
             "snapshots_reserved": self.scheduler.snapshots.num_reserved if self.scheduler.snapshots else 0,
             "snapshots_pinned": self.scheduler.snapshots.num_pinned if self.scheduler.snapshots else 0,
         }

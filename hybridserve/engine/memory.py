@@ -1,9 +1,10 @@
-"""Host allocator tuning for CPU inference."""
+"""Host allocator tuning for CPU inference, and what the allocator keeps."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import sys
 
@@ -11,6 +12,38 @@ logger = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _RETAIN_BYTES = 1 << 30
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name is not None else None
+    except OSError:
+        return None
+
+
+def allocator_free_bytes() -> int:
+    """Bytes freed by this process but kept by glibc's allocator for reuse (`mallinfo2().fordblks`,
+    every arena); 0 where glibc or `mallinfo2` (glibc 2.33+) is absent.
+
+    `retain_freed_activation_memory` makes the heap keep freed activations, so a CPU engine's
+    resident size climbs to the high-water mark of its largest steps and stays there; a leak check
+    (`hybridserve bench soak`) counts resident memory net of this.
+    """
+    libc = _libc()
+    mallinfo2 = getattr(libc, "mallinfo2", None)
+    if mallinfo2 is None:
+        return 0
+    mallinfo2.restype = _MallInfo2
+    return int(mallinfo2().fordblks)
 
 
 def retain_freed_activation_memory() -> bool:
@@ -21,13 +54,10 @@ def retain_freed_activation_memory() -> bool:
     here that is ~10% of a 4k-token CPU prefill. Raising the mmap and trim thresholds lets freed
     activation buffers be reused. Returns False (and changes nothing) where glibc is absent.
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    name = ctypes.util.find_library("c")
-    if name is None:
+    libc = _libc()
+    if libc is None:
         return False
     try:
-        libc = ctypes.CDLL(name)
         ok = libc.mallopt(_M_MMAP_THRESHOLD, _RETAIN_BYTES) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _RETAIN_BYTES) == 1
     except (OSError, AttributeError):
         return False

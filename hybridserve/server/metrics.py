@@ -38,6 +38,8 @@ _GAUGES = (
     ("kv_cached_free_bytes", "kv_cached_free_bytes", "Bytes of free KV blocks still holding a cached prefix."),
     ("snapshot_pool_bytes", "snapshot_pool_bytes", "Capacity of the GDN snapshot pool in bytes."),
     ("weight_bytes", "weight_bytes", "Bytes of model weights held on the device."),
+    ("heap_free_bytes", "heap_free_bytes",
+     "Freed memory the engine process's allocator keeps for reuse (CPU, glibc: activations are kept on purpose)."),
     ("snapshots_reserved", "snapshots_reserved", "Snapshot slots reserved by the running step."),
     ("snapshots_pinned", "snapshots_pinned", "Snapshot pins held by the running step."),
 )
