@@ -8,7 +8,6 @@ import asyncio
 import json
 import random
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hybridserve.engine.async_engine import AsyncLLMEngine
 from hybridserve.engine.engine import LLMEngine
+from hybridserve.engine.memory import allocator_free_bytes
 from hybridserve.sampling_params import RequestOutputKind, SamplingParams
 from hybridserve.server.app import build_app
 from hybridserve.engine_args import engine_config_from_args
@@ -248,7 +248,7 @@ def test_metrics_move(http: httpx.Client, client: openai.OpenAI) -> None:
     assert 64 * 2**20 - after["hybridserve_bytes_per_snapshot"] < after["hybridserve_snapshot_pool_bytes"] <= 64 * 2**20
     assert after["hybridserve_weight_bytes"] == 116724608
     assert after["hybridserve_snapshots_reserved"] == after["hybridserve_snapshots_pinned"] == 0
-    if sys.platform.startswith("linux"):  # glibc: the engine's heap keeps freed activations
+    if allocator_free_bytes() > 0:  # glibc with mallinfo2 (2.33+): the engine's heap keeps freed activations
         assert after["hybridserve_heap_free_bytes"] > 0
 
 
