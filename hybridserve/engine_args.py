@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from hybridserve.config import BLOCK_HASHES, POLICY_NAMES, CacheConfig, EngineConfig, SchedulerConfig
-from hybridserve.engine.memory_plan import parse_size
+from hybridserve.engine.memory_plan import DEFAULT_CPU_KV_CACHE_MIB, DEFAULT_CPU_PREFIX_CACHE_MIB, parse_size
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: bool = False) -> None:
@@ -17,7 +17,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
                         help="model directory (Hugging Face layout); the built-in model when omitted")
     parser.add_argument("--prefix-cache-mib", type=float, default=None,
                         help="memory for GDN state snapshots of the joint prefix cache (0 disables it); when "
-                             "unset, planned (see --memory-fraction), or 1024 on CPU")
+                             f"unset, planned (see --memory-fraction), or {DEFAULT_CPU_PREFIX_CACHE_MIB:g} on CPU")
     parser.add_argument("--snapshot-interval", type=int, default=256,
                         help="tokens between GDN state snapshots (a multiple of the block size)")
     parser.add_argument("--cache-policy", default="hybridserve", metavar="{" + ",".join(POLICY_NAMES) + "}",
@@ -25,7 +25,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     parser.add_argument("--kv-cache-mib", type=float, default=None,
                         help="memory for the paged KV cache; when unset, planned (see --memory-fraction), or "
-                             "256 on CPU")
+                             f"{DEFAULT_CPU_KV_CACHE_MIB:g} on CPU")
     parser.add_argument("--memory-fraction", type=float, default=None,
                         help="fraction of device memory this engine may use (CUDA: of total memory, default "
                              "0.9; CPU: of the RAM available at start); the caches get what the weights and a "
