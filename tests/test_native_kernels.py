@@ -413,7 +413,7 @@ def test_prefill_attention_leaves_other_inputs_to_torch() -> None:
 @pytest.mark.skipif(not _gemm_rows_available(), reason="csrc/gemm_rows.c needs AVX-512 and the C kernels")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [6, 16, 17, 64, 128])
-@pytest.mark.parametrize(("half", "in_features"), [(1536, 512), (33, 70), (5, 16)])
+@pytest.mark.parametrize(("half", "in_features"), [(1536, 512), (200, 64), (33, 70), (5, 16)])
 def test_gemm_rows_silu_mul_matches_torch(half: int, in_features: int, rows: int, threads: int,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The MLP's silu(gate) * up written by the GEMM: blocks of gate and up columns with their
