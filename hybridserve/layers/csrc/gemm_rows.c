@@ -56,7 +56,7 @@
 #define TILE_W 4        /* weight rows per tile */
 #define TILE_X 6        /* input rows per tile */
 #define PREFETCH_SPREAD_GROUPS 4  /* input-row groups from which the prefetch is spread (see weight_rows) */
-#define TILE_BLOCK 128  /* output features per task (see below) */
+#define TILE_BLOCK 128  /* output features per task (see the header) */
 #define SILU_SUB_BLOCK 32  /* gate and up features the MLP variant computes before writing their product */
 
 #if defined(__AVX512F__)
