@@ -178,8 +178,6 @@ class Scheduler:
             request = self.running[index]
             remaining = request.num_tokens - request.num_computed_tokens
             length = 1 if remaining == 1 else min(remaining, budget, prefill_budget)
-            if 1 < length < remaining and prefill_budget < budget:
-                length = self._end_at_capture(request, length)
             if length == 0:
                 index += 1  # a prefill waiting for budget; it keeps what it holds
                 continue
@@ -199,8 +197,6 @@ class Scheduler:
             restores.append(restore)
             remaining = request.num_tokens - request.num_computed_tokens
             length = min(remaining, budget, prefill_budget)
-            if 1 < length < remaining and prefill_budget < budget:
-                length = self._end_at_capture(request, length)
             self._add_chunk(chunks, request, length, [])
             budget -= length
             prefill_budget -= length
@@ -283,16 +279,6 @@ class Scheduler:
             assert self.snapshots.key_of(slot) == lookup.key, "snapshot key mismatch"
             assert self.snapshots.num_tokens_of(slot) == lookup.hit.num_tokens, "snapshot position mismatch"
         return lookup
-
-    def _end_at_capture(self, request: Request, length: int) -> int:
-        """A prompt chunk cut short by the prefill cap ends at the first snapshot boundary inside it,
-        if any, so that its capture is the state the step leaves (which lets a decode step take the
-        chunk in its one-call form; a chunk captured mid-way runs the module path)."""
-        if self.snapshots is None or self.policy is None:
-            return length
-        start = request.num_computed_tokens
-        inside = [b for b in self.policy.captures(self._view(request), start, length) if b < start + length]
-        return inside[0] - start if inside else length
 
     def _add_chunk(self, chunks: list[ScheduledChunk], request: Request, length: int, new_blocks: list[int]) -> None:
         """Record the chunk first, then reserve its snapshot slots into it (so a failure while

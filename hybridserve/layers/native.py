@@ -184,9 +184,10 @@ def _library() -> ctypes.CDLL | None:
     library.prefill_attention_max_tokens.restype = ctypes.c_int
     library.logits_argmax_finite.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _int]
     library.logits_argmax_finite.restype = None
-    library.decode_step_workspace_floats.argtypes = [_ptr, _i64, _i64]
+    library.decode_step_workspace_floats.argtypes = [_ptr, _i64, _ptr, _i64, _int]
     library.decode_step_workspace_floats.restype = _i64
-    library.decode_step_f32.argtypes = [_ptr, _i64] + [_ptr] * 5 + [_i64] * 3 + [_ptr] * 3 + [_i64] + [_ptr] * 2 + [_int]
+    library.decode_step_f32.argtypes = ([_ptr, _i64] + [_ptr] * 5 + [_i64] * 3 + [_ptr] * 3 + [_i64] + [_ptr] * 2
+                                        + [_i64] + [_ptr] * 3 + [_int])
     library.decode_step_f32.restype = ctypes.c_int
     for name, argtypes in (("rms_norm_f32", _RMS_NORM_ARGTYPES),
                            ("rms_norm_rope_f32", _RMS_NORM_ROPE_ARGTYPES),

@@ -1,24 +1,29 @@
 """The decode forward of a CPU model as one C call (layers/csrc/decode_step.c).
 
-A step of up to 16 rows runs embeddings, every layer, the final norm and the LM head in C:
+A step of up to 128 rows runs embeddings, every layer, the final norm and the LM head in C:
 decode rows, and prompt chunks taken in the same step (a burst of short prompts, the few tokens a
-long prompt adds per step while others decode), each chunk's rows stepping its sequence's state
-in order and attending to the rows before them. It calls the same kernels as the module path's
-decode in the same order; Python passes the step's ids, positions, slots and fresh buffers. It is
-what a captured CUDA graph is to a GPU engine: the per-op dispatch of ~150 ops and ~40 module calls
-goes. Float32 models (float32 or int8 linears) get the module path's decode math exactly; a prompt
-chunk's rows are stepped token by token like decode rows, where the module path's prefill uses
-its prefill kernels (the same recurrence, sums in another order). A bfloat16 model's weights, KV
-and conv state stay bfloat16 in memory and are widened to float32 as they are read, so its
-activations are float32 where the module path rounds each one to bfloat16: closer to a float32
-model, not equal to the module path (on a CPU without bf16 arithmetic this is also what makes
-bfloat16 fast). Steps of
-more rows, steps that want prompt logprobs or a snapshot inside a chunk, CUDA and tensor
-parallelism keep the module path, as does everything with `HYBRIDSERVE_FUSED_DECODE=0` or the C
-kernels off.
+long prompt adds per step while others decode, a warm request's suffix behind its cached prefix),
+each chunk's rows stepping its sequence's state in order and attending to the rows before them.
+It calls the same kernels as the module path in the same order; Python passes the step's ids,
+positions, slots and kept buffers. It is what a captured CUDA graph is to a GPU engine: the
+per-op dispatch of ~150 ops and ~40 module calls goes (for a 64-token warm suffix behind 4096
+cached tokens, ~10 ms of ~31). Float32 models (float32 or int8 linears) get the module path's
+decode math exactly; a chunk of 8 or more rows attends with the module path's chunk attention
+kernel (prefill_attention.c), and its rows' GDN state is stepped token by token like decode rows,
+where the module path's prefill uses its chunked kernel (the same recurrence, sums in another
+order). As on the module path, the last layer's attention, output projection and MLP run for the
+logit rows only. A bfloat16 model's weights, KV and conv state stay bfloat16 in memory and are
+widened to float32 as they are read, so its activations are float32 where the module path rounds
+each one to bfloat16: closer to a float32 model, not equal to the module path (on a CPU without
+bf16 arithmetic this is also what makes bfloat16 fast); its steps take up to 16 rows, since its
+chunks' rows would attend one by one (see `_max_rows`). Steps of more rows, steps that want
+prompt logprobs, CUDA and tensor parallelism keep the module path, as does everything with
+`HYBRIDSERVE_FUSED_DECODE=0` or the C kernels off.
 
 The step is transactional like the module path: GDN layers update their live slots in place and
-hand the replaced state to `ForwardContext.state_undo`; snapshot captures read the updated slots.
+hand the replaced state, one record per sequence, to `ForwardContext.state_undo`. A snapshot
+captured inside a chunk is copied out by the C step as the chunk's rows pass it and written to
+the snapshot sink afterwards; one at a chunk's end (or a decode row's) is read from the live slot.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ if TYPE_CHECKING:
     from hybridserve.models.qwen3_5 import ForwardContext, Qwen3_5ForCausalLM
 
 FUSED_DECODE_ENV = "HYBRIDSERVE_FUSED_DECODE"
-MAX_ROWS = native.GEMV_DECODE_ROWS  # DECODE_STEP_MAX_ROWS in decode_step.c
+MAX_ROWS = 128  # DECODE_STEP_MAX_ROWS in decode_step.c
 
 WEIGHT_FORMATS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}  # as in decode_step.c
 
@@ -99,6 +104,7 @@ class FusedDecodeStep:
         self._float_copies: list[torch.Tensor] = []  # a bfloat16 model's small GDN weights, in float32
         self._buffers = _StepBuffers(self.num_gdn_layers, ctx)
         self._layers = (DecodeLayer * len(text.layers))(*[self._layer_struct(layer) for layer in text.layers])
+        self.max_rows = _max_rows(model, ctx)
         attention = next((layer.self_attn for layer in text.layers if layer.is_attention), None)
         assert model.head is not None and text.norm.scale is not None
         self.model = DecodeModel(
@@ -153,71 +159,88 @@ class FusedDecodeStep:
     @staticmethod
     def takes(batch: ForwardBatch) -> bool:
         """A step of 1..MAX_ROWS rows whose logits rows are sequence ends (no prompt logits): decode
-        rows, and prompt chunks (with their block tables) whose snapshot captures, if any, are at
-        the chunk's end, where the step leaves the live state."""
+        rows, and prompt chunks (with their block tables) whose snapshot captures, if any, fall
+        after the chunk's first token (the step copies the state at a capture inside a chunk out
+        as it passes; the one at a chunk's end is the live state it leaves). `fits` then checks
+        the rows this model's step takes."""
         rows = int(batch.input_ids.shape[0])
         if not 0 < rows <= MAX_ROWS or not batch.logits_only_last_layer:
             return False
         if batch.prefills and batch.block_tables is None:
             return False
-        return all(boundary == chunk.start_position + chunk.length
+        return all(chunk.start_position < boundary <= chunk.start_position + chunk.length
                    for chunk in batch.prefills for boundary, _ in chunk.captures)
 
+    def fits(self, batch: ForwardBatch) -> bool:
+        """The batch's rows are within `max_rows`."""
+        return int(batch.input_ids.shape[0]) <= self.max_rows
+
     def run(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
-        """Logits [len(logits_rows), vocab] of the step (check `takes` and `serves` first); live GDN
-        state is updated in place, its undo record appended to ctx.state_undo, captures written to
-        the snapshot sink. A prompt chunk's rows are consecutive tokens of one sequence: the C step
-        writes every row's KV before attending, so each row sees the rows before it, and steps the
-        rows' GDN state in order."""
+        """Logits [len(logits_rows), vocab] of the step (check `takes`, `fits` and `serves` first);
+        live GDN state is updated in place, each sequence's undo record appended to ctx.state_undo,
+        captures written to the snapshot sink. A prompt chunk's rows are consecutive tokens of one
+        sequence: the C step writes every row's KV before attending, so each row sees the rows
+        before it, and steps the rows' GDN state in order."""
         group = batch.decode
         rows = int(batch.input_ids.shape[0])
         tokens, positions = batch.input_ids.contiguous(), batch.positions.contiguous()
         write_slots = batch.kv_write_slots.contiguous()
+        decode_slots = group.state_slots.tolist() if group is not None else []
+        inner: list[tuple[int, int]] = []  # (row after which the state is captured, snapshot slot)
         if batch.prefills:
             assert batch.block_tables is not None
             counts = [1] * batch.num_decode + [chunk.length for chunk in batch.prefills]
             tables = batch.block_tables.index_select(0, torch.repeat_interleave(torch.arange(len(counts)),
                                                                                 torch.tensor(counts)))
-            slot_list = (group.state_slots.tolist() if group is not None else []) + [
-                chunk.state_slot for chunk in batch.prefills for _ in range(chunk.length)]
+            slot_list, sequence_slots = list(decode_slots), list(decode_slots)
+            for chunk in batch.prefills:
+                first = len(slot_list)
+                inner += [(first + boundary - chunk.start_position - 1, snapshot)
+                          for boundary, snapshot in chunk.captures if boundary < chunk.start_position + chunk.length]
+                slot_list += [chunk.state_slot] * chunk.length
+                sequence_slots.append(chunk.state_slot)
             slots, max_context = torch.tensor(slot_list, dtype=torch.long), int(positions.max()) + 1
         else:
             assert group is not None
             tables, slots, max_context = group.block_tables.contiguous(), group.state_slots.contiguous(), group.max_length
+            sequence_slots = decode_slots
         logit_rows = batch.logits_rows.contiguous()
-        library, model = self._library, ctypes.addressof(self.model)
+        library, model, threads = self._library, ctypes.addressof(self.model), torch.get_num_threads()
         buffers = self._buffers
-        workspace = buffers.workspace(library.decode_step_workspace_floats(model, rows, max_context))
-        undo = buffers.undo(rows)  # one undo record per layer, as on the module path
-        undo_conv, undo_rec = undo.conv, undo.recurrent
+        workspace = buffers.workspace(library.decode_step_workspace_floats(model, rows, slots.data_ptr(), max_context,
+                                                                           threads))
+        undo = buffers.undo(len(sequence_slots))  # one record per sequence and layer, as on the module path
+        captures = buffers.captures(len(inner))
+        capture_rows = torch.tensor([row for row, _ in inner], dtype=torch.long)
         conv, recurrent = ctx.live_states.conv, ctx.live_states.recurrent
         logits = torch.empty(logit_rows.shape[0], self.model.vocab)
         failed = library.decode_step_f32(
             model, rows, tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(), write_slots.data_ptr(),
             tables.data_ptr(), tables.shape[1], ctx.kv_cache.block_size, max_context, workspace.data_ptr(),
             undo.conv_pointers, undo.recurrent_pointers, logit_rows.shape[0], logit_rows.data_ptr(), logits.data_ptr(),
-            torch.get_num_threads())
+            len(inner), capture_rows.data_ptr(), captures.conv_pointers, captures.recurrent_pointers, threads)
         if failed:
             raise IndexError("fused decode: a token id, position or slot is out of range")
-        if batch.prefills:  # a sequence's undo record is its first row's
-            first = [row for row in range(rows) if row == 0 or slot_list[row] != slot_list[row - 1]]
-            index = torch.tensor(first, dtype=torch.long)
-            slots = slots.index_select(0, index)
-            undo_conv = [t.index_select(0, index) for t in undo_conv]
-            undo_rec = [t.index_select(0, index) for t in undo_rec]
-        ctx.state_undo.extend(StateWrite(layer, slots, undo_conv[layer], undo_rec[layer])
+        sequences = torch.tensor(sequence_slots, dtype=torch.long)
+        ctx.state_undo.extend(StateWrite(layer, sequences, undo.conv[layer], undo.recurrent[layer])
                               for layer in range(self.num_gdn_layers))
         if ctx.snapshot_sink is not None:
-            captured = [(int(group.state_slots[row]), snapshot) for row, snapshot in group.captures] if group else []
-            captured += [(chunk.state_slot, snapshot) for chunk in batch.prefills for _, snapshot in chunk.captures]
-            for slot, snapshot_slot in captured:
+            for index, (_, snapshot_slot) in enumerate(inner):
+                for layer in range(self.num_gdn_layers):
+                    ctx.snapshot_sink.write(layer, snapshot_slot, captures.conv[layer][index],
+                                            captures.recurrent[layer][index])
+            ends = [(int(group.state_slots[row]), snapshot) for row, snapshot in group.captures] if group else []
+            ends += [(chunk.state_slot, snapshot) for chunk in batch.prefills for boundary, snapshot in chunk.captures
+                     if boundary == chunk.start_position + chunk.length]
+            for slot, snapshot_slot in ends:
                 for layer in range(self.num_gdn_layers):
                     ctx.snapshot_sink.write(layer, snapshot_slot, conv[layer, slot], recurrent[layer, slot])
         return logits
 
 
-class UndoRecords(NamedTuple):
-    """Each GDN layer's conv and recurrent undo record for a step's rows, and their addresses."""
+class StateRecords(NamedTuple):
+    """Each GDN layer's conv and recurrent state for some sequences of a step (undo records, or
+    states captured inside a chunk), and their addresses."""
 
     conv: list[torch.Tensor]
     recurrent: list[torch.Tensor]
@@ -226,11 +249,12 @@ class UndoRecords(NamedTuple):
 
 
 class _StepBuffers:
-    """The C step's workspace and per-GDN-layer undo records, kept from step to step (up to
+    """The C step's workspace and per-GDN-layer state records, kept from step to step (up to
     KEPT_BYTES; larger ones are the step's own) and grown when a step needs more: allocating them
-    for each step (2 MB of undo record per layer at 16 rows of the built-in model) cost page
+    for each step (2 MB of undo record per layer at 16 sequences of the built-in model) cost page
     faults on every step. Steps run one at a time, and a step's undo record is used, if at all,
-    before the step returns (`ModelRunner.execute_plan`)."""
+    before the step returns (`ModelRunner.execute_plan`); captured states are copied into the
+    snapshot store before it returns."""
 
     KEPT_BYTES = 64 << 20
 
@@ -239,8 +263,7 @@ class _StepBuffers:
         self.conv_shape, self.conv_dtype = ctx.live_states.conv.shape[2:], ctx.live_states.conv.dtype
         self.rec_shape = ctx.live_states.recurrent.shape[2:]
         self._workspace = torch.empty(0)
-        self._undo: UndoRecords | None = None
-        self._undo_rows = 0
+        self._kept: dict[str, tuple[int, StateRecords]] = {}
 
     def workspace(self, floats: int) -> torch.Tensor:
         """At least `floats` float32 of scratch."""
@@ -251,20 +274,30 @@ class _StepBuffers:
             self._workspace = workspace
         return workspace
 
-    def undo(self, rows: int) -> UndoRecords:
-        """Undo records for `rows` rows (the kept ones' leading rows where they are large enough)."""
-        kept = self._undo
-        if kept is not None and self._undo_rows >= rows:
-            return kept._replace(conv=[t[:rows] for t in kept.conv], recurrent=[t[:rows] for t in kept.recurrent])
-        layers = range(self.num_gdn_layers)
+    def undo(self, sequences: int) -> StateRecords:
+        """Undo records for `sequences` sequences."""
+        return self._records("undo", sequences)
+
+    def captures(self, count: int) -> StateRecords:
+        """Records for `count` states captured inside chunks."""
+        return self._records("captures", count)
+
+    def _records(self, kind: str, count: int) -> StateRecords:
+        """Records for `count` sequences (the kept ones' leading rows where they are large enough)."""
+        kept = self._kept.get(kind)
+        if kept is not None and kept[0] >= count:
+            records = kept[1]
+            return records._replace(conv=[t[:count] for t in records.conv],
+                                    recurrent=[t[:count] for t in records.recurrent])
+        layers, rows = range(self.num_gdn_layers), max(count, 1)
         conv = [torch.empty(rows, *self.conv_shape, dtype=self.conv_dtype) for _ in layers]
         recurrent = [torch.empty(rows, *self.rec_shape) for _ in layers]
         pointers = ctypes.c_void_p * self.num_gdn_layers
-        undo = UndoRecords(conv, recurrent, pointers(*[t.data_ptr() for t in conv]),
-                           pointers(*[t.data_ptr() for t in recurrent]))
+        records = StateRecords(conv, recurrent, pointers(*[t.data_ptr() for t in conv]),
+                               pointers(*[t.data_ptr() for t in recurrent]))
         if sum(t.numel() * t.element_size() for t in conv + recurrent) <= self.KEPT_BYTES:
-            self._undo, self._undo_rows = undo, rows
-        return undo
+            self._kept[kind] = (rows, records)
+        return records._replace(conv=[t[:count] for t in conv], recurrent=[t[:count] for t in recurrent])
 
 
 def supported(model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> bool:
@@ -282,12 +315,11 @@ def supported(model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> bool:
         return False
     norms = [module for module in model.modules() if isinstance(module, ZeroCenteredRMSNorm)]
     float32 = [ctx.live_states.recurrent, *(norm.scale for norm in norms)]
-    model_dtype, linears = list(storage), [model.head]
+    model_dtype = list(storage)
     for layer in text.layers:
         if layer.all_reduce is not None:
             return False
         mixer = layer.self_attn if layer.is_attention else layer.linear_attn
-        linears += [mixer.qkv if layer.is_attention else mixer.in_proj, mixer.out, layer.mlp.gate_up, layer.mlp.down]
         if not layer.is_attention:
             float32.append(mixer.neg_decay_rate)
             model_dtype += [mixer.conv1d.weight, mixer.dt_bias, mixer.norm.weight]
@@ -296,11 +328,34 @@ def supported(model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> bool:
         return False
     if any(t.dtype != torch.float32 for t in float32) or any(t.dtype != dtype for t in model_dtype):
         return False
-    if any(not _plain_linear(linear, dtype) for linear in linears):
+    if any(not _plain_linear(linear, dtype) for linear in _linears(model)):
         return False
     if text.embed_tokens.weight.shape[0] != model.head.weight.shape[0]:
         return False
     return len({norm.eps for norm in norms}) == 1
+
+
+def _linears(model: Qwen3_5ForCausalLM) -> list[PackedLinear | None]:
+    """Every linear the step runs: the LM head, then each layer's mixer in/out and MLP."""
+    linears = [model.head]
+    for layer in model.model.layers:
+        mixer = layer.self_attn if layer.is_attention else layer.linear_attn
+        linears += [mixer.qkv if layer.is_attention else mixer.in_proj, mixer.out, layer.mlp.gate_up, layer.mlp.down]
+    return linears
+
+
+def _max_rows(model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> int:
+    """The rows a step of this model takes: up to MAX_ROWS where a chunk of them runs as fast as on
+    the module path (float32 KV and a head size the chunk attention takes, float32 linears on the
+    tile GEMM), up to GEMM_ROWS_INT8_MAX_ROWS with int8 linears (where the tile GEMM takes them on
+    the module path too), else GEMV_DECODE_ROWS: there a chunk's rows would attend one by one."""
+    config, dtypes = model.config, {linear.weight.dtype for linear in _linears(model) if linear is not None}
+    if (ctx.kv_cache.keys.dtype != torch.float32 or config.head_dim % 64 != 0 or config.head_dim > 256
+            or native.prefill_attention_max_tokens() < MAX_ROWS or not dtypes <= {torch.float32, torch.int8}):
+        return native.GEMV_DECODE_ROWS
+    if torch.int8 in dtypes:
+        return native.GEMM_ROWS_INT8_MAX_ROWS
+    return MAX_ROWS if native.gemm_rows_bounds()[1] >= MAX_ROWS else native.GEMV_DECODE_ROWS
 
 
 def _plain_linear(linear: PackedLinear | None, model_dtype: torch.dtype) -> bool:

@@ -489,12 +489,11 @@ class Qwen3_5ForCausalLM(nn.Module):
         if not fused_decode.FusedDecodeStep.takes(batch):
             return None
         step = self._fused_decode
-        if step is not None and step.serves(ctx):
-            return step
-        if self._fused_unsupported is not None and self._fused_unsupported() is ctx.kv_cache:
-            return None
-        if not fused_decode.supported(self, ctx):
-            self._fused_unsupported = weakref.ref(ctx.kv_cache)
-            return None
-        self._fused_decode = fused_decode.FusedDecodeStep(self, ctx)
-        return self._fused_decode
+        if step is None or not step.serves(ctx):
+            if self._fused_unsupported is not None and self._fused_unsupported() is ctx.kv_cache:
+                return None
+            if not fused_decode.supported(self, ctx):
+                self._fused_unsupported = weakref.ref(ctx.kv_cache)
+                return None
+            step = self._fused_decode = fused_decode.FusedDecodeStep(self, ctx)
+        return step if step.fits(batch) else None

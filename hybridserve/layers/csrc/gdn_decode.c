@@ -140,23 +140,25 @@ static void gated_rms_norm(float *out, const float *z, const float *w, int64_t n
     for (int64_t j = 0; j < n; j++) out[j] = out[j] * inv * w[j] * silu_f32(z[j]);
 }
 
-/* The conv of row b: SiLU(conv) and the l2-normalised q, k to conv_out; the slot's window advanced
- * (in place: the old window to conv_undo first; otherwise the new one to conv_undo). */
+/* The conv of row b: SiLU(conv) and the l2-normalised q, k to conv_out; the slot's window advanced.
+ * in_place: the slot is updated, its old window going first to conv_undo (NULL: not kept, a later
+ * row of a run); otherwise the new window goes to conv_undo and the slot is only read. */
 static void conv_row(const float *row, void *conv_slot, char *conv_undo, const float *conv_weight, int64_t conv_dim,
                      int64_t kernel, int64_t num_k_heads, int64_t head_k, float l2_eps, int in_place, int conv_bf16,
                      float *conv_out) {
     int64_t conv_size = conv_dim * (kernel - 1), key_dim = num_k_heads * head_k;
     size_t conv_bytes = conv_bf16 ? sizeof(uint16_t) : sizeof(float);
-    if (in_place) memcpy(conv_undo, conv_slot, conv_bytes * conv_size);  /* the undo record */
+    if (in_place && conv_undo) memcpy(conv_undo, conv_slot, conv_bytes * conv_size);  /* the undo record */
     if (conv_bf16) {  /* widen the window, step it in float32, store the successor rounded */
         float *window = conv_out + conv_dim, *next = window + conv_size;
         for (int64_t i = 0; i < conv_size; i++) window[i] = bf16_to_f32(((const uint16_t *)conv_slot)[i]);
         conv_step(row, window, conv_weight, conv_dim, kernel, conv_out, next);
         for (int64_t i = 0; i < conv_size; i++) ((uint16_t *)conv_slot)[i] = f32_to_bf16(next[i]);
-    } else {
-        /* in place: read the window from the undo copy, write the successor into the slot */
-        conv_step(row, (const float *)(in_place ? (void *)conv_undo : conv_slot), conv_weight, conv_dim, kernel,
-                  conv_out, (float *)(in_place ? conv_slot : (void *)conv_undo));
+    } else if (!in_place) {
+        conv_step(row, (const float *)conv_slot, conv_weight, conv_dim, kernel, conv_out, (float *)conv_undo);
+    } else {  /* from the undo copy into the slot, or the slot stepped in place (conv_step allows it) */
+        conv_step(row, (const float *)(conv_undo ? (void *)conv_undo : conv_slot), conv_weight, conv_dim, kernel,
+                  conv_out, (float *)conv_slot);
     }
     float q_scale = 1.0f / sqrtf((float)head_k);
     for (int64_t h = 0; h < num_k_heads; h++) {
@@ -181,30 +183,47 @@ typedef struct {
     void *out_conv;
     float *out_rec, *core;
     const int64_t *run_start;
+    int64_t num_captures;
+    const int64_t *capture_rows;
+    char *capture_conv;
+    float *capture_rec;
     int64_t num_k_heads, num_v_heads, head_k, head_v, kernel, conv_dim, key_dim, group, conv_size, rec_size,
         head_size, scratch_row;
     size_t conv_bytes;
 } GdnDecodeCall;
 
-/* The conv of every row of run r (the rows of one sequence, in order). */
-static void conv_run_task(void *context, int64_t r) {
-    const GdnDecodeCall *c = context;
-    for (int64_t b = c->run_start[r]; b < c->run_start[r + 1]; b++)
-        conv_row(c->proj + b * c->proj_stride, (char *)c->conv_live + c->slots[b] * c->conv_size * c->conv_bytes,
-                 (char *)c->out_conv + b * c->conv_size * c->conv_bytes, c->conv_weight, c->conv_dim, c->kernel,
-                 c->num_k_heads, c->head_k, c->l2_eps, c->in_place, c->conv_bf16, c->scratch + b * c->scratch_row);
+/* Which capture follows row b, or -1. */
+static int64_t capture_after(const GdnDecodeCall *c, int64_t b) {
+    for (int64_t i = 0; i < c->num_captures; i++)
+        if (c->capture_rows[i] == b) return i;
+    return -1;
 }
 
-/* Value head h of run r: its state advanced over the run's rows (the undo record first). When this
- * thread steps the run's heads in order (heads_in_order), the next head's state is fetched
- * meanwhile. */
+/* The conv of every row of run r (the rows of one sequence, in order): its undo record (or, not in
+ * place, its successor) at index r; windows after capture rows copied out. */
+static void conv_run_task(void *context, int64_t r) {
+    const GdnDecodeCall *c = context;
+    size_t window_bytes = (size_t)c->conv_size * c->conv_bytes;
+    for (int64_t b = c->run_start[r]; b < c->run_start[r + 1]; b++) {
+        char *slot = (char *)c->conv_live + c->slots[b] * window_bytes;
+        char *undo = b == c->run_start[r] ? (char *)c->out_conv + r * window_bytes : NULL;
+        conv_row(c->proj + b * c->proj_stride, slot, undo, c->conv_weight, c->conv_dim, c->kernel, c->num_k_heads,
+                 c->head_k, c->l2_eps, c->in_place, c->conv_bf16, c->scratch + b * c->scratch_row);
+        int64_t capture = capture_after(c, b);
+        if (capture >= 0) memcpy(c->capture_conv + capture * window_bytes, slot, window_bytes);
+    }
+}
+
+/* Value head h of run r: its state advanced over the run's rows (the undo record, at index r,
+ * first); its state after capture rows copied out. When this thread steps the run's heads in order
+ * (heads_in_order), the next head's state is fetched meanwhile. */
 static void head_run_task(void *context, int64_t task) {
     const GdnDecodeCall *c = context;
     int64_t r = task / c->num_v_heads, h = task % c->num_v_heads, kh = h / c->group, first = c->run_start[r];
     int64_t head_k = c->head_k, head_v = c->head_v, key_dim = c->key_dim;
     float *state = c->rec_live + c->slots[first] * c->rec_size + h * c->head_size;
     const float *next_head = c->heads_in_order && h + 1 < c->num_v_heads ? state + c->head_size : 0;
-    if (c->in_place) copy_to_undo(c->out_rec + first * c->rec_size + h * c->head_size, state, c->head_size, next_head);
+    if (c->in_place) copy_to_undo(c->out_rec + r * c->rec_size + h * c->head_size, state, c->head_size, next_head);
     for (int64_t b = first; b < c->run_start[r + 1]; b++) {
         const float *row = c->proj + b * c->proj_stride, *conv_out = c->scratch + b * c->scratch_row;
         float decay = expf(c->neg_decay_rate[h] * softplus(row[c->a_offset + h] + c->dt_bias[h]));
@@ -214,6 +233,9 @@ static void head_run_task(void *context, int64_t task) {
         delta_rule_head(state, next, conv_out + kh * head_k, conv_out + key_dim + kh * head_k,
                         conv_out + 2 * key_dim + h * head_v, decay, beta, head_k, head_v, out);
         if (c->norm_weight) gated_rms_norm(out, row + c->conv_dim + h * head_v, c->norm_weight, head_v, c->norm_eps);
+        int64_t capture = capture_after(c, b);
+        if (capture >= 0)
+            memcpy(c->capture_rec + capture * c->rec_size + h * c->head_size, next, sizeof(float) * c->head_size);
     }
 #if defined(__SSE__)
     _mm_sfence();  /* the undo record's streaming stores are visible before the caller reads it */
@@ -233,9 +255,10 @@ static void sequence_task(void *context, int64_t r) {
  * output of each row), [B, conv_dim + 2 * conv_dim * (K-1)] with conv_bf16 (the window widened to
  * float32 and its successor); out_conv in conv_live's type.
  * Consecutive rows with the same slot are consecutive tokens of one sequence (a prompt chunk taken
- * in a decode step, in place only): they are stepped in order, and out_conv / out_rec of the run's
- * first row hold the undo record of the whole run (the later rows' are not written). A slot may
- * not start two runs (returns 4). With one row per sequence (decode) each task is a sequence, its
+ * in a decode step, in place only): they are stepped in order, and out_conv / out_rec [runs, ...]
+ * hold each run's undo record (in place) or successor (not in place: one row per run). A slot may
+ * not start two runs (returns 4). capture_conv / capture_rec [num_captures, ...] receive the state
+ * just after row capture_rows[i], a row followed by one of its own run (else returns 5). With one row per sequence (decode) each task is a sequence, its
  * conv and then its heads: one pass of the pool, and the conv's output still in the thread's cache
  * for the heads (with the vectorised conv, a batch of 16 over the built-in model's 6 GDN layers
  * took 0.71x the time of a conv pass then a head pass, on the C harness with the caches swept
@@ -246,7 +269,8 @@ int gdn_decode_step(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int
                     const int64_t *slots, int64_t num_slots, void *conv_live, float *rec_live,
                     const float *conv_weight, const float *dt_bias, const float *neg_decay_rate, float l2_eps,
                     const float *norm_weight, float norm_eps, int num_threads, int in_place, int conv_bf16,
-                    float *scratch, void *out_conv, float *out_rec, float *core) {
+                    float *scratch, void *out_conv, float *out_rec, float *core, int64_t num_captures,
+                    const int64_t *capture_rows, void *capture_conv, float *capture_rec) {
     int64_t key_dim = num_k_heads * head_k, value_dim = num_v_heads * head_v;
     int64_t conv_dim = 2 * key_dim + value_dim, group = num_v_heads / num_k_heads;
     int64_t conv_size = conv_dim * (kernel - 1), rec_size = num_v_heads * head_k * head_v, head_size = head_k * head_v;
@@ -261,12 +285,16 @@ int gdn_decode_step(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int
     }
     run_start[runs] = batch;
     if (runs < batch && !in_place) return 4;
+    for (int64_t i = 0; i < num_captures; i++)
+        if (capture_rows[i] < 0 || capture_rows[i] + 1 >= batch || slots[capture_rows[i] + 1] != slots[capture_rows[i]])
+            return 5;
     size_t conv_bytes = conv_bf16 ? sizeof(uint16_t) : sizeof(float);
     int64_t scratch_row = conv_bf16 ? conv_dim + 2 * conv_size : conv_dim;
     GdnDecodeCall call = {proj, proj_stride, b_offset, a_offset, slots, conv_live, rec_live, conv_weight, dt_bias,
                           neg_decay_rate, l2_eps, norm_weight, norm_eps, in_place, conv_bf16, 0, scratch, out_conv,
-                          out_rec, core, run_start, num_k_heads, num_v_heads, head_k, head_v, kernel, conv_dim,
-                          key_dim, group, conv_size, rec_size, head_size, scratch_row, conv_bytes};
+                          out_rec, core, run_start, num_captures, capture_rows, capture_conv, capture_rec, num_k_heads,
+                          num_v_heads, head_k, head_v, kernel, conv_dim, key_dim, group, conv_size, rec_size,
+                          head_size, scratch_row, conv_bytes};
     int threads = batch > 1 ? num_threads : 1;
     unsigned int saved_csr = denormals_flush_begin();  /* the pool's workers keep it set */
     if (runs == batch && threads > 1) {
@@ -290,5 +318,6 @@ int gdn_decode_f32(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int6
                    float *out_conv, float *out_rec, float *core) {
     return gdn_decode_step(batch, num_k_heads, num_v_heads, head_k, head_v, kernel, proj, proj_stride, b_offset,
                            a_offset, slots, num_slots, conv_live, rec_live, conv_weight, dt_bias, neg_decay_rate,
-                           l2_eps, norm_weight, norm_eps, num_threads, in_place, 0, scratch, out_conv, out_rec, core);
+                           l2_eps, norm_weight, norm_eps, num_threads, in_place, 0, scratch, out_conv, out_rec, core,
+                           0, NULL, NULL, NULL);
 }

@@ -22,7 +22,6 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#include <stdatomic.h>
 
 #include "task_pool.h"
 #include "vector_math.h"
@@ -155,20 +154,18 @@ static void task_rows(const float *q, float *out, float *m, float *l, const int6
     }
 }
 
-/* Tokens [t0, t1) of KV head g: its G query heads per token as rows, every visible key. Returns 1
- * when the scratch could not be allocated. */
-static int attention_task(const float *q, int64_t heads, int64_t dim, int64_t ld_q, const float *keys,
-                          const float *values, int64_t kv_heads, const int64_t *slots, int64_t num_prefix,
-                          float scale, float *out, int64_t g, int64_t t0, int64_t t1) {
+/* Floats of scratch a task of `rows` query rows uses: its scaled queries, its output sums, the
+ * running max and sum of each row, the bound of each row (int64) and a transposed key block. */
+static int64_t task_scratch_floats(int64_t rows, int64_t dim) { return 2 * rows * dim + 4 * rows + dim * ATT_KEYS; }
+
+/* Tokens [t0, t1) of KV head g: its G query heads per token as rows, every visible key; `scratch`
+ * holds task_scratch_floats(rows, dim). */
+static void attention_task(const float *q, int64_t heads, int64_t dim, int64_t ld_q, const float *keys,
+                           const float *values, int64_t kv_heads, const int64_t *slots, int64_t num_prefix,
+                           float scale, float *out, int64_t g, int64_t t0, int64_t t1, float *scratch) {
     int64_t group = heads / kv_heads, rows = (t1 - t0) * group;
-    float *scratch = malloc((size_t)(2 * rows * dim + 2 * rows + dim * ATT_KEYS) * sizeof(float));
-    int64_t *limit = malloc((size_t)rows * sizeof(int64_t));
-    if (scratch == NULL || limit == NULL) {
-        free(scratch);
-        free(limit);
-        return 1;
-    }
-    float *qs = scratch, *acc = scratch + rows * dim, *m = acc + rows * dim, *l = m + rows, *keys_t = l + rows;
+    int64_t *limit = (int64_t *)scratch;
+    float *qs = scratch + 2 * rows, *acc = qs + rows * dim, *m = acc + rows * dim, *l = m + rows, *keys_t = l + rows;
     for (int64_t i = 0; i < rows; i++) {
         int64_t t = t0 + i / group, h = g * group + i % group;
         for (int64_t d = 0; d < dim; d++) {
@@ -198,28 +195,35 @@ static int attention_task(const float *q, int64_t heads, int64_t dim, int64_t ld
         float inverse = 1.0f / l[i];
         for (int64_t d = 0; d < dim; d++) out[(t * heads + h) * dim + d] = acc[i * dim + d] * inverse;
     }
-    free(scratch);
-    free(limit);
-    return 0;
 }
 
 /* One call's operands, shared by its tasks (a task is a KV head and a block of tokens). */
 typedef struct {
     const float *q, *keys, *values;
     const int64_t *slots;
-    float *out;
-    int64_t tokens, heads, dim, ld_q, kv_heads, num_prefix, token_block;
+    float *out, *scratch;
+    int64_t tokens, heads, dim, ld_q, kv_heads, num_prefix, token_block, task_scratch;
     float scale;
-    _Atomic int failed;
 } AttentionCall;
 
 static void attention_pool_task(void *context, int64_t task) {
-    AttentionCall *c = context;
+    const AttentionCall *c = context;
     int64_t g = task % c->kv_heads, t0 = (task / c->kv_heads) * c->token_block;
     int64_t t1 = t0 + c->token_block < c->tokens ? t0 + c->token_block : c->tokens;
-    if (attention_task(c->q, c->heads, c->dim, c->ld_q, c->keys, c->values, c->kv_heads, c->slots, c->num_prefix,
-                       c->scale, c->out, g, t0, t1))
-        atomic_store(&c->failed, 1);
+    attention_task(c->q, c->heads, c->dim, c->ld_q, c->keys, c->values, c->kv_heads, c->slots, c->num_prefix,
+                   c->scale, c->out, g, t0, t1, c->scratch + task * c->task_scratch);
+}
+
+/* as few tasks as give every thread one: each task transposes every key block once, so fewer,
+ * larger token blocks do less of it and share each key and value block among more rows */
+static int64_t token_block_of(int64_t tokens, int64_t kv_heads, int threads) {
+    int64_t blocks_per_head = threads > kv_heads ? (threads + kv_heads - 1) / kv_heads : 1;
+    return (tokens + blocks_per_head - 1) / blocks_per_head;
+}
+
+static int shape_taken(int64_t tokens, int64_t heads, int64_t dim, int64_t kv_heads) {
+    return tokens >= 1 && tokens <= ATT_MAX_TOKENS && dim >= 16 && dim % ATT_VCHUNK == 0 && dim <= ATT_MAX_HEAD_DIM
+           && kv_heads >= 1 && heads % kv_heads == 0;
 }
 #endif
 
@@ -232,6 +236,44 @@ int prefill_attention_max_tokens(void) {
 #endif
 }
 
+/* Floats of scratch prefill_attention_f32_scratch needs for this shape and thread count; 0 when
+ * this build does not take the shape. */
+int64_t prefill_attention_scratch_floats(int64_t tokens, int64_t heads, int64_t dim, int64_t kv_heads, int threads) {
+#if defined(__AVX512F__)
+    if (!shape_taken(tokens, heads, dim, kv_heads)) return 0;
+    int64_t token_block = token_block_of(tokens, kv_heads, threads);
+    int64_t tasks = kv_heads * ((tokens + token_block - 1) / token_block);
+    return tasks * task_scratch_floats(token_block * (heads / kv_heads), dim);
+#else
+    (void)tokens; (void)heads; (void)dim; (void)kv_heads; (void)threads;
+    return 0;
+#endif
+}
+
+/* prefill_attention_f32 with the caller's scratch (prefill_attention_scratch_floats of it, for the
+ * same `threads`): the fused decode step (decode_step.c) attends a chunk's rows with it, its
+ * scratch carved from the step's workspace before anything is written. Returns 1 (nothing
+ * written) for shapes this build does not take. */
+int prefill_attention_f32_scratch(const float *q, int64_t tokens, int64_t heads, int64_t dim, int64_t ld_q,
+                                  const float *keys, const float *values, int64_t kv_heads, const int64_t *slots,
+                                  int64_t num_prefix, float scale, float *out, int threads, float *scratch) {
+#if defined(__AVX512F__)
+    if (!shape_taken(tokens, heads, dim, kv_heads) || num_prefix < 0) return 1;
+    int64_t token_block = token_block_of(tokens, kv_heads, threads);
+    int64_t token_blocks = (tokens + token_block - 1) / token_block;
+    AttentionCall call = {q, keys, values, slots, out, scratch, tokens, heads, dim, ld_q, kv_heads, num_prefix,
+                          token_block, task_scratch_floats(token_block * (heads / kv_heads), dim), scale};
+    unsigned int saved_csr = denormals_flush_begin();  /* the pool's workers keep it set */
+    task_pool_run(threads, attention_pool_task, &call, kv_heads * token_blocks);
+    denormals_flush_end(saved_csr);
+    return 0;
+#else
+    (void)q; (void)tokens; (void)heads; (void)dim; (void)ld_q; (void)keys; (void)values; (void)kv_heads;
+    (void)slots; (void)num_prefix; (void)scale; (void)out; (void)threads; (void)scratch;
+    return 1;
+#endif
+}
+
 /* Causal attention of `tokens` queries at positions num_prefix .. num_prefix + tokens - 1 over keys
  * 0 .. num_prefix + tokens - 1 of one sequence. q [tokens, heads, dim] with token stride ld_q (heads
  * contiguous); keys / values: one layer of the paged cache, [slots, kv_heads, dim] contiguous;
@@ -240,25 +282,12 @@ int prefill_attention_max_tokens(void) {
 int prefill_attention_f32(const float *q, int64_t tokens, int64_t heads, int64_t dim, int64_t ld_q,
                           const float *keys, const float *values, int64_t kv_heads, const int64_t *slots,
                           int64_t num_prefix, float scale, float *out, int threads) {
-#if defined(__AVX512F__)
-    if (tokens < 1 || tokens > ATT_MAX_TOKENS || num_prefix < 0 || dim < 16 || dim % ATT_VCHUNK != 0
-        || dim > ATT_MAX_HEAD_DIM || kv_heads < 1 || heads % kv_heads != 0)
-        return 1;
-    /* as few tasks as give every thread one: each task transposes every key block once, so fewer,
-     * larger token blocks do less of it and share each key and value block among more rows */
-    int64_t blocks_per_head = threads > kv_heads ? (threads + kv_heads - 1) / kv_heads : 1;
-    int64_t token_block = (tokens + blocks_per_head - 1) / blocks_per_head;
-    int64_t token_blocks = (tokens + token_block - 1) / token_block;
-    AttentionCall call = {q, keys, values, slots, out, tokens, heads, dim, ld_q, kv_heads, num_prefix, token_block,
-                          scale, 0};
-    unsigned int saved_csr = denormals_flush_begin();  /* the pool's workers keep it set */
-    task_pool_run(threads, attention_pool_task, &call, kv_heads * token_blocks);
-    denormals_flush_end(saved_csr);
-    int failed = atomic_load(&call.failed);
-    return failed ? 2 : 0;
-#else
-    (void)q; (void)tokens; (void)heads; (void)dim; (void)ld_q; (void)keys; (void)values; (void)kv_heads;
-    (void)slots; (void)num_prefix; (void)scale; (void)out; (void)threads;
-    return 1;
-#endif
+    int64_t floats = prefill_attention_scratch_floats(tokens, heads, dim, kv_heads, threads);
+    if (floats == 0 || num_prefix < 0) return 1;
+    float *scratch = malloc((size_t)floats * sizeof(float));
+    if (scratch == NULL) return 2;
+    int status = prefill_attention_f32_scratch(q, tokens, heads, dim, ld_q, keys, values, kv_heads, slots, num_prefix,
+                                               scale, out, threads, scratch);
+    free(scratch);
+    return status;
 }
