@@ -70,7 +70,7 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(len(config.attention_layer_ids), num_kv_blocks, block_size,
                                      config.num_key_value_heads, config.head_dim, dtype, device)
         self.live_states = GDNStateTensors(config, num_state_slots, dtype, device)
-        self.snapshots = (GDNStateTensors(config, num_snapshot_slots, dtype, device, zero_fill=False)
+        self.snapshots = (GDNStateTensors(config, num_snapshot_slots, dtype, device)
                           if num_snapshot_slots > 0 else None)
 
     # -- one step -------------------------------------------------------------------------------
