@@ -293,11 +293,12 @@ def test_one_mixed_step_matches_the_module_path_on_the_same_state(quantization: 
         torch.testing.assert_close(fused_tensor, module_tensor, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("chunk", [40, fused_decode.MAX_ROWS - 4])
+@pytest.mark.parametrize("chunk", [40, 200])
 def test_a_long_chunk_with_captures_inside_matches_the_module_path(chunk: int,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """One step of four decode rows and a long chunk (from 8 rows the chunk attends with the chunk
-    attention kernel; the last layer only for the logit rows) of a prompt under way, with snapshot
+    attention kernel, past 128 in pieces, as its linears; the last layer only for the logit rows)
+    of a prompt under way, with snapshot
     captures inside the chunk and at its end, run fused and on the module path from the same KV,
     state and snapshots: logits, new state, KV and every captured snapshot agree to float32
     rounding, and the fused step's undo records (one per sequence) give back the state it started from."""
@@ -310,7 +311,7 @@ def test_a_long_chunk_with_captures_inside_matches_the_module_path(chunk: int,
         engine.add_request(f"d{i}", PROMPTS[f"s{i}"], params)
     for _ in range(3):
         engine.step()
-    engine.add_request("long", PROMPTS["s13"], params)  # 302 tokens
+    engine.add_request("long", [(29 * j) % 4000 + 10 for j in range(2 * chunk + 20)], params)
     engine.step()
     runner, scheduled = engine.runner, engine.scheduler.schedule()
     plan = plan_step(scheduled)
@@ -366,11 +367,12 @@ def test_a_long_chunk_with_captures_inside_matches_the_module_path(chunk: int,
 
 
 def test_warm_suffixes_run_as_one_call_with_the_module_paths_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prompts that share a cached 320-token prefix and add 20-70 tokens each (a multi-turn chat's
-    next message): the suffix runs as one C call (a step of that many rows) on a float32 model, and
-    tokens, log-probabilities and cached-token counts match the module path."""
+    """Prompts that share a cached 320-token prefix and add 20-150 tokens each (a multi-turn chat's
+    next message): the suffix runs as one C call (a step of that many rows; past 128 its linears and
+    attention go in pieces) on a float32 model, and tokens, log-probabilities and cached-token
+    counts match the module path."""
     prefix = PROMPTS["s14"][:320]
-    suffixes = {f"w{n}": prefix + [(13 * n + 7 * j) % 4000 + 10 for j in range(n)] for n in (20, 45, 70)}
+    suffixes = {f"w{n}": prefix + [(13 * n + 7 * j) % 4000 + 10 for j in range(n)] for n in (20, 45, 70, 150)}
     results, largest = {}, {}
     for enabled in ("1", "0"):
         monkeypatch.setenv(fused_decode.FUSED_DECODE_ENV, enabled)
@@ -388,8 +390,8 @@ def test_warm_suffixes_run_as_one_call_with_the_module_paths_tokens(monkeypatch:
             results[enabled].update(run_greedy(engine, {key: prompt}, max_tokens=6, logprobs=2))
         largest[enabled] = max(rows)
         monkeypatch.undo()
-    if native.gemm_rows_bounds()[1] >= fused_decode.MAX_ROWS:  # AVX-512: chunks of up to 128 rows
-        assert largest["1"] >= 70
+    if native.gemm_rows_bounds()[1] >= fused_decode.PIECE_ROWS:  # AVX-512: long chunks run fused
+        assert largest["1"] >= 150
     assert largest["0"] == 0
     on, off = results["1"], results["0"]
     assert {k: (v.token_ids, v.num_cached_tokens) for k, v in on.items()} == {
@@ -404,7 +406,8 @@ def test_the_rows_a_step_takes() -> None:
     """A float32 model's step takes up to MAX_ROWS rows where the chunk attention and the tile GEMM
     take them (AVX-512), an int8 one up to the int8 tile's bound; a bfloat16 model's only
     GEMV_DECODE_ROWS (its chunks' rows would attend one by one)."""
-    wide = native.gemm_rows_bounds()[1] >= fused_decode.MAX_ROWS and native.prefill_attention_max_tokens() > 0
+    wide = (native.gemm_rows_bounds()[1] >= fused_decode.PIECE_ROWS
+            and native.prefill_attention_max_tokens() >= fused_decode.PIECE_ROWS)
     expected = {("float32", None): fused_decode.MAX_ROWS if wide else native.GEMV_DECODE_ROWS,
                 ("float32", "int8"): native.GEMM_ROWS_INT8_MAX_ROWS if wide else native.GEMV_DECODE_ROWS,
                 ("bfloat16", None): native.GEMV_DECODE_ROWS}

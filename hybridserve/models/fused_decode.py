@@ -1,6 +1,6 @@
 """The decode forward of a CPU model as one C call (layers/csrc/decode_step.c).
 
-A step of up to 128 rows runs embeddings, every layer, the final norm and the LM head in C:
+A step of up to 512 rows runs embeddings, every layer, the final norm and the LM head in C:
 decode rows, and prompt chunks taken in the same step (a burst of short prompts, the few tokens a
 long prompt adds per step while others decode, a warm request's suffix behind its cached prefix),
 each chunk's rows stepping its sequence's state in order and attending to the rows before them.
@@ -9,7 +9,8 @@ positions, slots and kept buffers. It is what a captured CUDA graph is to a GPU 
 per-op dispatch of ~150 ops and ~40 module calls goes (for a 64-token warm suffix behind 4096
 cached tokens, ~10 ms of ~31). Float32 models (float32 or int8 linears) get the module path's
 decode math exactly; a chunk of 8 or more rows attends with the module path's chunk attention
-kernel (prefill_attention.c), and its rows' GDN state is stepped token by token like decode rows,
+kernel (prefill_attention.c; past 128 rows, as the linears' tile GEMM, in even pieces of at most
+128), and its rows' GDN state is stepped token by token like decode rows,
 where the module path's prefill uses its chunked kernel (the same recurrence, sums in another
 order). As on the module path, the last layer's attention, output projection and MLP run for the
 logit rows only. A bfloat16 model's weights, KV and conv state stay bfloat16 in memory and are
@@ -45,7 +46,8 @@ if TYPE_CHECKING:
     from hybridserve.models.qwen3_5 import ForwardContext, Qwen3_5ForCausalLM
 
 FUSED_DECODE_ENV = "HYBRIDSERVE_FUSED_DECODE"
-MAX_ROWS = 128  # DECODE_STEP_MAX_ROWS in decode_step.c
+MAX_ROWS = 512  # DECODE_STEP_MAX_ROWS in decode_step.c
+PIECE_ROWS = 128  # GEMM_PIECE_ROWS and CHUNK_PIECE_ROWS there: the rows its kernels take at once
 
 WEIGHT_FORMATS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}  # as in decode_step.c
 
@@ -351,11 +353,11 @@ def _max_rows(model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> int:
     the module path too), else GEMV_DECODE_ROWS: there a chunk's rows would attend one by one."""
     config, dtypes = model.config, {linear.weight.dtype for linear in _linears(model) if linear is not None}
     if (ctx.kv_cache.keys.dtype != torch.float32 or config.head_dim % 64 != 0 or config.head_dim > 256
-            or native.prefill_attention_max_tokens() < MAX_ROWS or not dtypes <= {torch.float32, torch.int8}):
+            or native.prefill_attention_max_tokens() < PIECE_ROWS or not dtypes <= {torch.float32, torch.int8}):
         return native.GEMV_DECODE_ROWS
     if torch.int8 in dtypes:
         return native.GEMM_ROWS_INT8_MAX_ROWS
-    return MAX_ROWS if native.gemm_rows_bounds()[1] >= MAX_ROWS else native.GEMV_DECODE_ROWS
+    return MAX_ROWS if native.gemm_rows_bounds()[1] >= PIECE_ROWS else native.GEMV_DECODE_ROWS
 
 
 def _plain_linear(linear: PackedLinear | None, model_dtype: torch.dtype) -> bool:

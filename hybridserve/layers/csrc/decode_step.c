@@ -1,5 +1,5 @@
 /* The whole decode forward of a model on CPU in one call: embeddings, every decoder layer (GDN or
- * gated attention, then the MLP), the final norm and the LM head, for up to 128 rows (decode rows
+ * gated attention, then the MLP), the final norm and the LM head, for up to 512 rows (decode rows
  * and prompt chunks, see hybridserve/models/fused_decode.py); float32 models (float32 or int8
  * linears) and bfloat16 ones (bfloat16 weights, KV and conv state, widened to float32 as they are
  * read: every activation stays float32).
@@ -27,9 +27,11 @@
 #include <immintrin.h>
 #endif
 
-#define DECODE_STEP_MAX_ROWS 128  /* rows of one step (the tile GEMM takes up to 128, the GEMV 32) */
-#define GEMV_MAX_ROWS 32
-#define CHUNK_ATTENTION_MIN_ROWS 8  /* a chunk's rows from this many attend with prefill_attention.c */
+#define DECODE_STEP_MAX_ROWS 512  /* rows of one step */
+#define GEMM_PIECE_ROWS 128  /* the most rows the tile GEMM takes at once (more go in even pieces) */
+#define GEMV_MAX_ROWS 32     /* and the GEMV */
+#define CHUNK_ATTENTION_MIN_ROWS 8  /* a chunk's rows from this many attend with prefill_attention.c, */
+#define CHUNK_PIECE_ROWS 128        /* up to this many at once */
 
 int gemv_f32(const float *weight, int64_t out, int64_t in, const float *x, int64_t rows, int64_t ld_x, float *y,
              int64_t ld_y, int threads);
@@ -137,11 +139,19 @@ static int64_t widest_core(const DecodeModel *m) {
     return gdn > attention ? gdn : attention;
 }
 
-/* prefill_attention_scratch_floats for a chunk of `rows` rows, or 0 where such a chunk takes the
- * decode attention: too short, bfloat16 KV, or a shape (or build) prefill_attention.c does not take. */
+/* The size of each of the fewest even pieces of at most `bound` rows that `rows` splits into. */
+static int64_t piece_rows(int64_t rows, int64_t bound) {
+    int64_t pieces = (rows + bound - 1) / bound;
+    return (rows + pieces - 1) / pieces;
+}
+
+/* prefill_attention_scratch_floats for a chunk of `rows` rows (attended in pieces), or 0 where such
+ * a chunk takes the decode attention: too short, bfloat16 KV, or a shape (or build)
+ * prefill_attention.c does not take. */
 static int64_t chunk_attention_scratch(const DecodeModel *m, int64_t rows, int threads) {
     if (rows < CHUNK_ATTENTION_MIN_ROWS || m->bf16_storage) return 0;
-    return prefill_attention_scratch_floats(rows, m->heads, m->head_dim, m->kv_heads, threads);
+    return prefill_attention_scratch_floats(piece_rows(rows, CHUNK_PIECE_ROWS), m->heads, m->head_dim, m->kv_heads,
+                                            threads);
 }
 
 /* Carves the workspace; returns the floats it needs (buffer may be NULL to only count). The decode
@@ -199,8 +209,6 @@ static int inputs_valid(const DecodeModel *m, int64_t batch, const int64_t *toke
     for (int64_t b = 0; b < batch; b++) {
         if (b > 0 && state_slots[b] == state_slots[b - 1] && positions[b] != positions[b - 1] + 1)
             return 0;  /* a run of one sequence's rows is consecutive tokens */
-        for (int64_t a = 0; a + 1 < b; a++)  /* and a slot's rows form one run */
-            if (state_slots[a] == state_slots[b] && state_slots[b - 1] != state_slots[b]) return 0;
         int64_t length = positions[b] + 1;
         if (tokens[b] < 0 || tokens[b] >= m->vocab || positions[b] < 0 || positions[b] >= m->max_positions
             || length > max_context || (length + block_size - 1) / block_size > ld_tables
@@ -212,23 +220,36 @@ static int inputs_valid(const DecodeModel *m, int64_t batch, const int64_t *toke
             if (block < 0 || (block + 1) * block_size > m->num_kv_slots) return 0;
         }
     }
+    Runs runs;
+    find_runs(state_slots, batch, &runs);
+    for (int64_t r = 1; r < runs.count; r++)  /* a slot's rows form one run */
+        for (int64_t q = 0; q < r; q++)
+            if (state_slots[runs.start[q]] == state_slots[runs.start[r]]) return 0;
     return 1;
 }
 
-/* y [rows, out] = x [rows, in] @ W.T, both contiguous: on the tile GEMM for the rows it takes
- * (gemm_rows.c, as the module path's linears: float32 and int8 weights, and int8 and bfloat16 ones
- * on AMX tiles where the CPU has them), else the GEMV, up to GEMV_MAX_ROWS rows a pass. */
+/* y [rows, out] = x [rows, in] @ W.T for at most GEMV_MAX_ROWS rows, on the GEMV. */
+static void gemv(Linear w, int64_t out, int64_t in, const float *x, int64_t rows, float *y, int threads) {
+    if (w.format == WEIGHT_I8)
+        gemv_i8((const int8_t *)w.weight, w.scales, out, in, x, rows, in, y, out, threads);
+    else if (w.format == WEIGHT_BF16)
+        gemv_bf16((const uint16_t *)w.weight, out, in, x, rows, in, y, out, threads);
+    else
+        gemv_f32((const float *)w.weight, out, in, x, rows, in, y, out, threads);
+}
+
+/* y [rows, out] = x [rows, in] @ W.T, both contiguous, in even pieces of at most GEMM_PIECE_ROWS
+ * rows: on the tile GEMM for the rows it takes (gemm_rows.c, as the module path's linears: float32
+ * and int8 weights, and int8 and bfloat16 ones on AMX tiles where the CPU has them), else the GEMV,
+ * up to GEMV_MAX_ROWS rows a pass. */
 static void linear(Linear w, int64_t out, int64_t in, const float *x, int64_t rows, float *y, int threads) {
-    if (rows < 1 || !gemm_rows(w.weight, w.scales, (int)w.format, out, in, x, rows, in, y, out, threads))
-        return;
-    for (int64_t r = 0; r < rows; r += GEMV_MAX_ROWS) {
-        int64_t n = rows - r < GEMV_MAX_ROWS ? rows - r : GEMV_MAX_ROWS;
-        if (w.format == WEIGHT_I8)
-            gemv_i8((const int8_t *)w.weight, w.scales, out, in, x + r * in, n, in, y + r * out, out, threads);
-        else if (w.format == WEIGHT_BF16)
-            gemv_bf16((const uint16_t *)w.weight, out, in, x + r * in, n, in, y + r * out, out, threads);
-        else
-            gemv_f32((const float *)w.weight, out, in, x + r * in, n, in, y + r * out, out, threads);
+    int64_t piece = rows > 0 ? piece_rows(rows, GEMM_PIECE_ROWS) : 1;
+    for (int64_t p = 0; p < rows; p += piece) {
+        int64_t n = rows - p < piece ? rows - p : piece;
+        if (!gemm_rows(w.weight, w.scales, (int)w.format, out, in, x + p * in, n, in, y + p * out, out, threads))
+            continue;
+        for (int64_t r = p; r < p + n; r += GEMV_MAX_ROWS)
+            gemv(w, out, in, x + r * in, p + n - r < GEMV_MAX_ROWS ? p + n - r : GEMV_MAX_ROWS, y + r * out, threads);
     }
 }
 
@@ -447,9 +468,10 @@ static void decode_attention(const DecodeModel *m, int64_t kv_layer, int64_t cou
 }
 
 /* Causal attention of run r's rows (a prompt chunk) over its sequence's context, with
- * prefill_attention.c: each key block is shared by the chunk's rows while it is in L1 (the decode
- * attention reads the whole context once per row: 64 rows over 4160 tokens took ~2.5 times as
- * long). The run's last row's block table covers every position of the run. */
+ * prefill_attention.c, in even pieces of at most CHUNK_PIECE_ROWS rows (every row's KV is written
+ * already): each key block is shared by a piece's rows while it is in L1 (the decode attention
+ * reads the whole context once per row: 64 rows over 4160 tokens took ~2.5 times as long). The
+ * run's last row's block table covers every position of the run. */
 static void chunk_attention(const DecodeModel *m, int64_t kv_layer, const Runs *runs, int64_t r,
                             const int64_t *positions, const int64_t *block_tables, int64_t ld_tables,
                             int64_t block_size, Workspace *w, int threads) {
@@ -459,9 +481,13 @@ static void chunk_attention(const DecodeModel *m, int64_t kv_layer, const Runs *
         w->chunk_slots[j] = table[j / block_size] * block_size + j % block_size;
     const float *keys = (const float *)m->keys + kv_layer * m->num_kv_slots * m->kv_heads * dim;
     const float *values = (const float *)m->values + kv_layer * m->num_kv_slots * m->kv_heads * dim;
-    prefill_attention_f32_scratch(w->q + first * heads * dim, last - first + 1, heads, dim, heads * dim, keys, values,
-                                  m->kv_heads, w->chunk_slots, positions[first], m->attn_scale,
-                                  w->core + first * heads * dim, threads, w->chunk_scratch);
+    int64_t piece = piece_rows(last - first + 1, CHUNK_PIECE_ROWS);
+    for (int64_t b = first; b <= last; b += piece) {
+        int64_t n = last + 1 - b < piece ? last + 1 - b : piece;
+        prefill_attention_f32_scratch(w->q + b * heads * dim, n, heads, dim, heads * dim, keys, values, m->kv_heads,
+                                      w->chunk_slots, positions[b], m->attn_scale, w->core + b * heads * dim, threads,
+                                      w->chunk_scratch);
+    }
 }
 
 /* Attention mixer: q/k norm + rotary, every row's K/V into its slot, attention, sigmoid gate. The
@@ -511,19 +537,26 @@ static void attention_mixer(const DecodeModel *m, const DecodeLayer *layer, int6
     }
 }
 
-static void mlp(const DecodeModel *m, const DecodeLayer *layer, int64_t batch, Workspace *w, int threads) {
+/* The MLP of `rows` rows of w->h into w->h, in even pieces of at most GEMM_PIECE_ROWS rows for the
+ * gate/up product (the tile GEMM writes silu(gate) * up itself where it runs). */
+static void mlp(const DecodeModel *m, const DecodeLayer *layer, int64_t rows, Workspace *w, int threads) {
     int64_t hidden = m->hidden, inter = m->intermediate;
     Linear gate_up = layer->gate_up;
-    if (gemm_rows_silu_mul(gate_up.weight, gate_up.scales, (int)gate_up.format, inter, hidden, w->h, batch, hidden,
-                           w->act, inter, threads)) {  /* the tile GEMM writes the product itself where it runs */
-        linear(layer->gate_up, 2 * inter, hidden, w->h, batch, w->mlp, threads);
-        for (int64_t b = 0; b < batch; b++) {
+    int64_t piece = rows > 0 ? piece_rows(rows, GEMM_PIECE_ROWS) : 1;
+    for (int64_t p = 0; p < rows; p += piece) {
+        int64_t n = rows - p < piece ? rows - p : piece;
+        const float *h = w->h + p * hidden;
+        float *act = w->act + p * inter;
+        if (!gemm_rows_silu_mul(gate_up.weight, gate_up.scales, (int)gate_up.format, inter, hidden, h, n, hidden, act,
+                                inter, threads))
+            continue;
+        linear(gate_up, 2 * inter, hidden, h, n, w->mlp + p * 2 * inter, threads);
+        for (int64_t b = p; b < p + n; b++) {
             const float *gate = w->mlp + b * 2 * inter, *up = gate + inter;
-            float *act = w->act + b * inter;
-            for (int64_t i = 0; i < inter; i++) act[i] = silu_f32(gate[i]) * up[i];
+            for (int64_t i = 0; i < inter; i++) w->act[b * inter + i] = silu_f32(gate[i]) * up[i];
         }
     }
-    linear(layer->down, hidden, inter, w->act, batch, w->h, threads);
+    linear(layer->down, hidden, inter, w->act, rows, w->h, threads);
 }
 
 /* Moves rows rows[0 .. count) (ascending) of x [.., width] to its first rows, in order. */
