@@ -135,3 +135,21 @@ def test_the_onednn_kernel_caches_are_capped_at_import() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert out.split() == ["64", "64"]
+
+
+def test_a_serving_process_freezes_its_startup_heap_and_still_collects_new_garbage() -> None:
+    """`freeze_startup_heap` (called by the engine core and the API server once built) moves what is
+    alive to the collector's permanent generation; cycles made afterwards are still collected."""
+    code = """if True:
+        import gc, weakref
+        from hybridserve.engine.memory import freeze_startup_heap
+        class Node:
+            pass
+        kept = Node(); kept.self = kept
+        frozen = freeze_startup_heap()
+        late = Node(); late.self = late; alive = weakref.ref(late); del late
+        gc.collect()
+        print(frozen, gc.get_freeze_count() >= frozen, alive() is None, kept.self is kept)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert int(out[0]) > 1000 and out[1:] == ["True", "True", "True"]

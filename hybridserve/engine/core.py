@@ -44,6 +44,7 @@ from hybridserve.engine.core_messages import (
     input_encoder,
 )
 from hybridserve.engine.frames import FrameSender
+from hybridserve.engine.memory import freeze_startup_heap
 from hybridserve.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
@@ -335,6 +336,7 @@ def run_engine_core(config: Any, input_address: str, output_address: str, parent
             engine = LLMEngine(config)
             engine.detokenize_all_requests = False  # the API process detokenizes (stop strings aside)
             info = core_info(engine)
+            freeze_startup_heap()
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides the exit code
             outputs.send(encoder.encode(StartupFailed(error_kind(exc), str(exc))))
             return

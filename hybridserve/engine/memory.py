@@ -1,10 +1,12 @@
-"""Host allocator tuning for CPU inference, and what the allocator keeps."""
+"""Host memory tuning for a serving process: the C allocator's thresholds and what it keeps, and
+Python's cyclic collector."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import functools
+import gc
 import logging
 import sys
 
@@ -64,3 +66,17 @@ def retain_freed_activation_memory() -> bool:
     if not ok:
         logger.debug("mallopt refused the allocator thresholds")
     return ok
+
+
+def freeze_startup_heap() -> int:
+    """Collect once, then move every object alive now (the imported modules, the model and the
+    engine: ~320,000 objects in an engine process) to the collector's permanent generation, as
+    vLLM's processes do once started. The cyclic collector then walks only what serving allocates:
+    a full collection of the startup heap took 117-176 ms, a stall for every request in the
+    process, and the young collections that did run while serving took up to 1.4 ms (generation 0)
+    and 5.4 ms (generation 1) against 0.16 ms frozen (1,200 requests offline). Objects created
+    later are collected as before. Call it in a process that serves, once it is built (never from
+    a library constructor: it would pin the caller's garbage too). Returns the objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from hybridserve.engine.memory import freeze_startup_heap
 from hybridserve.engine_args import add_engine_arguments, engine_config_from_args, model_from_args
 from hybridserve.sampling_params import MAX_STREAM_INTERVAL
 from hybridserve.server.app import DEFAULT_MAX_BODY_BYTES
@@ -171,6 +172,7 @@ def run_server(args: argparse.Namespace) -> int:
                 "core process" if args.engine_process == "on" else "thread")
     _exit_on_sigterm()
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, lifespan="off"))
+    freeze_startup_heap()  # this process serves from here on (with the engine too, unless it has a process)
     try:  # the engine's lifetime is managed here, so uvicorn's lifespan protocol is not needed
         serve_uvicorn(server, [sock], async_engine)
     except (KeyboardInterrupt, SystemExit):
