@@ -183,61 +183,85 @@ class FusedDecodeStep:
         captures written to the snapshot sink. A prompt chunk's rows are consecutive tokens of one
         sequence: the C step writes every row's KV before attending, so each row sees the rows
         before it, and steps the rows' GDN state in order."""
-        group = batch.decode
         rows = int(batch.input_ids.shape[0])
         tokens, positions = batch.input_ids.contiguous(), batch.positions.contiguous()
-        write_slots = batch.kv_write_slots.contiguous()
-        decode_slots = group.state_slots.tolist() if group is not None else []
-        inner: list[tuple[int, int]] = []  # (row after which the state is captured, snapshot slot)
-        if batch.prefills:
-            assert batch.block_tables is not None
-            counts = [1] * batch.num_decode + [chunk.length for chunk in batch.prefills]
-            tables = batch.block_tables.index_select(0, torch.repeat_interleave(torch.arange(len(counts)),
-                                                                                torch.tensor(counts)))
-            slot_list, sequence_slots = list(decode_slots), list(decode_slots)
-            for chunk in batch.prefills:
-                first = len(slot_list)
-                inner += [(first + boundary - chunk.start_position - 1, snapshot)
-                          for boundary, snapshot in chunk.captures if boundary < chunk.start_position + chunk.length]
-                slot_list += [chunk.state_slot] * chunk.length
-                sequence_slots.append(chunk.state_slot)
-            slots, max_context = torch.tensor(slot_list, dtype=torch.long), int(positions.max()) + 1
-        else:
-            assert group is not None
-            tables, slots, max_context = group.block_tables.contiguous(), group.state_slots.contiguous(), group.max_length
-            sequence_slots = decode_slots
-        logit_rows = batch.logits_rows.contiguous()
+        write_slots, logit_rows = batch.kv_write_slots.contiguous(), batch.logits_rows.contiguous()
+        step = _step_rows(batch)
         library, model, threads = self._library, ctypes.addressof(self.model), torch.get_num_threads()
         buffers = self._buffers
-        workspace = buffers.workspace(library.decode_step_workspace_floats(model, rows, slots.data_ptr(), max_context,
-                                                                           threads))
-        undo = buffers.undo(len(sequence_slots))  # one record per sequence and layer, as on the module path
-        captures = buffers.captures(len(inner))
-        capture_rows = torch.tensor([row for row, _ in inner], dtype=torch.long)
-        conv, recurrent = ctx.live_states.conv, ctx.live_states.recurrent
+        workspace = buffers.workspace(library.decode_step_workspace_floats(model, rows, step.slots.data_ptr(),
+                                                                           step.max_context, threads))
+        undo = buffers.undo(int(step.sequences.shape[0]))  # one record per sequence and layer, as on the module path
+        captures = buffers.captures(len(step.inner)) if step.inner else None
+        capture_rows = torch.tensor([row for row, _ in step.inner], dtype=torch.long) if step.inner else None
         logits = torch.empty(logit_rows.shape[0], self.model.vocab)
         failed = library.decode_step_f32(
-            model, rows, tokens.data_ptr(), positions.data_ptr(), slots.data_ptr(), write_slots.data_ptr(),
-            tables.data_ptr(), tables.shape[1], ctx.kv_cache.block_size, max_context, workspace.data_ptr(),
-            undo.conv_pointers, undo.recurrent_pointers, logit_rows.shape[0], logit_rows.data_ptr(), logits.data_ptr(),
-            len(inner), capture_rows.data_ptr(), captures.conv_pointers, captures.recurrent_pointers, threads)
+            model, rows, tokens.data_ptr(), positions.data_ptr(), step.slots.data_ptr(), write_slots.data_ptr(),
+            step.tables.data_ptr(), step.tables.shape[1], ctx.kv_cache.block_size, step.max_context,
+            workspace.data_ptr(), undo.conv_pointers, undo.recurrent_pointers, logit_rows.shape[0],
+            logit_rows.data_ptr(), logits.data_ptr(), len(step.inner),
+            capture_rows.data_ptr() if capture_rows is not None else None,
+            captures.conv_pointers if captures else None, captures.recurrent_pointers if captures else None, threads)
         if failed:
             raise IndexError("fused decode: a token id, position or slot is out of range")
-        sequences = torch.tensor(sequence_slots, dtype=torch.long)
-        ctx.state_undo.extend(StateWrite(layer, sequences, undo.conv[layer], undo.recurrent[layer])
+        ctx.state_undo.extend(StateWrite(layer, step.sequences, undo.conv[layer], undo.recurrent[layer])
                               for layer in range(self.num_gdn_layers))
         if ctx.snapshot_sink is not None:
-            for index, (_, snapshot_slot) in enumerate(inner):
-                for layer in range(self.num_gdn_layers):
-                    ctx.snapshot_sink.write(layer, snapshot_slot, captures.conv[layer][index],
-                                            captures.recurrent[layer][index])
-            ends = [(int(group.state_slots[row]), snapshot) for row, snapshot in group.captures] if group else []
-            ends += [(chunk.state_slot, snapshot) for chunk in batch.prefills for boundary, snapshot in chunk.captures
-                     if boundary == chunk.start_position + chunk.length]
-            for slot, snapshot_slot in ends:
-                for layer in range(self.num_gdn_layers):
-                    ctx.snapshot_sink.write(layer, snapshot_slot, conv[layer, slot], recurrent[layer, slot])
+            self._write_captures(batch, ctx, step.inner, captures)
         return logits
+
+    def _write_captures(self, batch: ForwardBatch, ctx: ForwardContext, inner: list[tuple[int, int]],
+                        captures: StateRecords | None) -> None:
+        """Snapshots into the sink: those inside chunks from the records the C step filled, those at a
+        chunk's end or after a decode row from the live slots the step left."""
+        sink, layers = ctx.snapshot_sink, range(self.num_gdn_layers)
+        assert sink is not None
+        for index, (_, snapshot_slot) in enumerate(inner):
+            assert captures is not None
+            for layer in layers:
+                sink.write(layer, snapshot_slot, captures.conv[layer][index], captures.recurrent[layer][index])
+        group = batch.decode
+        ends = [(int(group.state_slots[row]), snapshot) for row, snapshot in group.captures] if group else []
+        ends += [(chunk.state_slot, snapshot) for chunk in batch.prefills for boundary, snapshot in chunk.captures
+                 if boundary == chunk.start_position + chunk.length]
+        conv, recurrent = ctx.live_states.conv, ctx.live_states.recurrent
+        for slot, snapshot_slot in ends:
+            for layer in layers:
+                sink.write(layer, snapshot_slot, conv[layer, slot], recurrent[layer, slot])
+
+
+class StepRows(NamedTuple):
+    """Per-row inputs of a C step beyond the batch's own tensors."""
+
+    tables: torch.Tensor        # [rows, blocks] each row's block table
+    slots: torch.Tensor         # [rows] each row's live state slot
+    max_context: int
+    sequences: torch.Tensor     # [sequences] the state slot of each run of rows, in order
+    inner: list[tuple[int, int]]  # (row after which the state is captured, snapshot slot) inside chunks
+
+
+def _step_rows(batch: ForwardBatch) -> StepRows:
+    """A decode-only batch's tensors as they are; with prompt chunks, each chunk's table and slot
+    repeated for its rows and the rows of its captures inside it."""
+    group = batch.decode
+    if not batch.prefills:
+        assert group is not None
+        slots = group.state_slots.contiguous()
+        return StepRows(group.block_tables.contiguous(), slots, group.max_length, slots, [])
+    assert batch.block_tables is not None
+    counts = [1] * batch.num_decode + [chunk.length for chunk in batch.prefills]
+    tables = batch.block_tables.index_select(0, torch.repeat_interleave(torch.arange(len(counts)),
+                                                                        torch.tensor(counts)))
+    decode_slots = group.state_slots.tolist() if group is not None else []
+    slot_list, sequence_slots, inner = list(decode_slots), list(decode_slots), []
+    for chunk in batch.prefills:
+        first, end = len(slot_list), chunk.start_position + chunk.length
+        inner += [(first + boundary - chunk.start_position - 1, snapshot)
+                  for boundary, snapshot in chunk.captures if boundary < end]
+        slot_list += [chunk.state_slot] * chunk.length
+        sequence_slots.append(chunk.state_slot)
+    return StepRows(tables, torch.tensor(slot_list, dtype=torch.long), int(batch.positions.max()) + 1,
+                    torch.tensor(sequence_slots, dtype=torch.long), inner)
 
 
 class StateRecords(NamedTuple):
