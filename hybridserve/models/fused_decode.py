@@ -16,8 +16,8 @@ order). As on the module path, the last layer's attention, output projection and
 logit rows only. A bfloat16 model's weights, KV and conv state stay bfloat16 in memory and are
 widened to float32 as they are read, so its activations are float32 where the module path rounds
 each one to bfloat16: closer to a float32 model, not equal to the module path (on a CPU without
-bf16 arithmetic this is also what makes bfloat16 fast); its steps take up to 16 rows, since its
-chunks' rows would attend one by one (see `_max_rows`). Steps of more rows, steps that want
+bf16 arithmetic this is also what makes bfloat16 fast); its chunk attention widens each block of
+keys and values once, and its steps take up to 256 rows (see `_max_rows`). Steps of more rows, steps that want
 prompt logprobs, CUDA and tensor parallelism keep the module path, as does everything with
 `HYBRIDSERVE_FUSED_DECODE=0` or the C kernels off.
 
@@ -48,6 +48,10 @@ if TYPE_CHECKING:
 FUSED_DECODE_ENV = "HYBRIDSERVE_FUSED_DECODE"
 MAX_ROWS = 512  # DECODE_STEP_MAX_ROWS in decode_step.c
 PIECE_ROWS = 128  # GEMM_PIECE_ROWS and CHUNK_PIECE_ROWS there: the rows its kernels take at once
+# A bfloat16 model's linears take AMX tiles 32 rows at a time, each piece a pass over the weights:
+# warm suffixes behind 4096 cached tokens took 18.0 / 36.5 / 51.8 / 75.7 / 97.6 ms at 64 / 161 /
+# 256 / 384 / 512 tokens against 30.8 / 49.9 / 61.6 / 79.0 / 93.7 ms on the module path (oneDNN).
+BF16_MAX_ROWS = 256
 
 WEIGHT_FORMATS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}  # as in decode_step.c
 
@@ -371,16 +375,17 @@ def _linears(model: Qwen3_5ForCausalLM) -> list[PackedLinear | None]:
 
 
 def _max_rows(model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> int:
-    """The rows a step of this model takes: up to MAX_ROWS where a chunk of them runs fast (float32
-    KV and a head size the chunk attention takes, float32 or int8 linears on the tile GEMM: with
-    int8 linears a warm 64-token suffix took 26.4 ms against 52.6 ms on the module path, whose
-    int8 GEMM also rounds activations to bfloat16), else GEMV_DECODE_ROWS: there a chunk's rows
-    would attend one by one."""
-    config, dtypes = model.config, {linear.weight.dtype for linear in _linears(model) if linear is not None}
-    if (ctx.kv_cache.keys.dtype != torch.float32 or config.head_dim % 64 != 0 or config.head_dim > 256
-            or native.prefill_attention_max_tokens() < PIECE_ROWS or not dtypes <= {torch.float32, torch.int8}):
+    """The rows a step of this model takes: up to MAX_ROWS where a chunk of them runs fast (a head
+    size the chunk attention takes; float32 or int8 linears on the tile GEMM, bfloat16 ones on AMX
+    tiles 32 rows at a time), else GEMV_DECODE_ROWS: there a chunk's rows would attend one by one,
+    or its linears run on the GEMV. With int8 linears a warm 64-token suffix took 26.4 ms against
+    52.6 ms on the module path, whose int8 GEMM also rounds activations to bfloat16."""
+    config = model.config
+    bf16 = ctx.kv_cache.keys.dtype == torch.bfloat16
+    if (config.head_dim % 64 != 0 or config.head_dim > 256 or native.prefill_attention_max_tokens() < PIECE_ROWS
+            or native.gemm_rows_bounds()[1] < PIECE_ROWS or (bf16 and not native.amx_available())):
         return native.GEMV_DECODE_ROWS
-    return MAX_ROWS if native.gemm_rows_bounds()[1] >= PIECE_ROWS else native.GEMV_DECODE_ROWS
+    return BF16_MAX_ROWS if bf16 else MAX_ROWS
 
 
 def _plain_linear(linear: PackedLinear | None, model_dtype: torch.dtype) -> bool:

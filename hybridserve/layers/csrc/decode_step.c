@@ -56,8 +56,9 @@ int gdn_decode_step(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int
                     const int64_t *capture_rows, void *capture_conv, float *capture_rec);
 int64_t prefill_attention_scratch_floats(int64_t tokens, int64_t heads, int64_t dim, int64_t kv_heads, int threads);
 int prefill_attention_f32_scratch(const float *q, int64_t tokens, int64_t heads, int64_t dim, int64_t ld_q,
-                                  const float *keys, const float *values, int64_t kv_heads, const int64_t *slots,
-                                  int64_t num_prefix, float scale, float *out, int threads, float *scratch);
+                                  const void *keys, const void *values, int kv_bf16, int64_t kv_heads,
+                                  const int64_t *slots, int64_t num_prefix, float scale, float *out, int threads,
+                                  float *scratch);
 
 enum { WEIGHT_F32 = 0, WEIGHT_I8 = 1, WEIGHT_BF16 = 2 };
 
@@ -146,10 +147,10 @@ static int64_t piece_rows(int64_t rows, int64_t bound) {
 }
 
 /* prefill_attention_scratch_floats for a chunk of `rows` rows (attended in pieces), or 0 where such
- * a chunk takes the decode attention: too short, bfloat16 KV, or a shape (or build)
- * prefill_attention.c does not take. */
+ * a chunk takes the decode attention: too short, or a shape (or build) prefill_attention.c does
+ * not take. */
 static int64_t chunk_attention_scratch(const DecodeModel *m, int64_t rows, int threads) {
-    if (rows < CHUNK_ATTENTION_MIN_ROWS || m->bf16_storage) return 0;
+    if (rows < CHUNK_ATTENTION_MIN_ROWS) return 0;
     return prefill_attention_scratch_floats(piece_rows(rows, CHUNK_PIECE_ROWS), m->heads, m->head_dim, m->kv_heads,
                                             threads);
 }
@@ -238,12 +239,16 @@ static void gemv(Linear w, int64_t out, int64_t in, const float *x, int64_t rows
         gemv_f32((const float *)w.weight, out, in, x, rows, in, y, out, threads);
 }
 
-/* y [rows, out] = x [rows, in] @ W.T, both contiguous, in even pieces of at most GEMM_PIECE_ROWS
+/* The most rows one GEMM call takes for this weight: the tile GEMM's 128 (float32, int8), or the
+ * AMX tiles' 32 for bfloat16 (and the GEMV's 32 where there are no tiles). */
+static int64_t gemm_piece_bound(Linear w) { return w.format == WEIGHT_BF16 ? GEMV_MAX_ROWS : GEMM_PIECE_ROWS; }
+
+/* y [rows, out] = x [rows, in] @ W.T, both contiguous, in even pieces of at most gemm_piece_bound
  * rows: on the tile GEMM for the rows it takes (gemm_rows.c, as the module path's linears: float32
  * and int8 weights, and int8 and bfloat16 ones on AMX tiles where the CPU has them), else the GEMV,
  * up to GEMV_MAX_ROWS rows a pass. */
 static void linear(Linear w, int64_t out, int64_t in, const float *x, int64_t rows, float *y, int threads) {
-    int64_t piece = rows > 0 ? piece_rows(rows, GEMM_PIECE_ROWS) : 1;
+    int64_t piece = rows > 0 ? piece_rows(rows, gemm_piece_bound(w)) : 1;
     for (int64_t p = 0; p < rows; p += piece) {
         int64_t n = rows - p < piece ? rows - p : piece;
         if (!gemm_rows(w.weight, w.scales, (int)w.format, out, in, x + p * in, n, in, y + p * out, out, threads))
@@ -479,14 +484,14 @@ static void chunk_attention(const DecodeModel *m, int64_t kv_layer, const Runs *
     const int64_t *table = block_tables + last * ld_tables;
     for (int64_t j = 0; j <= positions[last]; j++)
         w->chunk_slots[j] = table[j / block_size] * block_size + j % block_size;
-    const float *keys = (const float *)m->keys + kv_layer * m->num_kv_slots * m->kv_heads * dim;
-    const float *values = (const float *)m->values + kv_layer * m->num_kv_slots * m->kv_heads * dim;
+    size_t layer_bytes = (size_t)(kv_layer * m->num_kv_slots * m->kv_heads * dim) * (m->bf16_storage ? 2 : 4);
+    const void *keys = (const char *)m->keys + layer_bytes, *values = (const char *)m->values + layer_bytes;
     int64_t piece = piece_rows(last - first + 1, CHUNK_PIECE_ROWS);
     for (int64_t b = first; b <= last; b += piece) {
         int64_t n = last + 1 - b < piece ? last + 1 - b : piece;
-        prefill_attention_f32_scratch(w->q + b * heads * dim, n, heads, dim, heads * dim, keys, values, m->kv_heads,
-                                      w->chunk_slots, positions[b], m->attn_scale, w->core + b * heads * dim, threads,
-                                      w->chunk_scratch);
+        prefill_attention_f32_scratch(w->q + b * heads * dim, n, heads, dim, heads * dim, keys, values,
+                                      (int)m->bf16_storage, m->kv_heads, w->chunk_slots, positions[b], m->attn_scale,
+                                      w->core + b * heads * dim, threads, w->chunk_scratch);
     }
 }
 
@@ -537,12 +542,12 @@ static void attention_mixer(const DecodeModel *m, const DecodeLayer *layer, int6
     }
 }
 
-/* The MLP of `rows` rows of w->h into w->h, in even pieces of at most GEMM_PIECE_ROWS rows for the
+/* The MLP of `rows` rows of w->h into w->h, in even pieces of at most gemm_piece_bound rows for the
  * gate/up product (the tile GEMM writes silu(gate) * up itself where it runs). */
 static void mlp(const DecodeModel *m, const DecodeLayer *layer, int64_t rows, Workspace *w, int threads) {
     int64_t hidden = m->hidden, inter = m->intermediate;
     Linear gate_up = layer->gate_up;
-    int64_t piece = rows > 0 ? piece_rows(rows, GEMM_PIECE_ROWS) : 1;
+    int64_t piece = rows > 0 ? piece_rows(rows, gemm_piece_bound(gate_up)) : 1;
     for (int64_t p = 0; p < rows; p += piece) {
         int64_t n = rows - p < piece ? rows - p : piece;
         const float *h = w->h + p * hidden;

@@ -155,17 +155,33 @@ static void task_rows(const float *q, float *out, float *m, float *l, const int6
 }
 
 /* Floats of scratch a task of `rows` query rows uses: its scaled queries, its output sums, the
- * running max and sum of each row, the bound of each row (int64) and a transposed key block. */
-static int64_t task_scratch_floats(int64_t rows, int64_t dim) { return 2 * rows * dim + 4 * rows + dim * ATT_KEYS; }
+ * running max and sum of each row, the bound of each row (int64), a transposed key block, and a
+ * block of keys and one of values widened from bfloat16. */
+static int64_t task_scratch_floats(int64_t rows, int64_t dim) {
+    return 2 * rows * dim + 4 * rows + 3 * dim * ATT_KEYS;
+}
+
+/* rows[j] = widened[j] = the bfloat16 row rows[j] (dim elements) as float32, for j < ATT_KEYS. */
+static void widen_rows(const float **rows, int64_t dim, float *widened) {
+    for (int j = 0; j < ATT_KEYS; j++) {
+        const uint16_t *row = (const uint16_t *)(const void *)rows[j];
+        for (int64_t d = 0; d < dim; d++) widened[j * dim + d] = bf16_to_f32(row[d]);
+        rows[j] = widened + j * dim;
+    }
+}
 
 /* Tokens [t0, t1) of KV head g: its G query heads per token as rows, every visible key; `scratch`
- * holds task_scratch_floats(rows, dim). */
-static void attention_task(const float *q, int64_t heads, int64_t dim, int64_t ld_q, const float *keys,
-                           const float *values, int64_t kv_heads, const int64_t *slots, int64_t num_prefix,
-                           float scale, float *out, int64_t g, int64_t t0, int64_t t1, float *scratch) {
+ * holds task_scratch_floats(rows, dim). Keys and values are float32, or bfloat16 (kv_bf16: each
+ * block of them widened once, for all the task's rows). */
+static void attention_task(const float *q, int64_t heads, int64_t dim, int64_t ld_q, const void *keys,
+                           const void *values, int kv_bf16, int64_t kv_heads, const int64_t *slots,
+                           int64_t num_prefix, float scale, float *out, int64_t g, int64_t t0, int64_t t1,
+                           float *scratch) {
     int64_t group = heads / kv_heads, rows = (t1 - t0) * group;
     int64_t *limit = (int64_t *)scratch;
     float *qs = scratch + 2 * rows, *acc = qs + rows * dim, *m = acc + rows * dim, *l = m + rows, *keys_t = l + rows;
+    float *wide_keys = keys_t + dim * ATT_KEYS, *wide_values = wide_keys + dim * ATT_KEYS;
+    size_t element = kv_bf16 ? sizeof(uint16_t) : sizeof(float);
     for (int64_t i = 0; i < rows; i++) {
         int64_t t = t0 + i / group, h = g * group + i % group;
         for (int64_t d = 0; d < dim; d++) {
@@ -181,8 +197,12 @@ static void attention_task(const float *q, int64_t heads, int64_t dim, int64_t l
         int count = (int)(num_prefix + t1 - j0 < ATT_KEYS ? num_prefix + t1 - j0 : ATT_KEYS);
         for (int j = 0; j < ATT_KEYS; j++) {  /* past the end: a valid key, its weight is 0 */
             int64_t slot = slots[j0 + (j < count ? j : 0)];
-            key[j] = keys + (slot * kv_heads + g) * dim;
-            value[j] = values + (slot * kv_heads + g) * dim;
+            key[j] = (const float *)(const void *)((const char *)keys + (slot * kv_heads + g) * dim * element);
+            value[j] = (const float *)(const void *)((const char *)values + (slot * kv_heads + g) * dim * element);
+        }
+        if (kv_bf16) {
+            widen_rows(key, dim, wide_keys);
+            widen_rows(value, dim, wide_values);
         }
         transpose_keys(key, dim, keys_t);
         for (int64_t r = 0; r < rows; r += ATT_ROWS) {
@@ -199,7 +219,9 @@ static void attention_task(const float *q, int64_t heads, int64_t dim, int64_t l
 
 /* One call's operands, shared by its tasks (a task is a KV head and a block of tokens). */
 typedef struct {
-    const float *q, *keys, *values;
+    const float *q;
+    const void *keys, *values;
+    int kv_bf16;
     const int64_t *slots;
     float *out, *scratch;
     int64_t tokens, heads, dim, ld_q, kv_heads, num_prefix, token_block, task_scratch;
@@ -210,8 +232,8 @@ static void attention_pool_task(void *context, int64_t task) {
     const AttentionCall *c = context;
     int64_t g = task % c->kv_heads, t0 = (task / c->kv_heads) * c->token_block;
     int64_t t1 = t0 + c->token_block < c->tokens ? t0 + c->token_block : c->tokens;
-    attention_task(c->q, c->heads, c->dim, c->ld_q, c->keys, c->values, c->kv_heads, c->slots, c->num_prefix,
-                   c->scale, c->out, g, t0, t1, c->scratch + task * c->task_scratch);
+    attention_task(c->q, c->heads, c->dim, c->ld_q, c->keys, c->values, c->kv_bf16, c->kv_heads, c->slots,
+                   c->num_prefix, c->scale, c->out, g, t0, t1, c->scratch + task * c->task_scratch);
 }
 
 /* as few tasks as give every thread one: each task transposes every key block once, so fewer,
@@ -251,25 +273,26 @@ int64_t prefill_attention_scratch_floats(int64_t tokens, int64_t heads, int64_t 
 }
 
 /* prefill_attention_f32 with the caller's scratch (prefill_attention_scratch_floats of it, for the
- * same `threads`): the fused decode step (decode_step.c) attends a chunk's rows with it, its
- * scratch carved from the step's workspace before anything is written. Returns 1 (nothing
- * written) for shapes this build does not take. */
+ * same `threads`), over float32 or (kv_bf16) bfloat16 keys and values: the fused decode step
+ * (decode_step.c) attends a chunk's rows with it, its scratch carved from the step's workspace
+ * before anything is written. Returns 1 (nothing written) for shapes this build does not take. */
 int prefill_attention_f32_scratch(const float *q, int64_t tokens, int64_t heads, int64_t dim, int64_t ld_q,
-                                  const float *keys, const float *values, int64_t kv_heads, const int64_t *slots,
-                                  int64_t num_prefix, float scale, float *out, int threads, float *scratch) {
+                                  const void *keys, const void *values, int kv_bf16, int64_t kv_heads,
+                                  const int64_t *slots, int64_t num_prefix, float scale, float *out, int threads,
+                                  float *scratch) {
 #if defined(__AVX512F__)
     if (!shape_taken(tokens, heads, dim, kv_heads) || num_prefix < 0) return 1;
     int64_t token_block = token_block_of(tokens, kv_heads, threads);
     int64_t token_blocks = (tokens + token_block - 1) / token_block;
-    AttentionCall call = {q, keys, values, slots, out, scratch, tokens, heads, dim, ld_q, kv_heads, num_prefix,
-                          token_block, task_scratch_floats(token_block * (heads / kv_heads), dim), scale};
+    AttentionCall call = {q, keys, values, kv_bf16, slots, out, scratch, tokens, heads, dim, ld_q, kv_heads,
+                          num_prefix, token_block, task_scratch_floats(token_block * (heads / kv_heads), dim), scale};
     unsigned int saved_csr = denormals_flush_begin();  /* the pool's workers keep it set */
     task_pool_run(threads, attention_pool_task, &call, kv_heads * token_blocks);
     denormals_flush_end(saved_csr);
     return 0;
 #else
-    (void)q; (void)tokens; (void)heads; (void)dim; (void)ld_q; (void)keys; (void)values; (void)kv_heads;
-    (void)slots; (void)num_prefix; (void)scale; (void)out; (void)threads; (void)scratch;
+    (void)q; (void)tokens; (void)heads; (void)dim; (void)ld_q; (void)keys; (void)values; (void)kv_bf16;
+    (void)kv_heads; (void)slots; (void)num_prefix; (void)scale; (void)out; (void)threads; (void)scratch;
     return 1;
 #endif
 }
@@ -286,8 +309,8 @@ int prefill_attention_f32(const float *q, int64_t tokens, int64_t heads, int64_t
     if (floats == 0 || num_prefix < 0) return 1;
     float *scratch = malloc((size_t)floats * sizeof(float));
     if (scratch == NULL) return 2;
-    int status = prefill_attention_f32_scratch(q, tokens, heads, dim, ld_q, keys, values, kv_heads, slots, num_prefix,
-                                               scale, out, threads, scratch);
+    int status = prefill_attention_f32_scratch(q, tokens, heads, dim, ld_q, keys, values, 0, kv_heads, slots,
+                                               num_prefix, scale, out, threads, scratch);
     free(scratch);
     return status;
 }
