@@ -12,7 +12,7 @@ import torch
 from hybridserve import SamplingParams
 from hybridserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridserve.engine.engine import LLMEngine
-from hybridserve.engine.runner import SnapshotWriter
+from hybridserve.engine.runner import ModelRunner, SnapshotWriter
 from hybridserve.engine.step_plan import plan_step
 from hybridserve.layers import native
 from hybridserve.models import fused_decode
@@ -246,93 +246,45 @@ def test_steps_mixing_decode_rows_and_prompt_chunks_match_the_module_path(dtype:
                 assert all(abs(step_on[t] - step_off[t]) < 1e-4 for t in step_on.keys() & step_off.keys())
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
-def test_one_mixed_step_matches_the_module_path_on_the_same_state(quantization: str | None,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """One step of four decode rows and a 6-token chunk of a prompt under way, run fused and on the
-    module path from the same KV and state: logits, new state and KV agree to float32 rounding, and
-    the fused step's undo records give back the state it started from."""
-    engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", quantization=quantization,
-                                    cache=CacheConfig(kv_cache_mib=16, prefix_cache_mib=0),
-                                    scheduler=SchedulerConfig(max_prefill_tokens_during_decode=6)))
+def _mixed_step(config: EngineConfig, long_prompt: list[int]) -> tuple[ModelRunner, ForwardBatch]:
+    """The batch of the step after four requests have decoded a few tokens and `long_prompt` took
+    its first chunk (the next one rides beside the decode rows), with its admitted states restored
+    but not run: a fixed state from which to run one step two ways."""
+    engine = LLMEngine(config)
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
     for i in range(4):
         engine.add_request(f"d{i}", PROMPTS[f"s{i}"], params)
     for _ in range(3):
         engine.step()
-    engine.add_request("long", PROMPTS["s6"], params)
+    engine.add_request("long", long_prompt, params)
     engine.step()
-    runner, scheduled = engine.runner, engine.scheduler.schedule()
-    plan = plan_step(scheduled)
+    runner = engine.runner
+    plan = plan_step(engine.scheduler.schedule())
     runner.restore(plan)
     batch, _, _ = runner._build_batch(plan.chunks)
-    assert [(c.length, c.start_position > 0) for c in batch.prefills] == [(6, True)] and batch.num_decode == 4
+    return runner, batch
+
+
+def _fused_and_module(runner: ModelRunner, batch: ForwardBatch, monkeypatch: pytest.MonkeyPatch,
+                      snapshot_slots: list[int] | None = None) -> dict[bool, tuple[torch.Tensor, list[torch.Tensor]]]:
+    """Run `batch` fused (True) and on the module path (False) from the same KV, GDN state and
+    (zeroed) snapshots: each run's logits and the storage after it (KV, conv, recurrent state, then
+    the conv and recurrent state of `snapshot_slots`). The fused run's undo records, one per
+    sequence, give back the state it started from."""
     storage = [runner.kv_cache.keys, runner.kv_cache.values, runner.live_states.conv, runner.live_states.recurrent]
     before = [t.clone() for t in storage]
+    sequences = batch.num_decode + len(batch.prefills)
     results = {}
     for fused in (True, False):
         for tensor, saved in zip(storage, before):
             tensor.copy_(saved)
-        if not fused:
-            monkeypatch.setattr(fused_decode.FusedDecodeStep, "takes", staticmethod(lambda batch: False))
-        writes, undo = [], []
-        with torch.inference_mode():
-            logits = runner.model(batch, ForwardContext(runner.kv_cache, runner.live_states, None, writes, undo))
-        assert undo and bool(writes) != fused  # the module path writes the chunk's state after the forward
-        if fused:
-            after = [t.clone() for t in storage]
-            runner._write_states(undo)
-            assert torch.equal(runner.live_states.recurrent, before[3]) and torch.equal(runner.live_states.conv, before[2])
-            for tensor, saved in zip(storage, after):
-                tensor.copy_(saved)
-        runner._write_states(writes)
-        results[fused] = (logits, [t.clone() for t in storage])
-    (fused_logits, fused_storage), (module_logits, module_storage) = results[True], results[False]
-    torch.testing.assert_close(fused_logits, module_logits, atol=1e-4, rtol=1e-4)
-    for fused_tensor, module_tensor in zip(fused_storage, module_storage):
-        torch.testing.assert_close(fused_tensor, module_tensor, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("chunk", [40, 200])
-def test_a_long_chunk_with_captures_inside_matches_the_module_path(chunk: int,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """One step of four decode rows and a long chunk (from 8 rows the chunk attends with the chunk
-    attention kernel, past 128 in pieces, as its linears; the last layer only for the logit rows)
-    of a prompt under way, with snapshot
-    captures inside the chunk and at its end, run fused and on the module path from the same KV,
-    state and snapshots: logits, new state, KV and every captured snapshot agree to float32
-    rounding, and the fused step's undo records (one per sequence) give back the state it started from."""
-    engine = LLMEngine(EngineConfig(device="cpu", dtype="float32",
-                                    cache=CacheConfig(kv_cache_mib=16, prefix_cache_mib=16, snapshot_interval=16,
-                                                      cache_policy="interval"),
-                                    scheduler=SchedulerConfig(max_prefill_tokens_during_decode=chunk)))
-    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
-    for i in range(4):
-        engine.add_request(f"d{i}", PROMPTS[f"s{i}"], params)
-    for _ in range(3):
-        engine.step()
-    engine.add_request("long", [(29 * j) % 4000 + 10 for j in range(2 * chunk + 20)], params)
-    engine.step()
-    runner, scheduled = engine.runner, engine.scheduler.schedule()
-    plan = plan_step(scheduled)
-    runner.restore(plan)
-    batch, _, _ = runner._build_batch(plan.chunks)
-    assert [(c.length, c.start_position) for c in batch.prefills] == [(chunk, chunk)] and batch.num_decode == 4
-    captures = batch.prefills[0].captures
-    inside = [b for b, _ in captures if b < 2 * chunk]
-    assert len(inside) >= 2 and fused_decode.FusedDecodeStep.takes(batch)
-    assert runner.snapshots is not None
-    snapshot_slots = [slot for _, slot in captures]
-    storage = [runner.kv_cache.keys, runner.kv_cache.values, runner.live_states.conv, runner.live_states.recurrent]
-    before = [t.clone() for t in storage]
-    results = {}
-    for fused in (True, False):
-        for tensor, saved in zip(storage, before):
-            tensor.copy_(saved)
-        runner.snapshots.conv.zero_()
-        runner.snapshots.recurrent.zero_()
-        ran = {"fused": 0}
-        original = fused_decode.FusedDecodeStep.run
+        writer = None
+        if snapshot_slots is not None:
+            assert runner.snapshots is not None
+            runner.snapshots.conv.zero_()
+            runner.snapshots.recurrent.zero_()
+            writer = SnapshotWriter(runner.snapshots)
+        ran, original = {"fused": 0}, fused_decode.FusedDecodeStep.run
 
         def counted(self: fused_decode.FusedDecodeStep, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
             ran["fused"] += 1
@@ -342,28 +294,68 @@ def test_a_long_chunk_with_captures_inside_matches_the_module_path(chunk: int,
         if not fused:
             monkeypatch.setattr(fused_decode.FusedDecodeStep, "takes", staticmethod(lambda batch: False))
         writes, undo = [], []
-        writer = SnapshotWriter(runner.snapshots)
         with torch.inference_mode():
             logits = runner.model(batch, ForwardContext(runner.kv_cache, runner.live_states, writer, writes, undo))
-        assert ran["fused"] == int(fused) and not writer.failed
+        assert ran["fused"] == int(fused) and not (writer and writer.failed)
+        assert undo and bool(writes) != fused  # the module path writes the chunk's state after the forward
         if fused:
-            assert len(undo) == len(runner.model.config.gdn_layer_ids)
-            assert all(write.slots.shape[0] == 5 for write in undo)  # four decode rows and one chunk
+            assert all(write.slots.shape[0] == sequences for write in undo)
             after = [t.clone() for t in storage]
             runner._write_states(undo)
             assert torch.equal(runner.live_states.recurrent, before[3]) and torch.equal(runner.live_states.conv, before[2])
             for tensor, saved in zip(storage, after):
                 tensor.copy_(saved)
         runner._write_states(writes)
-        snapshots = [runner.snapshots.conv[:, snapshot_slots].clone(), runner.snapshots.recurrent[:, snapshot_slots].clone()]
-        results[fused] = (logits, [t.clone() for t in storage], snapshots)
+        captured = ([runner.snapshots.conv[:, snapshot_slots].clone(), runner.snapshots.recurrent[:, snapshot_slots].clone()]
+                    if snapshot_slots is not None and runner.snapshots is not None else [])
+        results[fused] = (logits, [t.clone() for t in storage] + captured)
         monkeypatch.undo()
-    (fused_logits, fused_storage, fused_snapshots), (module_logits, module_storage, module_snapshots) = (
-        results[True], results[False])
+    return results
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_one_mixed_step_matches_the_module_path_on_the_same_state(quantization: str | None,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """One step of four decode rows and a 6-token chunk of a prompt under way, run fused and on the
+    module path from the same KV and state: logits, new state and KV agree to float32 rounding, and
+    the fused step's undo records give back the state it started from."""
+    runner, batch = _mixed_step(EngineConfig(device="cpu", dtype="float32", quantization=quantization,
+                                             cache=CacheConfig(kv_cache_mib=16, prefix_cache_mib=0),
+                                             scheduler=SchedulerConfig(max_prefill_tokens_during_decode=6)),
+                                PROMPTS["s6"])
+    assert [(c.length, c.start_position > 0) for c in batch.prefills] == [(6, True)] and batch.num_decode == 4
+    results = _fused_and_module(runner, batch, monkeypatch)
+    (fused_logits, fused_storage), (module_logits, module_storage) = results[True], results[False]
     torch.testing.assert_close(fused_logits, module_logits, atol=1e-4, rtol=1e-4)
-    for fused_tensor, module_tensor in zip(fused_storage + fused_snapshots, module_storage + module_snapshots):
+    for fused_tensor, module_tensor in zip(fused_storage, module_storage):
         torch.testing.assert_close(fused_tensor, module_tensor, atol=1e-4, rtol=1e-4)
-    assert all(bool(t.abs().sum() > 0) for t in module_snapshots[1])  # every capture was written
+
+
+@pytest.mark.parametrize("chunk", [40, 200])
+def test_a_long_chunk_with_captures_inside_matches_the_module_path(chunk: int,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """One step of four decode rows and a long chunk of a prompt under way (from 8 rows the chunk
+    attends with the chunk attention kernel, past 128 in pieces, as its linears; the last layer
+    only for the logit rows), with snapshot captures inside the chunk and at its end, run fused and
+    on the module path from the same KV, state and snapshots: logits, new state, KV and every
+    captured snapshot agree to float32 rounding, and the fused step's undo records (one per
+    sequence) give back the state it started from."""
+    runner, batch = _mixed_step(EngineConfig(device="cpu", dtype="float32",
+                                             cache=CacheConfig(kv_cache_mib=16, prefix_cache_mib=16,
+                                                               snapshot_interval=16, cache_policy="interval"),
+                                             scheduler=SchedulerConfig(max_prefill_tokens_during_decode=chunk)),
+                                [(29 * j) % 4000 + 10 for j in range(2 * chunk + 20)])
+    assert [(c.length, c.start_position) for c in batch.prefills] == [(chunk, chunk)] and batch.num_decode == 4
+    captures = batch.prefills[0].captures
+    inside = [b for b, _ in captures if b < 2 * chunk]
+    assert len(inside) >= 2 and fused_decode.FusedDecodeStep.takes(batch)
+    assert runner.snapshots is not None
+    results = _fused_and_module(runner, batch, monkeypatch, [slot for _, slot in captures])
+    (fused_logits, fused_storage), (module_logits, module_storage) = results[True], results[False]
+    torch.testing.assert_close(fused_logits, module_logits, atol=1e-4, rtol=1e-4)
+    for fused_tensor, module_tensor in zip(fused_storage, module_storage):
+        torch.testing.assert_close(fused_tensor, module_tensor, atol=1e-4, rtol=1e-4)
+    assert all(bool(t.abs().sum() > 0) for t in module_storage[-1])  # every capture was written
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
