@@ -258,12 +258,12 @@ static void sequence_task(void *context, int64_t r) {
  * in a decode step, in place only): they are stepped in order, and out_conv / out_rec [runs, ...]
  * hold each run's undo record (in place) or successor (not in place: one row per run). A slot may
  * not start two runs (returns 4). capture_conv / capture_rec [num_captures, ...] receive the state
- * just after row capture_rows[i], a row followed by one of its own run (else returns 5). With one row per sequence (decode) each task is a sequence, its
- * conv and then its heads: one pass of the pool, and the conv's output still in the thread's cache
- * for the heads (with the vectorised conv, a batch of 16 over the built-in model's 6 GDN layers
- * took 0.71x the time of a conv pass then a head pass, on the C harness with the caches swept
- * between steps). Otherwise runs are stepped in parallel in a conv pass, then (run, value head)
- * pairs in a state pass. */
+ * just after row capture_rows[i], a row followed by one of its own run (else returns 5).
+ * With one row per sequence (decode) each task is a sequence, its conv and then its heads: one
+ * pass of the pool, and the conv's output still in the thread's cache for the heads (with the
+ * vectorised conv, a batch of 16 over the built-in model's 6 GDN layers took 0.71x the time of a
+ * conv pass then a head pass, on the C harness with the caches swept between steps). Otherwise
+ * runs are stepped in parallel in a conv pass, then (run, value head) pairs in a state pass. */
 int gdn_decode_step(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int64_t head_k, int64_t head_v,
                     int64_t kernel, const float *proj, int64_t proj_stride, int64_t b_offset, int64_t a_offset,
                     const int64_t *slots, int64_t num_slots, void *conv_live, float *rec_live,
