@@ -1,4 +1,5 @@
-/* Causal attention of a short prompt chunk over its sequence's paged KV (float32, AVX-512 only).
+/* Causal attention of a short prompt chunk over its sequence's paged KV (float32 activations over
+ * float32 KV, or bfloat16 KV widened a key block at a time for the fused step; AVX-512 only).
  *
  * A warm request prefills a short suffix (64 tokens) behind thousands of cached tokens. The eager
  * path gathers every key and value of the sequence from the paged cache into new tensors, builds a
