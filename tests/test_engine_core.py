@@ -10,10 +10,12 @@ import os
 import pickle
 import signal
 import socket
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -264,6 +266,10 @@ def test_bad_model_dir_fails_start_with_the_engine_error() -> None:
 def test_core_exits_when_the_api_process_is_killed() -> None:
     from hybridserve.bench.serve_bench import ServerProcess
 
+    def socket_dirs() -> set[Path]:
+        return set(Path(tempfile.gettempdir()).glob("hybridserve-core-*"))
+
+    before = socket_dirs()
     with ServerProcess(["--kv-cache-mib", "16", "--prefix-cache-mib", "16", "--max-model-len", "1024",
                         "--threads", "1"]) as server:
         assert server.proc is not None
@@ -271,9 +277,12 @@ def test_core_exits_when_the_api_process_is_killed() -> None:
         with open(f"/proc/{pid}/task/{pid}/children") as children:
             cores = [int(c) for c in children.read().split()]
         assert cores, "the server has no engine core child"
+        ours = socket_dirs() - before
+        assert ours, "the server made no socket directory"
         os.kill(pid, signal.SIGKILL)
         server.proc.wait(10)
         wait_until(lambda: all(process_gone(c) for c in cores), timeout=10)
+    assert not any(d.exists() for d in ours), "the core left the dead server's sockets behind"
 
 
 class _RecordingEngine:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import shutil
 import signal
 import socket
 import time
@@ -349,3 +350,5 @@ def run_engine_core(config: Any, input_address: str, output_address: str, parent
         inputs.close(linger=0)
         outputs.close()
         context.term()
+        if os.getppid() != parent_pid:  # the API process died without its cleanup: remove its sockets
+            shutil.rmtree(os.path.dirname(output_address), ignore_errors=True)
