@@ -191,8 +191,22 @@ def test_check_integrity_detects_corruption() -> None:
         pool.check_integrity()
 
 
+def test_a_parent_published_after_its_child_is_covered() -> None:
+    """Snapshots reserved in one step may publish child first (a request whose capture names as
+    parent a snapshot another request of the step has in flight): the parent then has its child
+    when it is published, and is covered from then on."""
+    pool = SnapshotPool(4)
+    parent = pool.reserve(A, 256)
+    child = pool.reserve(B, 512, parent=A)
+    pool.publish(child)
+    pool.publish(parent)
+    assert list(pool.covered()) == [pool.lookup(A)]
+    pool.check_integrity()
+
+
 def test_randomized_property() -> None:
-    """Random reserve/publish/abort/pin/unpin/touch/evict; integrity after every op."""
+    """Random reserve (with parents, branch points, opportunistic) / publish / abort / pin /
+    unpin / touch / hit / evict; integrity (the covered list included) after every op."""
     rng = random.Random(42)
     pool = SnapshotPool(5)
     keys = KEYS[:12]
@@ -203,7 +217,9 @@ def test_randomized_property() -> None:
     for _ in range(4000):
         op = rng.random()
         if op < 0.3:
-            res = pool.reserve(rng.choice(keys), rng.randrange(1, 100))
+            parent = rng.choice([None, *keys])
+            res = pool.reserve(rng.choice(keys), rng.randrange(1, 100), parent=parent,
+                               opportunistic=rng.random() < 0.3, branch=rng.random() < 0.1)
             if res.status is ReserveStatus.RESERVED:
                 assert pool.lookup(res.key) is None
                 pending.append(res)
@@ -223,8 +239,10 @@ def test_randomized_property() -> None:
                 pins.append(slot)
         elif op < 0.84 and pins:
             pool.unpin(pins.pop(rng.randrange(len(pins))))
-        elif op < 0.92:
+        elif op < 0.88:
             pool.touch(rng.choice(keys))
+        elif op < 0.92:
+            pool.record_hit(rng.choice(keys))
         elif op < 0.98:
             key = rng.choice(keys)
             slot = pool.lookup(key)

@@ -323,6 +323,7 @@ class SnapshotPool:
         self.clock += 1
         self._last_use[slot] = self.clock
         self._hits[slot] = 0
+        self._update_covered(slot)  # its children may be in already (published deepest first)
         parent = self._parent[slot]
         if parent is not None:
             self._children[parent] = self._children.get(parent, 0) + 1
