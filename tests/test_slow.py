@@ -38,3 +38,8 @@ def test_builtin_model_parity_on_a_long_prompt(tmp_path: Path) -> None:
 @pytest.mark.parametrize("seed", range(2, 8))
 def test_differential_multi_turn_more_seeds(text_checkpoint: Path, seed: int) -> None:
     test_prefix_cache.test_differential_multi_turn_cache_on_equals_off(text_checkpoint, seed)
+
+
+@pytest.mark.parametrize("seed", range(100, 200))
+def test_differential_random_configurations_more_seeds(text_checkpoint: Path, seed: int) -> None:
+    test_prefix_cache.differential_random_configuration(text_checkpoint, seed)
