@@ -23,7 +23,7 @@ import pytest
 import zmq
 
 from hybridserve.api import LLM
-from hybridserve.engine.async_engine import EngineDeadError
+from hybridserve.engine.async_engine import EngineDeadError, EngineOverloadedError
 from hybridserve.engine.core import BURST_GAP_S, EngineCore
 from hybridserve.engine.core_messages import AddRequest, input_encoder
 from hybridserve.engine.core_client import EngineCoreClient
@@ -250,6 +250,35 @@ def test_core_death_fails_requests_and_health() -> None:
     finally:
         client.shutdown()
     assert process_gone(pid)
+
+
+def test_aborts_that_empty_the_queue_reopen_admission() -> None:
+    """The API process admits requests by the core's waiting count. When aborts empty the engine
+    no step follows to report it, and a stale count refused every request as overloaded, for good."""
+    client = EngineCoreClient(tiny_config(max_num_seqs=1), max_waiting_requests=2)
+    client.start()
+    long = SamplingParams(max_tokens=5000, ignore_eos=True, temperature=0.0)
+
+    async def scenario() -> list[int]:
+        await client.add_request("running", [300] * 20, long)
+        await asyncio.to_thread(wait_until, lambda: client.num_waiting_estimate == 0)
+        for index in range(2):
+            await client.add_request(f"queued-{index}", [301 + index] * 20, long)
+        await asyncio.to_thread(wait_until, lambda: client.num_waiting_estimate == 2)
+        with pytest.raises(EngineOverloadedError):
+            await client.add_request("refused", [303] * 20, long)
+        for request_id in ("queued-0", "queued-1", "running"):
+            client.abort(request_id)
+        await asyncio.to_thread(wait_until, lambda: client.num_waiting_estimate == 0)
+        outputs = [output async for output in client.generate("after", [304] * 20,
+                                                              SamplingParams(max_tokens=3, temperature=0.0))]
+        return outputs[-1].outputs[0].token_ids
+
+    try:
+        assert len(asyncio.run(scenario())) == 3
+        asyncio.run(client.check_integrity())
+    finally:
+        client.shutdown()
 
 
 def test_bad_model_dir_fails_start_with_the_engine_error() -> None:

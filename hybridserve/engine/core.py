@@ -163,6 +163,7 @@ class EngineCore:
             self._drain_inputs(block=not busy)
             if self._stopping or self._parent_gone():
                 break
+            self._report_waiting()
             if self.engine.has_unfinished_requests():
                 self._step()
         self._fail_all("engine core shut down")
@@ -265,6 +266,15 @@ class EngineCore:
             logger.error("engine stopped: %s", reason)
             self.send(EngineDead(reason))
             self._stopping = True
+
+    def _report_waiting(self) -> None:
+        """Tell the API process the waiting count when inputs changed it. Steps report it too, but
+        aborts can empty the engine with no step to follow: the API process, which admits requests
+        by that count, would then refuse every new one as overloaded, for good."""
+        waiting = int(self.engine.num_waiting_requests)
+        if waiting != self._sent_waiting:
+            self.send(StepOutputs([], waiting))
+            self._sent_waiting = waiting
 
     def _due(self, group: Any) -> bool:
         """Whether an unfinished group's delta is sent this step: never for a final-only request;
