@@ -60,6 +60,7 @@ PARENT_CHECK_S = 1.0
 BURST_GAP_S = 0.003
 BURST_WINDOW_S = 0.03
 BURST_POLL_MS = 1
+SOCKET_DIR_PREFIX = "hybridserve-core-"  # the API process's socket directory (tempfile.mkdtemp prefix)
 
 
 class _Sent:
@@ -360,5 +361,12 @@ def run_engine_core(config: Any, input_address: str, output_address: str, parent
         inputs.close(linger=0)
         outputs.close()
         context.term()
-        if os.getppid() != parent_pid:  # the API process died without its cleanup: remove its sockets
-            shutil.rmtree(os.path.dirname(output_address), ignore_errors=True)
+        _remove_orphaned_sockets(output_address, parent_pid)
+
+
+def _remove_orphaned_sockets(output_address: str, parent_pid: int) -> None:
+    """When the API process died without its cleanup, remove the private directory it made for
+    the sockets (only one named as `EngineCoreClient` names them)."""
+    directory = os.path.dirname(output_address)
+    if os.getppid() != parent_pid and os.path.basename(directory).startswith(SOCKET_DIR_PREFIX):
+        shutil.rmtree(directory, ignore_errors=True)

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import zmq
 
 from hybridserve.engine.async_engine import EngineDeadError, EngineOverloadedError, EngineStepError, generate_outputs
-from hybridserve.engine.core import run_engine_core
+from hybridserve.engine.core import SOCKET_DIR_PREFIX, run_engine_core
 from hybridserve.engine.detokenizer import IncrementalDetokenizer
 from hybridserve.engine.frames import FrameReceiver
 from hybridserve.engine.core_messages import (
@@ -255,7 +255,7 @@ class EngineCoreClient:
             raise EngineDeadError("engine has been shut down")
         if self._process is not None:
             return
-        self._ipc_dir = tempfile.mkdtemp(prefix="hybridserve-core-")
+        self._ipc_dir = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)
         input_address = f"ipc://{self._ipc_dir}/input"
         output_address = os.path.join(self._ipc_dir, "output")
         self._context = zmq.Context(1)
