@@ -24,7 +24,7 @@ import zmq
 
 from hybridserve.api import LLM
 from hybridserve.engine.async_engine import EngineDeadError, EngineOverloadedError
-from hybridserve.engine.core import BURST_GAP_S, EngineCore
+from hybridserve.engine.core import BURST_GAP_S, SOCKET_DIR_PREFIX, EngineCore
 from hybridserve.engine.core_messages import AddRequest, input_encoder
 from hybridserve.engine.core_client import EngineCoreClient
 from hybridserve.engine.frames import FrameReceiver, FrameSender
@@ -296,7 +296,7 @@ def test_core_exits_when_the_api_process_is_killed() -> None:
     from hybridserve.bench.serve_bench import ServerProcess
 
     def socket_dirs() -> set[Path]:
-        return set(Path(tempfile.gettempdir()).glob("hybridserve-core-*"))
+        return set(Path(tempfile.gettempdir()).glob(SOCKET_DIR_PREFIX + "*"))
 
     before = socket_dirs()
     with ServerProcess(["--kv-cache-mib", "16", "--prefix-cache-mib", "16", "--max-model-len", "1024",
