@@ -83,3 +83,45 @@ def test_sim_bad_input_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFi
     argv = ["sim", "--trace", trace, "--model-shape", "builtin", "--no-progress", *flags]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_oracle_keeps_the_states_restored_soonest() -> None:
+    """A, B, C, then A, B, C again (three-block prompts that end mid-block): each repeat can hit
+    the prompt mark at 32 tokens. With one slot the oracle keeps A's (restored first) and skips
+    B's and C's; with two it keeps A's and B's. LRU-like eviction keeps the latest marks, which
+    the repeats need last, and hits nothing with one or two slots."""
+    from hybridserve.sim.oracle import learn_restores, simulate_oracle
+    from hybridserve.sim.shapes import model_shape
+    from hybridserve.sim.simulator import SimConfig, simulate
+
+    shape = model_shape("builtin")
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]] * 2
+    config = SimConfig("hybridserve", 64 * 16 * shape.cost.kv_bytes_per_token, shape.cost.snapshot_bytes, 16, 32)
+    restores = learn_restores(_tokens(prompts, input_length=40), shape, config)
+    assert sorted(len(times) for times in restores.values()) == [1, 1, 1]
+    hits = []
+    for slots in (1, 2, 3):
+        sized = config._replace(snapshot_bytes=slots * shape.cost.snapshot_bytes)
+        result = simulate_oracle(_tokens(prompts, input_length=40), shape, sized, restores, check=True)
+        assert result.config.policy == "oracle" and result.snapshot_slots == slots
+        assert result.hits == (0, 0, 0, 32, 32 if slots > 1 else 0, 32 if slots > 2 else 0)
+        hits.append(result.hit_tokens)
+        online = simulate(_tokens(prompts, input_length=40), shape, sized, check=True)
+        assert online.hit_tokens <= result.hit_tokens
+    assert hits == [32, 64, 96]
+
+
+def test_sim_oracle_rows_lie_between_the_policies_and_the_bound(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    code = main(["sim", "--trace", str(_branching_trace(tmp_path / "t.jsonl")), "--model-shape", "builtin",
+                 "--policies", "hybridserve", "--snapshot-budgets-gib", "0.002,0.05", "--oracle",
+                 "--kv-budgets-gib", "0.01", "--block-size", "16", "--snapshot-interval", "32",
+                 "--block-tokens", "16", "--json", str(out), "--no-progress"])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    oracle = {row["snapshot_slots"]: row for row in rows if row["policy"] == "oracle"}
+    online = {row["snapshot_slots"]: row for row in rows if row["policy"] == "hybridserve"}
+    assert set(oracle) == set(online) == {2, 65}
+    for slots, row in oracle.items():
+        assert online[slots]["token_hit_rate"] <= row["token_hit_rate"] <= row["slot_bound_token_hit_rate"] + 1e-9
+    assert oracle[65]["token_hit_rate"] > 0

@@ -10,6 +10,7 @@ from typing import Any
 
 from hybridserve.config import POLICY_NAMES
 from hybridserve.sim.bound import hit_options, slot_bound_hit_tokens
+from hybridserve.sim.oracle import ORACLE, learn_restores, simulate_oracle
 from hybridserve.sim.shapes import MODEL_SHAPES, ModelShape, model_shape
 from hybridserve.sim.simulator import SimConfig, SimResult, ceiling_hit_tokens, simulate
 from hybridserve.sim.trace import TRACE_BLOCK_TOKENS, TraceTokens, default_trace_path, read_trace
@@ -34,6 +35,9 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per trace hash block (512 = unscaled)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write every figure as JSON here")
     parser.add_argument("--plot", metavar="PATH", default=None, help="write hit rate vs budget (PNG) here")
+    parser.add_argument("--oracle", action="store_true",
+                        help="add a clairvoyant reference row per budget: the same cache admitting only states a "
+                             "later request restores, evicting the one restored last (hybridserve/sim/oracle.py)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(handler=run_sim)
 
@@ -78,8 +82,16 @@ def run_sim(args: argparse.Namespace) -> int:
                 config = SimConfig(policy, int(kv * GIB), int(budget * GIB), args.block_size, args.snapshot_interval)
                 result = simulate(tokens, shape, config, progress=not args.no_progress)
                 results.append(result)
-                print(f"[sim] {policy} KV {kv:g} GiB, snapshots {budget:g} GiB: {result.hit_rate:.2%} "
-                      f"({result.seconds:.1f} s)", file=sys.stderr, flush=True)
+                _progress(result)
+        if args.oracle:
+            learning = SimConfig(ORACLE, int(kv * GIB), int(snapshot_budgets[0] * GIB), args.block_size,
+                                 args.snapshot_interval)
+            restores = learn_restores(tokens, shape, learning, progress=not args.no_progress)
+            for budget in snapshot_budgets:
+                result = simulate_oracle(tokens, shape, learning._replace(snapshot_bytes=int(budget * GIB)), restores,
+                                         progress=not args.no_progress)
+                results.append(result)
+                _progress(result)
     bounds = {r.snapshot_slots: slot_bound_hit_tokens(options, r.snapshot_slots) / prompt_tokens for r in results}
     report = sim_report(args, shape, len(records), ceiling / prompt_tokens, results, bounds)
     print(format_sim_report(report))
@@ -89,6 +101,12 @@ def run_sim(args: argparse.Namespace) -> int:
     if args.plot:
         plot_hit_rates(report, args.plot)
     return 0
+
+
+def _progress(result: SimResult) -> None:
+    config = result.config
+    print(f"[sim] {config.policy} KV {config.kv_bytes / GIB:g} GiB, snapshots {config.snapshot_bytes / GIB:g} GiB: "
+          f"{result.hit_rate:.2%} ({result.seconds:.1f} s)", file=sys.stderr, flush=True)
 
 
 def sim_report(args: argparse.Namespace, shape: ModelShape, num_requests: int, ceiling: float,
@@ -146,7 +164,8 @@ def plot_hit_rates(report: dict[str, Any], path: str) -> None:
         series.setdefault(label, []).append((row["snapshot_budget_gib"], row["token_hit_rate"]))
     for label, points in series.items():
         points.sort()
-        axes.plot([p[0] for p in points], [100 * p[1] for p in points], marker="o", label=label)
+        style = ":" if label.startswith(ORACLE) else "-"  # a reference, not a policy
+        axes.plot([p[0] for p in points], [100 * p[1] for p in points], marker="o", linestyle=style, label=label)
     axes.axhline(100 * report["ceiling_token_hit_rate"], color="grey", linestyle="--", label="unbounded ceiling")
     axes.set_xscale("log", base=2)
     axes.set_xlabel("GDN snapshot budget (GiB)")

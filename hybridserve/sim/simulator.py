@@ -11,7 +11,7 @@ the same (tests/test_sim.py checks this against the engine).
 from __future__ import annotations
 
 import time
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 from tqdm import tqdm
 
@@ -66,7 +66,10 @@ class AccountingRun:
     """The scheduler, pools and policy of one replay, stepped by an accounting-only runner: `serve`
     admits, prefills, decodes and finishes one request at a time (tests build traces with it)."""
 
-    def __init__(self, config: SimConfig, shape: ModelShape) -> None:
+    def __init__(self, config: SimConfig, shape: ModelShape,
+                 snapshot_pool: Callable[[int], SnapshotPool] = SnapshotPool) -> None:
+        """`snapshot_pool` builds the snapshot pool from its slot count (the oracle's own pool
+        type, see oracle.py)."""
         if config.kv_bytes <= 0 or config.snapshot_bytes <= 0:
             raise ValueError("KV and snapshot budgets must be positive")
         cost = shape.cost
@@ -82,7 +85,7 @@ class AccountingRun:
         limits = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1 << 40,
                                  max_prefill_tokens_during_decode=0)
         self.blocks = BlockPool(self.kv_blocks)
-        self.snapshots = SnapshotPool(self.snapshot_slots)
+        self.snapshots = snapshot_pool(self.snapshot_slots)
         self.scheduler = Scheduler(cache, limits, self.blocks, StateSlotPool(1), self.snapshots, policy)
         self.block_size = config.block_size
 
@@ -120,21 +123,25 @@ class AccountingRun:
 
 
 def simulate(tokens: TraceTokens, shape: ModelShape, config: SimConfig, indices: Iterable[int] | None = None,
-             progress: bool = False, check: bool = False, stepwise: bool = False) -> SimResult:
+             progress: bool = False, check: bool = False, stepwise: bool = False, run: AccountingRun | None = None,
+             on_request: Callable[[int], None] | None = None) -> SimResult:
     """Replay `tokens`' requests (all, or `indices`) under one cache configuration; `check`
-    verifies every pool's integrity at the end (O(pool size))."""
-    run = AccountingRun(config, shape)
+    verifies every pool's integrity at the end (O(pool size)). `run`: a prepared replay of
+    `config` (default: a fresh one); `on_request(n)` is called before the n-th replayed request."""
+    run = run or AccountingRun(config, shape)
     order = list(range(len(tokens.records))) if indices is None else list(indices)
     start = time.perf_counter()
     prompt_tokens = hit_tokens = hit_requests = skipped = 0
     total_flops = saved_flops = 0.0
     hits = []
     label = f"sim {config.policy} kv={config.kv_bytes / 2**30:g}GiB snap={config.snapshot_bytes / 2**30:g}GiB"
-    for index in tqdm(order, desc=label, disable=not progress, leave=False, mininterval=1.0):
+    for position, index in enumerate(tqdm(order, desc=label, disable=not progress, leave=False, mininterval=1.0)):
         prompt, output = tokens.prompt(index), tokens.output(index)
         if not run.fits(len(prompt) + len(output)):
             skipped += 1
             continue
+        if on_request is not None:
+            on_request(position)
         hit = run.serve(str(index), prompt, output, stepwise)
         hits.append(hit)
         prompt_tokens += len(prompt)

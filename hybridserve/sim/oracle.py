@@ -1,0 +1,144 @@
+"""A clairvoyant reference row for `hybridserve sim`: what the same cache reaches when it knows
+which states later requests restore.
+
+An online policy has to guess which GDN states will be restored (a request end: will the
+conversation continue? an interval mark: will some later request branch right there?). The
+oracle takes the answer from the trace. A first replay, with `hybridserve`'s admission and a
+snapshot pool too large to ever evict, records which requests restore each snapshot key. The
+second replay, under the real budget, runs the same scheduler and policy with an
+`OracleSnapshotPool`, which applies Belady's MIN to snapshots: a state is admitted only if a later
+request restores it (then even where the policy asked for an opportunistic slot) and sooner than
+some resident one, and the resident restored furthest ahead (or never again) makes room.
+
+It is a reference, not a bound: a request that finds its recorded snapshot gone falls back to a
+shallower one that the oracle did not keep, and with variable prefix values MIN is not optimal.
+`hybridserve/sim/bound.py` gives the bound. The gap between `hybridserve` and this row is what
+knowledge of the future is worth at a budget; the gap between this row and the ceiling is what
+the budget costs even with that knowledge.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from typing import Iterable
+
+from hybridserve.cache.block_pool import BlockHash
+from hybridserve.cache.snapshots import Reservation, ReserveStatus, SnapshotPool
+from hybridserve.sim.shapes import ModelShape
+from hybridserve.sim.simulator import AccountingRun, SimConfig, SimResult, simulate
+from hybridserve.sim.trace import TraceTokens
+
+ORACLE = "oracle"
+LEARNING_POLICY = "hybridserve"  # the admission whose candidates the oracle filters
+
+RestoreTimes = dict[BlockHash, list[int]]
+"""Snapshot key -> the replay positions (ascending) of the requests that restored it."""
+
+
+class RestoreRecorder(SnapshotPool):
+    """A snapshot pool that notes which request restores each key (the learning replay)."""
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots)
+        self.position = 0
+        self.restores: RestoreTimes = {}
+
+    def at_request(self, position: int) -> None:
+        """The replay is about to serve its `position`-th request."""
+        self.position = position
+
+    def record_hit(self, key: BlockHash) -> None:
+        super().record_hit(key)
+        self.restores.setdefault(key, []).append(self.position)
+
+
+class OracleSnapshotPool(SnapshotPool):
+    """A snapshot pool that admits only states restored later and evicts the one restored last."""
+
+    def __init__(self, num_slots: int, restores: RestoreTimes) -> None:
+        super().__init__(num_slots)
+        self.position = 0
+        self._restores = restores
+        self.choose_victim = self.furthest_next_restore
+
+    def at_request(self, position: int) -> None:
+        """The replay is about to serve its `position`-th request."""
+        self.position = position
+
+    def next_restore(self, key: BlockHash) -> int | None:
+        """Position of the next request after the current one that restores `key` (None: none)."""
+        times = self._restores.get(key)
+        if not times:
+            return None
+        index = bisect_right(times, self.position)
+        return times[index] if index < len(times) else None
+
+    def reserve(self, key: BlockHash, num_tokens: int, parent: BlockHash | None = None,
+                opportunistic: bool = False, branch: bool = False) -> Reservation:
+        """As `SnapshotPool.reserve`, but a state no later request restores is skipped, and one that
+        is restored is admitted even where the policy asked for an opportunistic slot."""
+        if key not in self._published and key not in self._reserved:
+            upcoming = self.next_restore(key)
+            if upcoming is None or (not self.num_free_slots and upcoming > self._furthest()[1]):
+                self.skipped_total += 1  # never restored, or after everything it would displace
+                return Reservation(ReserveStatus.SKIPPED, None, key, num_tokens)
+        return super().reserve(key, num_tokens, parent, opportunistic=False, branch=branch)
+
+    def furthest_next_restore(self, pool: SnapshotPool) -> int | None:
+        """Belady's choice: an evictable slot never restored again, else the one restored last."""
+        return self._furthest()[0]
+
+    def _furthest(self) -> tuple[int | None, float]:
+        """The evictable slot whose next restore lies furthest ahead, and when (inf: never; -1
+        with no slot: nothing evictable)."""
+        best_slot, best_time = None, -1.0
+        for slot in self.evictable():
+            time = self.next_restore(self.key_of(slot))
+            if time is None:
+                return slot, math.inf
+            if time > best_time:
+                best_slot, best_time = slot, time
+        return best_slot, best_time
+
+
+def _unbounded_slots(tokens: TraceTokens, order: list[int], interval: int) -> int:
+    """More slots than the learning replay can reserve: per request at most one per interval
+    crossed, plus its prompt mark, branch point and end."""
+    records = tokens.records
+    return sum((records[i].input_length + records[i].output_length) // interval + 3 for i in order) + 1
+
+
+def learn_restores(tokens: TraceTokens, shape: ModelShape, config: SimConfig,
+                   indices: Iterable[int] | None = None, progress: bool = False) -> RestoreTimes:
+    """Replay under `config`'s KV budget with `hybridserve`'s admission and a pool that never
+    evicts a snapshot; which requests restored each key."""
+    order = list(range(len(tokens.records))) if indices is None else list(indices)
+    slots = _unbounded_slots(tokens, order, config.interval)
+    learning = config._replace(policy=LEARNING_POLICY, snapshot_bytes=slots * shape.cost.snapshot_bytes)
+    recorder: RestoreRecorder | None = None
+
+    def make_pool(num_slots: int) -> SnapshotPool:
+        nonlocal recorder
+        recorder = RestoreRecorder(num_slots)
+        return recorder
+
+    run = AccountingRun(learning, shape, snapshot_pool=make_pool)
+    assert recorder is not None
+    simulate(tokens, shape, learning, order, progress=progress, run=run, on_request=recorder.at_request)
+    return recorder.restores
+
+
+def simulate_oracle(tokens: TraceTokens, shape: ModelShape, config: SimConfig, restores: RestoreTimes,
+                    indices: Iterable[int] | None = None, progress: bool = False,
+                    check: bool = False) -> SimResult:
+    """Replay under `config`'s budgets with the oracle pool (`restores` from `learn_restores` on
+    the same requests and KV budget); the result is labelled policy "oracle"."""
+    admission = config._replace(policy=LEARNING_POLICY)
+    run = AccountingRun(admission, shape, snapshot_pool=lambda num_slots: OracleSnapshotPool(num_slots, restores))
+    pool = run.snapshots
+    assert isinstance(pool, OracleSnapshotPool)
+    pool.choose_victim = pool.furthest_next_restore  # binding the policy installed its own chooser
+    result = simulate(tokens, shape, admission, indices, progress=progress, check=check, run=run,
+                      on_request=pool.at_request)
+    return result._replace(config=config._replace(policy=ORACLE))
