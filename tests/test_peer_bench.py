@@ -51,6 +51,30 @@ def test_summary_and_report() -> None:
     assert "extra buffer types" not in report
     result["agreement"] |= {"llama_cpp_extra_bufts": False, "llama_cpp_crash_with_extra_bufts": "died"}
     assert "without its extra buffer types (AMX / repacked weights) after it crashed" in format_peer_report(result)
+    result["batch_scaling"] = {"batch_size": 16,
+                               "hybridserve": {"batch_1_step_ms": 2.5, "batch_step_ms": 5.0, "speedup": 8.0},
+                               "llama.cpp": {"batch_1_step_ms": 5.0, "batch_step_ms": 20.0, "speedup": 4.0}}
+    line = next(line for line in format_peer_report(result).splitlines() if line.startswith("decode step at batch"))
+    assert "hybridserve 5.00 vs 2.50 ms" in line and "= 8.00x" in line and "llama.cpp 20.00 vs 5.00 ms" in line
+
+
+def test_alternate_sizes_drops_warm_up_and_prefill() -> None:
+    from hybridserve.bench.peer_bench import _alternate_sizes
+
+    calls = []
+
+    def step_times(batch: int) -> list[float]:
+        calls.append(batch)
+        first = 100.0 if len(calls) <= 2 else 1.0  # the warm-up pair is discarded
+        return [50.0] + [first * batch] * 7  # the first eighth (prefill) is dropped
+    assert _alternate_sizes(step_times, 4, iterations=2) == (1.0, 4.0)
+    assert calls == [4, 1, 4, 1, 4, 1]
+
+
+@pytest.mark.parametrize("size, iterations", [(1, 3), (-2, 3), (16, 0)])
+def test_batch_scaling_settings_are_checked(size: int, iterations: int) -> None:
+    with pytest.raises(ValueError, match="batch_size"):
+        PeerBenchConfig(batch_size=size, batch_iterations=iterations)
 
 
 @pytest.mark.skipif(hybridserve_supports_quantization(), reason="this hybridserve has --quantization")
@@ -64,7 +88,8 @@ def test_peer_bench_end_to_end(tmp_path: Path) -> None:
     pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (pip install -e '.[peer]')")
     pytest.importorskip("sse_starlette", reason="needs llama_cpp.server's extras (pip install -e '.[peer]')")
     cfg = PeerBenchConfig(prompt_tokens=288, shared_tokens=256, extend_tokens=16, decode_tokens=8, iterations=1,
-                          warmup=0, agreement_tokens=8, n_ctx=512, work_dir=str(tmp_path))
+                          warmup=0, agreement_tokens=8, n_ctx=512, work_dir=str(tmp_path), batch_size=3,
+                          batch_iterations=1)
     result = run_peer_bench(cfg, log=lambda _: None)
     assert result["agreement"]["leading_agreed"] == 8, result["agreement"]
     assert set(result["median"]) == {"hybridserve", "llama.cpp"}
@@ -72,6 +97,12 @@ def test_peer_bench_end_to_end(tmp_path: Path) -> None:
         assert all(result["median"][name][m] > 0 for m in METRICS)
     assert result["median"]["hybridserve"]["warm_ttft_cached_tokens"] == 256  # a snapshot boundary (interval 256)
     assert "llama.cpp / hybridserve" in format_peer_report(result)
+    scaling = result["batch_scaling"]
+    assert scaling["batch_size"] == 3
+    for name in ("hybridserve", "llama.cpp"):
+        assert scaling[name]["batch_step_ms"] > 0 and scaling[name]["batch_1_step_ms"] > 0
+        assert scaling[name]["speedup"] == pytest.approx(3 * scaling[name]["batch_1_step_ms"]
+                                                         / scaling[name]["batch_step_ms"])
 
 
 def test_extra_bufts_mode_is_checked() -> None:

@@ -156,7 +156,7 @@ def run_tp(args: argparse.Namespace) -> int:
 
 def _add_peer(subparsers: argparse._SubParsersAction) -> None:
     help_text = ("hybridserve vs llama.cpp (llama-cpp-python's server) on the same weights, alternating: "
-                 "cold/warm TTFT, batch-1 decode (needs the `peer` extra)")
+                 "cold/warm TTFT, batch-1 decode, and in-process batch-16 scaling (needs the `peer` extra)")
     parser = subparsers.add_parser("peer", help=help_text, description=help_text,
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default=None, help="Hugging Face model dir (the built-in model when omitted)")
@@ -179,6 +179,9 @@ def _add_peer(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--llama-cpp-extra-bufts", default="auto", choices=("auto", "on", "off"),
                         help="llama.cpp's extra weight buffer types (AMX, repacked layouts); auto: on, "
                              "and off if llama.cpp crashes with them (q8_0 on an AMX CPU)")
+    parser.add_argument("--batch-size", type=int, default=16,
+                        help="sequences of the in-process batch-scaling measurement (0: skip it)")
+    parser.add_argument("--batch-iterations", type=int, default=3, help="alternations of batch 1 and the batch")
     parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON here")
     parser.set_defaults(handler=run_peer)
@@ -193,7 +196,8 @@ def run_peer(args: argparse.Namespace) -> int:
                           decode_tokens=args.decode_tokens, iterations=args.iterations, warmup=args.warmup,
                           agreement_tokens=args.agreement_tokens, n_ctx=args.n_ctx, n_batch=args.n_batch,
                           model=args.model, work_dir=args.work_dir, rebuild_gguf=args.rebuild_gguf,
-                          seed=args.bench_seed, llama_cpp_extra_bufts=args.llama_cpp_extra_bufts)
+                          seed=args.bench_seed, llama_cpp_extra_bufts=args.llama_cpp_extra_bufts,
+                          batch_size=args.batch_size, batch_iterations=args.batch_iterations)
     try:
         result = run_peer_bench(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
     except RuntimeError as exc:

@@ -15,7 +15,11 @@ each round; one request at a time, so only one server computes at any moment):
     the first to the last chunk.
 
 Before timing, a greedy agreement check runs both engines in-process on a short prompt and
-compares the generated token ids (and the log-probabilities of the agreed tokens).
+compares the generated token ids (and the log-probabilities of the agreed tokens). After the
+servers, each engine runs in-process (llama.cpp in a child process, one after the other) for
+the batch scaling: the decode step of `batch_size` sequences (one greedy token each per step)
+against one sequence, the two sizes alternated `batch_iterations` times; llama.cpp's step is
+its `llama_decode` call, hybridserve's a whole `LLMEngine.step` (sampling included).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import os
 import platform
 import random
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -63,6 +68,8 @@ class PeerBenchConfig:
     rebuild_gguf: bool = False
     seed: int = 0
     llama_cpp_extra_bufts: str = "auto"  # on / off / auto: off only when llama.cpp crashes with them
+    batch_size: int = 16  # sequences of the batch-scaling measurement (0: skip it)
+    batch_iterations: int = 3
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -73,6 +80,8 @@ class PeerBenchConfig:
             raise ValueError("n_ctx must hold the extended prompt")
         if self.decode_tokens < 2 or self.iterations < 1:
             raise ValueError("decode_tokens must be >= 2 and iterations >= 1")
+        if self.batch_size == 1 or self.batch_size < 0 or self.batch_iterations < 1:
+            raise ValueError("batch_size must be 0 (skip) or >= 2, and batch_iterations >= 1")
         if self.llama_cpp_extra_bufts not in EXTRA_BUFTS_MODES:
             raise ValueError(f"llama_cpp_extra_bufts must be one of {EXTRA_BUFTS_MODES}, "
                              f"got {self.llama_cpp_extra_bufts!r}")
@@ -317,6 +326,124 @@ def summarize(samples: dict[str, list[Sample]]) -> dict[str, Any]:
     return {"median": medians, "ratio_llama_cpp_over_hybridserve": ratios}
 
 
+# =========================================================================== batch scaling
+def batch_scaling(model_dir: Path, gguf_path: Path, prompts: list[list[int]], cfg: PeerBenchConfig,
+                  extra_bufts: bool) -> dict[str, Any]:
+    """Median decode step (ms) at batch 1 and at batch `len(prompts)` for each engine, run one
+    after the other, and how many times batch 1's tokens/s the batch reaches."""
+    steps = {"hybridserve": _hybridserve_batch_steps(model_dir, prompts, cfg),
+             "llama.cpp": _in_child_process(_llama_cpp_batch_steps, gguf_path, prompts, cfg, extra_bufts)}
+    size = len(prompts)
+    return {"batch_size": size, **{name: {"batch_1_step_ms": 1000 * one, "batch_step_ms": 1000 * many,
+                                          "speedup": size * one / many}
+                                   for name, (one, many) in steps.items()}}
+
+
+def _alternate_sizes(step_times: Callable[[int], list[float]], size: int, iterations: int) -> tuple[float, float]:
+    """(batch-1, batch-`size`) median step seconds: one discarded warm-up of each, then the sizes
+    alternated `iterations` times; each run's median over its steady steps (the first eighth
+    dropped: prefill and the decode steps that follow it), then the median over the runs."""
+    runs: dict[int, list[float]] = {1: [], size: []}
+    for iteration in range(iterations + 1):
+        for batch in (size, 1):
+            times = step_times(batch)
+            steady = times[len(times) // 8:]
+            if iteration and steady:
+                runs[batch].append(median(steady))
+    return median(runs[1]), median(runs[size])
+
+
+def _hybridserve_batch_steps(model_dir: Path, prompts: list[list[int]], cfg: PeerBenchConfig) -> tuple[float, float]:
+    from hybridserve.api import LLM
+    from hybridserve.sampling_params import SamplingParams
+
+    kwargs: dict[str, Any] = {"dtype": "float32", "quantization": "int8"} if cfg.dtype == "int8" \
+        else {"dtype": cfg.dtype}
+    llm = LLM(str(model_dir), device="cpu", num_threads=cfg.threads, kv_cache_mib=64, prefix_cache_mib=0,
+              max_model_len=cfg.decode_prompt_tokens + cfg.decode_tokens + 8, **kwargs)
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=cfg.decode_tokens, temperature=0.0, ignore_eos=True)
+    runs = iter(range(1 << 30))
+
+    def step_times(batch: int) -> list[float]:
+        run = next(runs)
+        for index, prompt in enumerate(prompts[:batch]):
+            engine.add_request(f"batch-{run}-{index}", prompt, params)
+        times = []
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step(final_only=True)
+            times.append(time.perf_counter() - start)
+        return times
+
+    try:
+        return _alternate_sizes(step_times, len(prompts), cfg.batch_iterations)
+    finally:
+        del engine, llm
+
+
+def _llama_cpp_batch_steps(gguf_path: Path, prompts: list[list[int]], cfg: PeerBenchConfig,
+                           extra_bufts: bool) -> tuple[float, float]:
+    import llama_cpp as lib
+
+    from hybridserve.bench.llama_cpp_launch import disable_extra_buffer_types
+
+    if not extra_bufts:
+        disable_extra_buffer_types()
+    lib.llama_backend_init()
+    model = lib.llama_model_load_from_file(str(gguf_path).encode(), lib.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {gguf_path}")
+    try:
+        return _alternate_sizes(lambda batch: _llama_cpp_steps(lib, model, prompts[:batch], cfg), len(prompts),
+                                cfg.batch_iterations)
+    finally:
+        lib.llama_model_free(model)
+
+
+def _llama_cpp_steps(lib: Any, model: Any, prompts: list[list[int]], cfg: PeerBenchConfig) -> list[float]:
+    """Seconds of each `llama_decode` call: the prompts as one batch (one sequence each), then one
+    greedy token per sequence per call."""
+    import numpy as np
+
+    params = lib.llama_context_default_params()
+    total = sum(len(p) for p in prompts)
+    params.n_ctx = sum(len(p) + cfg.decode_tokens + 8 for p in prompts)
+    params.n_batch = params.n_ubatch = max(512, total)
+    params.n_seq_max = len(prompts)
+    params.n_threads = params.n_threads_batch = cfg.threads
+    context = lib.llama_init_from_model(model, params)
+    if not context:
+        raise RuntimeError("llama.cpp could not create a context")
+    batch = lib.llama_batch_init(max(total, len(prompts)), 0, len(prompts))
+    n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+    times: list[float] = []
+    try:
+        rows = []  # (sequence, token, position, wants logits)
+        for seq, prompt in enumerate(prompts):
+            rows += [(seq, token, pos, pos == len(prompt) - 1) for pos, token in enumerate(prompt)]
+        positions = [len(p) for p in prompts]
+        for _ in range(cfg.decode_tokens):
+            for i, (seq, token, pos, logits) in enumerate(rows):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, logits
+                batch.seq_id[i][0] = seq
+            batch.n_tokens = len(rows)
+            start = time.perf_counter()
+            if lib.llama_decode(context, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            times.append(time.perf_counter() - start)
+            outputs = [i for i, row in enumerate(rows) if row[3]]
+            rows = []
+            for seq, index in enumerate(outputs):
+                logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(context, index), shape=(n_vocab,))
+                rows.append((seq, int(logits.argmax()), positions[seq], True))
+                positions[seq] += 1
+    finally:
+        lib.llama_batch_free(batch)
+        lib.llama_free(context)
+    return times
+
+
 # =========================================================================== driver
 def run_peer_bench(cfg: PeerBenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Prepare the files, check greedy agreement, start both servers, alternate the rounds."""
@@ -346,9 +473,15 @@ def run_peer_bench(cfg: PeerBenchConfig, log: Callable[[str], None] = print) -> 
             for client in clients:
                 client.close()
         argv = {"hybridserve": hs_server.argv[2:], "llama.cpp": ll_server.argv[2:]}
+    scaling = None
+    if cfg.batch_size:
+        prompts = [source.fresh(cfg.decode_prompt_tokens) for _ in range(cfg.batch_size)]
+        scaling = batch_scaling(model_dir, gguf_path, prompts, cfg, agreement["llama_cpp_extra_bufts"])
+        log("[peer] batch scaling: " + ", ".join(f"{name} {scaling[name]['speedup']:.2f}x"
+                                                   for name in ("hybridserve", "llama.cpp")))
     return {"config": asdict(cfg), "model_dir": str(model_dir), "gguf": str(gguf_path),
             "gguf_type": DTYPES[cfg.dtype], "servers": argv, "agreement": agreement, "samples": samples,
-            **summarize(samples), "environment": _environment(load_start)}
+            **summarize(samples), "batch_scaling": scaling, "environment": _environment(load_start)}
 
 
 def _require_llama_cpp() -> None:
@@ -402,6 +535,14 @@ def format_peer_report(result: dict[str, Any]) -> str:
              f"max |logprob diff| over the agreed tokens {agreement['max_logprob_diff']:.2g}"]
     if cached is not None:
         lines.append(f"hybridserve warm TTFT restored {cached:.0f} cached prompt tokens (median)")
+    scaling = result.get("batch_scaling")
+    if scaling:
+        size = scaling["batch_size"]
+        lines.append(f"decode step at batch {size} vs batch 1 (in-process, {cfg['batch_iterations']} alternations, "
+                     "medians): " + "; ".join(
+                         f"{name} {scaling[name]['batch_step_ms']:.2f} vs {scaling[name]['batch_1_step_ms']:.2f} ms, "
+                         f"{size} x batch 1 / batch {size} = {scaling[name]['speedup']:.2f}x"
+                         for name in ("hybridserve", "llama.cpp")))
     if agreement.get("llama_cpp_extra_bufts") is False:
         reason = (" after it crashed with them" if agreement.get("llama_cpp_crash_with_extra_bufts")
                   else " (--llama-cpp-extra-bufts off)")
