@@ -348,7 +348,7 @@ def _alternate_sizes(step_times: Callable[[int], list[float]], size: int, iterat
         for batch in (size, 1):
             times = step_times(batch)
             steady = times[len(times) // 8:]
-            if iteration and steady:
+            if iteration:
                 runs[batch].append(median(steady))
     return median(runs[1]), median(runs[size])
 
