@@ -1,0 +1,101 @@
+"""Every `HYBRIDSERVE_*` environment variable the package reads, in one place.
+
+Each variable is declared once in `ENVIRONMENT_VARIABLES` (name, type, default, meaning) and read
+through a small typed accessor below. Accessors read `os.environ` when called, never at import, so
+a variable set after `import hybridserve` (or by a test's monkeypatch) is honoured, and importing
+this module has no side effect. The package reads no `HYBRIDSERVE_*` variable anywhere else.
+
+Switches ("bool") are on unless set to one of `0`, `false`, `no`, `off` (any case, surrounding
+spaces ignored); an empty value means the default.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+_OFF_VALUES = frozenset({"0", "false", "no", "off"})
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable the package reads: its name, value type, default and meaning."""
+
+    name: str
+    type: str
+    default: str
+    meaning: str
+
+
+NATIVE_KERNELS = EnvVar(
+    "HYBRIDSERVE_NATIVE_KERNELS", "bool", "1",
+    "use the C kernels (compiled on first use); 0 keeps every op on the eager PyTorch path")
+AMX = EnvVar(
+    "HYBRIDSERVE_AMX", "bool", "1",
+    "run bfloat16 and int8 linears of a few rows on AMX tiles where the CPU has them; 0 keeps the GEMV")
+FUSED_DECODE = EnvVar(
+    "HYBRIDSERVE_FUSED_DECODE", "bool", "1",
+    "run decode and short prefill steps as one call into the C step; 0 runs the model module by module")
+HUGE_PAGES = EnvVar(
+    "HYBRIDSERVE_HUGE_PAGES", "bool", "1",
+    "move large CPU weights into transparent huge pages; 0 keeps them where torch allocated them")
+SHM_ALLREDUCE = EnvVar(
+    "HYBRIDSERVE_SHM_ALLREDUCE", "bool", "1",
+    "all-reduce same-host CPU tensor-parallel ranks through /dev/shm; 0 on any rank keeps gloo")
+API_KEY = EnvVar(
+    "HYBRIDSERVE_API_KEY", "str", "",
+    "API key `hybridserve serve` requires when no --api-key or --api-key-file is given; empty: none")
+
+ENVIRONMENT_VARIABLES: tuple[EnvVar, ...] = (NATIVE_KERNELS, AMX, FUSED_DECODE, HUGE_PAGES, SHM_ALLREDUCE, API_KEY)
+
+
+def read_flag(variable: EnvVar) -> bool:
+    """The on/off value of a "bool" variable now: its default when unset or empty, else off only
+    for 0, false, no or off."""
+    if variable.type != "bool":
+        raise TypeError(f"{variable.name} is a {variable.type} variable, not a bool")
+    value = os.environ.get(variable.name, "").strip().lower() or variable.default
+    return value not in _OFF_VALUES
+
+
+def read_str(variable: EnvVar) -> str:
+    """The value of a "str" variable now (its default when unset)."""
+    if variable.type != "str":
+        raise TypeError(f"{variable.name} is a {variable.type} variable, not a str")
+    return os.environ.get(variable.name, variable.default)
+
+
+def native_kernels() -> bool:
+    """HYBRIDSERVE_NATIVE_KERNELS: whether the C kernels may be used (they must also compile)."""
+    return read_flag(NATIVE_KERNELS)
+
+
+def amx() -> bool:
+    """HYBRIDSERVE_AMX: whether the AMX GEMMs start switched on when the kernels library loads."""
+    return read_flag(AMX)
+
+
+def fused_decode() -> bool:
+    """HYBRIDSERVE_FUSED_DECODE: whether the one-call C step may run decode and short prefills."""
+    return read_flag(FUSED_DECODE)
+
+
+def huge_pages() -> bool:
+    """HYBRIDSERVE_HUGE_PAGES: whether large CPU weights may move into transparent huge pages."""
+    return read_flag(HUGE_PAGES)
+
+
+def shm_allreduce() -> bool:
+    """HYBRIDSERVE_SHM_ALLREDUCE: whether this rank offers the shared-memory all-reduce."""
+    return read_flag(SHM_ALLREDUCE)
+
+
+def api_key() -> str | None:
+    """HYBRIDSERVE_API_KEY: the server's fallback API key, or None when unset or empty."""
+    return read_str(API_KEY) or None
+
+
+def describe() -> str:
+    """One line per variable (name, type, default, meaning), for `--help` texts and the docs."""
+    return "\n".join(f"{v.name} ({v.type}, default {v.default or 'unset'}): {v.meaning}"
+                     for v in ENVIRONMENT_VARIABLES)
