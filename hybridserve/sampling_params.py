@@ -6,16 +6,17 @@ from __future__ import annotations
 import enum
 import functools
 import json
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from hybridserve.errors import SamplingParamsTypeError
+
+__all__ = ["MAX_N", "MAX_STREAM_INTERVAL", "CompletionOutput", "RequestOutput", "RequestOutputKind",
+           "SamplingParams", "SamplingParamsTypeError", "StructuredOutputsParams"]
+
 MAX_N = 64
 MAX_STREAM_INTERVAL = 1 << 16  # tokens between two outputs of a stream, at most
-
-
-class SamplingParamsTypeError(TypeError, ValueError):
-    """A sampling parameter has the wrong type. It is a `ValueError` too, the API's error for bad
-    input, so callers catching either see it."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class StructuredOutputsParams:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
             if not isinstance(self.json, dict):
-                raise ValueError("structured_outputs.json must be a JSON object (a schema)")
+                raise SamplingParamsTypeError("structured_outputs.json must be a JSON object (a schema)")
 
     @property
     def key(self) -> str:
@@ -61,7 +62,7 @@ class StructuredOutputsParams:
                           sort_keys=True)
 
     @classmethod
-    def coerce(cls, value: "StructuredOutputsParams | dict[str, Any] | None") -> "StructuredOutputsParams | None":
+    def coerce(cls, value: StructuredOutputsParams | dict[str, Any] | None) -> StructuredOutputsParams | None:
         """Accept an instance, a dict of its fields, or None."""
         if value is None or isinstance(value, cls):
             return value
@@ -133,7 +134,7 @@ class SamplingParams:
         self.validate()
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
+    def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
         """Build from a dict; unknown keys are a `ValueError` (not silently ignored)."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
@@ -232,7 +233,8 @@ _reject_unknown_fields(SamplingParams)
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not (
+        isinstance(value, float) and math.isnan(value))
 
 
 def _is_int(value: Any) -> bool:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import pickle
 import signal
 import socket
 import tempfile
@@ -19,16 +18,39 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import zmq
 
 from hybridserve.api import LLM
-from hybridserve.engine.async_engine import EngineDeadError, EngineOverloadedError
 from hybridserve.engine.core import BURST_GAP_S, SOCKET_DIR_PREFIX, EngineCore
-from hybridserve.engine.core_messages import AddRequest, input_encoder
 from hybridserve.engine.core_client import EngineCoreClient
+from hybridserve.engine.core_messages import (
+    AbortRequests,
+    AddRequest,
+    CoreInput,
+    EngineDead,
+    SamplingParamsWire,
+    Shutdown,
+    StepOutputs,
+    UtilityCall,
+    input_decoder,
+    input_encoder,
+    output_decoder,
+    params_from_wire,
+    params_to_wire,
+)
 from hybridserve.engine.frames import FrameReceiver, FrameSender
-from hybridserve.sampling_params import RequestOutputKind, SamplingParams
+from hybridserve.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+)
+from hybridserve.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from hybridserve.server.app import build_app
 from tests.live_server import ServerThread, tiny_config
 
@@ -144,16 +166,12 @@ def test_streaming_n_logprobs_stop_and_stats(core: EngineCoreClient, server: Ser
     check_clean(core)
 
 
-def _detokenizes_all_requests(engine: Any) -> bool:
-    return engine.detokenize_all_requests
-
-
 def test_text_is_made_in_the_api_process_except_for_stop_strings(core: EngineCoreClient) -> None:
     """The core detokenizes only requests with stop strings (the stop is checked on the text); the
     others' text is made from their token ids on the API side and equals `LLM.generate`'s, also
     when a delta carries several tokens (stream_interval) and with special tokens kept or skipped.
     Ids from the whole vocabulary: byte pieces included."""
-    assert asyncio.run(core.call(_detokenizes_all_requests)) is False
+    assert asyncio.run(core.call("detokenize_all_requests")) is False
     prompts = [[(97 * i + 31 * j) % VOCAB for j in range(12)] for i in range(4)]
     cases = [SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True, stream_interval=1 + 3 * (i % 2),
                             skip_special_tokens=i < 2) for i in range(4)]
@@ -324,6 +342,16 @@ class _RecordingEngine:
         self.added.append((request_id, time.monotonic()))
 
 
+class _ZmqSink:
+    """Hands the core's output messages to a ZMQ socket (instead of the frames of a real core)."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+
+    def send_message(self, message: Any) -> None:
+        self.sock.send(msgspec.msgpack.encode(message))
+
+
 def _core_with_sockets() -> tuple[EngineCore, _RecordingEngine, list[zmq.Socket], zmq.Context]:
     context = zmq.Context()
     address = f"inproc://burst-{uuid.uuid4().hex}"
@@ -334,7 +362,8 @@ def _core_with_sockets() -> tuple[EngineCore, _RecordingEngine, list[zmq.Socket]
     sink.bind(address + "-out")
     outputs.connect(address + "-out")
     engine = _RecordingEngine()
-    return EngineCore(engine, inputs, outputs, os.getppid()), engine, [sender, inputs, outputs, sink], context
+    return (EngineCore(engine, inputs, _ZmqSink(outputs), os.getppid()), engine, [sender, inputs, outputs, sink],
+            context)
 
 
 def test_an_idle_core_gathers_a_burst_but_not_a_lone_request() -> None:
@@ -342,7 +371,7 @@ def test_an_idle_core_gathers_a_burst_but_not_a_lone_request() -> None:
     within BURST_GAP_S before its first step; a lone request is handled at once."""
     core, engine, sockets, context = _core_with_sockets()
     sender = sockets[0]
-    encoder, params = input_encoder(), pickle.dumps(SamplingParams(max_tokens=1))
+    encoder, params = input_encoder(), params_to_wire(SamplingParams(max_tokens=1))
 
     def send(request_id: str) -> None:
         sender.send(encoder.encode(AddRequest(request_id, [1, 2, 3], params, None)))
@@ -420,3 +449,93 @@ def test_outputs_move_to_a_loop_and_back_to_the_reader_thread() -> None:
     finally:
         client.shutdown()
     assert not reader_thread_running()
+
+
+def test_frames_carry_typed_messages() -> None:
+    """`send_message` / `receive_messages` move typed messages whole, whatever the read size; a
+    frame that does not decode is skipped and the ones after it still arrive."""
+    ours, theirs = socket.socketpair()
+    sender, receiver = FrameSender(ours), FrameReceiver(theirs, read_bytes=5, decoder=output_decoder())
+    messages = [StepOutputs([], 3), EngineDead("x" * 70_000), StepOutputs([], 0)]
+    sender.send_message(messages[0])
+    sender.send(b"\xc1not msgpack")
+    for message in messages[1:]:
+        sender.send_message(message)
+    received: list[Any] = []
+    while len(received) < len(messages):
+        batch = receiver.receive_messages(5.0)
+        assert batch is not None
+        received += batch
+    assert received == messages
+    sender.close()
+    assert receiver.receive_messages(5.0) is None
+    receiver.close()
+
+
+def _every_sampling_field() -> SamplingParams:
+    """Sampling parameters with every field away from its default."""
+    return SamplingParams(
+        n=3, max_tokens=77, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=11, stop=["\n\n", "END"],
+        stop_token_ids=[5, 6], ignore_eos=True, min_tokens=2, logprobs=4, presence_penalty=0.5,
+        frequency_penalty=-0.25, repetition_penalty=1.1, include_stop_str_in_output=True,
+        skip_special_tokens=False, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+        logit_bias={7: 2, 9: -1.5}, output_kind=RequestOutputKind.FINAL_ONLY, stream_interval=4)
+
+
+def _plain_values(value: Any) -> bool:
+    """Whether a decoded msgpack value holds only lists, dicts, str, numbers, bools and None."""
+    if isinstance(value, list):
+        return all(_plain_values(item) for item in value)
+    if isinstance(value, dict):
+        return all(_plain_values(k) and _plain_values(v) for k, v in value.items())
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+@pytest.mark.parametrize("constraint", [
+    None, StructuredOutputsParams(choice=["a", "b"]), StructuredOutputsParams(regex="[0-9]+"),
+    StructuredOutputsParams(json={"type": "object", "properties": {"x": {"type": "integer"}}}),
+    StructuredOutputsParams(json_object=True), StructuredOutputsParams(grammar='start: "x"'),
+])
+def test_requests_cross_the_wire_typed_and_without_pickle(constraint: StructuredOutputsParams | None) -> None:
+    """An `AddRequest` encodes to plain msgpack values (no bytes, so no pickle anywhere in it) and
+    decodes to equal `SamplingParams`, structured-output constraint included."""
+    params = _every_sampling_field()
+    params.structured_outputs = constraint
+    encoded = input_encoder().encode(AddRequest("req-1", [1, 2, 3], params_to_wire(params), "salt"))
+    assert _plain_values(msgspec.msgpack.decode(encoded))
+    decoded = input_decoder().decode(encoded)
+    assert isinstance(decoded, AddRequest)
+    assert params_from_wire(decoded.params) == params
+
+
+def test_no_message_to_the_core_has_a_bytes_field() -> None:
+    """Every API -> core message is typed: no field is opaque bytes (where a pickle could hide),
+    and the wire form of the sampling parameters has exactly `SamplingParams`' fields."""
+    for kind in (AddRequest, AbortRequests, UtilityCall, Shutdown, SamplingParamsWire):
+        info = msgspec.inspect.type_info(kind)
+        assert isinstance(info, msgspec.inspect.StructType)
+        assert not [f.name for f in info.fields if "Bytes" in repr(f.type)], kind
+    assert {m.__name__ for m in CoreInput.__args__} == {"AddRequest", "AbortRequests", "UtilityCall", "Shutdown"}
+    import dataclasses
+    assert list(SamplingParamsWire.__struct_fields__) == [f.name for f in dataclasses.fields(SamplingParams)]
+
+
+def test_wire_params_are_validated_again_on_arrival() -> None:
+    """A wire message with an out-of-range value is refused by the core's conversion, as a
+    `ValueError`, instead of reaching the engine."""
+    wire = params_to_wire(SamplingParams(max_tokens=4))
+    wire.temperature = -1.0
+    with pytest.raises(ValueError, match="temperature"):
+        params_from_wire(wire)
+
+
+def test_utility_calls_reach_public_engine_names_only(core: EngineCoreClient) -> None:
+    """Utility calls name a public engine method (with plain arguments) or attribute; private
+    names are refused, and errors come back as the shared error classes."""
+    assert asyncio.run(core.call("has_unfinished_requests")) is False
+    with pytest.raises(InvalidRequestError, match="public"):
+        asyncio.run(core.call("_step"))
+    with pytest.raises(RuntimeError):
+        asyncio.run(core.call("no_such_method"))
+    with pytest.raises(InvalidRequestError, match="empty"):  # the engine's own ValueError, by kind
+        asyncio.run(core.add_request("empty-prompt", "", SamplingParams(max_tokens=1)))

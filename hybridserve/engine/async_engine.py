@@ -19,8 +19,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, TypeVar
 
-from hybridserve.engine.engine import QueueFullError
-from hybridserve.sampling_params import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
+from hybridserve.errors import EngineDeadError, EngineOverloadedError, EngineStepError
+from hybridserve.sampling_params import (
+    CompletionOutput,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,18 +44,6 @@ class SyncEngine(Protocol):
     def abort_request(self, request_id: str) -> None: ...
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> dict[str, float]: ...
-
-
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full; the caller should retry later."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop is not running (never started, or shut down)."""
-
-
-class EngineStepError(RuntimeError):
-    """A scheduling step raised; the requests that were in flight have been failed."""
 
 
 @dataclasses.dataclass
@@ -117,7 +110,7 @@ class RequestStream:
         self._queue = queue
         self.finished = False
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -158,7 +151,7 @@ class AsyncLLMEngine:
         self.tokenizer = engine.tokenizer
         self.max_model_len = int(engine.max_model_len)
         self.model_config = getattr(engine, "model_config", None)
-        self.max_request_tokens = _max_request_tokens(engine)
+        self.max_request_tokens = max_request_tokens(engine)
         self.max_waiting_requests = max_waiting_requests
         self._cond = threading.Condition()
         self._commands: list[_Add | _Abort | _Call] = []
@@ -170,7 +163,7 @@ class AsyncLLMEngine:
         self._busy = False  # owned by the engine thread
 
     @classmethod
-    def from_config(cls, config: Any, **kwargs: Any) -> "AsyncLLMEngine":
+    def from_config(cls, config: Any, **kwargs: Any) -> AsyncLLMEngine:
         """Build the sync `LLMEngine` from an `EngineConfig` and wrap it (not started yet)."""
         from hybridserve.engine.engine import LLMEngine
 
@@ -287,7 +280,7 @@ class AsyncLLMEngine:
                 break
             try:
                 self._iterate(commands)
-            except Exception as exc:  # noqa: BLE001 - the loop must survive anything
+            except Exception as exc:
                 logger.exception("engine loop iteration failed")
                 self._fail_all(EngineStepError(f"engine error: {exc}"))
                 time.sleep(0.01)
@@ -334,9 +327,6 @@ class AsyncLLMEngine:
                 raise ValueError(f"duplicate request id {command.request_id!r}")
             self.engine.add_request(command.request_id, command.prompt, command.params,
                                     cache_salt=command.cache_salt)
-        except QueueFullError as exc:
-            command.ack.set_exception(EngineOverloadedError(str(exc)))
-            return
         except Exception as exc:  # noqa: BLE001 - handed back to the caller
             command.ack.set_exception(exc)
             return
@@ -352,7 +342,7 @@ class AsyncLLMEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
+        except Exception as exc:
             logger.exception("engine step failed; failing %d in-flight request(s)", len(self._sinks))
             self._fail_all(EngineStepError(f"engine step failed: {exc}"))
             return
@@ -388,7 +378,7 @@ class AsyncLLMEngine:
         for request_id, sink in sinks.items():
             try:
                 self.engine.abort_request(request_id)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.exception("abort of %s failed", request_id)
             sink.put(error)
         try:
@@ -422,7 +412,7 @@ def _aborted_output(request_id: str, last: RequestOutput | None) -> RequestOutpu
                          finished=True)
 
 
-def _max_request_tokens(engine: SyncEngine) -> int:
+def max_request_tokens(engine: SyncEngine) -> int:
     """Most tokens (prompt + completion) one request can hold: the context length, further
     capped by the KV pool when the engine exposes its size."""
     blocks = getattr(engine, "num_kv_blocks", None)

@@ -22,7 +22,7 @@ import shutil
 import signal
 import socket
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -31,7 +31,7 @@ from hybridserve.engine.core_messages import (
     AddRequest,
     AddResult,
     CompletionDelta,
-    CoreInfo,
+    CoreOutput,
     EngineDead,
     Ready,
     RequestDelta,
@@ -42,10 +42,11 @@ from hybridserve.engine.core_messages import (
     UtilityCall,
     UtilityResult,
     input_decoder,
-    input_encoder,
+    params_from_wire,
 )
 from hybridserve.engine.frames import FrameSender
 from hybridserve.engine.memory import freeze_startup_heap
+from hybridserve.errors import error_kind
 from hybridserve.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ SOCKET_DIR_PREFIX = "hybridserve-core-"  # the API process's socket directory (t
 class _Sent:
     """How much of one completion the API process has been told about."""
 
-    __slots__ = ("tokens", "text", "logprobs")
+    __slots__ = ("logprobs", "text", "tokens")
 
     def __init__(self) -> None:
         self.tokens = 0
@@ -131,17 +132,22 @@ def _completion_delta(seq: Any, sent: _Sent) -> CompletionDelta:
                            seq.stop_reason)
 
 
-class EngineCore:
-    """The busy loop around one `LLMEngine`, fed through a ZMQ socket; its outputs go to anything
-    with `send(bytes)` (a `FrameSender` in the core process)."""
+class MessageSink(Protocol):
+    """Where the core's output messages go (a `FrameSender` in the core process)."""
 
-    def __init__(self, engine: Any, inputs: zmq.Socket, outputs: Any, parent_pid: int) -> None:
+    def send_message(self, message: CoreOutput) -> None: ...
+
+
+class EngineCore:
+    """The busy loop around one `LLMEngine`, fed through a ZMQ socket; its typed output messages
+    go to a `MessageSink`."""
+
+    def __init__(self, engine: Any, inputs: zmq.Socket, outputs: MessageSink, parent_pid: int) -> None:
         self.engine = engine
         self.inputs = inputs
         self.outputs = outputs
         self.parent_pid = parent_pid
         self.tracker = DeltaTracker()
-        self._encoder = input_encoder()
         self._decoder = input_decoder()
         self._live: set[str] = set()
         self._final_only: set[str] = set()  # requests that want only their final output
@@ -150,10 +156,10 @@ class EngineCore:
         self._stopping = False
         self._next_parent_check = 0.0
 
-    def send(self, message: Any) -> None:
-        """Encode and push one message to the API process (gone: the core stops)."""
+    def send(self, message: CoreOutput) -> None:
+        """Push one message to the API process (gone: the core stops)."""
         try:
-            self.outputs.send(self._encoder.encode(message))
+            self.outputs.send_message(message)
         except OSError:
             self._stopping = True
 
@@ -211,7 +217,7 @@ class EngineCore:
 
     def _add(self, message: AddRequest) -> None:
         try:
-            params = pickle.loads(message.params)
+            params = params_from_wire(message.params)
             self.engine.add_request(message.request_id, message.prompt, params, cache_salt=message.cache_salt)
         except Exception as exc:  # noqa: BLE001 - handed back to the caller
             self.send(AddResult(message.request_id, error_kind(exc), str(exc)))
@@ -232,17 +238,16 @@ class EngineCore:
 
     def _call(self, message: UtilityCall) -> None:
         try:
-            fn = pickle.loads(message.fn)
-            value = getattr(self.engine, fn[0])(*fn[1:]) if isinstance(fn, tuple) else fn(self.engine)
-            self.send(UtilityResult(message.call_id, pickle.dumps(value)))
-        except Exception as exc:  # noqa: BLE001 - handed back to the caller
+            result = UtilityResult(message.call_id, call_engine(self.engine, message.method, message.args))
+            self.send(result)
+        except Exception as exc:  # noqa: BLE001 - handed back to the caller (also a result msgpack cannot hold)
             self.send(UtilityResult(message.call_id, error_kind=error_kind(exc), message=str(exc)))
 
     # ------------------------------------------------------------------ steps
     def _step(self) -> None:
         try:
             groups = self.engine.step_groups()
-        except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
+        except Exception as exc:
             logger.exception("engine step failed; failing %d in-flight request(s)", len(self._live))
             self._fail_all(f"engine step failed: {exc}")
             return
@@ -294,7 +299,7 @@ class EngineCore:
         for request_id in failed:
             try:
                 self._abort(request_id)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.exception("abort of %s failed", request_id)
         if failed:
             self.send(StepFailed(failed, message))
@@ -307,23 +312,25 @@ class EngineCore:
         return os.getppid() != self.parent_pid
 
 
-def error_kind(exc: BaseException) -> str:
-    """The category an exception is raised as on the API side: "QueueFullError", "ValueError"
-    (also the engine's TypeError-and-ValueError), "OSError", "AssertionError", else "RuntimeError"."""
-    from hybridserve.engine.engine import QueueFullError
+def call_engine(engine: Any, method: str, args: list[Any]) -> Any:
+    """A utility call: the engine's public method `method` called with `args`, or the value of
+    its public attribute of that name when that is not callable (and no arguments are given)."""
+    if not method or method.startswith("_"):
+        raise ValueError(f"utility call {method!r}: only public engine methods and attributes can be called")
+    target = getattr(engine, method)  # AttributeError, reported to the caller as such
+    if callable(target):
+        return target(*args)
+    if args:
+        raise ValueError(f"utility call {method!r}: an attribute takes no arguments")
+    return target
 
-    for kind in (QueueFullError, ValueError, OSError, AssertionError):
-        if isinstance(exc, kind):
-            return kind.__name__
-    return "RuntimeError"
 
-
-def core_info(engine: Any) -> CoreInfo:
+def ready_message(engine: Any) -> Ready:
     """What the client needs to know about a freshly built engine."""
-    from hybridserve.engine.async_engine import _max_request_tokens
+    from hybridserve.engine.async_engine import max_request_tokens
 
-    return CoreInfo(engine.tokenizer, engine.model_config, int(engine.max_model_len),
-                    _max_request_tokens(engine), engine.stats())
+    return Ready(engine.model_config, int(engine.max_model_len), max_request_tokens(engine), engine.stats(),
+                 pickle.dumps(engine.tokenizer))
 
 
 def run_engine_core(config: Any, input_address: str, output_address: str, parent_pid: int,
@@ -340,19 +347,18 @@ def run_engine_core(config: Any, input_address: str, output_address: str, parent
     output_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     output_socket.connect(output_address)
     outputs = FrameSender(output_socket)
-    encoder = input_encoder()
     try:
         from hybridserve.engine.engine import LLMEngine
 
         try:
             engine = LLMEngine(config)
             engine.detokenize_all_requests = False  # the API process detokenizes (stop strings aside)
-            info = core_info(engine)
+            ready = ready_message(engine)
             freeze_startup_heap()
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides the exit code
-            outputs.send(encoder.encode(StartupFailed(error_kind(exc), str(exc))))
+            outputs.send_message(StartupFailed(error_kind(exc), str(exc)))
             return
-        outputs.send(encoder.encode(Ready(pickle.dumps(info))))
+        outputs.send_message(ready)
         try:
             EngineCore(engine, inputs, outputs, parent_pid).run()
         finally:

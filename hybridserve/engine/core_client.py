@@ -2,10 +2,11 @@
 
 It has `AsyncLLMEngine`'s interface (add_request -> stream of cumulative `RequestOutput`s,
 abort, call/stats, start/shutdown, is_running, tokenizer, max_model_len, ...), so the HTTP app
-does not know which one it serves. Requests go out over a ZMQ PUSH socket (queued by ZMQ's I/O
+does not know which one it serves (both are `hybridserve.engine.protocol.EngineClient`s).
+Requests go out as typed msgspec messages (`core_messages`) over a ZMQ PUSH socket (queued by ZMQ's I/O
 thread, so a long prompt never blocks the event loop while the core is busy). The core's per-step
-incremental outputs come back as frames on a Unix socket (`engine/frames.py`). A reader thread
-receives them (blocking, without the GIL) and hands each step to every event loop that has
+incremental outputs come back as typed messages in frames on a Unix socket (`engine/frames.py`).
+A reader thread receives them (blocking, without the GIL) and hands each step to every event loop that has
 requests in it with *one* `call_soon_threadsafe`; once the server's loop runs, `read_on_loop`
 moves the reading onto that loop, so a step wakes one thread of this process instead of the
 three a ZMQ socket and a reader thread woke. On the event loop the deltas are appended to each
@@ -26,25 +27,23 @@ import multiprocessing
 import os
 import pickle
 import shutil
-import tempfile
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import zmq
 
-from hybridserve.engine.async_engine import EngineDeadError, EngineOverloadedError, EngineStepError, generate_outputs
+from hybridserve.engine.async_engine import generate_outputs
 from hybridserve.engine.core import SOCKET_DIR_PREFIX, run_engine_core
-from hybridserve.engine.detokenizer import IncrementalDetokenizer
-from hybridserve.engine.frames import FrameReceiver
 from hybridserve.engine.core_messages import (
     AbortRequests,
     AddRequest,
     AddResult,
     CompletionDelta,
-    CoreInfo,
+    CoreOutput,
     EngineDead,
     Ready,
     RequestDelta,
@@ -56,21 +55,27 @@ from hybridserve.engine.core_messages import (
     UtilityResult,
     input_encoder,
     output_decoder,
+    params_to_wire,
+)
+from hybridserve.engine.detokenizer import IncrementalDetokenizer
+from hybridserve.engine.frames import FrameReceiver
+from hybridserve.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStepError,
+    error_from_kind,
 )
 from hybridserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 POLL_MS = 200
-_ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "OSError": OSError,
-                                       "AssertionError": AssertionError, "QueueFullError": EngineOverloadedError}
 
 
 class _Completion:
     """Accumulated state of one completion on the API side."""
 
-    __slots__ = ("index", "token_ids", "text", "logprobs", "cumulative_logprob", "finish_reason", "stop_reason")
+    __slots__ = ("cumulative_logprob", "finish_reason", "index", "logprobs", "stop_reason", "text", "token_ids")
 
     def __init__(self, index: int, with_logprobs: bool) -> None:
         self.index = index
@@ -169,7 +174,7 @@ class ProcessRequestStream:
         self._fresh = True
         self._wakeup.set()
 
-    def __aiter__(self) -> "ProcessRequestStream":
+    def __aiter__(self) -> ProcessRequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -192,7 +197,7 @@ class EngineCoreClient:
     """Starts an engine core process for an `EngineConfig` and serves it to asyncio code.
 
     `start()` spawns the process and blocks until the engine is built; a build failure is
-    raised here (`ValueError`/`OSError` as the engine raised them). `max_waiting_requests`
+    raised here (`InvalidRequestError`, a `ValueError`, or `OSError`, as the engine raised them). `max_waiting_requests`
     bounds requests queued but not yet running (beyond it, `EngineOverloadedError`).
     """
 
@@ -219,15 +224,14 @@ class EngineCoreClient:
         self._outputs: FrameReceiver | None = None
         self._home: asyncio.AbstractEventLoop | None = None  # the loop asked to read the outputs
         self._home_reading = False  # True once that loop reads them (the reader thread has ended)
-        self._backlog: list[bytes] = []  # frames read with the start-up message
+        self._backlog: list[CoreOutput] = []  # messages read with the start-up message
         self._dead_reason: str | None = None
         self._stopping = False
         self._context: zmq.Context | None = None
         self._encoder = input_encoder()
-        self._decoder = output_decoder()
 
     @classmethod
-    def from_config(cls, config: Any, **kwargs: Any) -> "EngineCoreClient":
+    def from_config(cls, config: Any, **kwargs: Any) -> EngineCoreClient:
         """A client for `config` (not started yet); the waiting limit defaults to the config's."""
         kwargs.setdefault("max_waiting_requests", config.scheduler.max_waiting_requests)
         return cls(config, **kwargs)
@@ -294,11 +298,11 @@ class EngineCoreClient:
 
     def _await_ready(self) -> None:
         """Accept the core's output connection and read its first message (`Ready` or
-        `StartupFailed`); frames after it wait for the reader in `_backlog`."""
+        `StartupFailed`); messages after it wait for the reader in `_backlog`."""
         deadline = time.monotonic() + self.start_timeout_s
-        frames: list[bytes] | None = []
-        while not frames:
-            self._check_starting(deadline, exited=frames is None)
+        messages: list[CoreOutput] | None = []
+        while not messages:
+            self._check_starting(deadline, exited=messages is None)
             if self._outputs is None:
                 assert self._listener is not None
                 self._listener.settimeout(POLL_MS / 1000)
@@ -306,19 +310,19 @@ class EngineCoreClient:
                     connection, _ = self._listener.accept()
                 except TimeoutError:
                     continue
-                self._outputs = FrameReceiver(connection)
+                self._outputs = FrameReceiver(connection, decoder=output_decoder())
                 self._listener.close()  # one core, one connection
             else:
-                frames = self._outputs.receive(POLL_MS / 1000)
-        message = self._decoder.decode(frames[0])
-        self._backlog = frames[1:]
+                messages = self._outputs.receive_messages(POLL_MS / 1000)
+        message, self._backlog = messages[0], messages[1:]
         if isinstance(message, StartupFailed):
-            raise _ERRORS.get(message.kind, RuntimeError)(message.message)
-        assert isinstance(message, Ready)
-        info: CoreInfo = pickle.loads(message.info)
-        self.tokenizer, self.model_config = info.tokenizer, info.model_config
-        self.max_model_len, self.max_request_tokens = info.max_model_len, info.max_request_tokens
-        self.startup_stats = info.stats
+            raise error_from_kind(message.kind, message.message)
+        if not isinstance(message, Ready):
+            raise TypeError(f"engine core sent {type(message).__name__} before Ready")
+        self.tokenizer = pickle.loads(message.tokenizer)  # from our own child process, once
+        self.model_config = message.model_config
+        self.max_model_len, self.max_request_tokens = message.max_model_len, message.max_request_tokens
+        self.startup_stats = message.stats
 
     def _check_starting(self, deadline: float, exited: bool) -> None:
         """Raise when the starting core has exited (`exited`: it closed its end) or is late."""
@@ -391,7 +395,7 @@ class EngineCoreClient:
         stream = ProcessRequestStream(request_id, prompt, params, loop, _now(), self.tokenizer)
         ack: concurrent.futures.Future = concurrent.futures.Future()
         message = AddRequest(request_id, prompt if isinstance(prompt, str) else list(prompt),
-                             pickle.dumps(params), cache_salt)
+                             params_to_wire(params), cache_salt)
         with self._lock:
             self._check_alive()
             if request_id in self._streams or request_id in self._adds:
@@ -427,27 +431,28 @@ class EngineCoreClient:
                 pass
         _call_in(stream.loop, stream.abort)
 
-    async def call(self, fn: Callable[[Any], T] | tuple) -> T:
-        """Run `fn(engine)` in the core between steps and return its (pickled) result. `fn` must be
-        picklable (a module-level function), or a tuple `(method_name, *args)`."""
+    async def call(self, method: str, *args: Any) -> Any:
+        """Call the engine's public method `method(*args)` in the core between steps (or read its
+        public attribute of that name) and return the result. Arguments and result travel as
+        msgpack: plain values only (a result that cannot is an error)."""
         self.start()
         self._resume_reader_thread()
         result: concurrent.futures.Future = concurrent.futures.Future()
-        payload = pickle.dumps(fn)
         with self._lock:
             self._check_alive()
             call_id = next(self._call_ids)
+            payload = self._encoder.encode(UtilityCall(call_id, method, list(args)))  # TypeError: not queued
             self._calls[call_id] = result
-            self._inputs.send(self._encoder.encode(UtilityCall(call_id, payload)))
+            self._inputs.send(payload)
         return await asyncio.wrap_future(result)
 
     async def stats(self) -> dict[str, float]:
         """The engine's `stats()` dict."""
-        return await self.call(("stats",))
+        return await self.call("stats")
 
     async def check_integrity(self) -> None:
         """Run the engine's pool integrity checks (raises AssertionError on a violation)."""
-        await self.call(("check_integrity",))
+        await self.call("check_integrity")
 
     @property
     def num_waiting_estimate(self) -> int:
@@ -462,24 +467,24 @@ class EngineCoreClient:
 
     # ------------------------------------------------------------------ output readers
     def _read_loop(self) -> None:
-        """The reader thread: receive and dispatch frames until the core is gone, the client stops,
+        """The reader thread: receive and dispatch messages until the core is gone, the client stops,
         or `read_on_loop` hands the socket to an event loop."""
         outputs = self._outputs
         assert outputs is not None
-        frames: list[bytes] | None = self._backlog
+        messages: list[CoreOutput] | None = self._backlog
         while not self._stopping:
-            if frames is None:  # the core closed its end: it has exited or is exiting
+            if messages is None:  # the core closed its end: it has exited or is exiting
                 self._on_core_closed(wait_s=5.0)
                 return
-            if frames:
-                self._dispatch_frames(frames)
+            if messages:
+                self._dispatch_guarded(messages)
             elif self._process is not None and not self._process.is_alive() and not self._stopping:
                 self._core_died()
                 return
             if self._home is not None and self._hand_over(self._home):
                 return
             try:
-                frames = outputs.receive(POLL_MS / 1000)
+                messages = outputs.receive_messages(POLL_MS / 1000)
             except OSError:
                 return
 
@@ -504,14 +509,14 @@ class EngineCoreClient:
         outputs = self._outputs
         assert outputs is not None and self._home is not None
         try:
-            frames = outputs.receive(0)
+            messages = outputs.receive_messages(0)
         except OSError:
-            frames = None
-        if frames is None:
+            messages = None
+        if messages is None:
             self._home.remove_reader(outputs.fileno())
             self._on_core_closed(wait_s=0.0)  # the loop does not wait for the exit code
-        elif frames:
-            self._dispatch_frames(frames)
+        elif messages:
+            self._dispatch_guarded(messages)
 
     def _on_core_closed(self, wait_s: float) -> None:
         """The core closed the output socket, which it does only on its way out."""
@@ -538,10 +543,10 @@ class EngineCoreClient:
         loop.remove_reader(outputs.fileno())
         outputs.close()
 
-    def _dispatch_frames(self, frames: list[bytes]) -> None:
+    def _dispatch_guarded(self, messages: list[CoreOutput]) -> None:
         try:
-            self._dispatch([self._decoder.decode(frame) for frame in frames])
-        except Exception:  # noqa: BLE001 - reading must survive a bad message
+            self._dispatch(messages)
+        except Exception:
             logger.exception("engine core client: dispatch failed")
 
     def _dispatch(self, messages: list[Any]) -> None:
@@ -583,16 +588,16 @@ class EngineCoreClient:
             ack.set_result(None)
             return
         self._streams.pop(message.request_id, None)
-        ack.set_exception(_ERRORS.get(message.error_kind, RuntimeError)(message.message))
+        ack.set_exception(error_from_kind(message.error_kind, message.message))
 
     def _on_result(self, message: UtilityResult) -> None:
         future = self._calls.pop(message.call_id, None)
         if future is None or future.done():
             return
         if message.error_kind is None:
-            future.set_result(pickle.loads(message.value))
+            future.set_result(message.value)
         else:
-            future.set_exception(_ERRORS.get(message.error_kind, RuntimeError)(message.message))
+            future.set_exception(error_from_kind(message.error_kind, message.message))
 
     def _core_died(self) -> None:
         code = self._process.exitcode if self._process is not None else None

@@ -1,17 +1,87 @@
 """Messages between the API process (`EngineCoreClient`) and the engine core process (`EngineCore`).
 
-msgpack-encoded `msgspec` structs, one tagged union per direction. The hot path is
-`StepOutputs`: per step, only what is new for each request that advanced (new token ids, the
-text appended, new logprob rows, finish reasons), never the cumulative output. Payloads that
-occur once per request or per utility call (`SamplingParams`, arbitrary results) travel as
-pickled bytes inside a struct: they are rare, and pickle keeps their exact Python types.
+msgpack-encoded `msgspec` structs, one tagged union per direction, typed end to end: sampling
+parameters travel as `SamplingParamsWire` (converted at the boundary with `params_to_wire` /
+`params_from_wire`, and validated again on arrival), utility calls as a method name with plain
+arguments, errors as a kind from `hybridserve.errors.WIRE_KINDS`. Nothing the API process sends
+is pickled, so the core never unpickles input. The one pickled payload is the tokenizer in the
+core's start-up `Ready` message (a third-party object, sent once, from the core to its parent).
+
+The hot path is `StepOutputs`: per step, only what is new for each request that advanced (new
+token ids, the text appended, new logprob rows, finish reasons), never the cumulative output.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import dataclasses
+from typing import Any
 
 import msgspec
+
+from hybridserve.config import ModelConfig
+from hybridserve.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+
+
+# ----------------------------------------------------------------------------- sampling parameters
+class StructuredOutputsWire(msgspec.Struct, array_like=True):
+    """`StructuredOutputsParams` on the wire (same fields; `json` already parsed to a dict)."""
+
+    json: dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class SamplingParamsWire(msgspec.Struct, array_like=True):
+    """`SamplingParams` on the wire: the same fields under the same names (a field added to one
+    and not the other fails `params_to_wire` at once), in their validated, normalized form."""
+
+    n: int
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    min_tokens: int
+    logprobs: int | None
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
+    structured_outputs: StructuredOutputsWire | None
+    logit_bias: dict[int, float] | None
+    output_kind: int
+    stream_interval: int
+
+
+def params_to_wire(params: SamplingParams) -> SamplingParamsWire:
+    """The wire form of validated `SamplingParams`."""
+    values = {field.name: getattr(params, field.name) for field in dataclasses.fields(params)}
+    constraint = params.structured_outputs
+    values["structured_outputs"] = None if constraint is None else StructuredOutputsWire(
+        **{field.name: getattr(constraint, field.name) for field in dataclasses.fields(constraint)})
+    values["output_kind"] = int(params.output_kind)
+    return SamplingParamsWire(**values)
+
+
+def params_from_wire(wire: SamplingParamsWire) -> SamplingParams:
+    """`SamplingParams` from their wire form, validated again (`ValueError` on a bad value)."""
+    values = msgspec.structs.asdict(wire)
+    constraint = wire.structured_outputs
+    values["structured_outputs"] = None if constraint is None else StructuredOutputsParams(
+        **msgspec.structs.asdict(constraint))
+    values["output_kind"] = RequestOutputKind(wire.output_kind)
+    return SamplingParams(**values)
 
 
 # ----------------------------------------------------------------------------- API -> core
@@ -20,7 +90,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
 
     request_id: str
     prompt: str | list[int]
-    params: bytes  # pickled SamplingParams
+    params: SamplingParamsWire
     cache_salt: str | None
 
 
@@ -31,11 +101,12 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
 
 
 class UtilityCall(msgspec.Struct, tag="call", array_like=True):
-    """Run `fn(engine)` between steps (`fn` pickled: a method name or a picklable callable);
-    the core answers with `UtilityResult`."""
+    """Between steps, call the engine's public method `method` with `args` (or read the public
+    attribute of that name when it is not callable); the core answers with `UtilityResult`."""
 
     call_id: int
-    fn: bytes
+    method: str
+    args: list[Any] = []
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
@@ -47,21 +118,26 @@ CoreInput = AddRequest | AbortRequests | UtilityCall | Shutdown
 
 # ----------------------------------------------------------------------------- core -> API
 class Ready(msgspec.Struct, tag="ready", array_like=True):
-    """The engine is built; `info` is a pickled `CoreInfo`."""
+    """The engine is built: what the API process needs from it without running it. `tokenizer`
+    is the pickled `Tokenizer` (a wrapper of a third-party object without a typed form)."""
 
-    info: bytes
+    model_config: ModelConfig
+    max_model_len: int
+    max_request_tokens: int
+    stats: dict[str, Any]
+    tokenizer: bytes
 
 
 class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):
-    """Building the engine raised; `kind` is the exception class name."""
+    """Building the engine raised; `kind` is its kind (`hybridserve.errors.error_kind`)."""
 
     kind: str
     message: str
 
 
 class AddResult(msgspec.Struct, tag="added", array_like=True):
-    """The answer to `AddRequest`: `error_kind` is None when queued, else the exception class
-    ("ValueError", "QueueFullError", ...) with its message."""
+    """The answer to `AddRequest`: `error_kind` is None when queued, else the exception's kind
+    ("InvalidRequestError", "QueueFullError", ...; see `hybridserve.errors`) with its message."""
 
     request_id: str
     error_kind: str | None = None
@@ -69,10 +145,10 @@ class AddResult(msgspec.Struct, tag="added", array_like=True):
 
 
 class UtilityResult(msgspec.Struct, tag="result", array_like=True):
-    """The answer to `UtilityCall`: a pickled value, or an error."""
+    """The answer to `UtilityCall`: a msgpack-encodable value, or an error."""
 
     call_id: int
-    value: bytes = b""
+    value: Any = None
     error_kind: str | None = None
     message: str = ""
 
@@ -127,16 +203,6 @@ class EngineDead(msgspec.Struct, tag="engine_dead", array_like=True):
 
 
 CoreOutput = Ready | StartupFailed | AddResult | UtilityResult | StepOutputs | StepFailed | EngineDead
-
-
-class CoreInfo(NamedTuple):
-    """What the API process needs from the engine without running it (sent pickled in `Ready`)."""
-
-    tokenizer: Any
-    model_config: Any
-    max_model_len: int
-    max_request_tokens: int
-    stats: dict[str, float]
 
 
 def input_encoder() -> msgspec.msgpack.Encoder:

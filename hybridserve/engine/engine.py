@@ -29,6 +29,7 @@ from hybridserve.distributed.executor import StepFailedError, TensorParallelExec
 from hybridserve.distributed.launch import tensor_parallel_specs
 from hybridserve.engine.sampling import SampledToken, sample_isolated
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput, blocks_for
+from hybridserve.errors import EngineDeadError, QueueFullError
 from hybridserve.engine.structured_output import GrammarCompiler, TokenMasker
 from hybridserve.layers.attention import PagedKVCache
 from hybridserve.models.builtin import BUILTIN_MODEL_CONFIG, builtin_tokenizer, init_builtin_weights
@@ -41,14 +42,6 @@ logger = logging.getLogger(__name__)
 MIB = 1 << 20
 MAX_FAILED_STEPS = 3  # a request in this many consecutive failed forwards is finished with "error"
 GDN_CHUNK_SIZE = 64   # chunked gated-delta prefill; snapshots are taken at any position inside a chunk
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at `max_waiting_requests`; retry later."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine stopped (a tensor-parallel worker died, or it was shut down); restart it."""
 
 
 class PrefixCacheReport(NamedTuple):

@@ -1,17 +1,28 @@
-"""Length-prefixed frames over a local stream socket: the engine core's output channel.
+"""Length-prefixed frames of msgspec messages over a local stream socket: the engine core's output
+channel.
 
-Each frame is a 4-byte little-endian length and that many bytes (one msgpack message). The core
-writes a step's outputs with one `sendall` from its own loop; the API process reads them on its
-event loop (or, until that loop runs, on a reader thread). Unlike a ZMQ socket, neither end has a
-background I/O thread, so a step's outputs wake one thread of the API process and none of the
-core's (see `EngineCoreClient.read_on_loop`).
+Each frame is a 4-byte little-endian length and that many bytes: one msgpack-encoded message of
+the typed union `core_messages.CoreOutput`. The core writes a step's outputs with one `sendall`
+from its own loop (`FrameSender.send_message` encodes straight into a reused buffer behind the
+header); the API process reads them on its event loop (or, until that loop runs, on a reader
+thread) and decodes each frame in place with the typed decoder (`FrameReceiver.receive_messages`).
+Unlike a ZMQ socket, neither end has a background I/O thread, so a step's outputs wake one thread
+of the API process and none of the core's (see `EngineCoreClient.read_on_loop`).
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+import msgspec
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 _HEADER = struct.Struct("<I")
 MAX_FRAME_BYTES = (1 << 32) - 1
 _SMALL_FRAME_BYTES = 1 << 16  # below this the header and payload go out in one write
@@ -21,19 +32,29 @@ class FrameSender:
     """Writes frames to a connected stream socket; a full socket buffer blocks until the reader
     catches up."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, encoder: msgspec.msgpack.Encoder | None = None) -> None:
         self.sock = sock
+        self._encoder = encoder or msgspec.msgpack.Encoder()
+        self._buffer = bytearray(_HEADER.size)  # reused by `send_message`: header, then the message
 
     def send(self, payload: bytes) -> None:
         """Write one frame (`OSError` when the peer is gone, `ValueError` over 4 GiB)."""
-        size = len(payload)
-        if size > MAX_FRAME_BYTES:
-            raise ValueError(f"a frame of {size} bytes is over the {MAX_FRAME_BYTES}-byte limit")
+        size = _checked_size(len(payload))
         if size < _SMALL_FRAME_BYTES:
             self.sock.sendall(_HEADER.pack(size) + payload)
         else:  # no copy of a large payload (the start-up message carries the tokenizer)
             self.sock.sendall(_HEADER.pack(size))
             self.sock.sendall(payload)
+
+    def send_message(self, message: Any) -> None:
+        """Encode a msgspec message and write it as one frame (errors as for `send`; a value
+        msgspec cannot encode is a `TypeError`, and nothing is written then)."""
+        buffer = self._buffer
+        self._encoder.encode_into(message, buffer, _HEADER.size)
+        _HEADER.pack_into(buffer, 0, _checked_size(len(buffer) - _HEADER.size))
+        self.sock.sendall(buffer)
+        if len(buffer) > _SMALL_FRAME_BYTES:  # do not keep a large start-up message's buffer
+            self._buffer = bytearray(_HEADER.size)
 
     def close(self) -> None:
         """Close the socket."""
@@ -43,8 +64,10 @@ class FrameSender:
 class FrameReceiver:
     """Reads whole frames from a connected stream socket, keeping a partial one for later."""
 
-    def __init__(self, sock: socket.socket, read_bytes: int = 1 << 20) -> None:
+    def __init__(self, sock: socket.socket, read_bytes: int = 1 << 20,
+                 decoder: msgspec.msgpack.Decoder | None = None) -> None:
         self.sock = sock
+        self.decoder = decoder
         self._pending = bytearray()
         # One buffer for every read: `recv(n)` allocates n bytes per call, and at 1 MiB that
         # allocation (an mmap and munmap each time) cost more than the read itself.
@@ -60,6 +83,23 @@ class FrameReceiver:
         """The frames completed by one read, after waiting up to `timeout` seconds for data (0:
         not at all; None: without limit). [] when nothing complete arrived; None once the peer
         has closed its end and every frame it sent was returned."""
+        return self._receive(timeout, bytes)
+
+    def receive_messages(self, timeout: float | None) -> list[Any] | None:
+        """As `receive`, but each frame decoded by the typed decoder given at construction; a
+        frame that does not decode is logged and skipped (the stream stays in step)."""
+        assert self.decoder is not None, "receive_messages needs a decoder"
+        return self._receive(timeout, self._decode)
+
+    def _decode(self, frame: memoryview) -> Any:
+        assert self.decoder is not None
+        try:
+            return self.decoder.decode(frame)
+        except msgspec.DecodeError:
+            logger.exception("frame receiver: a frame of %d bytes does not decode; skipped", len(frame))
+            return None
+
+    def _receive(self, timeout: float | None, convert: Callable[[memoryview], T]) -> list[T] | None:
         if timeout != self._timeout:
             self.sock.settimeout(timeout)
             self._timeout = timeout
@@ -70,20 +110,29 @@ class FrameReceiver:
         if not size:
             return None
         self._pending += self._view[:size]
-        return self._split()
+        return [item for item in self._split(convert) if item is not None]
 
-    def _split(self) -> list[bytes]:
-        frames, pending, offset, end = [], self._pending, 0, len(self._pending)
-        while end - offset >= _HEADER.size:
-            (size,) = _HEADER.unpack_from(pending, offset)
-            start = offset + _HEADER.size
-            if end - start < size:
-                break
-            frames.append(bytes(pending[start:start + size]))
-            offset = start + size
+    def _split(self, convert: Callable[[memoryview], T]) -> list[T]:
+        items: list[T] = []
+        pending, offset, end = self._pending, 0, len(self._pending)
+        with memoryview(pending) as view:  # released before `pending` is resized below
+            while end - offset >= _HEADER.size:
+                (size,) = _HEADER.unpack_from(pending, offset)
+                start = offset + _HEADER.size
+                if end - start < size:
+                    break
+                with view[start:start + size] as frame:
+                    items.append(convert(frame))
+                offset = start + size
         del pending[:offset]
-        return frames
+        return items
 
     def close(self) -> None:
         """Close the socket."""
         self.sock.close()
+
+
+def _checked_size(size: int) -> int:
+    if size > MAX_FRAME_BYTES:
+        raise ValueError(f"a frame of {size} bytes is over the {MAX_FRAME_BYTES}-byte limit")
+    return size
