@@ -233,6 +233,6 @@ def test_differential_cache_on_equals_off_for_every_policy(text_checkpoint: Path
         on.llm_engine.check_integrity()
     stats = on.prefix_cache_stats()
     assert stats.hits > 0
-    pool = on.llm_engine.scheduler.block_pool
+    pool = on.llm_engine.cache.block_pool
     assert pool.num_free_blocks == pool.num_blocks
-    assert on.llm_engine.scheduler.state_slots.num_free_slots == on.llm_engine.scheduler.state_slots.num_slots
+    assert on.llm_engine.cache.state_slots.num_free_slots == on.llm_engine.cache.state_slots.num_slots

@@ -14,7 +14,7 @@ from hybridserve.engine import engine as engine_module
 from hybridserve.engine import sampling as sampling_module
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.engine.runner import ModelRunner, StepResult
-from hybridserve.engine.scheduler import Scheduler
+from hybridserve.cache.manager import JointCacheManager
 from hybridserve.sampling_params import RequestOutput, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -122,10 +122,10 @@ def test_apply_failure_leaves_no_leak(text_checkpoint: Path, monkeypatch: pytest
     engine = _engine(text_checkpoint, max_num_batched_tokens=512)
     shared = _prompt(100, seed=50)
     _run(engine, {"warm": shared})  # publishes snapshots at 32, 64, 96
-    original = Scheduler._register_full_blocks
+    original = JointCacheManager._register_full_blocks
     state = {"armed": True, "saw_pin": False, "saw_reservation": False}
 
-    def failing(self: Scheduler, request) -> None:
+    def failing(self: JointCacheManager, request) -> None:
         if state["armed"] and request.request_id == "hit":
             state["armed"] = False
             state["saw_pin"] = self.snapshots.num_pinned > 0 or state["saw_pin"]
@@ -133,13 +133,13 @@ def test_apply_failure_leaves_no_leak(text_checkpoint: Path, monkeypatch: pytest
             raise RuntimeError("injected apply failure")
         original(self, request)
 
-    monkeypatch.setattr(Scheduler, "_register_full_blocks", failing)
+    monkeypatch.setattr(JointCacheManager, "_register_full_blocks", failing)
     # "hit" restores the 96-token snapshot (a pin) and reserves a capture at 128.
     finished = _run(engine, {"hit": shared + _prompt(60, seed=51), "other": _prompt(70, seed=52)})
     assert not state["armed"] and state["saw_reservation"]
     assert finished["hit"].outputs[0].finish_reason == "error"
     assert finished["other"].outputs[0].finish_reason in ("error", "length")  # it may share the failed step
-    snapshots = engine.scheduler.snapshots
+    snapshots = engine.cache.snapshots
     assert snapshots.num_pinned == 0 and snapshots.num_reserved == 0
     after = _run(engine, {"later": shared + _prompt(30, seed=53)})
     assert after["later"].outputs[0].finish_reason == "length" and after["later"].num_cached_tokens == 96
@@ -151,7 +151,7 @@ def test_schedule_failure_gives_back_what_it_took(text_checkpoint: Path, monkeyp
     engine = _engine(text_checkpoint, max_num_batched_tokens=512)
     shared = _prompt(70, seed=60)
     _run(engine, {"warm": shared})
-    pool = engine.scheduler.snapshots
+    pool = engine.cache.snapshots
     original = type(pool).reserve
     calls = {"n": 0}
 

@@ -47,7 +47,7 @@ def test_explicit_total_is_split_by_share_and_reported_in_bytes() -> None:
     engine.add_request("a", list(range(300, 400)), SamplingParams(max_tokens=2, temperature=0.0))
     engine.step()
     used = engine.prefix_cache_stats().kv_used_bytes
-    assert used == engine.scheduler.block_pool.num_used_blocks * engine.kv_bytes_per_block > 0
+    assert used == engine.cache.block_pool.num_used_blocks * engine.kv_bytes_per_block > 0
     stats = engine.stats()
     assert stats["kv_pool_bytes"] == report.kv_pool_bytes and stats["weight_bytes"] == engine.weight_bytes
     while engine.has_unfinished_requests():

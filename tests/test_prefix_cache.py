@@ -35,9 +35,9 @@ def _snapshot_mib(llm: LLM, slots: int) -> float:
 
 def _assert_idle(llm: LLM) -> None:
     llm.llm_engine.check_integrity()
-    pool = llm.llm_engine.scheduler.block_pool
+    pool = llm.llm_engine.cache.block_pool
     assert pool.num_free_blocks == pool.num_blocks
-    slots = llm.llm_engine.scheduler.state_slots
+    slots = llm.llm_engine.cache.state_slots
     assert slots.num_free_slots == slots.num_slots
 
 
@@ -90,9 +90,9 @@ def test_extension_hits_the_deepest_boundary_then_falls_back(text_checkpoint: Pa
     _same_logprobs(off.generate([b], GREEDY)[0], out)
     # Evict the snapshots at 384 and 320 (written by B) and 256: the next shorter boundary is used.
     engine = llm.llm_engine
-    request_hashes = engine.make_request("probe", b, GREEDY).first.block_hashes(len(b) // 16)
+    request_hashes = engine.cache.block_hashes(engine.make_request("probe", b, GREEDY).first, len(b) // 16)
     for boundary in (384, 320, 256):
-        assert engine.scheduler.snapshots.evict(request_hashes[boundary // 16 - 1])
+        assert engine.cache.snapshots.evict(request_hashes[boundary // 16 - 1])
     out2 = llm.generate([b], GREEDY)[0]
     assert out2.num_cached_tokens == 192
     _same_logprobs(out, out2)
@@ -104,7 +104,7 @@ def test_kv_only_prefix_is_a_counted_miss(text_checkpoint: Path) -> None:
     llm = _llm(text_checkpoint)
     prompt = _tokens(600, seed=4)
     cold = llm.generate([prompt], GREEDY)[0]
-    assert llm.llm_engine.scheduler.snapshots.clear() > 0  # KV blocks stay cached, snapshots gone
+    assert llm.llm_engine.cache.snapshots.clear() > 0  # KV blocks stay cached, snapshots gone
     again = llm.generate([prompt], GREEDY)[0]
     assert again.num_cached_tokens == 0
     _same_logprobs(cold, again)
@@ -117,7 +117,7 @@ def test_snapshot_only_prefix_is_a_counted_miss(text_checkpoint: Path) -> None:
     llm = _llm(text_checkpoint)
     prompt = _tokens(600, seed=5)
     cold = llm.generate([prompt], GREEDY)[0]
-    assert llm.llm_engine.scheduler.block_pool.reset_prefix_cache() > 0  # KV hashes gone, snapshots stay
+    assert llm.llm_engine.cache.block_pool.reset_prefix_cache() > 0  # KV hashes gone, snapshots stay
     again = llm.generate([prompt], GREEDY)[0]
     assert again.num_cached_tokens == 0
     _same_logprobs(cold, again)
@@ -144,10 +144,10 @@ def test_lru_with_room_for_two_snapshots(text_checkpoint: Path) -> None:
 def test_all_snapshots_pinned_skips_insertion(text_checkpoint: Path) -> None:
     probe = _llm(text_checkpoint, prefix_cache_mib=0)
     llm = _llm(text_checkpoint, prefix_cache_mib=_snapshot_mib(probe, 1))
-    snapshots = llm.llm_engine.scheduler.snapshots
+    snapshots = llm.llm_engine.cache.snapshots
     a, b = _tokens(257, seed=20), _tokens(257, seed=21)
     llm.generate([a], GREEDY)
-    slot = snapshots.lookup(llm.llm_engine.make_request("p", a, GREEDY).first.block_hashes(16)[-1])
+    slot = snapshots.lookup(llm.llm_engine.cache.block_hashes(llm.llm_engine.make_request("p", a, GREEDY).first, 16)[-1])
     assert slot is not None
     snapshots.pin(slot)
     skipped = llm.prefix_cache_stats().snapshots_skipped
@@ -205,7 +205,7 @@ def test_forward_failure_reverts_the_step(text_checkpoint: Path, monkeypatch: py
         for output in engine.step():
             finished[output.request_id] = output
         engine.check_integrity()
-        assert engine.scheduler.snapshots.num_reserved == 0
+        assert engine.cache.snapshots.num_reserved == 0
     assert calls["n"] > 9
     for i, ref in enumerate(reference):
         _same_logprobs(ref, finished[f"r{i}"])
@@ -244,7 +244,7 @@ def test_full_pool_reclamation(text_checkpoint: Path) -> None:
     assert engine.num_kv_blocks == 40
     first = _tokens(300, seed=50)
     out_first = llm.generate([first], GREEDY)[0]
-    assert engine.scheduler.block_pool.num_cached_free_blocks > 0
+    assert engine.cache.block_pool.num_cached_free_blocks > 0
     big = _tokens(630, seed=51)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     out_big = llm.generate([big], params)[0].outputs[0]

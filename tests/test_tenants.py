@@ -100,7 +100,7 @@ def test_sha256_block_hash(text_checkpoint: Path) -> None:
     cold = llm.generate([prompt], params)[0]
     warm = llm.generate([prompt], params)[0]
     assert warm.num_cached_tokens == 96 and warm.outputs[0].token_ids == cold.outputs[0].token_ids
-    pool = llm.llm_engine.scheduler.block_pool
+    pool = llm.llm_engine.cache.block_pool
     hashes = [pool.block_hash(b) for b in range(pool.num_blocks) if pool.block_hash(b) is not None]
     assert hashes and all(len(h) == 32 for h in hashes)
     llm.llm_engine.check_integrity()

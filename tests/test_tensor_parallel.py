@@ -152,7 +152,7 @@ def test_checkpoint_eviction_and_all_pinned_match(text_pair) -> None:
         _same(one.generate([prompt], GREEDY, use_tqdm=False)[0], two.generate([prompt], GREEDY, use_tqdm=False)[0])
     assert two.prefix_cache_stats().snapshots_evicted >= 1
     for llm in (one, two):  # every slot pinned: the next insertion is skipped
-        snapshots = llm.llm_engine.scheduler.snapshots
+        snapshots = llm.llm_engine.cache.snapshots
         pinned = list(snapshots.evictable())
         assert len(pinned) == snapshots.num_slots
         for slot in pinned:

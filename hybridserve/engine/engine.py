@@ -11,11 +11,8 @@ from typing import NamedTuple
 
 import torch
 
-from hybridserve.cache.block_pool import BlockPool
 from hybridserve.cache.policy import CachePolicy, PrefixCost, make_policy
-from hybridserve.cache.prefix_cache import PrefixCacheStats
-from hybridserve.cache.snapshots import SnapshotPool, SnapshotPoolStats
-from hybridserve.cache.state_slots import StateSlotPool
+from hybridserve.cache.manager import JointCacheManager
 from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.config import EngineConfig, ModelConfig
 from hybridserve.engine.detokenizer import IncrementalDetokenizer
@@ -100,9 +97,10 @@ class LLMEngine:
             self.runner: ModelRunner | TensorParallelExecutor = self._start_local_runner()
         else:
             self.runner = self._start_tensor_parallel()
-        snapshots = SnapshotPool(self.num_snapshot_slots) if self.num_snapshot_slots else None
-        self.scheduler = Scheduler(config.cache, config.scheduler, BlockPool(self.num_kv_blocks),
-                                   StateSlotPool(config.scheduler.max_num_seqs), snapshots, self._cache_policy())
+        self.cache = JointCacheManager.create(config.cache.block_size, self.num_kv_blocks,
+                                              config.scheduler.max_num_seqs, self.num_snapshot_slots,
+                                              self._cache_policy(), config.cache.block_hash)
+        self.scheduler = Scheduler(config.scheduler, self.cache)
         self.requests: dict[str, RequestGroup] = {}
         self._finished_groups: dict[str, RequestGroup] = {}  # finished this step, awaiting their output
         self._grammars: GrammarCompiler | None = None
@@ -226,8 +224,7 @@ class LLMEngine:
 
     def _sequence(self, request_id: str, index: int, text: str | None, token_ids: list[int],
                   params: SamplingParams, cache_salt: str | None, max_tokens: int) -> Request:
-        request = Request(request_id, text, token_ids, params, self.config.cache.block_size, cache_salt,
-                          index=index, max_tokens=max_tokens, block_hash=self.config.cache.block_hash)
+        request = Request(request_id, text, token_ids, params, cache_salt, index=index, max_tokens=max_tokens)
         request.generator = (torch.Generator(device=self.device).manual_seed(params.seed + index)
                              if params.seed is not None else self._generator)
         if self.detokenize_all_requests or params.stop:
@@ -533,9 +530,7 @@ class LLMEngine:
     # -- introspection ----------------------------------------------------------------------------
     def prefix_cache_stats(self) -> PrefixCacheReport:
         """Joint prefix cache counters (all zero when the cache is disabled)."""
-        prefix, snapshots = self.scheduler.prefix_cache, self.scheduler.snapshots
-        lookup = prefix.stats() if prefix is not None else PrefixCacheStats(0, 0, 0, 0, 0, 0)
-        snap = snapshots.stats() if snapshots is not None else SnapshotPoolStats(0, 0, 0, 0, 0, 0, 0, 0, 0)
+        lookup, snap, usage = self.cache.prefix_stats(), self.cache.snapshot_stats(), self.cache.usage()
         return PrefixCacheReport(
             *lookup, snapshots_published=snap.published_total, snapshots_evicted=snap.evicted_total,
             snapshots_skipped=snap.skipped_total, snapshots_aborted=snap.aborted_total,
@@ -543,18 +538,17 @@ class LLMEngine:
             snapshot_slots=self.num_snapshot_slots, bytes_per_snapshot=self.bytes_per_snapshot,
             snapshot_pool_bytes=self.num_snapshot_slots * self.bytes_per_snapshot,
             kv_pool_bytes=self.num_kv_blocks * self.kv_bytes_per_block,
-            kv_used_bytes=self.scheduler.block_pool.num_used_blocks * self.kv_bytes_per_block,
-            kv_cached_free_bytes=self.scheduler.block_pool.num_cached_free_blocks * self.kv_bytes_per_block)
+            kv_used_bytes=usage.kv_blocks_used * self.kv_bytes_per_block,
+            kv_cached_free_bytes=usage.kv_blocks_cached_free * self.kv_bytes_per_block)
 
     def stats(self) -> dict[str, float]:
         """Flat gauges and counters for metrics endpoints."""
-        pool = self.scheduler.block_pool
+        usage = self.cache.usage()
         report = self.prefix_cache_stats()
-        slots = self.scheduler.state_slots
         return {
-            "kv_blocks_total": pool.num_blocks, "kv_blocks_used": pool.num_used_blocks,
-            "kv_blocks_cached_free": pool.num_cached_free_blocks, "kv_blocks_free": pool.num_free_blocks,
-            "state_slots_total": slots.num_slots, "state_slots_free": slots.num_free_slots,
+            "kv_blocks_total": usage.kv_blocks, "kv_blocks_used": usage.kv_blocks_used,
+            "kv_blocks_cached_free": usage.kv_blocks_cached_free, "kv_blocks_free": usage.kv_blocks_free,
+            "state_slots_total": usage.state_slots, "state_slots_free": usage.state_slots_free,
             "snapshot_slots_total": report.snapshot_slots, "snapshot_slots_used": report.resident_snapshots,
             "snapshot_bytes": report.resident_snapshot_bytes, "bytes_per_snapshot": report.bytes_per_snapshot,
             "prefix_cache_queries": report.queries, "prefix_cache_hits": report.hits,
@@ -568,21 +562,18 @@ class LLMEngine:
             "kv_cached_free_bytes": report.kv_cached_free_bytes, "snapshot_pool_bytes": report.snapshot_pool_bytes,
             "weight_bytes": self.weight_bytes,
             "heap_free_bytes": allocator_free_bytes() if self.device.type == "cpu" else 0,
-            "snapshots_reserved": self.scheduler.snapshots.num_reserved if self.scheduler.snapshots else 0,
-            "snapshots_pinned": self.scheduler.snapshots.num_pinned if self.scheduler.snapshots else 0,
+            "snapshots_reserved": usage.snapshots_reserved, "snapshots_pinned": usage.snapshots_pinned,
         }
 
     def check_integrity(self) -> None:
         """Assert pool accounting is consistent; when idle, every block and slot is free again."""
         self.scheduler.check_integrity()
         if not self.has_unfinished_requests():
-            pool = self.scheduler.block_pool
-            assert pool.num_free_blocks == pool.num_blocks, "KV blocks still in use while idle"
-            slots = self.scheduler.state_slots
-            assert slots.num_free_slots == slots.num_slots, "state slots still in use while idle"
-            if self.scheduler.snapshots is not None:
-                assert self.scheduler.snapshots.num_reserved == 0, "snapshot reservation left open"
-                assert self.scheduler.snapshots.num_pinned == 0, "snapshot pin left behind"
+            usage = self.cache.usage()
+            assert usage.kv_blocks_free == usage.kv_blocks, "KV blocks still in use while idle"
+            assert usage.state_slots_free == usage.state_slots, "state slots still in use while idle"
+            assert usage.snapshots_reserved == 0, "snapshot reservation left open"
+            assert usage.snapshots_pinned == 0, "snapshot pin left behind"
 
 
 def _find_stop(text: str, stops: list[str], since: int = 0) -> tuple[int, str] | None:

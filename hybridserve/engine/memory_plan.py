@@ -230,18 +230,16 @@ def profile_forward(model: torch.nn.Module, num_tokens: int, block_size: int, dt
                     device: torch.device) -> int:
     """Activation peak (bytes) of one prefill forward of `num_tokens` tokens on `device`, run on a
     temporary runner whose KV pool holds exactly that prompt (freed afterwards)."""
-    from hybridserve.engine.request import Request
     from hybridserve.engine.runner import ModelRunner
-    from hybridserve.engine.scheduler import Restore, ScheduledChunk, SchedulerOutput, blocks_for
-    from hybridserve.sampling_params import SamplingParams
+    from hybridserve.engine.step_plan import PlanChunk, PlanRestore, StepPlan
 
-    num_blocks = blocks_for(num_tokens, block_size)
+    num_blocks = -(-num_tokens // block_size)
     runner = ModelRunner(model, num_kv_blocks=num_blocks, block_size=block_size, num_state_slots=1,
                          num_snapshot_slots=0, dtype=dtype, device=device)
-    request = Request("memory-profile", None, [0] * num_tokens, SamplingParams(max_tokens=1), block_size)
-    request.block_ids, request.state_slot = list(range(num_blocks)), 0
-    step = SchedulerOutput([ScheduledChunk(request, 0, num_tokens, [], [])], [Restore(request, 0, None, 0)], [])
-    peak = measure_peak(device, lambda: runner.execute(step))
+    chunk = PlanChunk(token_ids=[0] * num_tokens, start=0, block_ids=list(range(num_blocks)), state_slot=0,
+                      captures=[], samples=True, keep_prompt_logits=False)
+    step = StepPlan([chunk], [PlanRestore(0, None, None)])
+    peak = measure_peak(device, lambda: runner.execute_plan(step))
     del runner
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -50,10 +50,9 @@ def plan_step(output: SchedulerOutput) -> StepPlan:
     chunks = []
     for chunk in ordered:
         request = chunk.request
-        assert request.state_slot is not None
         chunks.append(PlanChunk(
             token_ids=request.token_ids[chunk.start:chunk.start + chunk.length], start=chunk.start,
-            block_ids=list(request.block_ids), state_slot=request.state_slot,
+            block_ids=list(chunk.block_ids), state_slot=chunk.state_slot,
             captures=[(r.num_tokens, r.slot) for r in chunk.captures],  # type: ignore[misc]
             samples=chunk.start + chunk.length == request.num_tokens,
             keep_prompt_logits=request.keep_prompt_logits))

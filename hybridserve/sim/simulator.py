@@ -1,5 +1,5 @@
-"""Replay a trace through the real scheduler, block pool, snapshot pool and cache policy, with a
-runner that only does accounting (no model, no tensors).
+"""Replay a trace through the real scheduler and joint cache manager (block pool, snapshot pool
+and cache policy), with a runner that only does accounting (no model, no tensors).
 
 Requests run one at a time in trace order, as the live `bench trace` replays them. Each one is
 admitted (joint lookup, restore), prefilled, then its output tokens are computed (decode; the
@@ -16,10 +16,11 @@ from typing import Callable, Iterable, NamedTuple
 from tqdm import tqdm
 
 from hybridserve.cache.block_pool import BlockPool
+from hybridserve.cache.manager import JointCacheManager
 from hybridserve.cache.policy import make_policy
 from hybridserve.cache.snapshots import SnapshotPool
 from hybridserve.cache.state_slots import StateSlotPool
-from hybridserve.config import CacheConfig, SchedulerConfig
+from hybridserve.config import SchedulerConfig
 from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import Scheduler, blocks_for
 from hybridserve.sampling_params import SamplingParams
@@ -63,8 +64,9 @@ class SimResult(NamedTuple):
 
 
 class AccountingRun:
-    """The scheduler, pools and policy of one replay, stepped by an accounting-only runner: `serve`
-    admits, prefills, decodes and finishes one request at a time (tests build traces with it)."""
+    """The scheduler and cache manager (pools and policy) of one replay, stepped by an
+    accounting-only runner: `serve` admits, prefills, decodes and finishes one request at a time
+    (tests build traces with it)."""
 
     def __init__(self, config: SimConfig, shape: ModelShape,
                  snapshot_pool: Callable[[int], SnapshotPool] = SnapshotPool) -> None:
@@ -79,14 +81,13 @@ class AccountingRun:
             raise ValueError(f"budgets too small for {shape.name}: KV {config.kv_bytes} bytes "
                              f"({config.block_size * cost.kv_bytes_per_token} per block), snapshots "
                              f"{config.snapshot_bytes} bytes ({cost.snapshot_bytes} per snapshot)")
-        cache = CacheConfig(block_size=config.block_size, snapshot_interval=config.interval,
-                            cache_policy=config.policy)
         policy = make_policy(config.policy, config.block_size, cost, config.interval)
         limits = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1 << 40,
                                  max_prefill_tokens_during_decode=0)
         self.blocks = BlockPool(self.kv_blocks)
         self.snapshots = snapshot_pool(self.snapshot_slots)
-        self.scheduler = Scheduler(cache, limits, self.blocks, StateSlotPool(1), self.snapshots, policy)
+        self.cache = JointCacheManager(config.block_size, self.blocks, StateSlotPool(1), self.snapshots, policy)
+        self.scheduler = Scheduler(limits, self.cache)
         self.block_size = config.block_size
 
     def fits(self, num_tokens: int) -> bool:
@@ -96,8 +97,7 @@ class AccountingRun:
         """Admit, prefill, decode and finish one request; returns its cached prompt tokens. Decode
         runs as one chunk (same captures, same blocks) or, `stepwise`, a token per step as in the
         engine (same order of every pool operation)."""
-        request = Request(request_id, None, prompt, SamplingParams(max_tokens=len(output), ignore_eos=True),
-                          self.block_size)
+        request = Request(request_id, None, prompt, SamplingParams(max_tokens=len(output), ignore_eos=True))
         scheduler = self.scheduler
         scheduler.add(request)
         self._step()
