@@ -1,4 +1,9 @@
-"""`hybridserve` command line: generate, serve, bench, sim."""
+"""`hybridserve` command line: generate, serve, bench, sim.
+
+Building the parser imports no torch (every heavy import is inside the command that needs it), so
+`--help` answers at once. `main` gives this process the OpenMP and oneDNN environment an engine
+wants before any command loads torch (`engine.threads.prepare_command_process`).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,8 @@ import logging
 import sys
 import time
 
-from hybridserve.engine.engine import LLMEngine
-from hybridserve.engine_args import add_engine_arguments, engine_config_from_args
-from hybridserve.sampling_params import SamplingParams
+from hybridserve.engine.threads import prepare_command_process
+from hybridserve.engine_args import add_engine_arguments
 
 
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
@@ -28,6 +32,10 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     """Load the engine, complete `--prompt`, print the text and timings."""
+    from hybridserve.engine.engine import LLMEngine
+    from hybridserve.engine_args import engine_config_from_args
+    from hybridserve.sampling_params import SamplingParams
+
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sample_seed, ignore_eos=args.ignore_eos)
     engine = LLMEngine(engine_config_from_args(args))
@@ -94,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `hybridserve` script."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    prepare_command_process()  # before any command imports torch (and with it OpenMP)
     args = build_parser().parse_args(argv)
     try:
         return int(args.handler(args) or 0)

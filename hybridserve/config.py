@@ -7,6 +7,7 @@ text-only or multimodal layout); `CacheConfig` sizes the KV pool and the GDN sna
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,25 @@ FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 BLOCK_HASHES = ("xxh3_128", "sha256")
+MIB = 1 << 20
+# CPU cache sizes when nothing is given: fixed (as vLLM's CPU backend has a fixed KV space), since a
+# CPU server shares RAM with everything else on the machine; a smaller KV pool evicted what the
+# snapshots needed in the scaled Mooncake replay (`bench trace`, docs/benchmarks). Defined here, not
+# in engine.memory_plan, so that the command-line flags can name them without importing torch.
+DEFAULT_CPU_KV_CACHE_MIB = 1024.0
+DEFAULT_CPU_PREFIX_CACHE_MIB = 1024.0
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000 ** 2, "mb": 1000 ** 2,
+               "mib": MIB, "g": 1000 ** 3, "gb": 1000 ** 3, "gib": 1 << 30, "t": 1000 ** 4, "tb": 1000 ** 4,
+               "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '4GiB', '512MiB', '1.5G', '1000000' (decimal and binary units, case-insensitive)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"invalid size {text!r}; use bytes or a unit such as 512MiB, 4GiB, 2G")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
 def _require(condition: bool, message: str) -> None:
@@ -98,7 +118,7 @@ class ModelConfig:
         return 2 * self.gdn_key_dim + self.gdn_value_dim
 
     @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face `config.json` dict (text-only or multimodal with `text_config`)."""
         model_type = raw.get("model_type")
         _require(model_type in SUPPORTED_MODEL_TYPES,
@@ -215,7 +235,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0
-    num_threads: int | None = None  # CPU threads for torch; None: see engine.threads.default_num_threads
+    num_threads: int | None = None  # CPU threads for torch and the C kernels; None: every available core
     quantization: str | None = None  # "int8": weight-only int8 linears (see layers.linear)
     tensor_parallel_size: int = 1   # model ranks (worker processes when > 1); see hybridserve.distributed
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from hybridserve.config import BLOCK_HASHES, POLICY_NAMES, CacheConfig, EngineConfig, SchedulerConfig
-from hybridserve.engine.memory_plan import DEFAULT_CPU_KV_CACHE_MIB, DEFAULT_CPU_PREFIX_CACHE_MIB, parse_size
+from hybridserve.config import (
+    BLOCK_HASHES,
+    DEFAULT_CPU_KV_CACHE_MIB,
+    DEFAULT_CPU_PREFIX_CACHE_MIB,
+    POLICY_NAMES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    parse_size,
+)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: bool = False) -> None:

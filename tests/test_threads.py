@@ -5,21 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hybridserve
 from hybridserve.cli import build_parser
 from hybridserve.engine import threads
 
 
-def test_default_uses_every_core_only_when_idle_workers_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_uses_every_available_core(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(threads, "available_cores", lambda: 8)
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    monkeypatch.setattr(hybridserve, "TORCH_LOADED_BEFORE_HYBRIDSERVE", False)
-    assert threads.passive_wait_in_effect() and threads.default_num_threads() == 8
-    monkeypatch.setattr(hybridserve, "TORCH_LOADED_BEFORE_HYBRIDSERVE", True)  # the policy came too late
-    assert not threads.passive_wait_in_effect() and threads.default_num_threads() == 7
-    monkeypatch.setattr(hybridserve, "TORCH_LOADED_BEFORE_HYBRIDSERVE", False)
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert threads.default_num_threads() == 7
+    assert threads.default_num_threads() == 8
     monkeypatch.setattr(threads, "available_cores", lambda: 1)
     assert threads.default_num_threads() == 1
 

@@ -189,7 +189,12 @@ def _add_peer(subparsers: argparse._SubParsersAction) -> None:
 
 def run_peer(args: argparse.Namespace) -> int:
     """Handler of `bench peer`: exit status 2 with a message when a requirement is missing."""
-    from hybridserve.bench.peer_bench import PeerBenchConfig, PeerCrashed, format_peer_report, run_peer_bench
+    from hybridserve.bench.peer_bench import (
+        PeerBenchConfig,
+        PeerCrashed,
+        format_peer_report,
+        run_peer_bench,
+    )
 
     cfg = PeerBenchConfig(dtype=args.dtype, threads=args.threads, prompt_tokens=args.prompt_tokens,
                           shared_tokens=args.shared_tokens, extend_tokens=args.extend_tokens,
@@ -269,7 +274,11 @@ def _finish(args: argparse.Namespace, result: dict[str, Any], report: str) -> in
 
 def run_engine(args: argparse.Namespace) -> int:
     """Handler of `bench engine`."""
-    from hybridserve.bench.engine_bench import EngineBenchConfig, format_engine_report, run_engine_bench
+    from hybridserve.bench.engine_bench import (
+        EngineBenchConfig,
+        format_engine_report,
+        run_engine_bench,
+    )
 
     cfg = EngineBenchConfig(prompt_tokens=args.prompt_tokens, decode_prompt_tokens=args.decode_prompt_tokens,
                             decode_tokens=args.decode_tokens, batch_size=args.batch_size, warmup=args.warmup,
@@ -281,7 +290,11 @@ def run_engine(args: argparse.Namespace) -> int:
 
 def run_decode(args: argparse.Namespace) -> int:
     """Handler of `bench decode`."""
-    from hybridserve.bench.decode_bench import DecodeBenchConfig, format_decode_report, run_decode_bench
+    from hybridserve.bench.decode_bench import (
+        DecodeBenchConfig,
+        format_decode_report,
+        run_decode_bench,
+    )
 
     cfg = DecodeBenchConfig(variants=tuple(args.variants), prompt_tokens=args.prompt_tokens,
                             decode_tokens=args.decode_tokens, quality_prompts=args.quality_prompts,
@@ -294,7 +307,12 @@ def run_decode(args: argparse.Namespace) -> int:
 
 def run_ttft(args: argparse.Namespace) -> int:
     """Handler of `bench ttft`."""
-    from hybridserve.bench.ttft_bench import TTFTBenchConfig, format_ttft_report, plot_ttft, run_ttft_bench
+    from hybridserve.bench.ttft_bench import (
+        TTFTBenchConfig,
+        format_ttft_report,
+        plot_ttft,
+        run_ttft_bench,
+    )
 
     cfg = TTFTBenchConfig(cached_tokens=tuple(args.cached_tokens), suffix_tokens=args.suffix_tokens,
                           warmup=args.warmup, iterations=args.iterations,
@@ -316,7 +334,11 @@ def run_ttft(args: argparse.Namespace) -> int:
 
 def run_chat(args: argparse.Namespace) -> int:
     """Handler of `bench chat`."""
-    from hybridserve.bench.chat_bench import ChatBenchConfig, format_chat_report, run_chat_bench
+    from hybridserve.bench.chat_bench import (
+        ChatBenchConfig,
+        format_chat_report,
+        run_chat_bench,
+    )
 
     _set_threads(args)
     cfg = ChatBenchConfig(conversations=args.conversations, turns=args.turns, system_tokens=args.system_tokens,
@@ -327,7 +349,11 @@ def run_chat(args: argparse.Namespace) -> int:
 
 def run_trace(args: argparse.Namespace) -> int:
     """Handler of `bench trace`."""
-    from hybridserve.bench.trace_bench import TraceBenchConfig, format_trace_report, run_trace_bench
+    from hybridserve.bench.trace_bench import (
+        TraceBenchConfig,
+        format_trace_report,
+        run_trace_bench,
+    )
 
     cfg = TraceBenchConfig(trace_path=args.trace, num_requests=args.num_requests, block_tokens=args.block_tokens,
                            max_output_tokens=args.max_output_tokens, max_concurrency=args.max_concurrency,
@@ -355,9 +381,22 @@ def run_structured(args: argparse.Namespace) -> int:
 
 def run_all(args: argparse.Namespace) -> int:
     """Handler of `bench all`: the other benchmarks in turn, default sizes, one combined JSON."""
-    from hybridserve.bench.engine_bench import EngineBenchConfig, format_engine_report, run_engine_bench
-    from hybridserve.bench.trace_bench import TraceBenchConfig, format_trace_report, run_trace_bench
-    from hybridserve.bench.ttft_bench import TTFTBenchConfig, format_ttft_report, plot_ttft, run_ttft_bench
+    from hybridserve.bench.engine_bench import (
+        EngineBenchConfig,
+        format_engine_report,
+        run_engine_bench,
+    )
+    from hybridserve.bench.trace_bench import (
+        TraceBenchConfig,
+        format_trace_report,
+        run_trace_bench,
+    )
+    from hybridserve.bench.ttft_bench import (
+        TTFTBenchConfig,
+        format_ttft_report,
+        plot_ttft,
+        run_ttft_bench,
+    )
 
     _set_threads(args)
     config = engine_config_from_args(args)

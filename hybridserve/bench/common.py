@@ -13,14 +13,16 @@ import statistics
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hybridserve.config import EngineConfig
-from hybridserve.engine.engine import LLMEngine
 from hybridserve.models.tokenizer import IM_END_ID
 from hybridserve.sampling_params import RequestOutput, SamplingParams
+
+if TYPE_CHECKING:  # torch loads with the benchmark that runs, not with the command line's flags
+    import torch
+
+    from hybridserve.engine.engine import LLMEngine
 
 FIRST_PLAIN_ID = IM_END_ID + 1  # ids below are bytes and specials; start random prompts after them
 PLAIN_ID_SPAN = 256             # random prompts draw from [FIRST_PLAIN_ID, FIRST_PLAIN_ID + span)
@@ -35,6 +37,8 @@ KEEPALIVE_EXPIRY_S = 2.0
 
 def random_token_ids(num_tokens: int, seed: int, vocab_size: int) -> list[int]:
     """`num_tokens` pseudo-random ordinary token ids, fixed by `seed` (no special tokens)."""
+    import torch
+
     high = min(FIRST_PLAIN_ID + PLAIN_ID_SPAN, vocab_size)
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(FIRST_PLAIN_ID, high, (num_tokens,), generator=generator).tolist()
@@ -138,12 +142,18 @@ class EngineDriver:
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work, so that a host timer measures it (no-op on CPU)."""
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)
 
 
 def matmul_gflops(size: int, repeats: int, device: torch.device | str = "cpu",
-                  dtype: torch.dtype = torch.float32) -> list[float]:
-    """GFLOP/s of `repeats` square [size x size] matmuls on `device` in `dtype` (one sample each)."""
+                  dtype: torch.dtype | None = None) -> list[float]:
+    """GFLOP/s of `repeats` square [size x size] matmuls on `device` in `dtype` (None: float32; one
+    sample each)."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     torch.matmul(a, b)
@@ -180,4 +190,6 @@ def write_json(path: str | Path, data: dict[str, Any]) -> None:
 
 def machine_line() -> str:
     """Torch threads and version, printed with every result."""
+    import torch
+
     return f"torch {torch.__version__}, {torch.get_num_threads()} threads"

@@ -32,7 +32,7 @@ class ThreadSetting(NamedTuple):
 def default_settings() -> list[ThreadSetting]:
     """torch's default (every core, OpenMP's own wait policy) against hybridserve's default (passive
     wait after a short spin) and its parts."""
-    from hybridserve import OPENMP_SPIN_COUNT
+    from hybridserve.engine.threads import OPENMP_SPIN_COUNT
 
     cores = available_cores()
     return [
@@ -55,7 +55,7 @@ def _worker_command(setting: ThreadSetting, prompt_tokens: int, decode_tokens: i
     if setting.wait_policy is not None:
         env["OMP_WAIT_POLICY"] = setting.wait_policy
     else:
-        env["OMP_WAIT_POLICY"] = ""  # hybridserve's import keeps an explicit (empty) value: OpenMP default
+        env["OMP_WAIT_POLICY"] = ""  # explicit and empty: the OpenMP default
     command = [sys.executable, "-m", "hybridserve.bench.threads_bench", "--threads", str(setting.threads),
                "--prompt-tokens", str(prompt_tokens), "--decode-tokens", str(decode_tokens)]
     return command, env

@@ -32,11 +32,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridserve import envs
 from hybridserve.layers import native
 
 logger = logging.getLogger(__name__)
 
-SHM_ALLREDUCE_ENV = "HYBRIDSERVE_SHM_ALLREDUCE"
+SHM_ALLREDUCE_ENV = envs.SHM_ALLREDUCE.name
 SHM_DIR = "/dev/shm"
 SLOT_BYTES = 1 << 20           # per rank and buffer (two each): a larger tensor is reduced in pieces
 FORWARD, CONTROL = 0, 1        # tags: the forward's activations, the step's agreement flags
@@ -55,20 +56,13 @@ class ShmAllReduceError(RuntimeError):
 
 
 def _functions() -> tuple[Any, Any, Any] | None:
-    """(shm_allreduce, shm_allreduce_region_bytes, shm_allreduce_abort) from the kernels library with
-    their signatures set, or None when the library is unavailable."""
+    """(shm_allreduce, shm_allreduce_region_bytes, shm_allreduce_abort) from the kernels library,
+    bound with their signatures in layers/csrc/hybridserve_kernels.h, or None when the library is
+    unavailable."""
     library = native._library()
     if library is None:
         return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    reduce = library.shm_allreduce
-    reduce.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, i64]
-    reduce.restype = ctypes.c_int
-    region = library.shm_allreduce_region_bytes
-    region.argtypes, region.restype = [i64, i64], i64
-    abort = library.shm_allreduce_abort
-    abort.argtypes, abort.restype = [ptr], None
-    return reduce, region, abort
+    return library.shm_allreduce, library.shm_allreduce_region_bytes, library.shm_allreduce_abort
 
 
 def host_identity() -> tuple[str, str]:
@@ -84,7 +78,7 @@ def host_identity() -> tuple[str, str]:
 
 def _local_obstacle(device: torch.device) -> str | None:
     """Why this rank cannot use the shared-memory all-reduce, or None."""
-    if os.environ.get(SHM_ALLREDUCE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not envs.shm_allreduce():
         return f"{SHM_ALLREDUCE_ENV}=0"
     if device.type != "cpu":
         return f"device {device}"
@@ -205,7 +199,8 @@ def _create_region(world: int, slot_bytes: int) -> tuple[str, int | None]:
     The space is allocated up front (posix_fallocate), so a full /dev/shm fails here rather
     than with SIGBUS at the first write."""
     functions = _functions()
-    assert functions is not None
+    if functions is None:
+        return "rank 0: the C kernels library is unavailable", None
     size = functions[1](world, slot_bytes)
     token = int.from_bytes(os.urandom(8), "little")
     path = ""

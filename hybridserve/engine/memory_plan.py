@@ -16,26 +16,18 @@ profiled forward through /proc/self/clear_refs).
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from hybridserve.config import CacheConfig
+from hybridserve.config import (  # noqa: F401 - parse_size and the defaults are re-exported
+    DEFAULT_CPU_KV_CACHE_MIB, DEFAULT_CPU_PREFIX_CACHE_MIB, MIB, CacheConfig, parse_size)
 
 logger = logging.getLogger(__name__)
-MIB = 1 << 20
 DEFAULT_CUDA_MEMORY_FRACTION = 0.9
-# CPU default when nothing is given: fixed sizes (as vLLM's CPU backend has a fixed KV space, 4 GiB),
-# since a CPU server shares RAM with everything else on the machine. 1 GiB of KV: at 256 MiB the
-# scaled Mooncake replay (`bench trace`) reached 83.5 % of its hit ceiling, the KV pool evicting what
-# the snapshots needed; at 1 GiB 93.8 % (BENCHMARKS.md). Zero-filling it costs ~0.2 s at start-up.
-DEFAULT_CPU_KV_CACHE_MIB = 1024.0
-DEFAULT_CPU_PREFIX_CACHE_MIB = 1024.0
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000 ** 2, "mb": 1000 ** 2,
-               "mib": MIB, "g": 1000 ** 3, "gb": 1000 ** 3, "gib": 1 << 30, "t": 1000 ** 4, "tb": 1000 ** 4,
-               "tib": 1 << 40}
+# DEFAULT_CPU_KV_CACHE_MIB, DEFAULT_CPU_PREFIX_CACHE_MIB and parse_size live in hybridserve.config (the
+# command-line flags name them without importing torch); imported here for this module's callers.
 
 
 class DeviceMemory(NamedTuple):
@@ -69,15 +61,6 @@ class MemoryPlan(NamedTuple):
                 f"{self.kv_bytes / MIB:.1f} MiB + snapshots {self.snapshot_bytes / MIB:.1f} MiB "
                 f"(snapshot share {self.snapshot_share:.2f}); device {self.device_total / MIB:.0f} MiB, "
                 f"{self.available / MIB:.0f} MiB available at start")
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '4GiB', '512MiB', '1.5G', '1000000' (decimal and binary units, case-insensitive)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _SIZE_UNITS:
-        raise ValueError(f"invalid size {text!r}; use bytes or a unit such as 512MiB, 4GiB, 2G")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
 def device_memory(device: torch.device) -> DeviceMemory:

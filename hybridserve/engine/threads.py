@@ -1,21 +1,56 @@
-"""CPU thread count of the forward: a default that survives a busy machine.
+"""Process settings of an engine: CPU threads, the heap allocator, oneDNN's kernel caches, and the
+OpenMP environment of the processes hybridserve starts itself.
 
-torch's default uses every core with OpenMP workers that spin while waiting. When another process
-keeps one core busy, every parallel region then waits for the worker that shares that core: a
-decode step measured here went from ~21 ms to ~550 ms (`hybridserve bench threads`). Idle workers
-that sleep instead (`OMP_WAIT_POLICY=PASSIVE`, set by `import hybridserve` before torch loads)
-remove most of it, and with them every core was the best default measured on this 2-core machine.
-When torch was loaded before hybridserve, the wait policy could not be set, and the default leaves
-one core free instead (a single thread has no workers to spin).
+Nothing here runs at import: `import hybridserve` changes no environment variable and no setting
+of the process. `apply_process_settings` runs when an engine starts (`LLMEngine`, a tensor-parallel
+worker) and sets what can still be set in a running process:
+  - torch's intra-op thread count, which the C kernels also take as their own: every available core
+    unless told otherwise. It does not depend on whether torch was imported before hybridserve.
+  - glibc's mmap and trim thresholds (`engine.memory.retain_freed_activation_memory`, CPU only).
+  - oneDNN's kernel cache capacities (`ONEDNN_ENVIRONMENT`), set only where the user has not set
+    them. oneDNN reads them when it builds its first kernel, which an engine start precedes.
+
+The OpenMP runtime (libgomp) reads `OMP_WAIT_POLICY` and `GOMP_SPINCOUNT` once, when it loads with
+torch, so no running process can change them. Processes hybridserve starts itself get
+`OPENMP_ENVIRONMENT` before torch loads: the `hybridserve` command (`prepare_command_process`) and,
+through inheritance or `child_process_environment`, its engine-core and tensor-parallel children.
+In a user's process the user's environment decides. The decode step does not depend on it: it runs
+in the C kernels, whose own task pool (`layers/csrc/task_pool.c`) parallelises it, and it opens no
+torch parallel region, so idle OpenMP workers have nothing to spin against there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 
-import torch
+# Idle OpenMP workers first spin briefly (GOMP_SPINCOUNT, libgomp's count of pause loops), then
+# sleep instead of spinning on: spinning workers stall every parallel region when another process
+# holds a core, and waking a sleeping one costs tens of microseconds per region
+# (`hybridserve bench threads`). An explicit OMP_WAIT_POLICY in the environment wins, with its own
+# spin count.
+OPENMP_SPIN_COUNT = "1000"
+OPENMP_ENVIRONMENT: dict[str, str] = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": OPENMP_SPIN_COUNT}
 
-OMP_WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
+# oneDNN (prefill GEMMs) compiles a kernel for every shape it meets and keeps it in two caches,
+# oneDNN's own and PyTorch's (ideep), 1024 entries each by default. A prefill's row count is the
+# step's token count, new on almost every step of real traffic, so both caches filled with kernels
+# used once and a serving process grew without bound. 64 entries hold every linear of several step
+# sizes at the same prefill speed (docs/benchmarks).
+ONEDNN_CACHE_CAPACITY = "64"
+ONEDNN_ENVIRONMENT: dict[str, str] = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": ONEDNN_CACHE_CAPACITY,
+                                      "LRU_CACHE_CAPACITY": ONEDNN_CACHE_CAPACITY}
+
+
+@dataclass(frozen=True)
+class ProcessSettings:
+    """What `apply_process_settings` left in effect in this process."""
+
+    num_threads: int
+    heap_retains_freed_memory: bool
+    onednn_environment: dict[str, str]
 
 
 def available_cores() -> int:
@@ -26,26 +61,69 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def passive_wait_in_effect() -> bool:
-    """Whether OpenMP's idle workers sleep: OMP_WAIT_POLICY=PASSIVE was in the environment when
-    torch (and its OpenMP runtime) loaded, which hybridserve ensures when imported first."""
-    import hybridserve
-
-    policy = os.environ.get(OMP_WAIT_POLICY_ENV, "").strip().upper()
-    return policy == "PASSIVE" and not hybridserve.TORCH_LOADED_BEFORE_HYBRIDSERVE
-
-
 def default_num_threads() -> int:
-    """Every available core when idle workers sleep; otherwise all cores but one (at least 1)."""
-    cores = available_cores()
-    return cores if passive_wait_in_effect() else max(1, cores - 1)
+    """Every core this process may run on."""
+    return available_cores()
 
 
 def configure_threads(num_threads: int | None) -> int:
     """Set torch's intra-op thread count (`None`: the default) and return it."""
+    import torch
+
     count = default_num_threads() if num_threads is None else num_threads
     if count < 1:
         raise ValueError(f"threads must be >= 1, got {count}")
     if torch.get_num_threads() != count:
         torch.set_num_threads(count)
     return count
+
+
+def started_process_environment() -> dict[str, str]:
+    """The variables a process hybridserve starts should get before torch loads in it: the OpenMP
+    and oneDNN settings, less those already in this environment (an explicit OMP_WAIT_POLICY also
+    keeps its own spin count)."""
+    wanted = dict(ONEDNN_ENVIRONMENT)
+    if "OMP_WAIT_POLICY" not in os.environ:
+        wanted.update(OPENMP_ENVIRONMENT)
+    return {name: value for name, value in wanted.items() if name not in os.environ}
+
+
+def prepare_command_process() -> dict[str, str]:
+    """For a process that hybridserve's own command line runs (before it imports torch): add
+    `started_process_environment()` to this process's environment, which its children inherit.
+    Returns what was added. Never call it from library code: it changes the caller's environment."""
+    added = started_process_environment()
+    os.environ.update(added)
+    return added
+
+
+@contextlib.contextmanager
+def child_process_environment() -> Iterator[dict[str, str]]:
+    """Around the start of a spawned child (engine core, tensor-parallel worker): the child's
+    environment gets `started_process_environment()`, whatever the parent had imported; this
+    process's environment is restored on exit. Yields what was added."""
+    added = started_process_environment()
+    os.environ.update(added)
+    try:
+        yield added
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
+def _apply_onednn_environment() -> dict[str, str]:
+    """Set oneDNN's cache capacities where unset (read when oneDNN builds its first kernel);
+    returns the values in effect."""
+    for name, value in ONEDNN_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    return {name: os.environ[name] for name in ONEDNN_ENVIRONMENT}
+
+
+def apply_process_settings(num_threads: int | None, device_type: str = "cpu") -> ProcessSettings:
+    """At engine start: torch's thread count (`None`: every available core), the heap allocator's
+    thresholds on CPU, oneDNN's cache capacities. The one place an engine tunes its process."""
+    from hybridserve.engine.memory import retain_freed_activation_memory
+
+    count = configure_threads(num_threads)
+    retains = retain_freed_activation_memory() if device_type == "cpu" else False
+    return ProcessSettings(count, retains, _apply_onednn_environment())

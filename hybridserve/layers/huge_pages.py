@@ -15,15 +15,16 @@ held twice during the move). Elsewhere (not Linux, THP `never`, not CPU) nothing
 from __future__ import annotations
 
 import mmap
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
+from hybridserve import envs
+
 HUGE_PAGE_BYTES = 2 << 20
 MIN_STORAGE_BYTES = 1 << 20  # smaller storages stay where they are (most of a page would be padding)
-HUGE_PAGES_ENV = "HYBRIDSERVE_HUGE_PAGES"  # "0" keeps weights in torch's allocations
+HUGE_PAGES_ENV = envs.HUGE_PAGES.name  # "0" keeps weights in torch's allocations
 _THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _ALIGN = 4096
 
@@ -31,7 +32,7 @@ _ALIGN = 4096
 def huge_pages_available() -> bool:
     """Whether advised memory can get transparent huge pages here (Linux, THP not `never`, not
     disabled by HYBRIDSERVE_HUGE_PAGES=0)."""
-    if os.environ.get(HUGE_PAGES_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not envs.huge_pages():
         return False
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return False

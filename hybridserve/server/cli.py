@@ -11,15 +11,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import socket
 import threading
 from pathlib import Path
 from typing import Any
 
-from hybridserve.engine.memory import freeze_startup_heap
-from hybridserve.engine_args import add_engine_arguments, engine_config_from_args, model_from_args
+from hybridserve import envs
+from hybridserve.engine_args import (
+    add_engine_arguments,
+    engine_config_from_args,
+    model_from_args,
+)
 from hybridserve.sampling_params import MAX_STREAM_INTERVAL
 from hybridserve.server.app import DEFAULT_MAX_BODY_BYTES
 from hybridserve.server.auth import read_key_file
@@ -27,7 +30,7 @@ from hybridserve.server.reasoning_parser import REASONING_PARSERS
 
 logger = logging.getLogger("hybridserve.server")
 
-API_KEY_ENV = "HYBRIDSERVE_API_KEY"
+API_KEY_ENV = envs.API_KEY.name
 BUILTIN_MODEL_NAME = "hybridserve-builtin"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -100,8 +103,9 @@ def api_keys_from(args: argparse.Namespace) -> list[str]:
     keys = list(args.api_key or [])
     if getattr(args, "api_key_file", None):
         keys += read_key_file(args.api_key_file)
-    if not keys and os.environ.get(API_KEY_ENV):
-        keys.append(os.environ[API_KEY_ENV])
+    env_key = envs.api_key()
+    if not keys and env_key:
+        keys.append(env_key)
     return keys
 
 
@@ -137,6 +141,7 @@ def run_server(args: argparse.Namespace) -> int:
     (0 after a clean shutdown, 1 when the port cannot be bound, 2 for a bad configuration)."""
     import uvicorn
 
+    from hybridserve.engine.memory import freeze_startup_heap
     from hybridserve.server.app import build_app
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,4 +1,7 @@
-"""`hybridserve sim`: replay a trace through the cache code under several policies and budgets."""
+"""`hybridserve sim`: replay a trace through the cache code under several policies and budgets.
+
+The flags need no torch; the simulator and the model shapes load when the command runs.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +9,14 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridserve.config import POLICY_NAMES
-from hybridserve.sim.bound import hit_options, slot_bound_hit_tokens
-from hybridserve.sim.oracle import ORACLE, learn_restores, simulate_oracle
-from hybridserve.sim.shapes import MODEL_SHAPES, ModelShape, model_shape
-from hybridserve.sim.simulator import SimConfig, SimResult, ceiling_hit_tokens, simulate
-from hybridserve.sim.trace import TRACE_BLOCK_TOKENS, TraceTokens, default_trace_path, read_trace
+from hybridserve.sim.trace import TRACE_BLOCK_TOKENS, default_trace_path
+
+if TYPE_CHECKING:
+    from hybridserve.sim.shapes import ModelShape
+    from hybridserve.sim.simulator import SimResult
 
 GIB = 1 << 30
 
@@ -23,7 +26,8 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=str(default_trace_path()), help="Mooncake-format JSONL trace")
     parser.add_argument("--num-requests", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--model-shape", default="qwen3.5-4b",
-                        help=f"one of {', '.join(MODEL_SHAPES)}, or a path to a config.json")
+                        help="a shape named in hybridserve/sim/shapes.py (an unknown name lists them), or a path "
+                             "to a config.json")
     parser.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated cache policies")
     parser.add_argument("--snapshot-budgets-gib", default="1,2,4,8,16,32,64",
                         help="comma-separated GDN snapshot budgets (GiB)")
@@ -62,6 +66,12 @@ def _policies(text: str) -> list[str]:
 
 def run_sim(args: argparse.Namespace) -> int:
     """Parse flags, replay, print the table; write JSON and the plot when asked."""
+    from hybridserve.sim.bound import hit_options, slot_bound_hit_tokens
+    from hybridserve.sim.oracle import ORACLE, learn_restores, simulate_oracle
+    from hybridserve.sim.shapes import model_shape
+    from hybridserve.sim.simulator import SimConfig, ceiling_hit_tokens, simulate
+    from hybridserve.sim.trace import TraceTokens, read_trace
+
     policies = _policies(args.policies)
     snapshot_budgets = _floats(args.snapshot_budgets_gib, "--snapshot-budgets-gib")
     kv_budgets = _floats(args.kv_budgets_gib, "--kv-budgets-gib")
@@ -133,11 +143,11 @@ def format_sim_report(report: dict[str, Any]) -> str:
     header = ["policy", "KV GiB", "snap GiB", "slots", "token hit", "of ceiling", "slot bound", "req hit",
               "FLOPs saved", "snap evict", "KV evict", "s"]
     ceiling = report["ceiling_token_hit_rate"]
-    lines = [f"{report['num_requests']} requests, shape {report['model_shape']} "
+    lines = [(f"{report['num_requests']} requests, shape {report['model_shape']} "
              f"({report['kv_bytes_per_token']} B KV/token, {report['snapshot_bytes'] / 2**20:.1f} MiB/snapshot), "
              f"block {report['block_size']}, {report['block_tokens']} tokens per trace block; "
              f"unbounded ceiling {ceiling:.1%} of prompt tokens; slot bound: the most any policy with "
-             f"that many slots can hit (hybridserve/sim/bound.py)", "  ".join(f"{h:>11}" for h in header)]
+             f"that many slots can hit (hybridserve/sim/bound.py)"), "  ".join(f"{h:>11}" for h in header)]
     for row in report["rows"]:
         cells = [row["policy"], f"{row['kv_budget_gib']:g}", f"{row['snapshot_budget_gib']:g}",
                  str(row["snapshot_slots"]), f"{row['token_hit_rate']:.2%}",
@@ -152,6 +162,8 @@ def format_sim_report(report: dict[str, Any]) -> str:
 def plot_hit_rates(report: dict[str, Any], path: str) -> None:
     """Token hit rate vs snapshot budget, one line per policy (and KV budget), ceiling dashed."""
     import matplotlib
+
+    from hybridserve.sim.oracle import ORACLE
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
