@@ -36,13 +36,13 @@ def test_output_shape(llm: LLM) -> None:
 def test_n_completions_share_one_prefill(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = llm.llm_engine
     computed: list[int] = []
-    execute = engine.runner.execute
+    execute = engine.executor.execute
 
-    def counting(scheduled):  # noqa: ANN001, ANN202 - wraps ModelRunner.execute
-        computed.append(sum(chunk.length for chunk in scheduled.chunks))
-        return execute(scheduled)
+    def counting(plan):  # noqa: ANN001, ANN202 - wraps Executor.execute
+        computed.append(sum(chunk.length for chunk in plan.chunks))
+        return execute(plan)
 
-    monkeypatch.setattr(engine.runner, "execute", counting)
+    monkeypatch.setattr(engine.executor, "execute", counting)
     prompt_len = len(llm.get_tokenizer().encode(PROMPT))
     out = llm.generate(PROMPT, SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=3, ignore_eos=True))[0]
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]

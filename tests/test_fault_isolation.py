@@ -5,6 +5,7 @@ each request's admission once across reverts and preemptions. CPU, float32."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from hybridserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridserve.engine import engine as engine_module
 from hybridserve.engine import sampling as sampling_module
 from hybridserve.engine.engine import LLMEngine
-from hybridserve.engine.runner import ModelRunner, StepResult
+from hybridserve.engine.runner import ForwardResult, ModelRunner
+from hybridserve.engine.step_plan import PlanChunk, StepPlan
 from hybridserve.cache.manager import JointCacheManager
 from hybridserve.sampling_params import RequestOutput, SamplingParams
 
@@ -64,22 +66,34 @@ def _assert_only_victim_failed(finished: dict[str, RequestOutput], reference: di
             assert finished[request_id].outputs[0].token_ids == ref.outputs[0].token_ids, request_id
 
 
+def _poison_draws(monkeypatch: pytest.MonkeyPatch, chosen: Callable[[PlanChunk, int], bool], value: float) -> dict:
+    """Make the forward's logits row of every sampling chunk for which `chosen(chunk, n)` holds
+    (n: how many draws its sequence had before) carry `value` (token 17, or the whole row for inf)."""
+    original = ModelRunner.execute_plan
+    seen: dict[tuple, int] = {}
+    poisoned = {"steps": 0}
+
+    def poison(self: ModelRunner, plan: StepPlan, restored: bool = False) -> ForwardResult:
+        result = original(self, plan, restored)
+        logits = result.logits.clone()
+        for row, index in enumerate(result.sample_chunks):
+            chunk = plan.chunks[index]
+            key = chunk.sampling[0].key
+            if chosen(chunk, seen.get(key, 0)):
+                logits[row, 17 if value != value else slice(None)] = value
+                poisoned["steps"] += 1
+            seen[key] = seen.get(key, 0) + 1
+        return result._replace(logits=logits)
+
+    monkeypatch.setattr(ModelRunner, "execute_plan", poison)
+    return poisoned
+
+
 def test_nan_logits_end_only_that_request(text_checkpoint: Path, reference: dict[str, RequestOutput],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     engine = _engine(text_checkpoint)
-    original = ModelRunner.execute
-    poisoned = {"steps": 0}
-
-    def poison(self: ModelRunner, output) -> StepResult:
-        result = original(self, output)
-        logits = result.logits.clone()
-        for row, request in enumerate(result.requests):
-            if request.request_id == "r5" and request.num_output_tokens == 4:
-                logits[row, 17] = float("nan")
-                poisoned["steps"] += 1
-        return result._replace(logits=logits)
-
-    monkeypatch.setattr(ModelRunner, "execute", poison)
+    poisoned = _poison_draws(monkeypatch, lambda chunk, n: chunk.sampling[0].key[0] == "r5" and n == 4,
+                             float("nan"))
     finished = _run(engine, PROMPTS)
     assert poisoned["steps"] == 1
     _assert_only_victim_failed(finished, reference, "r5")
@@ -89,15 +103,19 @@ def test_nan_logits_end_only_that_request(text_checkpoint: Path, reference: dict
 def test_sampler_error_ends_only_that_request(text_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     reference = _run(_engine(text_checkpoint), PROMPTS, SAMPLED)
     original = sampling_module._sample_row
+    draws = {"r2": 0}
 
-    def flaky_row(row: torch.Tensor, request) -> int:
-        if request.request_id == "r2" and request.num_output_tokens == 3:
-            raise RuntimeError("injected sampler failure")
-        return original(row, request)
+    def flaky_row(row: torch.Tensor, spec, generator) -> int:
+        if spec.key[0] == "r2":
+            draws["r2"] += 1
+            if draws["r2"] == 4:
+                raise RuntimeError("injected sampler failure")
+        return original(row, spec, generator)
 
     monkeypatch.setattr(sampling_module, "_sample_row", flaky_row)
     finished = _run(_engine(text_checkpoint), PROMPTS, SAMPLED)
     _assert_only_victim_failed(finished, reference, "r2")
+    assert len(finished["r2"].outputs[0].token_ids) == 3
 
 
 def test_detokenizer_error_ends_only_that_request(text_checkpoint: Path, reference: dict[str, RequestOutput],
@@ -192,16 +210,16 @@ def test_stats_count_each_admission_once_across_preemption(text_checkpoint: Path
 
 def test_stats_count_once_across_a_reverted_step(text_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = _engine(text_checkpoint)
-    original = ModelRunner.execute
+    original = ModelRunner.execute_plan
     calls = {"n": 0}
 
-    def flaky(self: ModelRunner, output) -> StepResult:
+    def flaky(self: ModelRunner, plan: StepPlan, restored: bool = False) -> ForwardResult:
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected forward failure")
-        return original(self, output)
+        return original(self, plan, restored)
 
-    monkeypatch.setattr(ModelRunner, "execute", flaky)
+    monkeypatch.setattr(ModelRunner, "execute_plan", flaky)
     finished = _run(engine, {"x": _prompt(50, seed=80), "y": _prompt(40, seed=81)})
     assert calls["n"] > 1 and {o.outputs[0].finish_reason for o in finished.values()} == {"length"}
     assert engine.prefix_cache_stats().queries == 2
@@ -220,17 +238,14 @@ def test_stream_of_a_failed_request_carries_an_error_event(monkeypatch: pytest.M
     from tests.test_server import ServerThread
 
     poison_token = 4095
-    original = ModelRunner.execute
+    victims: set[tuple] = set()
 
-    def poison(self: ModelRunner, output) -> StepResult:
-        result = original(self, output)
-        logits = result.logits.clone()
-        for row, request in enumerate(result.requests):
-            if request.prompt_token_ids[0] == poison_token and request.num_output_tokens == 2:
-                logits[row] = float("inf")
-        return result._replace(logits=logits)
+    def chosen(chunk: PlanChunk, draws: int) -> bool:
+        if chunk.start == 0 and chunk.token_ids[0] == poison_token:
+            victims.add(chunk.sampling[0].key)
+        return chunk.sampling[0].key in victims and draws == 2
 
-    monkeypatch.setattr(ModelRunner, "execute", poison)
+    _poison_draws(monkeypatch, chosen, float("inf"))
     config = EngineConfig(device="cpu", dtype="float32", cache=CacheConfig(kv_cache_mib=16, prefix_cache_mib=0))
     engine = AsyncLLMEngine(LLMEngine(config), max_waiting_requests=8)
 

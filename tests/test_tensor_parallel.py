@@ -19,6 +19,10 @@ import torch
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.distributed import launch, shm_allreduce
+from hybridserve.distributed import worker as worker_process
+from hybridserve.distributed.executor import TensorParallelExecutor
+from hybridserve.engine.executor import InProcessExecutor
+from hybridserve.engine.worker import PlanResult, Worker
 from hybridserve.engine.engine import EngineDeadError
 from tests.targets import CPU
 
@@ -78,7 +82,7 @@ def test_builtin_greedy_tokens_and_prompt_logits_match(builtin_pair) -> None:
     one, two = builtin_pair
     # same-host CPU ranks use shared memory wherever this host allows it (a compiler, a writable /dev/shm)
     usable = shm_allreduce._local_obstacle(torch.device("cpu")) is None
-    assert two.llm_engine.runner.capacity.all_reduce == ("shm" if usable else "gloo")
+    assert two.llm_engine.executor.capacity.all_reduce == ("shm" if usable else "gloo")
     for a, b in zip(one.generate(PROMPTS, GREEDY, use_tqdm=False), two.generate(PROMPTS, GREEDY, use_tqdm=False)):
         _same(a, b)
     diff = (one.llm_engine.prompt_logits("Logits of every position") -
@@ -88,6 +92,16 @@ def test_builtin_greedy_tokens_and_prompt_logits_match(builtin_pair) -> None:
     for a, b in zip(one.generate(PROMPTS, sampled, use_tqdm=False), two.generate(PROMPTS, sampled, use_tqdm=False)):
         _same(a, b)
     _idle(one, two)
+
+
+def test_one_worker_class_samples_where_the_logits_are(builtin_pair) -> None:
+    """TP=1 holds in-process the same `Worker` that each TP rank's process runs, and a step's
+    answer carries sampled token ids (and asked logprobs), never the logits."""
+    one, two = builtin_pair
+    assert isinstance(one.llm_engine.executor, InProcessExecutor) and type(one.llm_engine.executor.worker) is Worker
+    assert isinstance(two.llm_engine.executor, TensorParallelExecutor)
+    assert "logits" not in PlanResult._fields
+    assert worker_process.Worker is Worker  # what every rank's process builds
 
 
 def test_builtin_warm_request_and_salt_match(builtin_pair) -> None:
@@ -108,11 +122,11 @@ def test_injected_snapshot_failure_on_one_rank_aborts_the_publish(builtin_pair) 
     engine = two.llm_engine
     prompt = _tokens(290, seed=6)
     before = two.prefix_cache_stats()
-    engine.runner.inject_snapshot_fault(rank=1)
+    engine.executor.inject_snapshot_fault(rank=1)
     try:
         cold = two.generate([prompt], GREEDY, use_tqdm=False)[0]
     finally:
-        engine.runner.inject_snapshot_fault(rank=1, fail=False)
+        engine.executor.inject_snapshot_fault(rank=1, fail=False)
     after = two.prefix_cache_stats()
     assert after.snapshots_aborted > before.snapshots_aborted
     assert after.snapshots_published == before.snapshots_published
@@ -178,7 +192,7 @@ def test_worker_killed_mid_request_fails_requests_and_stops_cleanly(text_pair) -
     """Runs last: it ends the module's TP=2 checkpoint engine."""
     _, two = text_pair
     engine = two.llm_engine
-    pids = engine.runner.pids
+    pids = engine.executor.pids
     engine.add_request("victim", _tokens(50, seed=9), SamplingParams(max_tokens=400, ignore_eos=True))
     engine.add_request("bystander", _tokens(30, seed=10), SamplingParams(max_tokens=400, ignore_eos=True))
     for _ in range(3):
@@ -211,7 +225,7 @@ def test_a_script_that_never_shuts_the_engine_down_still_exits(tmp_path: Path) -
     script.write_text("from hybridserve import LLM\n"
                       "if __name__ == '__main__':\n"
                       "    llm = LLM(tensor_parallel_size=2, kv_cache_mib=16, prefix_cache_mib=8)\n"
-                      "    print(*llm.llm_engine.runner.pids, flush=True)\n")
+                      "    print(*llm.llm_engine.executor.pids, flush=True)\n")
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     pids = [int(pid) for pid in run.stdout.split()]

@@ -1,7 +1,7 @@
 """The controller's side of tensor parallelism: start the rank processes, send them step plans.
 
-`TensorParallelExecutor` offers what the engine asks of a `ModelRunner` (`execute`, `save_state`,
-`fork`), so the scheduler, block pool, snapshot pool and policy stay in the engine unchanged. Each
+`TensorParallelExecutor` implements the engine's `Executor` interface (`execute` a step plan,
+`save_state`, `fork`), so the scheduler and the joint cache manager stay in the engine. Each
 call becomes one command, pickled once and written to every local rank's pipe (under torchrun, to
 rank 0, which broadcasts it); rank 0 answers. While waiting for
 the answer the controller also watches every local worker process: a worker that dies raises
@@ -23,23 +23,16 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple
 
-from hybridserve.distributed.worker import RankCapacity, StepReply, WorkerSpec, worker_main
-from hybridserve.engine.runner import StepResult
-from hybridserve.engine.scheduler import Fork, SchedulerOutput
-from hybridserve.engine.step_plan import ordered_requests, plan_step
+from hybridserve.cache.manager import Fork
+from hybridserve.distributed.worker import worker_main
+from hybridserve.engine.executor import StepFailedError, WorkerDiedError, unwrap
+from hybridserve.engine.step_plan import StepPlan
+from hybridserve.engine.worker import PlanResult, RankCapacity, StepReply, WorkerSpec
 
+__all__ = ["CommStats", "StepFailedError", "TensorParallelExecutor", "WorkerDiedError", "free_port"]
 logger = logging.getLogger(__name__)
 START_TIMEOUT_SECONDS = 600.0
 STOP_GRACE_SECONDS = 5.0
-
-
-class WorkerDiedError(RuntimeError):
-    """A tensor-parallel worker died or the ranks fell out of step; the engine cannot continue."""
-
-
-class StepFailedError(RuntimeError):
-    """Every rank failed the same step consistently (e.g. a restore failed on one rank): the
-    step is reverted and the ranks stay usable."""
 
 
 class CommStats(NamedTuple):
@@ -90,24 +83,19 @@ class TensorParallelExecutor:
         self.capacity: RankCapacity = capacities[0]
 
     # -- the runner interface ---------------------------------------------------------------------
-    def execute(self, output: SchedulerOutput) -> StepResult:
-        """Run a step on every rank; rank 0's logits. StepFailedError when the ranks agreed that the
-        step failed (revert it), WorkerDiedError when a rank is gone or out of step."""
-        requests = ordered_requests(output)
-        reply: StepReply = self._call(("execute", plan_step(output)))
+    def execute(self, plan: StepPlan) -> PlanResult:
+        """Run a step on every rank; rank 0's sampled tokens. StepFailedError when the ranks agreed
+        that the step failed (revert it), WorkerDiedError when a rank is gone or out of step."""
+        reply: StepReply = self._call(("execute", plan))
         self.steps += 1
         self.forward_seconds += reply.forward_seconds
         self.comm_seconds += reply.comm_seconds
-        if reply.result is None:
-            raise StepFailedError(reply.error or "the step failed on a rank")
-        result = reply.result
-        return StepResult(result.logits, [requests[i] for i in result.sample_chunks], result.failed_snapshot_slots,
-                          [(requests[i], logits) for i, logits in result.prompt_logits])
+        return unwrap(reply)
 
     def save_state(self, state_slot: int, snapshot_slot: int | None) -> bool:
         """Copy a live slot into a snapshot slot on every rank: True only if every rank saved it."""
         if snapshot_slot is None or self.dead_reason is not None:
-            return False
+            return False  # a dead executor saves nothing
         return bool(self._call(("save", state_slot, snapshot_slot)))
 
     def fork(self, fork: Fork) -> None:

@@ -13,25 +13,24 @@ import torch
 
 from hybridserve.cache.policy import CachePolicy, PrefixCost, make_policy
 from hybridserve.cache.manager import JointCacheManager
-from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.config import EngineConfig, ModelConfig
 from hybridserve.engine.detokenizer import IncrementalDetokenizer
-from hybridserve.engine.memory import allocator_free_bytes, retain_freed_activation_memory
-from hybridserve.engine.memory_plan import DeviceMemory, MemoryPlan, PlanInputs, device_memory, plan_memory, \
-    profile_forward
+from hybridserve.engine.memory import allocator_free_bytes
 from hybridserve.engine.request import Request, RequestGroup, RequestStatus
-from hybridserve.engine.threads import configure_threads
+from hybridserve.engine.threads import apply_process_settings
 from hybridserve.engine.runner import ModelRunner
-from hybridserve.distributed.executor import StepFailedError, TensorParallelExecutor, WorkerDiedError
+from hybridserve.distributed.executor import TensorParallelExecutor
 from hybridserve.distributed.launch import tensor_parallel_specs
-from hybridserve.engine.sampling import SampledToken, sample_isolated
+from hybridserve.engine.executor import Executor, InProcessExecutor, StepFailedError, WorkerDiedError
+from hybridserve.engine.sampling import SampledToken, SamplingSpec, SequenceKey, sampling_spec
+from hybridserve.engine.step_plan import ordered_requests, plan_step
+from hybridserve.engine.worker import WorkerSpec
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput, blocks_for
 from hybridserve.errors import EngineDeadError, QueueFullError
 from hybridserve.engine.structured_output import GrammarCompiler, TokenMasker
 from hybridserve.layers.attention import PagedKVCache
-from hybridserve.models.builtin import BUILTIN_MODEL_CONFIG, builtin_tokenizer, init_builtin_weights
-from hybridserve.models.loader import load_weights, read_model_config
-from hybridserve.models.qwen3_5 import Qwen3_5ForCausalLM
+from hybridserve.models.builtin import BUILTIN_MODEL_CONFIG, builtin_tokenizer
+from hybridserve.models.loader import read_model_config
 from hybridserve.models.tokenizer import Tokenizer
 from hybridserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams
 
@@ -85,18 +84,13 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.num_threads = configure_threads(config.num_threads)
-        if self.device.type == "cpu":
-            retain_freed_activation_memory()
+        self.num_threads = apply_process_settings(config.num_threads, self.device.type).num_threads
         self.model_config, self.tokenizer = self._load_model_config_and_tokenizer()
         model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = model_len
         self.tensor_parallel_size = config.tensor_parallel_size
         self.dead_reason: str | None = None
-        if self.tensor_parallel_size == 1:
-            self.runner: ModelRunner | TensorParallelExecutor = self._start_local_runner()
-        else:
-            self.runner = self._start_tensor_parallel()
+        self.executor = self._start_executor()
         self.cache = JointCacheManager.create(config.cache.block_size, self.num_kv_blocks,
                                               config.scheduler.max_num_seqs, self.num_snapshot_slots,
                                               self._cache_policy(), config.cache.block_hash)
@@ -105,7 +99,7 @@ class LLMEngine:
         self._finished_groups: dict[str, RequestGroup] = {}  # finished this step, awaiting their output
         self._grammars: GrammarCompiler | None = None
         self._masker: TokenMasker | None = None
-        self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self._released: list[SequenceKey] = []  # sequences ended since the last plan (their generators go)
         # False in the engine core process: only requests with stop strings (checked on the text)
         # are detokenized here; the API process turns the others' token ids into text, off the
         # step loop (core_client.ProcessRequestStream)
@@ -113,30 +107,18 @@ class LLMEngine:
         logger.info("hybridserve engine: %s", self.describe())
 
     # -- construction -------------------------------------------------------------------------
-    def _start_local_runner(self) -> ModelRunner:
-        """TP=1: the model and its physical cache live in this process."""
-        cache, model_len = self.config.cache, self.max_model_len
-        self.bytes_per_snapshot = GDNStateTensors.bytes_per_slot(self.model_config, self.dtype)
-        self.kv_bytes_per_block = self.config.cache.block_size * PagedKVCache.bytes_per_token(
-            len(self.model_config.attention_layer_ids), self.model_config.num_key_value_heads,
-            self.model_config.head_dim, self.dtype)
-        memory_at_start = device_memory(self.device)
-        model = Qwen3_5ForCausalLM(self.model_config, chunk_size=GDN_CHUNK_SIZE, max_positions=model_len)
-        self._load_weights(model)
-        self.weight_bytes = model.weight_bytes()
-        self.memory_plan = self._plan_memory(model, memory_at_start)
-        self.num_kv_blocks = self.memory_plan.kv_bytes // self.kv_bytes_per_block
-        self.num_snapshot_slots = self.memory_plan.snapshot_bytes // self.bytes_per_snapshot
-        return ModelRunner(model, num_kv_blocks=self.num_kv_blocks, block_size=cache.block_size,
-                           num_state_slots=self.config.scheduler.max_num_seqs,
-                           num_snapshot_slots=self.num_snapshot_slots, dtype=self.dtype, device=self.device)
-
-    def _start_tensor_parallel(self) -> TensorParallelExecutor:
-        """TP=N: check the plan (before any process starts), then start the ranks and take the
-        capacity they agreed on (the smallest rank's). Sizes are summed over the ranks."""
-        specs = tensor_parallel_specs(self.config, self.model_config, self.max_model_len, self.device,
-                                      self.dtype, self.num_threads, GDN_CHUNK_SIZE)
-        executor = TensorParallelExecutor(specs)
+    def _start_executor(self) -> Executor:
+        """Start the workers (in this process at TP=1; one process per rank otherwise, after the
+        plan is checked) and take the capacity they agreed on; sizes are summed over the ranks."""
+        executor: Executor
+        if self.tensor_parallel_size == 1:
+            dtype_name = str(self.dtype).removeprefix("torch.")
+            executor = InProcessExecutor(WorkerSpec(0, 1, "", self.config, self.model_config, self.max_model_len,
+                                                    self.num_threads, str(self.device), dtype_name, GDN_CHUNK_SIZE))
+        else:
+            specs = tensor_parallel_specs(self.config, self.model_config, self.max_model_len, self.device,
+                                          self.dtype, self.num_threads, GDN_CHUNK_SIZE)
+            executor = TensorParallelExecutor(specs)
         capacity = executor.capacity
         self.bytes_per_snapshot = capacity.bytes_per_snapshot
         self.kv_bytes_per_block = capacity.kv_bytes_per_block
@@ -145,10 +127,17 @@ class LLMEngine:
         self.num_kv_blocks, self.num_snapshot_slots = capacity.num_kv_blocks, capacity.num_snapshot_slots
         return executor
 
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner of a TP=1 engine (its model and physical cache, for inspection)."""
+        if not isinstance(self.executor, InProcessExecutor):
+            raise AttributeError("a tensor-parallel engine's runners live in its worker processes")
+        return self.executor.worker.runner
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (a no-op with TP=1); the engine cannot step afterwards."""
-        if isinstance(self.runner, TensorParallelExecutor):
-            self.runner.shutdown()
+        if self.tensor_parallel_size > 1:
+            self.executor.shutdown()
             self.dead_reason = self.dead_reason or "the engine was shut down"
 
     def _load_model_config_and_tokenizer(self) -> tuple[ModelConfig, Tokenizer]:
@@ -158,15 +147,6 @@ class LLMEngine:
         tokenizer = Tokenizer.from_model_dir(self.config.model).with_extra_eos_token_ids(model_config.eos_token_ids)
         return model_config, tokenizer
 
-    def _load_weights(self, model: Qwen3_5ForCausalLM) -> None:
-        """Place on the device in the serving dtype, fill the weights, then pack them."""
-        model.to(device=self.device, dtype=self.dtype).eval()
-        if self.config.model is None:
-            init_builtin_weights(model, seed=self.config.seed)
-        else:
-            load_weights(model, self.config.model, self.model_config)
-        model.pack(self.config.quantization)
-
     def _cache_policy(self) -> CachePolicy:
         """The configured admission/eviction policy, costed for this model's shape."""
         cfg, cache = self.model_config, self.config.cache
@@ -174,18 +154,6 @@ class LLMEngine:
                                                     cfg.head_dim, self.dtype)
         cost = PrefixCost.from_model(cfg, kv_per_token, self.bytes_per_snapshot)
         return make_policy(cache.cache_policy, cache.block_size, cost, cache.snapshot_interval)
-
-    def _plan_memory(self, model: Qwen3_5ForCausalLM, memory_at_start: DeviceMemory) -> MemoryPlan:
-        """Size the KV and snapshot pools (profiling a max-size forward when a memory fraction
-        is used); raises ValueError with the numbers when they cannot fit."""
-        sched, cache = self.config.scheduler, self.config.cache
-        profile_tokens = min(sched.max_num_batched_tokens, self.max_model_len - 1)
-        inputs = PlanInputs(self.device, memory_at_start, self.weight_bytes, self.kv_bytes_per_block,
-                            self.bytes_per_snapshot, blocks_for(self.max_model_len, cache.block_size))
-        plan = plan_memory(cache, inputs, lambda: profile_forward(model, profile_tokens, cache.block_size,
-                                                                  self.dtype, self.device))
-        logger.info("hybridserve %s", plan.describe())
-        return plan
 
     def describe(self) -> str:
         """One line with the resolved sizes (printed at start-up)."""
@@ -225,8 +193,6 @@ class LLMEngine:
     def _sequence(self, request_id: str, index: int, text: str | None, token_ids: list[int],
                   params: SamplingParams, cache_salt: str | None, max_tokens: int) -> Request:
         request = Request(request_id, text, token_ids, params, cache_salt, index=index, max_tokens=max_tokens)
-        request.generator = (torch.Generator(device=self.device).manual_seed(params.seed + index)
-                             if params.seed is not None else self._generator)
         if self.detokenize_all_requests or params.stop:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         if params.structured_outputs is not None:
@@ -303,6 +269,7 @@ class LLMEngine:
         for request in group.sequences:
             if not request.is_finished:
                 self.scheduler.finish(request, "abort")
+                self._released.append((request.request_id, request.index))
 
     def _drop_unforked(self, group: RequestGroup, reason: str) -> None:
         """Finish sequences that never started (their parent ended before forking them)."""
@@ -345,12 +312,14 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
+        plan = plan_step(scheduled, self._draws, self._released)
+        self._released = []
         try:
-            result = self.runner.execute(scheduled)
+            result = self.executor.execute(plan)
         except WorkerDiedError as exc:
             return self._after_worker_death(scheduled, str(exc))
-        except StepFailedError as exc:  # the ranks agreed: revert, as for any failed forward
-            logger.error("step failed on the tensor-parallel ranks (%s); step reverted", exc)
+        except StepFailedError as exc:  # every rank agreed: revert, as for any failed forward
+            logger.error("step failed (%s); step reverted", exc)
             return self._after_failed_step(scheduled)
         except Exception:  # noqa: BLE001 - revert, keep serving, and fail only repeat offenders
             logger.exception("forward failed; step reverted")
@@ -360,23 +329,70 @@ class LLMEngine:
         except Exception:  # noqa: BLE001 - the step's requests cannot continue; the others can
             logger.exception("committing a step failed; its %d request(s) end with an error", len(scheduled.chunks))
             return self._fail_requests([chunk.request for chunk in scheduled.chunks])
-        for request, logits in result.prompt_logits:
-            request.prompt_logits.append(logits)
-        rows, sequences = self._fork_ready_groups(result.requests)
-        logits = result.logits if len(rows) == len(result.requests) else result.logits[rows]
+        requests = ordered_requests(scheduled)
+        for index, logits in result.prompt_logits:
+            requests[index].prompt_logits.append(logits)
         now = time.monotonic()
-        for request, sampled in zip(sequences, sample_isolated(logits, sequences, self._masker)):
-            if isinstance(sampled, Exception):
-                logger.error("request %s failed: %s", request.request_id, sampled)
-                self._finish(request, "error", flush=False)
-            else:
-                try:
-                    self._accept(request, sampled, now)
-                except Exception:  # noqa: BLE001 - e.g. the detokenizer: only this request fails
-                    logger.exception("request %s failed after sampling", request.request_id)
-                    if not request.is_finished:
-                        self._finish(request, "error", flush=False)
+        sequences: list[Request] = []
+        for index, draws in result.draws:
+            targets = [requests[index], *self._fork_children(requests[index], len(draws) - 1)]
+            for request, draw in zip(targets, draws):
+                if request is not None:
+                    sequences.append(request)
+                    self._take_draw(request, draw, now)
         return self._groups(sequences)
+
+    def _draws(self, request: Request) -> tuple[SamplingSpec, ...]:
+        """The sampling specs of a request's next token: its own, and when its prompt completes
+        this step, those of the group's sequences still to be forked from it (they sample from
+        the same logits row)."""
+        specs = [self._spec(request)]
+        group = self.requests.get(request.request_id)
+        if group is not None and group.unforked and request.index == 0 and not request.num_output_tokens:
+            specs += [self._spec(child) for child in group.unforked]
+        return tuple(specs)
+
+    def _spec(self, request: Request) -> SamplingSpec:
+        """One draw's spec; a structured-output request carries its grammar's allowed tokens."""
+        if request.matcher is None or self._masker is None:
+            return sampling_spec(request)
+        try:
+            return sampling_spec(request, self._masker.bitmask(request.matcher))
+        except Exception as exc:  # noqa: BLE001 - only this draw fails
+            return sampling_spec(request, error=f"grammar mask failed: {exc}")
+
+    def _fork_children(self, parent: Request, count: int) -> list[Request | None]:
+        """Fork the first `count` unforked sequences of `parent`'s group from it (a parent that
+        just completed its prompt). A child that cannot be placed now is queued to prefill on its
+        own (None in its place: its draw is discarded, and its generator released)."""
+        group = self.requests.get(parent.request_id)
+        if count <= 0 or group is None:
+            return []
+        children: list[Request | None] = []
+        for child in group.unforked[:count]:
+            fork = self.scheduler.fork(parent, child)
+            if fork is None:
+                self.scheduler.add(child)  # no room now: it prefills on its own later
+                self._released.append((child.request_id, child.index))
+                children.append(None)
+                continue
+            self.executor.fork(fork)
+            children.append(child)
+        del group.unforked[:count]
+        return children
+
+    def _take_draw(self, request: Request, draw: SampledToken | str, now: float) -> None:
+        """Accept a sampled token, or end the request with "error" when its draw failed."""
+        if isinstance(draw, str):
+            logger.error("request %s failed: %s", request.request_id, draw)
+            self._finish(request, "error", flush=False)
+            return
+        try:
+            self._accept(request, draw, now)
+        except Exception:  # noqa: BLE001 - e.g. the detokenizer: only this request fails
+            logger.exception("request %s failed after sampling", request.request_id)
+            if not request.is_finished:
+                self._finish(request, "error", flush=False)
 
     def _accept(self, request: Request, sampled: SampledToken, now: float) -> None:
         """Append a sampled token (and its logprobs), then apply the stop rules."""
@@ -391,28 +407,6 @@ class LLMEngine:
     def _group_of(self, request: Request) -> RequestGroup | None:
         """The group a sequence belongs to, still running or finished during this step."""
         return self.requests.get(request.request_id) or self._finished_groups.get(request.request_id)
-
-    def _fork_ready_groups(self, requests: list[Request]) -> tuple[list[int], list[Request]]:
-        """Logits rows to sample and their sequences: a group's first sequence that just finished
-        its prompt forks the group's other sequences, which sample from the same logits row."""
-        rows: list[int] = []
-        sequences: list[Request] = []
-        for row, request in enumerate(requests):
-            rows.append(row)
-            sequences.append(request)
-            group = self.requests.get(request.request_id)
-            if group is None or not group.unforked or request.index != 0 or request.num_output_tokens:
-                continue
-            for child in group.unforked:
-                fork = self.scheduler.fork(request, child)
-                if fork is None:
-                    self.scheduler.add(child)  # no room now: it prefills on its own later
-                    continue
-                self.runner.fork(fork)
-                rows.append(row)
-                sequences.append(child)
-            group.unforked.clear()
-        return rows, sequences
 
     def _fail_requests(self, requests: list[Request]) -> list[RequestGroup]:
         """End each unfinished request with finish_reason "error" (freeing what it holds); their
@@ -484,8 +478,9 @@ class LLMEngine:
             request.detokenizer.finish(request.output_token_ids)
             request.output_text = request.detokenizer.text
         capture = self.scheduler.finish(request, reason)
+        self._released.append((request.request_id, request.index))
         if capture is not None:
-            copied = self.runner.save_state(capture.state_slot, capture.reservation.slot)
+            copied = self.executor.save_state(capture.state_slot, capture.reservation.slot)
             self.scheduler.complete_end_capture(capture, copied)
         request.stop_reason = stop_reason
         group = self.requests.get(request.request_id)

@@ -15,6 +15,8 @@ profiled forward through /proc/self/clear_refs).
 
 from __future__ import annotations
 
+import functools
+
 import logging
 from collections.abc import Callable
 from typing import NamedTuple
@@ -222,7 +224,7 @@ def profile_forward(model: torch.nn.Module, num_tokens: int, block_size: int, dt
     chunk = PlanChunk(token_ids=[0] * num_tokens, start=0, block_ids=list(range(num_blocks)), state_slot=0,
                       captures=[], samples=True, keep_prompt_logits=False)
     step = StepPlan([chunk], [PlanRestore(0, None, None)])
-    peak = measure_peak(device, lambda: runner.execute_plan(step))
+    peak = measure_peak(device, functools.partial(runner.execute_plan, step))
     del runner
     if device.type == "cuda":
         torch.cuda.empty_cache()

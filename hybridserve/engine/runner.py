@@ -1,6 +1,6 @@
 """Model runner: owns the physical tensors (KV pages, live GDN slots, snapshot slots) and runs steps.
 
-It turns a `SchedulerOutput` into a `ForwardBatch`, performs admissions' state restores, runs
+It turns a `StepPlan` into a `ForwardBatch`, performs admissions' state restores, runs
 the forward, and commits the new GDN state only when the whole forward succeeded.
 """
 
@@ -12,9 +12,8 @@ from typing import NamedTuple
 import torch
 
 from hybridserve.cache.state_tensors import GDNStateTensors
-from hybridserve.engine.request import Request
-from hybridserve.engine.scheduler import Fork, SchedulerOutput
-from hybridserve.engine.step_plan import PlanChunk, StepPlan, ordered_requests, plan_step
+from hybridserve.cache.manager import Fork
+from hybridserve.engine.step_plan import PlanChunk, StepPlan
 from hybridserve.layers.attention import PagedKVCache
 from hybridserve.models.batch import DecodeGroup, ForwardBatch, PrefillChunk, context_slots
 from hybridserve.models.qwen3_5 import ForwardContext, Qwen3_5ForCausalLM, StateWrite
@@ -22,17 +21,8 @@ from hybridserve.models.qwen3_5 import ForwardContext, Qwen3_5ForCausalLM, State
 logger = logging.getLogger(__name__)
 
 
-class StepResult(NamedTuple):
-    """Logits for the requests that reached the end of their tokens, and failed snapshot copies."""
-
-    logits: torch.Tensor              # [R, vocab] float32: next-token logits, row i for requests[i]
-    requests: list[Request]
-    failed_snapshot_slots: set[int]
-    prompt_logits: list[tuple[Request, torch.Tensor]]  # every position's logits, where a request asked
-
-
-class PlanResult(NamedTuple):
-    """What one rank's execution of a `StepPlan` produced (picklable; rows follow plan order)."""
+class ForwardResult(NamedTuple):
+    """What one rank's forward over a `StepPlan` produced (rows follow plan order)."""
 
     logits: torch.Tensor              # [R, vocab] float32, one row per chunk with `samples`
     sample_chunks: list[int]          # the plan index of each logits row
@@ -74,15 +64,6 @@ class ModelRunner:
                           if num_snapshot_slots > 0 else None)
 
     # -- one step -------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> StepResult:
-        """Restore admitted states, run the forward, commit state. Raises on failure having
-        committed nothing to live state (restored slots belong to requests the scheduler reverts)."""
-        requests = ordered_requests(output)
-        result = self.execute_plan(plan_step(output))
-        return StepResult(result.logits, [requests[i] for i in result.sample_chunks], result.failed_snapshot_slots,
-                          [(requests[i], logits) for i, logits in result.prompt_logits])
-
     def restore(self, plan: StepPlan) -> None:
         """Load the plan's admitted live slots (from snapshots, or zeroed for a cold start)."""
         for restore in plan.restores:
@@ -95,7 +76,7 @@ class ModelRunner:
                 self.live_states.copy_slot(restore.state_slot, self.snapshots, restore.snapshot_slot)
 
     @torch.inference_mode()
-    def execute_plan(self, plan: StepPlan, restored: bool = False) -> PlanResult:
+    def execute_plan(self, plan: StepPlan, restored: bool = False) -> ForwardResult:
         """Restore (unless `restored`), run the forward over the plan's chunks, commit state."""
         if not restored:
             self.restore(plan)
@@ -113,7 +94,7 @@ class ModelRunner:
         num_sampled = len(sample_chunks)
         prompt_logits = [(index, logits[num_sampled + first:num_sampled + first + count])
                          for index, first, count in full_rows]
-        return PlanResult(logits[:num_sampled], sample_chunks, failed, prompt_logits)
+        return ForwardResult(logits[:num_sampled], sample_chunks, failed, prompt_logits)
 
     @torch.inference_mode()
     def save_state(self, state_slot: int, snapshot_slot: int | None) -> bool:

@@ -1,112 +1,166 @@
-"""Token sampling: grammar masks, logit bias, greedy, temperature / top-k / top-p / min-p,
-penalties, per-request seeds, logprobs — with failures isolated per request."""
+"""Token sampling where the logits are: grammar masks, logit bias, greedy, temperature / top-k /
+top-p / min-p, penalties, per-sequence seeds, logprobs — with failures isolated per row.
+
+The engine describes each draw with a picklable `SamplingSpec` (built from the request when the
+step is planned); the worker that holds the logits samples every spec of the step with its
+`Sampler`, which keeps the sequences' random generators, and returns token ids and the requested
+logprobs only.
+"""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
+import numpy as np
 import torch
 
 from hybridserve.engine.request import Request
-from hybridserve.engine.structured_output import TokenMasker
+from hybridserve.engine.structured_output import apply_bitmask
 from hybridserve.layers import native
 
+SequenceKey = tuple[str, int]  # (request id, completion index)
 
-class SampleResult(NamedTuple):
-    """Chosen token per row and, for rows that asked, {token: logprob} of it plus the top-k."""
 
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None]
+class SamplingSpec(NamedTuple):
+    """One draw from one logits row: the sequence it is for and how to sample it."""
+
+    key: SequenceKey
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None                   # the sequence's own generator (seed + index), else the shared one
+    logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    token_ids: tuple[int, ...] = ()           # prompt + output, for the repetition penalty
+    output_token_ids: tuple[int, ...] = ()    # for the presence and frequency penalties
+    bitmask: np.ndarray | None = None         # packed int32 allowed-token bits (structured outputs)
+    error: str | None = None                  # the engine could not prepare this draw (e.g. its grammar failed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing applied to its logits and no logprobs: its token is the row's argmax."""
+        return (self.greedy and self.bitmask is None and not self.logit_bias and not self.needs_penalties
+                and self.logprobs is None and self.error is None)
+
+
+def sampling_spec(request: Request, bitmask: np.ndarray | None = None, error: str | None = None) -> SamplingSpec:
+    """The spec of `request`'s next draw (token history only when its penalties need it)."""
+    params = request.params
+    repetition = params.repetition_penalty != 1.0
+    counted = params.presence_penalty != 0 or params.frequency_penalty != 0
+    return SamplingSpec(
+        (request.request_id, request.index), params.temperature, params.top_p, params.top_k, params.min_p,
+        None if params.seed is None else params.seed + request.index, params.logprobs, params.logit_bias or None,
+        params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
+        tuple(request.token_ids) if repetition else (), tuple(request.output_token_ids) if counted else (),
+        bitmask, error)
 
 
 class SampledToken(NamedTuple):
-    """One request's sampled token and (if it asked) its logprobs."""
+    """One sequence's sampled token and (if it asked) its logprobs."""
 
     token_id: int
     logprobs: dict[int, float] | None
 
 
 class NonFiniteLogitsError(FloatingPointError):
-    """A request's logits contain NaN or infinity: nothing meaningful can be sampled."""
+    """A row's logits contain NaN or infinity: nothing meaningful can be sampled."""
 
 
-def sample_isolated(logits: torch.Tensor, requests: list[Request],
-                    masker: TokenMasker | None = None) -> list[SampledToken | Exception]:
-    """Sample one token for each row of `logits` ([R, vocab], float32), row i for requests[i],
-    isolating failures: a row with non-finite logits, or whose mask, bias, penalties, sampling or
-    logprobs raise, yields its exception; the other rows are sampled exactly as they would be
-    alone (each random draw happens once, from the request's own generator).
+class SamplingError(RuntimeError):
+    """A draw failed where the logits are; its message comes from the worker."""
 
-    Rows of requests with a grammar matcher are masked first (one batched mask for all of them);
-    logprobs are those of the model's distribution, before masks, bias and penalties."""
-    if not requests:
+
+class Sampler:
+    """Worker-side sampling state: each seeded sequence's generator (kept until the engine releases
+    the sequence) and the generator shared by unseeded ones."""
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.shared = torch.Generator(device=device).manual_seed(seed)
+        self._generators: dict[SequenceKey, torch.Generator] = {}
+
+    def release(self, keys: Iterable[SequenceKey]) -> None:
+        """Forget finished sequences' generators (a later sequence with the same key starts afresh)."""
+        for key in keys:
+            self._generators.pop(key, None)
+
+    def generator(self, spec: SamplingSpec) -> torch.Generator:
+        if spec.seed is None:
+            return self.shared
+        generator = self._generators.get(spec.key)
+        if generator is None:
+            generator = self._generators[spec.key] = torch.Generator(device=self.device).manual_seed(spec.seed)
+        return generator
+
+    def sample(self, logits: torch.Tensor, rows: list[int], specs: list[SamplingSpec]) -> list[SampledToken | str]:
+        """Draw `specs[i]` from `logits[rows[i]]` ([R, vocab] float32); a failed draw yields its
+        error message and leaves the others exactly as they would be alone."""
+        return [r if isinstance(r, SampledToken) else f"{type(r).__name__}: {r}"
+                for r in sample_isolated(logits, rows, specs, self)]
+
+
+def sample_isolated(logits: torch.Tensor, rows: list[int], specs: list[SamplingSpec],
+                    sampler: Sampler) -> list[SampledToken | Exception]:
+    """Sample `specs[i]` from row `rows[i]` of `logits`, isolating failures: a row with non-finite
+    logits, or whose mask, bias, penalties, sampling or logprobs raise, yields its exception; each
+    random draw happens once, from the sequence's own generator. Logprobs are those of the model's
+    distribution, before masks, bias and penalties."""
+    if not specs:
         return []
     summary = native.argmax_and_finite(logits)
     finite = summary[1] if summary is not None else torch.isfinite(logits).all(dim=-1).tolist()
-    if summary is not None and all(finite) and all(_plain_greedy(request) for request in requests):
-        return [SampledToken(token, None) for token in summary[0]]  # the common decode step, at once
-    results: list[SampledToken | Exception] = [
-        NonFiniteLogitsError("the model produced non-finite logits") for _ in requests]
-    healthy = [row for row, ok in enumerate(finite) if ok]
-    processed = logits
-    constrained = [row for row in healthy if requests[row].matcher is not None]
-    if constrained:
-        assert masker is not None, "a request has a grammar matcher but the engine has no masker"
-        processed = logits.clone()
-        try:
-            masker.apply(processed, constrained, [requests[row].matcher for row in constrained])
-        except Exception as exc:  # noqa: BLE001 - the grammar rows fail, the others go on
-            for row in constrained:
-                results[row] = exc
-                healthy.remove(row)
-    for row in list(healthy):
-        request = requests[row]
-        if not (request.params.logit_bias or request.params.needs_penalties):
-            continue
-        processed = processed.clone() if processed is logits else processed
-        try:
-            _apply_bias(processed[row], request)
-            if request.params.needs_penalties:
-                _apply_penalties(processed[row], request)
-        except Exception as exc:  # noqa: BLE001 - this request's failure only
-            results[row] = exc
-            healthy.remove(row)
-    greedy = summary[0] if summary is not None and processed is logits else processed.argmax(dim=-1).tolist()
-    wanted = [row for row in healthy if requests[row].params.logprobs is not None]
-    all_logprobs = torch.log_softmax(logits[wanted], dim=-1) if wanted else None
-    for row in healthy:
-        request = requests[row]
-        try:
-            token = greedy[row] if request.params.greedy else _sample_row(processed[row], request)
-            logprobs = None
-            if all_logprobs is not None and row in wanted:
-                logprobs = _top_logprobs(all_logprobs[wanted.index(row)], token, request.params.logprobs or 0)
-            results[row] = SampledToken(token, logprobs)
-        except Exception as exc:  # noqa: BLE001 - this request's failure only
-            results[row] = exc
+    if summary is not None and all(finite) and all(spec.plain_greedy for spec in specs):
+        return [SampledToken(summary[0][row], None) for row in rows]  # the common decode step, at once
+    results: list[SampledToken | Exception] = []
+    for row, spec in zip(rows, specs):
+        if spec.error is not None:
+            results.append(SamplingError(spec.error))
+        elif not finite[row]:
+            results.append(NonFiniteLogitsError("the model produced non-finite logits"))
+        else:
+            try:
+                results.append(_draw(logits[row], spec, sampler, summary[0][row] if summary is not None else None))
+            except Exception as exc:  # noqa: BLE001 - this draw's failure only
+                results.append(exc)
     return results
 
 
-def _plain_greedy(request: Request) -> bool:
-    """Greedy, with nothing to apply to its logits and no logprobs: its token is the row's argmax."""
-    params = request.params
-    return (params.temperature == 0 and request.matcher is None and not params.logit_bias
-            and not params.needs_penalties and params.logprobs is None)
+def _draw(row: torch.Tensor, spec: SamplingSpec, sampler: Sampler, argmax: int | None) -> SampledToken:
+    """One draw from one row of logits (the row itself is never modified)."""
+    processed = row
+    if spec.bitmask is not None or spec.logit_bias or spec.needs_penalties:
+        processed = row.clone()
+        if spec.bitmask is not None:
+            apply_bitmask(processed.unsqueeze(0), spec.bitmask.reshape(1, -1))
+        _apply_bias(processed, spec)
+        if spec.needs_penalties:
+            _apply_penalties(processed, spec)
+    if spec.greedy:
+        token = argmax if processed is row and argmax is not None else int(processed.argmax())
+    else:
+        token = _sample_row(processed, spec, sampler.generator(spec))
+    logprobs = None
+    if spec.logprobs is not None:
+        logprobs = _top_logprobs(torch.log_softmax(row, dim=-1), token, spec.logprobs)
+    return SampledToken(token, logprobs)
 
 
-def sample(logits: torch.Tensor, requests: list[Request], masker: TokenMasker | None = None) -> SampleResult:
-    """Sample one token for each row; raises the first row's failure (see `sample_isolated`)."""
-    results = sample_isolated(logits, requests, masker)
-    for result in results:
-        if isinstance(result, Exception):
-            raise result
-    tokens = [r.token_id for r in results if isinstance(r, SampledToken)]
-    return SampleResult(tokens, [r.logprobs for r in results if isinstance(r, SampledToken)])
-
-
-def _apply_bias(row: torch.Tensor, request: Request) -> None:
+def _apply_bias(row: torch.Tensor, spec: SamplingSpec) -> None:
     """OpenAI logit_bias: add each listed token's bias (ids were checked against the vocabulary)."""
-    bias = request.params.logit_bias
+    bias = spec.logit_bias
     if not bias:
         return
     ids = torch.tensor([t for t in bias if t < row.shape[-1]], dtype=torch.long, device=row.device)
@@ -123,31 +177,29 @@ def _top_logprobs(row_logprobs: torch.Tensor, chosen: int, top: int) -> dict[int
     return result
 
 
-def _apply_penalties(row: torch.Tensor, request: Request) -> None:
+def _apply_penalties(row: torch.Tensor, spec: SamplingSpec) -> None:
     """OpenAI presence/frequency penalties over generated tokens, and the multiplicative
     repetition penalty over prompt + generated tokens (in place)."""
-    params = request.params
-    if params.repetition_penalty != 1.0 and request.token_ids:
-        seen = torch.tensor(sorted(set(request.token_ids)), device=row.device)
+    if spec.repetition_penalty != 1.0 and spec.token_ids:
+        seen = torch.tensor(sorted(set(spec.token_ids)), device=row.device)
         values = row[seen]
-        row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
-    if (params.presence_penalty or params.frequency_penalty) and request.output_token_ids:
-        ids, counts = torch.tensor(request.output_token_ids, device=row.device).unique(return_counts=True)
-        row[ids] -= params.frequency_penalty * counts.to(row.dtype) + params.presence_penalty
+        row[seen] = torch.where(values > 0, values / spec.repetition_penalty, values * spec.repetition_penalty)
+    if (spec.presence_penalty or spec.frequency_penalty) and spec.output_token_ids:
+        ids, counts = torch.tensor(spec.output_token_ids, device=row.device).unique(return_counts=True)
+        row[ids] -= spec.frequency_penalty * counts.to(row.dtype) + spec.presence_penalty
 
 
-def _sample_row(row: torch.Tensor, request: Request) -> int:
-    params = request.params
-    scores = row / params.temperature
-    if params.top_k > 0 and params.top_k < scores.shape[-1]:
-        kth = scores.topk(params.top_k).values[-1]
+def _sample_row(row: torch.Tensor, spec: SamplingSpec, generator: torch.Generator) -> int:
+    scores = row / spec.temperature
+    if spec.top_k > 0 and spec.top_k < scores.shape[-1]:
+        kth = scores.topk(spec.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    if params.min_p > 0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    if params.top_p < 1.0:
+    if spec.min_p > 0:
+        probs = probs.masked_fill(probs < spec.min_p * probs.max(), 0.0)
+    if spec.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         cumulative = sorted_probs.cumsum(-1)
-        drop = cumulative - sorted_probs > params.top_p * cumulative[-1]
+        drop = cumulative - sorted_probs > spec.top_p * cumulative[-1]
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-    return int(torch.multinomial(probs, 1, generator=request.generator))
+    return int(torch.multinomial(probs, 1, generator=generator))

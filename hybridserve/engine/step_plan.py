@@ -8,8 +8,10 @@ stay in step with the one logical cache the controller owns.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
+from hybridserve.engine.request import Request
+from hybridserve.engine.sampling import SamplingSpec, SequenceKey
 from hybridserve.engine.scheduler import SchedulerOutput
 
 
@@ -23,6 +25,7 @@ class PlanChunk(NamedTuple):
     captures: list[tuple[int, int]]      # (boundary in tokens, snapshot slot)
     samples: bool                        # the chunk ends at the sequence's last token: it has a logits row
     keep_prompt_logits: bool
+    sampling: tuple[SamplingSpec, ...] = ()  # the draws from its logits row: its own, then forked siblings'
 
     @property
     def length(self) -> int:
@@ -42,24 +45,28 @@ class StepPlan(NamedTuple):
 
     chunks: list[PlanChunk]
     restores: list[PlanRestore]
+    released: tuple[SequenceKey, ...] = ()  # sequences that ended since the last plan: drop their generators
 
 
-def plan_step(output: SchedulerOutput) -> StepPlan:
-    """The plan of a scheduled step (decodes first, then prefill chunks, as the batch lays them out)."""
+def plan_step(output: SchedulerOutput, draws: Callable[[Request], tuple[SamplingSpec, ...]] | None = None,
+              released: list[SequenceKey] | None = None) -> StepPlan:
+    """The plan of a scheduled step (decodes first, then prefill chunks, as the batch lays them out);
+    `draws(request)` gives the sampling specs of a chunk that ends at its request's last token."""
     ordered = [c for c in output.chunks if c.length == 1] + [c for c in output.chunks if c.length > 1]
     chunks = []
     for chunk in ordered:
         request = chunk.request
+        samples = chunk.start + chunk.length == request.num_tokens
         chunks.append(PlanChunk(
             token_ids=request.token_ids[chunk.start:chunk.start + chunk.length], start=chunk.start,
             block_ids=list(chunk.block_ids), state_slot=chunk.state_slot,
             captures=[(r.num_tokens, r.slot) for r in chunk.captures],  # type: ignore[misc]
-            samples=chunk.start + chunk.length == request.num_tokens,
-            keep_prompt_logits=request.keep_prompt_logits))
+            samples=samples, keep_prompt_logits=request.keep_prompt_logits,
+            sampling=draws(request) if samples and draws is not None else ()))
     restores = [PlanRestore(r.state_slot, r.snapshot_slot, r.kv_copy) for r in output.restores]
-    return StepPlan(chunks, restores)
+    return StepPlan(chunks, restores, tuple(released or ()))
 
 
-def ordered_requests(output: SchedulerOutput) -> list:
+def ordered_requests(output: SchedulerOutput) -> list[Request]:
     """The requests of `output` in plan order (decodes first)."""
     return [c.request for c in output.chunks if c.length == 1] + [c.request for c in output.chunks if c.length > 1]

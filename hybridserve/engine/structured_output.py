@@ -122,6 +122,13 @@ class TokenMasker:
         packed = bitmask.view(np.uint8)  # little-endian words: bit i of the row is token i
         return np.unpackbits(packed, axis=1, count=self.vocab_size, bitorder="little")
 
+    def bitmask(self, matcher: llguidance.LLMatcher) -> np.ndarray:
+        """The packed allowed-token bits of one matcher's next token (int32 words, a copy): what a
+        `SamplingSpec` carries to the worker that applies it with `apply_bitmask`."""
+        bitmask = self._buffer(1)
+        llg_numpy.fill_next_token_bitmask(matcher, bitmask, 0)
+        return bitmask[0].copy()
+
     def allowed(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
         """[len(matchers), vocab] bool: the tokens each matcher allows next."""
         return torch.from_numpy(self._unpacked(matchers)).bool()
@@ -143,3 +150,15 @@ class TokenMasker:
         block[:, :width].masked_fill_(torch.from_numpy(disallowed[:, :width]).to(logits.device), float("-inf"))
         block[:, width:] = float("-inf")
         logits.index_copy_(0, index, block)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: np.ndarray) -> None:
+    """Set `logits[i, t]` ([n, vocab]) to -inf wherever bit t of `bitmask[i]` (packed int32 words,
+    little-endian bit order) is clear, and every column past the mask's width (in place)."""
+    vocab = logits.shape[-1]
+    words = np.ascontiguousarray(bitmask, dtype=np.int32).view(np.uint8)
+    allowed = np.unpackbits(words, axis=1, count=min(vocab, bitmask.shape[1] * 32), bitorder="little")
+    width = allowed.shape[1]
+    disallowed = torch.from_numpy(allowed == 0).to(logits.device)
+    logits[:, :width].masked_fill_(disallowed, float("-inf"))
+    logits[:, width:] = float("-inf")

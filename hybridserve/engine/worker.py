@@ -1,0 +1,260 @@
+"""The model worker: one class for every tensor-parallel size.
+
+A worker builds its rank's model (the whole model at TP=1, a shard of `sharding.local_config`
+otherwise), loads or initialises its weights, plans its memory, owns its `ModelRunner` (KV pages,
+live GDN slots, snapshot slots) and executes `StepPlan`s: restore, forward, commit state, then —
+on rank 0, where the full logits are — sample every draw of the plan and return token ids and
+the requested logprobs only. At TP=1 it runs in the engine's process (`InProcessExecutor`); at
+TP=N each rank runs one in its own process (`distributed/worker.py`). What differs between the two
+is only the `RankGroup` that combines the ranks' answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, NamedTuple, Protocol
+
+import torch
+
+from hybridserve.cache.manager import Fork, blocks_for
+from hybridserve.cache.state_tensors import GDNStateTensors
+from hybridserve.config import EngineConfig, ModelConfig
+from hybridserve.distributed.sharding import local_config, read_shard, shard_spec
+from hybridserve.engine.memory_plan import MemoryPlan, PlanInputs, device_memory, plan_memory, profile_forward
+from hybridserve.engine.runner import ModelRunner
+from hybridserve.engine.sampling import SampledToken, Sampler
+from hybridserve.engine.step_plan import StepPlan
+from hybridserve.layers.attention import PagedKVCache
+from hybridserve.models.builtin import builtin_init_tensor, parameter_shapes, rare_token_ids
+from hybridserve.models.loader import load_weights
+from hybridserve.models.qwen3_5 import Qwen3_5ForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerSpec(NamedTuple):
+    """Everything a rank needs to build its model (picklable: sent to spawned processes)."""
+
+    rank: int
+    world_size: int
+    init_method: str           # torch.distributed rendezvous ("env://" under torchrun; unused at TP=1)
+    config: EngineConfig
+    model_config: ModelConfig  # the full model's shape
+    max_model_len: int
+    num_threads: int
+    device: str
+    dtype: str                 # torch dtype name, e.g. "float32"
+    chunk_size: int
+    broadcast_commands: bool = False  # commands reach rank 0 only and are broadcast (torchrun); else a pipe each
+
+
+class RankCapacity(NamedTuple):
+    """What a worker reports after loading: its pools (after agreeing on the smallest) and sizes."""
+
+    num_kv_blocks: int
+    num_snapshot_slots: int
+    weight_bytes: int             # this rank's
+    kv_bytes_per_block: int       # summed over the ranks
+    bytes_per_snapshot: int       # summed over the ranks
+    memory_plan: MemoryPlan       # rank 0's
+    all_reduce: str = "none"      # the forward's all-reduce: "none" (TP=1), "shm", "gloo" or "nccl"
+
+
+class PlanResult(NamedTuple):
+    """What a step produced (picklable; indices are plan chunk indices): each sampling chunk's
+    draws in the order of its specs (a token, or the error message of a failed draw), the snapshot
+    slots whose copies failed, and every position's logits where a chunk asked for them."""
+
+    draws: list[tuple[int, list[SampledToken | str]]]
+    failed_snapshot_slots: set[int]
+    prompt_logits: list[tuple[int, torch.Tensor]]
+
+
+class StepReply(NamedTuple):
+    """A worker's answer to a plan (`result` is None when the step failed on every rank)."""
+
+    result: PlanResult | None
+    error: str | None
+    comm_seconds: float           # rank 0's time in all-reduces during the forward
+    forward_seconds: float
+
+
+class RankGroup(Protocol):
+    """How a worker's answers combine with the other ranks' (all no-ops for a single rank)."""
+
+    all_reduce_name: str
+    model_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None
+    comm_seconds: float
+
+    def all_agree(self, ok: bool) -> bool: ...
+
+    def any_set(self, flags: list[bool]) -> list[bool]: ...
+
+    def min_and_sum(self, smallest: list[int], summed: list[int]) -> tuple[list[int], list[int]]: ...
+
+
+class SingleRank:
+    """The `RankGroup` of TP=1: this worker's answers are the answers."""
+
+    all_reduce_name = "none"
+    model_all_reduce = None
+    comm_seconds = 0.0
+
+    def all_agree(self, ok: bool) -> bool:
+        return ok
+
+    def any_set(self, flags: list[bool]) -> list[bool]:
+        return flags
+
+    def min_and_sum(self, smallest: list[int], summed: list[int]) -> tuple[list[int], list[int]]:
+        return smallest, summed
+
+
+def init_builtin_shard(model: torch.nn.Module, config: ModelConfig, seed: int, rank: int, world_size: int) -> None:
+    """Fill a rank's model with its part of the built-in random weights (one full tensor at a time)."""
+    shapes = parameter_shapes(config)
+    rare = rare_token_ids()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = builtin_init_tensor(name, shapes[name], seed, rare_ids=rare)
+            if world_size > 1:
+                full = read_shard(full, shapes[name], shard_spec(name, config, rank, world_size))
+            param.copy_(full)
+
+
+class Worker:
+    """One rank: its model, its `ModelRunner`, its `Sampler`, and the commands it executes."""
+
+    def __init__(self, spec: WorkerSpec, group: RankGroup | None = None) -> None:
+        self.spec = spec
+        self.rank, self.world_size = spec.rank, spec.world_size
+        self.group: RankGroup = group or SingleRank()
+        self.device = torch.device(spec.device)
+        self.dtype = getattr(torch, spec.dtype)
+        self.local = local_config(spec.model_config, spec.world_size)
+        self.fail_snapshots = False
+        memory_at_start = device_memory(self.device)
+        self.model = Qwen3_5ForCausalLM(self.local, chunk_size=spec.chunk_size, max_positions=spec.max_model_len,
+                                        all_reduce=self.group.model_all_reduce)
+        self._load_weights()
+        self.capacity = self._agree_capacity(memory_at_start)
+        self.runner = ModelRunner(self.model, num_kv_blocks=self.capacity.num_kv_blocks,
+                                  block_size=spec.config.cache.block_size,
+                                  num_state_slots=spec.config.scheduler.max_num_seqs,
+                                  num_snapshot_slots=self.capacity.num_snapshot_slots, dtype=self.dtype,
+                                  device=self.device)
+        self.sampler = Sampler(spec.config.seed, self.device)
+
+    # -- start-up ------------------------------------------------------------------------------
+    def _load_weights(self) -> None:
+        """Place on the device in the serving dtype, fill this rank's weights, then pack them."""
+        model, spec = self.model, self.spec
+        model.to(device=self.device, dtype=self.dtype).eval()
+        if spec.config.model is None:
+            init_builtin_shard(model, spec.model_config, spec.config.seed, self.rank, self.world_size)
+        else:
+            load_weights(model, spec.config.model, spec.model_config, show_progress=self.rank == 0,
+                         rank=self.rank, world_size=self.world_size)
+        model.pack(spec.config.quantization)
+
+    def _agree_capacity(self, memory_at_start: Any) -> RankCapacity:
+        """Plan this rank's pools, then take the smallest over the ranks (and sum the per-rank sizes)."""
+        cfg, cache, sched = self.local, self.spec.config.cache, self.spec.config.scheduler
+        kv_per_block = cache.block_size * PagedKVCache.bytes_per_token(
+            len(cfg.attention_layer_ids), cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+        per_snapshot = GDNStateTensors.bytes_per_slot(cfg, self.dtype)
+        weight_bytes = self.model.weight_bytes()
+        profile_tokens = min(sched.max_num_batched_tokens, self.spec.max_model_len - 1)
+        inputs = PlanInputs(self.device, memory_at_start, weight_bytes, kv_per_block, per_snapshot,
+                            blocks_for(self.spec.max_model_len, cache.block_size))
+        plan = plan_memory(cache, inputs, lambda: profile_forward(self.model, profile_tokens, cache.block_size,
+                                                                  self.dtype, self.device))
+        if self.rank == 0:
+            logger.info("hybridserve %s", plan.describe())
+        counts, sizes = self.group.min_and_sum([plan.kv_bytes // kv_per_block, plan.snapshot_bytes // per_snapshot],
+                                               [kv_per_block, per_snapshot])
+        return RankCapacity(counts[0], counts[1], weight_bytes, sizes[0], sizes[1], plan, self.group.all_reduce_name)
+
+    # -- commands -------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepReply:
+        """Restore (a hit only if every rank restored), forward, combine failed snapshot copies,
+        then sample on rank 0."""
+        self.sampler.release(plan.released)
+        error = None
+        if plan.restores:
+            try:
+                self.runner.restore(plan)
+            except Exception as exc:  # noqa: BLE001 - reported, and the step is skipped on every rank
+                logger.exception("rank %d: restore failed", self.rank)
+                error = f"rank {self.rank}: restore failed: {exc}"
+            if not self.group.all_agree(error is None):
+                return StepReply(None, error or "another rank failed to restore; the step is skipped", 0.0, 0.0)
+        self.group.comm_seconds = 0.0
+        start = time.perf_counter()
+        forward = None
+        try:
+            forward = self.runner.execute_plan(plan, restored=True)
+        except Exception as exc:  # noqa: BLE001 - every rank fails the same forward, or the engine stops
+            logger.exception("rank %d: forward failed", self.rank)
+            error = f"rank {self.rank}: forward failed: {exc}"
+        elapsed = time.perf_counter() - start
+        failed = self._combine_failed(plan, forward.failed_snapshot_slots if forward is not None else set(), error)
+        if failed is None or forward is None:
+            return StepReply(None, error or "the forward failed on another rank", self.group.comm_seconds, elapsed)
+        draws: list[tuple[int, list[SampledToken | str]]] = []
+        if self.rank == 0:
+            specs = [plan.chunks[index].sampling for index in forward.sample_chunks]
+            rows = [row for row, chunk_specs in enumerate(specs) for _ in chunk_specs]
+            flat = self.sampler.sample(forward.logits, rows, [s for chunk_specs in specs for s in chunk_specs])
+            for index, chunk_specs in zip(forward.sample_chunks, specs):
+                draws.append((index, flat[:len(chunk_specs)]))
+                flat = flat[len(chunk_specs):]
+        return StepReply(PlanResult(draws, failed, forward.prompt_logits), None, self.group.comm_seconds, elapsed)
+
+    def _combine_failed(self, plan: StepPlan, failed: set[int], error: str | None) -> set[int] | None:
+        """The plan's snapshot slots that failed on any rank (None if any rank's forward failed)."""
+        slots = [slot for chunk in plan.chunks for _, slot in chunk.captures]
+        flags = self.group.any_set([error is not None] + [slot in failed for slot in slots])
+        if flags[0]:
+            return None
+        return {slot for slot, bad in zip(slots, flags[1:]) if bad}
+
+    def save_state(self, state_slot: int, snapshot_slot: int | None) -> bool:
+        """Copy a live slot into a snapshot slot: True only if every rank saved it."""
+        return self.group.all_agree(self.runner.save_state(state_slot, snapshot_slot))
+
+    def fork(self, fork: Fork) -> None:
+        """Copy a parent's live state (and partial block) to its forked child."""
+        self.runner.fork(fork)
+
+    def set_snapshot_fault(self, fail: bool) -> None:
+        """Fault injection for tests: make this rank's snapshot copies raise (restores still work)."""
+        store = self.runner.snapshots
+        if store is None:
+            return
+        if fail:
+            def broken(*_: Any, **__: Any) -> None:
+                raise RuntimeError(f"injected snapshot failure on rank {self.rank}")
+            store.write_layer = broken  # type: ignore[method-assign]
+            store.copy_slot = broken  # type: ignore[method-assign]
+        else:
+            store.__dict__.pop("write_layer", None)
+            store.__dict__.pop("copy_slot", None)
+
+    def handle(self, command: tuple) -> Any:
+        """Run one command; rank 0's return value is the answer."""
+        kind = command[0]
+        if kind == "execute":
+            return self.execute(command[1])
+        if kind == "save":
+            return self.save_state(command[1], command[2])
+        if kind == "fork":
+            self.fork(command[1])
+            return True
+        if kind == "fault":
+            _, rank, fail_snapshots = command
+            if rank == self.rank:
+                self.set_snapshot_fault(fail_snapshots)
+            return True
+        raise ValueError(f"unknown worker command {kind!r}")
