@@ -73,7 +73,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     from hybridserve.bench.cli import add_bench_arguments
 
-    parser = subparsers.add_parser("bench", help="benchmarks (figures for BENCHMARKS.md)",
+    parser = subparsers.add_parser("bench", help="benchmarks (figures in docs/benchmarks.md)",
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_bench_arguments(parser)
 

@@ -29,7 +29,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
     parser.add_argument("--snapshot-interval", type=int, default=256,
                         help="tokens between GDN state snapshots (a multiple of the block size)")
     parser.add_argument("--cache-policy", default="hybridserve", metavar="{" + ",".join(POLICY_NAMES) + "}",
-                        help="which GDN states the prefix cache keeps and evicts (see docs/design.md)")
+                        help="which GDN states the prefix cache keeps and evicts (see docs/prefix-cache.md)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     parser.add_argument("--kv-cache-mib", type=float, default=None,
                         help="memory for the paged KV cache; when unset, planned (see --memory-fraction), or "
@@ -64,7 +64,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
                         help="weight and activation dtype (auto: float32 on CPU, bfloat16 on GPU)")
     parser.add_argument("--quantization", default=None, choices=("int8",),
                         help="weight-only int8 linears (per-channel scales, quantized at load; on CPU the "
-                             "GEMM input is rounded to bfloat16, see BENCHMARKS.md for the quality cost)")
+                             "GEMM input is rounded to bfloat16, see docs/benchmarks.md for the quality cost)")
     parser.add_argument("--device", default="auto", help="torch device (auto, cpu, cuda, cuda:1, ...)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the engine's random state")
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA checks in one run (bfloat16 on cuda:0): the `cuda`-marked tests, a served request through
-# the engine-core process, the TP plan check, then the GPU benchmarks. Figures go to BENCHMARKS.md.
+# the engine-core process, the TP plan check, then the GPU benchmarks. Figures go to docs/benchmarks.md.
 # Usage: scripts/gpu_check.sh OUTDIR   (from the repository root, with the runtime and test packages)
 set -u
 out=${1:-gpu-check}

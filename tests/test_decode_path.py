@@ -15,7 +15,7 @@ from hybridserve.layers.gated_delta import recurrent_gated_delta_step
 from hybridserve.layers.linear import GEMV_MAX_ROWS, INT8_DEQUANT_ROWS, SPLIT_GEMM_ROWS, PackedLinear, gemv_splits, \
     quantize_int8
 
-# Documented int8 tolerances (built-in model, prompt logits against float32; BENCHMARKS.md has
+# Documented int8 tolerances (built-in model, prompt logits against float32; docs/benchmarks.md has
 # the measured figures): the error comes from per-channel int8 weights and bf16 GEMM inputs.
 INT8_MEAN_ABS_LOGIT_ERROR = 0.1
 INT8_TOP1_AGREEMENT = 0.6

@@ -4,7 +4,7 @@ A batch-1 decode step reads every weight once. On 4 KiB pages that stream crosse
 needs a fresh TLB entry, every 4 KiB: ~28,000 page walks a step for the built-in model's 111 MiB,
 which the GEMV's prefetches wait on. In 2 MiB pages the same weights take 56 entries. The GEMV
 over the built-in model's linears at one input row took 5.21 ms with the weights as torch
-allocates them and 4.64 ms in huge pages, alternated in one process (BENCHMARKS.md).
+allocates them and 4.64 ms in huge pages, alternated in one process (docs/benchmarks.md).
 
 Distributions usually set transparent huge pages to `madvise`: memory gets them only when asked.
 `move_to_huge_pages` asks: it maps one anonymous region, advises MADV_HUGEPAGE before anything
