@@ -31,9 +31,12 @@ test-all: setup
 bench: setup
 	$(VENV)/bin/hybridserve bench all
 
-# hybridserve vs llama.cpp; needs `$(PY) -m pip install -e ".[peer]"` first (builds llama.cpp, ~12 min).
+# hybridserve vs native llama.cpp (llama-server, llama-bench) built from the llama-cpp-python sdist
+# into bench-out/llama.cpp on the first run (a long compile); arguments: make bench-peer PEER_ARGS="...".
 bench-peer: setup
-	$(VENV)/bin/hybridserve bench peer
+	$(PY) -m pip install -q -e ".[peer]"
+	PYTHON=$(PY) benchmarks/peer/build_llama_cpp.sh bench-out/llama.cpp
+	$(PY) -m benchmarks.peer --llama-cpp-dir bench-out/llama.cpp $(PEER_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

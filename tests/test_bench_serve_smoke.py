@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from hybridserve.bench.serve_bench import RequestRecord, percentile, summarize
-from hybridserve.bench.serve_compare import HTTP_CLIENTS, ServerBackend, compare_config_from_args
+from hybridserve.bench.configs import HTTP_CLIENTS, CompareConfig, config_from_args
+from hybridserve.bench.serve_client import ServerBackend
 from hybridserve.cli import build_parser, main
 from hybridserve.engine.async_engine import AsyncLLMEngine
 from hybridserve.engine.engine import LLMEngine
@@ -83,6 +84,6 @@ def test_compare_backend_streams_over_each_http_client(http_client: str) -> None
 
 def test_compare_http_clients_flag() -> None:
     args = build_parser().parse_args(["bench", "serve", "--compare-offline", "--compare-http-clients", "httpx"])
-    assert compare_config_from_args(args).http_clients == ("httpx",)
+    assert config_from_args(CompareConfig, args).http_clients == ("httpx",)
     with pytest.raises(ValueError, match="unknown HTTP client"):
         ServerBackend("http://127.0.0.1:1", clients=1, http_client="curl")

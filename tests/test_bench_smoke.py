@@ -94,7 +94,7 @@ def test_trace_bench_smoke(tmp_path: Path) -> None:
 
 def test_cli_bench_subcommands(tmp_path: Path) -> None:
     parser = build_parser()
-    for name in ("engine", "ttft", "trace", "soak", "threads", "all"):
+    for name in ("engine", "decode", "ttft", "trace", "chat", "structured", "tp", "serve", "soak", "threads", "all"):
         assert callable(parser.parse_args(["bench", name]).handler)
     out = tmp_path / "trace.json"
     code = main(["bench", "trace", *CPU.cli_args(), "--trace", str(write_trace(tmp_path / "t.jsonl")), "--num-requests", "2",
@@ -140,3 +140,19 @@ def test_decode_bench_smoke() -> None:
     assert 0 < quality["mean_abs_logit_error"] <= quality["max_abs_logit_error"]
     assert 0 <= quality["top1_agreement"] <= 1
     assert "decode / read" in format_decode_report(result)
+
+
+def test_bench_flags_come_from_the_settings_dataclasses() -> None:
+    from hybridserve.bench import configs
+    from hybridserve.bench.cli import ENGINE_BENCHES
+
+    parser = build_parser()
+    for name, (_, config_cls, _) in ENGINE_BENCHES.items():
+        assert configs.config_from_args(config_cls, parser.parse_args(["bench", name])) == config_cls()
+    args = parser.parse_args(["bench", "serve", "--no-mixed", "--bench-seed", "3", "--concurrency", "2", "4"])
+    cfg = configs.config_from_args(configs.ServeBenchConfig, args)
+    assert (cfg.mixed, cfg.seed, cfg.concurrency, cfg.token_logprobs) == (False, 3, (2, 4), True)
+    assert configs.config_from_args(configs.SoakConfig, parser.parse_args(["bench", "soak", "--duration", "5"])) \
+        == configs.SoakConfig(duration_s=5.0)
+    assert not configs.config_from_args(configs.TraceBenchConfig,
+                                         parser.parse_args(["bench", "trace", "--no-progress"])).progress

@@ -14,7 +14,7 @@ from hybridserve.models.tokenizer import Tokenizer
 
 gguf = pytest.importorskip("gguf", reason="the GGUF writer needs the `gguf` package (pip install gguf)")
 
-from hybridserve.bench.gguf_export import (  # noqa: E402 - after the importorskip
+from benchmarks.peer.gguf_export import (  # noqa: E402 - after the importorskip
     bpe_merges,
     export_model_dir,
     grouped_to_tiled_heads,

@@ -10,28 +10,16 @@ one request in the engine at a time, so TTFT is the time to prefill the new turn
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from hybridserve.bench.common import format_table, greedy, machine_line, median, with_prefix_cache
+from hybridserve.bench.configs import ChatBenchConfig
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.sim.trace import pseudo_random_tokens
 
 TTFT_RATIO_GOAL = 0.2  # warm turns past 2k tokens: cache-on p50 TTFT at most 0.2x cache-off
-
-
-@dataclass(frozen=True)
-class ChatBenchConfig:
-    """Conversation shapes."""
-
-    conversations: int = 4
-    turns: int = 8
-    system_tokens: int = 1024
-    message_tokens: int = 160
-    reply_tokens: int = 48
-    long_after_tokens: int = 2048   # turns whose history exceeds this form the headline figure
-    seed: int = 0
 
 
 def _timed_turn(engine: LLMEngine, request_id: str, prompt: list[int], reply_tokens: int

@@ -14,33 +14,21 @@ and whole-sequence matches).
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import asdict
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from hybridserve.bench.common import EngineDriver, format_table, greedy, machine_line, median, random_token_ids, \
     synchronize
+from hybridserve.bench.configs import DecodeBenchConfig
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.layers.huge_pages import huge_page_buffer, huge_pages_available
 from hybridserve.layers.linear import PackedLinear
 
 VARIANTS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("float32", "int8")}
-
-
-class DecodeBenchConfig(NamedTuple):
-    """Sizes of `bench decode`."""
-
-    variants: tuple[str, ...] = ("float32", "bfloat16", "int8")
-    prompt_tokens: int = 64
-    decode_tokens: int = 64
-    quality_prompts: int = 4
-    quality_prompt_tokens: int = 256
-    greedy_tokens: int = 64
-    warmup: int = 1
-    iterations: int = 5
-    seed: int = 0
 
 
 def variant_config(base: EngineConfig, variant: str) -> EngineConfig:
@@ -160,7 +148,7 @@ def run_decode_bench(base: EngineConfig, cfg: DecodeBenchConfig) -> dict[str, An
         for name, engine in engines.items():
             if name != "float32":
                 quality[name] = measure_quality(reference, engine, cfg)
-    return {"machine": machine_line(), "config": cfg._asdict(), "speed": speed, "quality": quality}
+    return {"machine": machine_line(), "config": asdict(cfg), "speed": speed, "quality": quality}
 
 
 def format_decode_report(result: dict[str, Any]) -> str:

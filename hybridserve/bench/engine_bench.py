@@ -15,7 +15,7 @@ import contextlib
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ import torch
 
 from hybridserve.bench.common import EngineDriver, format_table, goal_mark, greedy, machine_line, matmul_gflops, \
     median, random_token_ids, synchronize
+from hybridserve.bench.configs import EngineBenchConfig
 from hybridserve.config import LINEAR_ATTENTION, EngineConfig, ModelConfig
 from hybridserve.engine.engine import GDN_CHUNK_SIZE, LLMEngine
 from hybridserve.models.builtin import parameter_shapes, save_builtin_checkpoint
@@ -30,21 +31,6 @@ from hybridserve.models.builtin import parameter_shapes, save_builtin_checkpoint
 PREFILL_SPEEDUP_GOAL = 1.5   # hybridserve prefill at least 1.5x faster than transformers
 DECODE_RATIO_GOAL = 1 / 3    # hybridserve ms/token at most 1/3 of transformers'
 BATCH_SPEEDUP_GOAL = 8.0     # batch-16 aggregate tokens/s at least 8x batch 1
-
-
-@dataclass(frozen=True)
-class EngineBenchConfig:
-    """Sizes and repetitions of `bench engine`."""
-
-    prompt_tokens: int = 4160
-    decode_prompt_tokens: int = 32
-    decode_tokens: int = 64
-    batch_size: int = 16
-    warmup: int = 1
-    iterations: int = 5
-    matmul_size: int = 2048
-    matmul_repeats: int = 3
-    seed: int = 0
 
 
 # -- FLOP model ------------------------------------------------------------------------------------

@@ -4,9 +4,9 @@ Requests of the same shapes (random token-id prompts, greedy, EOS ignored) go th
 `LLM.generate` in this process and through a `hybridserve serve` subprocess for each
 `--engine-process` mode asked for (streamed `/v1/completions`, no logprobs), each server once per
 HTTP client library: aiohttp (what vLLM's and SGLang's serving benchmarks use) and httpx. The
-client runs on the server's cores, and its CPU per token slows the engine about one for one
-(BENCHMARKS.md); a lighter client leaves more of the machine to the server. The backends take
-turns run by run (the machine's other load falls on all alike). Each figure is the median of
+client runs on the server's cores, and its CPU per token slows the engine; a lighter client
+leaves more of the machine to the server. The backends take turns run by run (the machine's
+other load falls on all alike). Each figure is the median of
 `repeats` measured runs after `warmup` discarded ones:
 
   * decode ms/token at batch 1: (wall of a 1 + D token request - wall of a 1-token request) / D,
@@ -22,70 +22,34 @@ throughput >= 0.9x.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import contextlib
 import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict
+from typing import Any, Protocol
 
-from hybridserve.bench.common import FIRST_PLAIN_ID, KEEPALIVE_EXPIRY_S, PLAIN_ID_SPAN, format_table, goal_mark, \
-    random_token_ids
+from hybridserve.bench.common import format_table, goal_mark, greedy
+from hybridserve.bench.configs import CompareConfig
+from hybridserve.bench.serve_client import PromptSource, ServerBackend, ServerProcess
 
-HTTP_CLIENTS = ("aiohttp", "httpx", "aiohttp-whole")  # aiohttp-whole: not streamed (what streaming costs)
-DEFAULT_HTTP_CLIENTS = ("aiohttp", "httpx")
 DECODE_GOAL = 1.05
 TTFT_GOAL_MS = 5.0
 THROUGHPUT_GOAL = 0.9
 
 
-@dataclass(frozen=True)
-class CompareConfig:
-    """Sizes of the comparison."""
-
-    decode_prompt_tokens: int = 64
-    decode_tokens: int = 128
-    ttft_prefix_tokens: int = 4096
-    ttft_suffix_tokens: int = 64
-    clients: int = 16
-    client_prompt_tokens: int = 64
-    client_max_tokens: int = 64
-    warmup: int = 1
-    repeats: int = 5
-    modes: tuple[str, ...] = ("off", "on")
-    http_clients: tuple[str, ...] = DEFAULT_HTTP_CLIENTS
-    seed: int = 0
-
-
-class Prompts:
-    """Deterministic fresh prompts: the n-th call returns the same ids in every backend."""
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed * 1_000_003
-        self.count = 0
-
-    def fresh(self, num_tokens: int) -> list[int]:
-        """`num_tokens` ids never handed out before by this source."""
-        self.count += 1
-        return random_token_ids(num_tokens, self.seed + self.count, FIRST_PLAIN_ID + PLAIN_ID_SPAN)
-
-
-class Backend:
+class Backend(Protocol):
     """What a measurement needs: one timed request, and a timed concurrent batch."""
 
     def one(self, prompt: list[int], max_tokens: int) -> tuple[float, float]:
         """(seconds to the first token, seconds to the end) of one request."""
-        raise NotImplementedError
 
     def batch(self, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
         """(output tokens, wall seconds) of the prompts run concurrently."""
-        raise NotImplementedError
 
 
-class OfflineBackend(Backend):
+class OfflineBackend:
     """`LLM.generate` in this process."""
 
     def __init__(self, config: Any) -> None:
@@ -94,80 +58,16 @@ class OfflineBackend(Backend):
         self.llm = LLM.from_config(config)
 
     def one(self, prompt: list[int], max_tokens: int) -> tuple[float, float]:
-        from hybridserve.bench.common import greedy
-
         start = time.perf_counter()
         self.llm.generate([prompt], greedy(max_tokens), use_tqdm=False)
         wall = time.perf_counter() - start
         return wall, wall
 
     def batch(self, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
-        from hybridserve.bench.common import greedy
-
         start = time.perf_counter()
         outs = self.llm.generate(prompts, greedy(max_tokens), use_tqdm=False)
         wall = time.perf_counter() - start
         return sum(len(c.token_ids) for o in outs for c in o.outputs), wall
-
-
-class ServerBackend(Backend):
-    """Streamed `/v1/completions` against a running server, over aiohttp or httpx."""
-
-    def __init__(self, url: str, clients: int, http_client: str = "aiohttp") -> None:
-        if http_client not in HTTP_CLIENTS:
-            raise ValueError(f"unknown HTTP client {http_client!r}; choose from {', '.join(HTTP_CLIENTS)}")
-        self.url = url
-        self.clients = clients
-        self.http_client = http_client
-        self.loop = asyncio.new_event_loop()
-        self.api = self.loop.run_until_complete(self._connect())
-
-    async def _connect(self) -> Any:
-        from hybridserve.bench.serve_bench import AiohttpCompletionClient, AiohttpWholeCompletionClient, \
-            CompletionClient
-
-        connections = self.clients + 4
-        if self.http_client.startswith("aiohttp"):
-            import aiohttp
-
-            connector = aiohttp.TCPConnector(limit=connections, keepalive_timeout=KEEPALIVE_EXPIRY_S)
-            self.client = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300.0))
-            async with self.client.get(self.url + "/v1/models") as resp:
-                models = (await resp.json())["data"]
-            kind = AiohttpWholeCompletionClient if self.http_client == "aiohttp-whole" else AiohttpCompletionClient
-            return kind(self.client, self.url, models[0]["id"], token_logprobs=False)
-        import httpx
-
-        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections,
-                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
-        self.client = httpx.AsyncClient(base_url=self.url, limits=limits, timeout=httpx.Timeout(300.0))
-        models = (await self.client.get("/v1/models")).json()["data"]
-        return CompletionClient(self.client, models[0]["id"], token_logprobs=False)
-
-    def one(self, prompt: list[int], max_tokens: int) -> tuple[float, float]:
-        record = self.loop.run_until_complete(self.api.stream(prompt, max_tokens))
-        if record.error:
-            raise RuntimeError(f"request failed: {record.error}")
-        return record.ttft, record.end - record.start
-
-    def batch(self, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
-        async def run() -> tuple[int, float]:
-            start = time.perf_counter()
-            records = await asyncio.gather(*(self.api.stream(p, max_tokens) for p in prompts))
-            wall = time.perf_counter() - start
-            errors = [r.error for r in records if r.error]
-            if errors:
-                raise RuntimeError(f"request failed: {errors[0]}")
-            return sum(r.completion_tokens for r in records), wall
-
-        return self.loop.run_until_complete(run())
-
-    def close(self) -> None:
-        """Close the HTTP client and the loop."""
-        close = self.client.close() if self.http_client.startswith("aiohttp") else self.client.aclose()
-        self.loop.run_until_complete(close)
-        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-        self.loop.close()
 
 
 class _Figures:
@@ -178,7 +78,7 @@ class _Figures:
     def __init__(self, backend: Backend, cfg: CompareConfig, source: int) -> None:
         self.backend = backend
         self.cfg = cfg
-        self.prompts = Prompts(cfg.seed * 1000 + source)
+        self.prompts = PromptSource(cfg.seed * 1000 + source)
         self.prefix = self.prompts.fresh(cfg.ttft_prefix_tokens)
         backend.one(self.prefix + self.prompts.fresh(cfg.ttft_suffix_tokens), 1)  # makes the prefix warm
 
@@ -222,8 +122,6 @@ def measure_interleaved(backends: dict[str, Backend], cfg: CompareConfig) -> dic
 def run_compare(cfg: CompareConfig, config: Any, serve_args: Sequence[str]) -> dict[str, Any]:
     """`LLM.generate` and one server per mode, measured in turns; every figure with its ratio to
     offline."""
-    from hybridserve.bench.serve_bench import ServerProcess
-
     with contextlib.ExitStack() as stack:
         backends: dict[str, Backend] = {"offline": OfflineBackend(config)}
         for mode in cfg.modes:
@@ -260,28 +158,3 @@ def format_compare_report(result: dict[str, Any]) -> str:
             f"medians of {cfg['repeats']} (goals: decode <= {DECODE_GOAL}x, TTFT <= +{TTFT_GOAL_MS:g} ms, "
             f"tok/s >= {THROUGHPUT_GOAL}x)")
     return "\n".join([head, format_table(headers, rows)])
-
-
-def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of the comparison (used with `--compare-offline`)."""
-    parser.add_argument("--compare-offline", action="store_true",
-                        help="compare the server with LLM.generate on the same requests (decode ms/token, "
-                             "warm TTFT, 16-stream tok/s) instead of the load test")
-    parser.add_argument("--compare-modes", nargs="+", choices=("off", "on"), default=["off", "on"],
-                        help="--engine-process modes of the servers compared")
-    parser.add_argument("--compare-repeats", type=int, default=5, help="measured runs per figure")
-    parser.add_argument("--compare-clients", type=int, default=16, help="concurrent streams")
-    parser.add_argument("--compare-http-clients", nargs="+", choices=HTTP_CLIENTS,
-                        default=list(DEFAULT_HTTP_CLIENTS),
-                        help="HTTP client libraries the servers are measured with (each its own row, in turns); "
-                             "aiohttp-whole sends the same requests not streamed")
-    parser.add_argument("--compare-decode-tokens", type=int, default=128, help="tokens of the decode measure")
-    parser.add_argument("--compare-ttft-prefix", type=int, default=4096, help="warm prefix of the TTFT measure")
-
-
-def compare_config_from_args(args: argparse.Namespace) -> CompareConfig:
-    """The `CompareConfig` the flags describe."""
-    return CompareConfig(decode_tokens=args.compare_decode_tokens, ttft_prefix_tokens=args.compare_ttft_prefix,
-                         clients=args.compare_clients, repeats=args.compare_repeats,
-                         modes=tuple(args.compare_modes), http_clients=tuple(args.compare_http_clients),
-                         seed=args.bench_seed)

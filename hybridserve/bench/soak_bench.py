@@ -30,31 +30,11 @@ from typing import Any
 import httpx
 
 from hybridserve.bench.common import FIRST_PLAIN_ID, KEEPALIVE_EXPIRY_S, PLAIN_ID_SPAN, write_json
-from hybridserve.bench.serve_bench import ServerProcess
+from hybridserve.bench.configs import SoakConfig
+from hybridserve.bench.serve_client import ServerProcess
 
 KINDS = ("complete", "stream", "chat", "long", "shared", "abort", "disconnect", "bad")
 WEIGHTS = (3, 3, 2, 1, 3, 1, 1, 1)
-
-
-@dataclass(frozen=True)
-class SoakConfig:
-    """Sizes of the soak (token counts are prompt token ids)."""
-
-    duration_s: float = 300.0
-    clients: int = 6
-    overload_every_s: float = 45.0
-    overload_burst: int = 40
-    short_prompt_tokens: tuple[int, int] = (4, 64)
-    long_prompt_tokens: int = 1500
-    shared_prefixes: int = 3
-    shared_prefix_tokens: int = 512
-    max_tokens: tuple[int, int] = (1, 24)
-    rss_interval_s: float = 2.0
-    rss_window_s: float = 60.0
-    request_timeout_s: float = 120.0
-    idle_timeout_s: float = 60.0
-    warmup_long_prompts: int = 8
-    seed: int = 0
 
 
 @dataclass

@@ -12,10 +12,11 @@ compile time and the compile cache's hits. Every request gets the same seed in b
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from hybridserve.bench.common import EngineDriver, format_table, goal_mark, machine_line, median, random_token_ids
+from hybridserve.bench.configs import StructuredBenchConfig
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -36,18 +37,6 @@ EVENT_SCHEMA: dict[str, Any] = {
     "required": ["title", "priority", "attendees", "notes"],
     "additionalProperties": False,
 }
-
-
-@dataclass(frozen=True)
-class StructuredBenchConfig:
-    """Sizes of the structured-output decode benchmark."""
-
-    batch_sizes: tuple[int, ...] = (1, 16)
-    prompt_tokens: int = 32
-    decode_tokens: int = 48
-    warmup: int = 1
-    iterations: int = 4
-    seed: int = 0
 
 
 def _params(constrained: bool, cfg: StructuredBenchConfig) -> SamplingParams:

@@ -10,22 +10,14 @@ Engines run side by side in one process and alternate per iteration; figures are
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from dataclasses import asdict
+from typing import Any
 
 from hybridserve.bench.common import EngineDriver, format_table, greedy, median, random_token_ids
+from hybridserve.bench.configs import TPBenchConfig
 from hybridserve.config import EngineConfig
 from hybridserve.distributed.executor import CommStats, TensorParallelExecutor
 from hybridserve.engine.engine import LLMEngine
-
-
-class TPBenchConfig(NamedTuple):
-    """What `bench tp` measures."""
-
-    prompt_tokens: int = 1024
-    decode_tokens: int = 32
-    iterations: int = 3
-    seed: int = 0
-
 
 SETUPS = (("TP=1, 1 thread", 1, 1), ("TP=1, 2 threads", 1, 2), ("TP=2, 1 thread per rank", 2, 2))
 
@@ -85,7 +77,7 @@ def run_tp_bench(engine_config: EngineConfig, cfg: TPBenchConfig) -> dict[str, A
             row["decode_comm_share"] = sum(out["decode_comm"]) / sum(out["decode_wall"])
             row["decode_transport_share"] = 1 - sum(out["decode_fwd"]) / sum(out["decode_wall"])
         rows.append(row)
-    return {"config": cfg._asdict(), "rows": rows}
+    return {"config": asdict(cfg), "rows": rows}
 
 
 def format_tp_report(result: dict[str, Any]) -> str:

@@ -15,34 +15,22 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from hybridserve.bench.common import EngineDriver, format_table, greedy, machine_line, with_prefix_cache
+from hybridserve.bench.configs import TraceBenchConfig
+from hybridserve.cache.policy import PrefixCost
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
+from hybridserve.layers.attention import PagedKVCache
 from hybridserve.sampling_params import RequestOutput
 from hybridserve.sim.shapes import ModelShape
-from hybridserve.cache.policy import PrefixCost
-from hybridserve.layers.attention import PagedKVCache
 from hybridserve.sim.simulator import SimConfig, ceiling_hit_tokens, simulate
 from hybridserve.sim.trace import TraceTokens, default_trace_path, read_trace
-
-
-@dataclass(frozen=True)
-class TraceBenchConfig:
-    """What to replay and how."""
-
-    trace_path: str = ""  # empty: default_trace_path()
-    num_requests: int = 800
-    block_tokens: int = 16
-    max_output_tokens: int = 8
-    max_concurrency: int = 1
-    progress: bool = True
 
 
 class _Replay:

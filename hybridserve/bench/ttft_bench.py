@@ -11,11 +11,12 @@ A no-reuse throughput run (distinct random prompts) compares on vs off in ABBA o
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from hybridserve.bench.common import EngineDriver, format_table, goal_mark, greedy, machine_line, median, \
     random_token_ids, with_prefix_cache
+from hybridserve.bench.configs import TTFTBenchConfig
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
 
@@ -23,21 +24,6 @@ WARM_COLD_GOAL = 0.03      # warm/cold TTFT at the longest row
 FLAT_GOAL = 1.10           # slowest warm row / fastest warm row
 FLOOR_GOAL = 1.2           # warm TTFT / floor TTFT
 THROUGHPUT_GOAL = 0.97     # no-reuse throughput, cache on / cache off
-
-
-@dataclass(frozen=True)
-class TTFTBenchConfig:
-    """Sizes and repetitions of `bench ttft`."""
-
-    cached_tokens: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
-    suffix_tokens: int = 64
-    warmup: int = 1
-    iterations: int = 5
-    throughput_requests: int = 16
-    throughput_prompt_tokens: int = 512
-    throughput_output_tokens: int = 32
-    throughput_rounds: int = 1
-    seed: int = 0
 
 
 class _Seeds:

@@ -20,7 +20,7 @@ Tensor layout follows llama.cpp's `qwen35` loader:
   * 1-D tensors, norms, the conv kernel, `ssm_a` and `ssm_dt.bias` stay float32 in every output
     type; the matrices (embedding and head included) take the output type.
 
-Usage: `python -m hybridserve.bench.gguf_export OUT.gguf [--model DIR] [--outtype f32|bf16|q8_0]`.
+Usage: `python -m benchmarks.peer.gguf_export OUT.gguf [--model DIR] [--outtype f32|bf16|q8_0]`.
 """
 
 from __future__ import annotations
@@ -307,7 +307,7 @@ def export_builtin(out_path: str | Path, outtype: str = "f32", seed: int = 0) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m hybridserve.bench.gguf_export OUT.gguf [--model DIR] [--outtype f32|bf16|q8_0]`."""
+    """`python -m benchmarks.peer.gguf_export OUT.gguf [--model DIR] [--outtype f32|bf16|q8_0]`."""
     parser = argparse.ArgumentParser(description="write a hybridserve model as a llama.cpp qwen35 GGUF file")
     parser.add_argument("out", help="GGUF file to write")
     parser.add_argument("--model", default=None, help="Hugging Face model dir (the built-in model when omitted)")

@@ -1,0 +1,1 @@
+"""Benchmarks that compare hybridserve with other engines; run from the repository root."""
