@@ -539,3 +539,24 @@ def test_utility_calls_reach_public_engine_names_only(core: EngineCoreClient) ->
         asyncio.run(core.call("no_such_method"))
     with pytest.raises(InvalidRequestError, match="empty"):  # the engine's own ValueError, by kind
         asyncio.run(core.add_request("empty-prompt", "", SamplingParams(max_tokens=1)))
+
+
+def test_both_front_ends_are_engine_clients() -> None:
+    """The in-process `AsyncLLMEngine` and the out-of-process `EngineCoreClient` implement the one
+    `EngineClient` interface the server talks to, with the same parameter names."""
+    import inspect
+    from types import SimpleNamespace
+
+    from hybridserve.engine.async_engine import AsyncLLMEngine
+    from hybridserve.engine.protocol import EngineClient
+
+    in_process = AsyncLLMEngine(SimpleNamespace(tokenizer=None, max_model_len=64))  # type: ignore[arg-type]
+    clients = [in_process, EngineCoreClient(tiny_config())]
+    methods = [name for name, value in vars(EngineClient).items()
+               if not name.startswith("_") and inspect.isfunction(value)]
+    assert {"add_request", "abort", "call", "stats", "check_integrity", "start", "shutdown"} <= set(methods)
+    for client in clients:
+        assert isinstance(client, EngineClient), type(client).__name__
+        for name in methods:
+            expected = list(inspect.signature(getattr(EngineClient, name)).parameters)
+            assert list(inspect.signature(getattr(type(client), name)).parameters) == expected, (client, name)

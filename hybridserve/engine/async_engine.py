@@ -1,4 +1,5 @@
-"""Asyncio front end of the synchronous `LLMEngine`.
+"""Asyncio front end of the synchronous `LLMEngine`, in this process: an `EngineClient`
+(`hybridserve.engine.protocol`), as `EngineCoreClient` is for an engine core process.
 
 The sync engine is not thread-safe, so exactly one dedicated thread ever touches it. That
 thread drains a command queue (add, abort, arbitrary calls such as `stats()`) between
@@ -19,7 +20,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, TypeVar
 
-from hybridserve.errors import EngineDeadError, EngineOverloadedError, EngineStepError
+from hybridserve.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStepError,
+    InvalidRequestError,
+)
 from hybridserve.sampling_params import (
     CompletionOutput,
     RequestOutput,
@@ -238,16 +244,27 @@ class AsyncLLMEngine:
         except EngineDeadError:
             pass
 
-    async def call(self, fn: Callable[[Any], T]) -> T:
-        """Run `fn(engine)` on the engine thread between steps and return its result."""
+    async def call(self, method: str | Callable[[Any], T], *args: Any) -> Any:
+        """On the engine thread, between steps: call the engine's public method `method(*args)`
+        (or read its public attribute of that name), as `EngineCoreClient.call` does; in this
+        process `method` may also be any function, called as `method(engine)`."""
         self.start()
+        if isinstance(method, str):
+            name, arguments = method, list(args)
+            fn: Callable[[Any], Any] = lambda engine: call_engine(engine, name, arguments)
+        else:
+            fn = method
         result: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(_Call(fn, result))
         return await asyncio.wrap_future(result)
 
     async def stats(self) -> dict[str, float]:
         """The engine's `stats()` dict, read on the engine thread."""
-        return await self.call(lambda engine: engine.stats())
+        return await self.call("stats")
+
+    async def check_integrity(self) -> None:
+        """Run the engine's pool integrity checks (raises AssertionError on a violation)."""
+        await self.call("check_integrity")
 
     @property
     def num_waiting_estimate(self) -> int:
@@ -410,6 +427,20 @@ def _aborted_output(request_id: str, last: RequestOutput | None) -> RequestOutpu
     return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[],
                          outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="abort")],
                          finished=True)
+
+
+def call_engine(engine: Any, method: str, args: list[Any]) -> Any:
+    """A utility call: the engine's public method `method` called with `args`, or the value of
+    its public attribute of that name when that is not callable (and no arguments are given)."""
+    if not method or method.startswith("_"):
+        raise InvalidRequestError(f"utility call {method!r}: only public engine methods and attributes "
+                                  "can be called")
+    target = getattr(engine, method)  # AttributeError, reported to the caller as such
+    if callable(target):
+        return target(*args)
+    if args:
+        raise InvalidRequestError(f"utility call {method!r}: an attribute takes no arguments")
+    return target
 
 
 def max_request_tokens(engine: SyncEngine) -> int:

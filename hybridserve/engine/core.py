@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import zmq
 
+from hybridserve.engine.async_engine import call_engine, max_request_tokens
 from hybridserve.engine.core_messages import (
     AbortRequests,
     AddRequest,
@@ -312,23 +313,8 @@ class EngineCore:
         return os.getppid() != self.parent_pid
 
 
-def call_engine(engine: Any, method: str, args: list[Any]) -> Any:
-    """A utility call: the engine's public method `method` called with `args`, or the value of
-    its public attribute of that name when that is not callable (and no arguments are given)."""
-    if not method or method.startswith("_"):
-        raise ValueError(f"utility call {method!r}: only public engine methods and attributes can be called")
-    target = getattr(engine, method)  # AttributeError, reported to the caller as such
-    if callable(target):
-        return target(*args)
-    if args:
-        raise ValueError(f"utility call {method!r}: an attribute takes no arguments")
-    return target
-
-
 def ready_message(engine: Any) -> Ready:
     """What the client needs to know about a freshly built engine."""
-    from hybridserve.engine.async_engine import max_request_tokens
-
     return Ready(engine.model_config, int(engine.max_model_len), max_request_tokens(engine), engine.stats(),
                  pickle.dumps(engine.tokenizer))
 

@@ -79,7 +79,7 @@ class EngineStatsCollector(Collector):
 class RequestTracker:
     """Feeds one engine request's progress into the serving-path metrics."""
 
-    def __init__(self, metrics: "ServerMetrics", arrival: float) -> None:
+    def __init__(self, metrics: ServerMetrics, arrival: float) -> None:
         self._metrics = metrics
         self._arrival = arrival
         self._last_time: float | None = None

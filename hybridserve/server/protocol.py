@@ -80,7 +80,7 @@ class ResponseFormat(LenientModel):
     json_schema: JsonSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _check_schema(self) -> "ResponseFormat":
+    def _check_schema(self) -> ResponseFormat:
         if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
             raise ValueError("response_format json_schema needs json_schema.schema")
         return self
@@ -152,7 +152,7 @@ class _SamplingRequest(LenientModel):
         return value
 
     @model_validator(mode="after")
-    def _check_stream_options(self) -> "_SamplingRequest":
+    def _check_stream_options(self) -> _SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
@@ -219,7 +219,7 @@ class CompletionRequest(_SamplingRequest):
         return value
 
     @model_validator(mode="after")
-    def _check_best_of(self) -> "CompletionRequest":
+    def _check_best_of(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (it must be omitted or equal n)")
         if self.suffix:
@@ -244,7 +244,7 @@ class ContentPart(LenientModel):
     text: str | None = None
 
     @model_validator(mode="after")
-    def _check_text(self) -> "ContentPart":
+    def _check_text(self) -> ContentPart:
         if self.type != "text" or self.text is None:
             raise ValueError(f"content part type {self.type!r} is not supported (text only)")
         return self
@@ -276,7 +276,7 @@ class ChatMessage(LenientModel):
     reasoning_content: str | None = None
 
     @model_validator(mode="after")
-    def _check_content(self) -> "ChatMessage":
+    def _check_content(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content is required for role {self.role!r}")
         return self
@@ -352,7 +352,7 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _check_logprobs_and_tools(self) -> "ChatCompletionRequest":
+    def _check_logprobs_and_tools(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
@@ -393,7 +393,7 @@ class TokenizeRequest(LenientModel):
     return_token_strs: bool = False
 
     @model_validator(mode="after")
-    def _check_input(self) -> "TokenizeRequest":
+    def _check_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
         return self

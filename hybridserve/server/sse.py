@@ -14,8 +14,10 @@ through its model.
 from __future__ import annotations
 
 import json
-from json.encoder import encode_basestring  # json.dumps(text, ensure_ascii=False) without the 0.6 us of set-up
 from collections.abc import AsyncIterator, Awaitable, Callable
+from json.encoder import (
+    encode_basestring,  # json.dumps(text, ensure_ascii=False) without the 0.6 us of set-up
+)
 from typing import Any
 
 from pydantic import BaseModel

@@ -1,0 +1,103 @@
+"""The admin and inspection endpoints: `GET /v1/models`, `GET /v1/models/{id}`, `POST /tokenize`,
+`POST /detokenize`, `GET /version`, `GET /health` (503 with the reason once the engine stopped)
+and `GET /metrics` (Prometheus text with fresh engine stats)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+import hybridserve
+from hybridserve.errors import EngineDeadError
+from hybridserve.server.errors import APIError
+from hybridserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from hybridserve.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from hybridserve.server.serving import OpenAIServing, json_response
+
+
+class AdminServing(OpenAIServing):
+    """The handlers of the model list, tokenizer, health and metrics endpoints."""
+
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        """`POST /tokenize`: token ids of a prompt, or of chat messages rendered by the template."""
+        self._check_model(body.model)
+        if body.messages is not None:
+            tools = [tool.template_dict() for tool in body.tools] if body.tools else None
+            text = self._render_chat(body.messages, tools, body.chat_template_kwargs, body.add_generation_prompt)
+        else:
+            text = body.prompt or ""
+        ids = list(await asyncio.to_thread(self.tokenizer.encode, text)) if text else []
+        strs = [self._token_text(t) for t in ids] if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids, token_strs=strs)
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        """`POST /detokenize`: the text of token ids."""
+        self._check_model(body.model)
+        bad = [t for t in body.tokens if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))
+
+    async def render_metrics(self) -> bytes:
+        """Prometheus text with fresh engine stats."""
+        try:
+            stats = await self.engine.stats()
+        except EngineDeadError:
+            stats = {}
+        return self.metrics.render(stats)
+
+    def models(self) -> ModelList:
+        """`GET /v1/models`: every served name (aliases of the one model)."""
+        return ModelList(data=[self.model_card(name) for name in self.model_names])
+
+    def model_card(self, name: str) -> ModelCard:
+        """`GET /v1/models/{name}`."""
+        self._check_model(name)
+        return ModelCard(id=name, max_model_len=self.engine.max_model_len)
+
+
+def install_admin_routes(app: FastAPI, serving: AdminServing) -> None:
+    """Route the admin endpoints to `serving`."""
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return json_response(serving.models())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> Response:
+        return json_response(serving.model_card(model_id))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return json_response(await serving.tokenize(body))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return json_response(await serving.detokenize(body))
+
+    @app.get("/version")
+    async def version() -> Response:
+        return json_response(VersionResponse(version=hybridserve.__version__))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not serving.engine.is_running:
+            reason = serving.engine.dead_reason
+            raise APIError(503, f"engine is not running: {reason}" if reason else "engine is not running",
+                           code="engine_unavailable")
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await serving.render_metrics(), media_type=METRICS_CONTENT_TYPE)
+

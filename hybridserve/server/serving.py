@@ -1,0 +1,423 @@
+"""What the OpenAI endpoints share: `ServingContext` (the engine, served names, tokenizer, chat
+renderer, metrics) and `OpenAIServing`, the base of the completion, chat and admin handlers:
+request preparation (model check, prompt encoding, `max_tokens`, sampling parameters), submission
+of one engine request per prompt, collection of final outputs (a client that disconnects aborts
+its requests), streamed responses as server-sent events, usage and logprob rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+from starlette.background import BackgroundTask
+
+from hybridserve.engine.protocol import EngineClient, RequestOutputStream
+from hybridserve.errors import EngineDeadError, EngineStepError, RequestAbortedError
+from hybridserve.sampling_params import (
+    MAX_STREAM_INTERVAL,
+    CompletionOutput,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+from hybridserve.server.chat import ChatRenderer, ChatTemplateError
+from hybridserve.server.errors import APIError, engine_error, request_failed
+from hybridserve.server.metrics import RequestTracker, ServerMetrics
+from hybridserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    LenientModel,
+    PromptTokensDetails,
+    UsageInfo,
+    now,
+)
+from hybridserve.server.reasoning_parser import REASONING_PARSERS, ReasoningStream
+from hybridserve.server.sse import EventStreamResponse, SendEvent, sse_event
+from hybridserve.server.tool_parser import ToolCallStream
+
+logger = logging.getLogger(__name__)
+
+MIN_LOGPROB = -9999.0  # a -inf logprob is sent as this (JSON has no infinity)
+TokenEntry = tuple[str, float, list[tuple[str, float]]]
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(work: Awaitable[Any], request: Request) -> Any:
+    """Await `work`, cancelling it (and raising `RequestAbortedError`) if the client leaves first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise RequestAbortedError("client disconnected")
+
+
+async def merge_streams(streams: list[RequestOutputStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as `(choice index, output)` pairs."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestOutputStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
+            queue.put_nowait((index, exc))
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def finite(value: float) -> float:
+    """A logprob JSON can carry (-inf becomes MIN_LOGPROB)."""
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+@dataclasses.dataclass
+class ChatOptions:
+    """How a chat job's output text becomes a message."""
+
+    tools: list[dict[str, Any]] | None     # parse tool calls against these (None: no parsing)
+    split_reasoning: bool                   # a reasoning parser is configured
+    thinking_open: bool                     # the prompt ends inside an open <think> block
+
+
+
+@dataclasses.dataclass
+class Job:
+    """One HTTP request's engine work: one engine request (with `n` completions) per prompt."""
+
+    request_id: str
+    model: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    cache_salt: str | None
+    num_logprobs: int | None
+    include_usage: bool
+    echo_texts: list[str]
+    chat: ChatOptions | None = None
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
+    created: int = dataclasses.field(default_factory=now)  # one `created` for every chunk, as OpenAI sends
+
+    def engine_id(self, prompt_index: int) -> str:
+        """Engine request id of prompt `prompt_index`."""
+        return f"{self.request_id}-{prompt_index}"
+
+    def choice_index(self, prompt_index: int, completion_index: int) -> int:
+        """OpenAI choice index: prompt-major, then completion."""
+        return prompt_index * self.params.n + completion_index
+
+
+@dataclasses.dataclass
+class ChoiceState:
+    """What has been streamed so far for one choice."""
+
+    sent_text: str = ""
+    sent_tokens: int = 0
+    text_offset: int = 0
+    started: bool = False
+    holdback: int = 0
+    done: bool = False
+    reasoning: ReasoningStream | None = None
+    tools: ToolCallStream | None = None
+    sent_content: str = ""
+
+    def visible_text(self, output: CompletionOutput) -> str:
+        """The text that may be sent: while unfinished, the last `holdback` characters stay back
+        (they may be the start of a stop string that the engine will cut)."""
+        text = output.text
+        if output.finish_reason is None and self.holdback:
+            text = text[:max(len(self.sent_text), len(text) - self.holdback)]
+        return text
+
+    def text_delta(self, output: CompletionOutput) -> str:
+        """New text since the last chunk."""
+        text = self.visible_text(output)
+        if not text.startswith(self.sent_text):
+            return ""
+        delta = text[len(self.sent_text):]
+        self.sent_text = text
+        return delta
+
+
+def json_response(model: BaseModel, status: int = 200) -> Response:
+    """A pydantic model as a JSON response."""
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+@dataclasses.dataclass
+class ServingContext:
+    """What every handler of one app shares."""
+
+    engine: EngineClient
+    model_names: list[str]
+    reasoning_parser: str | None
+    stream_interval: int
+    metrics: ServerMetrics
+    chat: ChatRenderer
+
+    @classmethod
+    def create(cls, engine: EngineClient, model_names: str | Sequence[str], reasoning_parser: str | None = None,
+               stream_interval: int = 1) -> ServingContext:
+        """Check the server options and build the shared state (`ValueError` on a bad option)."""
+        if not isinstance(stream_interval, int) or not 1 <= stream_interval <= MAX_STREAM_INTERVAL:
+            raise ValueError(f"stream_interval must be an integer in [1, {MAX_STREAM_INTERVAL}], "
+                             f"got {stream_interval!r}")
+        names = [model_names] if isinstance(model_names, str) else list(model_names)
+        if not names:
+            raise ValueError("at least one served model name is needed")
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r} (known: {', '.join(REASONING_PARSERS)})")
+        return cls(engine, names, reasoning_parser, stream_interval, ServerMetrics(),
+                   ChatRenderer(getattr(engine.tokenizer, "chat_template", None)))
+
+
+class OpenAIServing:
+    """Base of the endpoint handlers: turns protocol requests into engine requests and engine
+    outputs into responses."""
+
+    def __init__(self, context: ServingContext) -> None:
+        self.context = context
+        self.engine = context.engine
+        self.stream_interval = context.stream_interval
+        self.model_names = context.model_names
+        self.model_name = self.model_names[0]
+        self.reasoning_parser = context.reasoning_parser
+        self.tokenizer = context.engine.tokenizer
+        self.metrics = context.metrics
+        self.chat = context.chat
+        model_config = getattr(context.engine, "model_config", None)
+        self.vocab_size: int | None = getattr(model_config, "vocab_size", None)
+
+    # ------------------------------------------------------------- request preparation
+    def _check_model(self, model: str | None) -> str:
+        """The served name a request uses (404 for an unknown one)."""
+        if model is None:
+            return self.model_name
+        if model not in self.model_names:
+            raise APIError(404, f"the model `{model}` does not exist (serving {', '.join(self.model_names)})",
+                           param="model", code="model_not_found")
+        return model
+
+    @staticmethod
+    def _log_ignored(kind: str, body: LenientModel) -> None:
+        ignored = body.ignored_fields()
+        if ignored:
+            logger.warning("%s request: ignored unknown field(s): %s", kind, ", ".join(sorted(ignored)))
+
+    def _render_chat(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,
+                     kwargs: dict[str, Any] | None, add_generation_prompt: bool) -> str:
+        try:
+            return self.chat.render([m.to_template_dict() for m in messages],
+                                    add_generation_prompt=add_generation_prompt, extra=kwargs, tools=tools)
+        except ChatTemplateError as exc:
+            raise APIError(400, str(exc), param="messages", code="chat_template_error") from exc
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from exc
+
+    @staticmethod
+    def _constraint(build: Callable[[], StructuredOutputsParams | None]) -> StructuredOutputsParams | None:
+        try:
+            return build()
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_structured_output") from exc
+
+    async def _encode(self, text: str) -> list[int]:
+        if not text:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        return list(await asyncio.to_thread(self.tokenizer.encode, text))
+
+    def _max_tokens(self, prompt_len: int, requested: int | None, explicit: bool,
+                    default: int | None, param: str) -> int:
+        limit = self.engine.max_model_len
+        if prompt_len == 0:
+            raise APIError(400, "prompt must not be empty", param=param)
+        if prompt_len >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
+                           f"{prompt_len} tokens, leaving no room for a completion.",
+                           param=param, code="context_length_exceeded")
+        room = limit - prompt_len
+        if not explicit or requested is None:
+            room = max(1, min(room, self.engine.max_request_tokens - prompt_len))
+        if explicit and requested is not None and requested > room:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens; {prompt_len + requested} "
+                           f"were requested ({prompt_len} in the prompt, {requested} for the completion).",
+                           param="max_tokens", code="context_length_exceeded")
+        wanted = requested if requested is not None else default
+        return room if wanted is None else min(wanted, room)
+
+    def _job(self, prefix: str, model: str, body: CompletionRequest | ChatCompletionRequest,
+             prompts: list[list[int]], max_tokens: int, num_logprobs: int | None, echo_texts: list[str],
+             structured: StructuredOutputsParams | None) -> Job:
+        try:
+            params = body.sampling_params(max_tokens, num_logprobs, structured)
+            if not body.stream:  # the response is built from the final output alone
+                params.output_kind = RequestOutputKind.FINAL_ONLY
+            else:
+                params.stream_interval = self.stream_interval
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+        if self.vocab_size is not None and params.top_k > self.vocab_size:
+            params.top_k = -1
+        if self.vocab_size is not None and any(t >= self.vocab_size for t in params.logit_bias or {}):
+            raise APIError(400, f"logit_bias names a token id outside the vocabulary [0, {self.vocab_size})",
+                           param="logit_bias")
+        return Job(f"{prefix}-{uuid.uuid4().hex}", model, prompts, params, body.cache_salt,
+                   num_logprobs, body.include_usage, echo_texts)
+
+    async def _submit(self, job: Job) -> list[RequestOutputStream]:
+        streams: list[RequestOutputStream] = []
+        try:
+            for index, prompt_ids in enumerate(job.prompts):
+                streams.append(await self.engine.add_request(job.engine_id(index), prompt_ids,
+                                                             job.params, job.cache_salt))
+        except BaseException as exc:
+            for stream in streams:
+                self.engine.abort(stream.request_id)
+            if isinstance(exc, Exception):
+                raise engine_error(exc) from exc
+            raise
+        return streams
+
+    # ------------------------------------------------------------- collection
+    async def _collect(self, job: Job, streams: list[RequestOutputStream], request: Request) -> list[RequestOutput]:
+        trackers = [self.metrics.tracker(job.arrival) for _ in streams]
+
+        async def final(stream: RequestOutputStream, tracker: RequestTracker) -> RequestOutput:
+            last: RequestOutput | None = None
+            async for output in stream:
+                tracker.observe(output)
+                last = output
+            assert last is not None
+            return last
+
+        try:
+            return await _unless_disconnected(
+                asyncio.gather(*(final(s, t) for s, t in zip(streams, trackers))), request)
+        except RequestAbortedError as exc:  # the client left: 499, as nginx logs it
+            raise engine_error(exc) from None
+        except (EngineStepError, EngineDeadError) as exc:
+            raise engine_error(exc) from exc
+        finally:
+            self._abort_unfinished(streams)
+
+    def _abort_unfinished(self, streams: list[RequestOutputStream]) -> None:
+        for stream in streams:
+            if not stream.finished:
+                self.engine.abort(stream.request_id)
+
+    async def _abort_after_stream(self, streams: list[RequestOutputStream]) -> None:
+        """A streamed response's background task. Aborting never blocks, and as a coroutine it
+        runs on the event loop; Starlette would hand a plain function to a worker thread."""
+        self._abort_unfinished(streams)
+
+    def _usage(self, job: Job, finals: list[RequestOutput | None]) -> UsageInfo:
+        completion = sum(len(o.token_ids) for f in finals if f is not None for o in f.outputs)
+        cached = sum(f.num_cached_tokens for f in finals if f is not None)
+        prompt = sum(len(ids) for ids in job.prompts)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+    # ------------------------------------------------------------- logprobs
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _token_entries(self, output: CompletionOutput, start: int, k: int) -> list[TokenEntry]:
+        """(token text, its logprob, top-k alternatives) for generated tokens from `start` on."""
+        entries = []
+        table = output.logprobs or []
+        for i in range(start, len(output.token_ids)):
+            token_id = output.token_ids[i]
+            row = table[i] if i < len(table) else {}
+            top = sorted(row.items(), key=lambda item: -item[1])[:k]
+            entries.append((self._token_text(token_id), finite(row.get(token_id, MIN_LOGPROB)),
+                            [(self._token_text(t), finite(v)) for t, v in top]))
+        return entries
+
+    # ------------------------------------------------------------- streamed responses
+    def _event_stream(self, write_events: Callable[[SendEvent], Awaitable[None]],
+                      streams: list[RequestOutputStream]) -> EventStreamResponse:
+        # The background task also covers a client gone before the events ever started.
+        return EventStreamResponse(write_events, background=BackgroundTask(self._abort_after_stream, streams))
+
+    async def _write_events(self, job: Job, streams: list[RequestOutputStream],
+                            chunk: Callable[[int, ChoiceState, CompletionOutput], BaseModel | str | None],
+                            usage_chunk: Callable[[UsageInfo], BaseModel],
+                            new_state: Callable[[], ChoiceState], send_event: SendEvent) -> None:
+        states: dict[int, ChoiceState] = {}
+        trackers = [self.metrics.tracker(job.arrival) for _ in streams]
+        lasts: list[RequestOutput | None] = [None] * len(streams)
+
+        async def on_output(prompt_index: int, output: RequestOutput) -> None:
+            trackers[prompt_index].observe(output)
+            lasts[prompt_index] = output
+            for completion in output.outputs:
+                index = job.choice_index(prompt_index, completion.index)
+                state = states.get(index)
+                if state is None:
+                    state = states[index] = new_state()
+                if state.done:
+                    continue
+                event = chunk(index, state, completion)
+                state.done = completion.finish_reason is not None
+                if event is not None:
+                    await send_event(event if isinstance(event, str) else sse_event(event))
+            if output.finished and any(c.finish_reason == "error" for c in output.outputs):
+                await send_event(sse_event(json.loads(request_failed(output).envelope())))
+
+        try:
+            if len(streams) == 1:  # most requests: no merging task per stream
+                async for output in streams[0]:
+                    await on_output(0, output)
+            else:
+                async for prompt_index, output in merge_streams(streams):
+                    await on_output(prompt_index, output)
+            if job.include_usage:
+                await send_event(sse_event(usage_chunk(self._usage(job, lasts))))
+        except (EngineStepError, EngineDeadError) as exc:
+            await send_event(sse_event(json.loads(engine_error(exc).envelope())))
+        finally:
+            self._abort_unfinished(streams)
+        await send_event("data: [DONE]\n\n")
+
+    def _holdback(self, job: Job) -> int:
+        return max((len(stop) for stop in job.params.stop), default=1) - 1
+
