@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from hybridserve.bench.common import format_table, median
+from hybridserve.bench.common import common_prefix_length, format_table, median
 from hybridserve.bench.configs import option, seed_option
 from hybridserve.bench.serve_client import PromptSource, ServerBackend, ServerProcess
 
@@ -168,9 +168,10 @@ def llama_server_greedy(url: str, prompt: list[int], num_tokens: int) -> tuple[l
 def agreement(hs: tuple[list[int], list[float]], ll: tuple[list[int], list[float]]) -> dict[str, Any]:
     """How many leading greedy tokens agree, and the largest logprob difference over them."""
     (hs_ids, hs_logprobs), (ll_ids, ll_logprobs) = hs, ll
-    agreed = next((i for i, (a, b) in enumerate(zip(hs_ids, ll_ids)) if a != b), min(len(hs_ids), len(ll_ids)))
+    agreed = common_prefix_length(hs_ids, ll_ids)
     diffs = [abs(hs_logprobs[i] - ll_logprobs[i]) for i in range(agreed)]
-    return {"tokens": len(hs_ids), "leading_agreed": agreed, "same_positions": sum(a == b for a, b in zip(hs_ids, ll_ids)),
+    same = sum(a == b for a, b in zip(hs_ids, ll_ids))
+    return {"tokens": len(hs_ids), "leading_agreed": agreed, "same_positions": same,
             "max_logprob_diff": max(diffs) if diffs else float("nan"), "hybridserve_ids": hs_ids,
             "llama_cpp_ids": ll_ids}
 

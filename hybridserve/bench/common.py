@@ -27,11 +27,9 @@ if TYPE_CHECKING:  # torch loads with the benchmark that runs, not with the comm
 FIRST_PLAIN_ID = IM_END_ID + 1  # ids below are bytes and specials; start random prompts after them
 PLAIN_ID_SPAN = 256             # random prompts draw from [FIRST_PLAIN_ID, FIRST_PLAIN_ID + span)
 
-# Clients keep idle connections 5 s (httpx) or 15 s (aiohttp) by default, and uvicorn closes them
-# after 5 s: a request sent on a pooled connection just as the server closes it fails (httpx
-# ReadError, aiohttp "Can not write request body"), a known race of client pools (one abandoned
-# stream in ~17,000 soak requests; the first request after a few idle seconds in
-# `--compare-offline`). Expiring them sooner leaves transport errors to the server's own faults.
+# Client pools keep idle connections longer than uvicorn does, so a request sent on a pooled
+# connection just as the server closes it fails; expiring them sooner leaves transport errors to
+# the server's own faults.
 KEEPALIVE_EXPIRY_S = 2.0
 
 
@@ -137,6 +135,11 @@ class EngineDriver:
                 if group.is_finished:
                     finished[group.request_id] = engine.output(group)
         return steady, [finished[i] for i in ids]
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items `a` and `b` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def synchronize(device: torch.device) -> None:

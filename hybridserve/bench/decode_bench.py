@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from hybridserve.bench.common import EngineDriver, format_table, greedy, machine_line, median, random_token_ids, \
-    synchronize
+from hybridserve.bench.common import EngineDriver, common_prefix_length, format_table, greedy, machine_line, \
+    median, random_token_ids, synchronize
 from hybridserve.bench.configs import DecodeBenchConfig
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
@@ -125,7 +125,7 @@ def measure_quality(reference: LLMEngine, engine: LLMEngine, cfg: DecodeBenchCon
         margins.extend((best_two[:, 0] - best_two[:, 1]).tolist())
         ref_ids = _greedy_ids(reference, prompt, cfg.greedy_tokens)
         ids = _greedy_ids(engine, prompt, cfg.greedy_tokens)
-        agreed_prefix.append(next((i for i, (a, b) in enumerate(zip(ref_ids, ids)) if a != b), len(ids)))
+        agreed_prefix.append(common_prefix_length(ref_ids, ids))
         exact += ids == ref_ids
     return {"max_abs_logit_error": max_err, "mean_abs_logit_error": abs_err / positions,
             "top1_agreement": top1 / positions, "float32_top1_margin_median": median(margins),

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from hybridserve.bench.common import EngineDriver, format_table, goal_mark, greedy, machine_line, matmul_gflops, \
-    median, random_token_ids, synchronize
+from hybridserve.bench.common import EngineDriver, common_prefix_length, format_table, goal_mark, greedy, \
+    machine_line, matmul_gflops, median, random_token_ids, synchronize
 from hybridserve.bench.configs import EngineBenchConfig
 from hybridserve.config import LINEAR_ATTENTION, EngineConfig, ModelConfig
 from hybridserve.engine.engine import GDN_CHUNK_SIZE, LLMEngine
@@ -33,7 +33,6 @@ DECODE_RATIO_GOAL = 1 / 3    # hybridserve ms/token at most 1/3 of transformers'
 BATCH_SPEEDUP_GOAL = 8.0     # batch-16 aggregate tokens/s at least 8x batch 1
 
 
-# -- FLOP model ------------------------------------------------------------------------------------
 def prefill_flops(config: ModelConfig, num_tokens: int, gdn_chunk: int) -> dict[str, float]:
     """Estimated FLOPs of one prefill of `num_tokens` tokens producing the last token's logits.
 
@@ -62,7 +61,6 @@ def prefill_flops(config: ModelConfig, num_tokens: int, gdn_chunk: int) -> dict[
     return parts
 
 
-# -- transformers side -------------------------------------------------------------------------------
 @contextlib.contextmanager
 def reference_model_dir(engine_config: EngineConfig) -> Iterator[Path]:
     """The checkpoint transformers loads: the engine's model dir, or the built-in weights of its seed."""
@@ -117,7 +115,6 @@ def reference_decode(model: torch.nn.Module, ids: list[int], num_tokens: int) ->
     return steps, tokens
 
 
-# -- the benchmark ----------------------------------------------------------------------------------
 def _measure_prefill(driver: EngineDriver, model: torch.nn.Module, cfg: EngineBenchConfig,
                      vocab: int) -> dict[str, list[float]]:
     samples: dict[str, list[float]] = {"hybridserve_s": [], "transformers_s": [], "matmul_gflops": []}
@@ -149,17 +146,8 @@ def _measure_decode(driver: EngineDriver, model: torch.nn.Module, cfg: EngineBen
             samples["hybridserve_b1_s"].extend(hs_b1)
             samples["transformers_b1_s"].extend(hf_b1)
             samples["hybridserve_batch_s"].extend(hs_batch)
-            samples["greedy_match"].append(_common_prefix(hs_out[0].outputs[0].token_ids, hf_tokens))
+            samples["greedy_match"].append(common_prefix_length(hs_out[0].outputs[0].token_ids, hf_tokens))
     return samples
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    count = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        count += 1
-    return count
 
 
 def run_engine_bench(engine_config: EngineConfig, cfg: EngineBenchConfig) -> dict[str, Any]:

@@ -65,8 +65,6 @@ def summarize(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]
     }
 
 
-
-# =========================================================================== workloads
 async def run_level(api: CompletionClient, prompts: Sequence[list[int]], concurrency: int, max_tokens: int,
                     timeout_s: float) -> tuple[list[RequestRecord], float]:
     """`concurrency` clients take prompts from a shared list back to back; returns records and wall time.
@@ -107,7 +105,6 @@ async def run_workload(api: CompletionClient, kind: str, source: PromptSource,
     return rows
 
 
-# =========================================================================== mixed load
 async def _wait_for(condition: Callable[[], bool], deadline: float, what: str) -> None:
     while not condition():
         if time.perf_counter() > deadline:
@@ -200,7 +197,6 @@ def run_serve_bench(cfg: ServeBenchConfig, *, url: str | None = None, serve_args
         return {**result, "server": {"started": True, "argv": server.argv[2:]}}
 
 
-# =========================================================================== report
 def _fmt(value: Any, digits: int = 1) -> str:
     if isinstance(value, float):
         return "-" if math.isnan(value) else f"{value:.{digits}f}"

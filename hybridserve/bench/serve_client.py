@@ -62,7 +62,6 @@ class RequestRecord:
         return list(zip(self.chunk_times, self.chunk_times[1:]))
 
 
-
 class PromptSource:
     """Random ordinary token ids, a fresh seed per call, so no two prompts share a block by accident."""
 
@@ -72,7 +71,6 @@ class PromptSource:
     def fresh(self, num_tokens: int) -> list[int]:
         """`num_tokens` random ids never handed out before by this source."""
         return random_token_ids(num_tokens, next(self._seeds), FIRST_PLAIN_ID + PLAIN_ID_SPAN)
-
 
 
 class CompletionClient:

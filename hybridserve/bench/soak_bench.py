@@ -31,7 +31,7 @@ import httpx
 
 from hybridserve.bench.common import FIRST_PLAIN_ID, KEEPALIVE_EXPIRY_S, PLAIN_ID_SPAN, write_json
 from hybridserve.bench.configs import SoakConfig
-from hybridserve.bench.serve_client import ServerProcess
+from hybridserve.bench.serve_client import ServerProcess, percentile
 
 KINDS = ("complete", "stream", "chat", "long", "shared", "abort", "disconnect", "bad")
 WEIGHTS = (3, 3, 2, 1, 3, 1, 1, 1)
@@ -293,13 +293,6 @@ async def run_soak_against(url: str, cfg: SoakConfig, server_pid: int | None) ->
     return summarize(cfg, stats, initial, final, elapsed)
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
-
 def _leaks(initial: dict[str, float], final: dict[str, float]) -> dict[str, float]:
     """Pool counters that differ from their idle values after the run."""
     leaks = {}
@@ -341,16 +334,16 @@ def summarize(cfg: SoakConfig, stats: SoakStats, initial: dict[str, float], fina
     leaks = _leaks(initial, final)
     growth = rss_growth(net_rss(stats), cfg.rss_window_s)
     all_latencies = [v for values in stats.latencies.values() for v in values]
-    latency = {kind: {"n": len(v), "p50": _percentile(v, 50), "p90": _percentile(v, 90), "p99": _percentile(v, 99)}
+    latency = {kind: {"n": len(v), "p50": percentile(v, 50), "p90": percentile(v, 90), "p99": percentile(v, 99)}
                for kind, v in sorted(stats.latencies.items())}
-    latency["all"] = {"n": len(all_latencies), "p50": _percentile(all_latencies, 50),
-                      "p90": _percentile(all_latencies, 90), "p99": _percentile(all_latencies, 99)}
+    latency["all"] = {"n": len(all_latencies), "p50": percentile(all_latencies, 50),
+                      "p90": percentile(all_latencies, 90), "p99": percentile(all_latencies, 99)}
     rss_ok = growth != growth or growth < 0.05  # NaN (run shorter than two windows) is not judged
     passed = not stats.failures and not leaks and rss_ok and by_class["503_overload"] > 0
     return {
         "config": asdict(cfg), "elapsed_s": elapsed, "requests": sum(stats.outcomes.values()),
         "by_class": dict(by_class), "by_kind": {f"{k}/{o}": c for (k, o), c in sorted(stats.outcomes.items())},
-        "latency_s": latency, "ttft_s": {"p50": _percentile(stats.ttft, 50), "p99": _percentile(stats.ttft, 99)},
+        "latency_s": latency, "ttft_s": {"p50": percentile(stats.ttft, 50), "p99": percentile(stats.ttft, 99)},
         "leaks": leaks, "rss_growth": growth, "rss_growth_gross": rss_growth(stats.rss, cfg.rss_window_s),
         "rss": stats.rss, "heap_free": stats.heap_free, "net_rss": net_rss(stats), "bursts": stats.bursts,
         "failures": stats.failures[:50], "initial": initial, "final": final, "passed": passed,
