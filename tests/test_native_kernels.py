@@ -3,11 +3,13 @@ updates undone when a forward fails, bad slots rejected, and a clean fallback wi
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import platform
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,10 +17,16 @@ import torch.nn.functional as F
 
 from hybridserve.config import CacheConfig, EngineConfig
 from hybridserve.engine.engine import LLMEngine
-from hybridserve.layers import native
+from hybridserve.layers import kernel_abi, native
 from hybridserve.layers.attention import prefill_attention
-from hybridserve.layers.gated_delta import L2_NORM_EPS, causal_conv_decode, causal_conv_prefill, chunked_gated_delta, \
-    conv_state_after, recurrent_gated_delta_step
+from hybridserve.layers.gated_delta import (
+    L2_NORM_EPS,
+    causal_conv_decode,
+    causal_conv_prefill,
+    chunked_gated_delta,
+    conv_state_after,
+    recurrent_gated_delta_step,
+)
 from hybridserve.layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from hybridserve.layers.rotary import PartialRotaryEmbedding
 from hybridserve.models import fused_decode
@@ -73,7 +81,7 @@ class _Layer:
 
 # The odd shape takes the scalar conv; the second (conv_dim 128, kernel 4) the AVX-512 conv where
 # the CPU has it, and with 2 threads its 5 sequences run as one task each (conv, then every head).
-GDN_SHAPES = [dict(), dict(batch=5, hk=2, hv=4, dk=16, dv=16, num_slots=9)]
+GDN_SHAPES: list[dict[str, int]] = [{}, {"batch": 5, "hk": 2, "hv": 4, "dk": 16, "dv": 16, "num_slots": 9}]
 
 
 @needs_kernel
@@ -223,7 +231,7 @@ def test_gate_kernels_leave_long_chunks_and_other_dtypes_to_torch() -> None:
     assert not native.chunk_rows_apply(torch.randn(native.CHUNK_MAX_ELEMENTS + 1))
     assert not native.chunk_rows_apply(torch.randn(4, 16, dtype=torch.bfloat16))
     assert not native.chunk_rows_apply(torch.randn(4, 16), torch.randn(16, 4).t())
-    with pytest.raises(ValueError, match="shapes"):
+    with pytest.raises(ValueError, match="one shape"):
         native.gated_rms_norm_f32(torch.randn(2, 16), torch.randn(2, 8), torch.ones(16), 1e-6)
     with pytest.raises(ValueError, match="even"):
         native.silu_mul_f32(torch.randn(2, 15))
@@ -277,7 +285,20 @@ def _instruction_sets() -> list[str]:
     return levels + (["x86-64-v4"] if " avx512f" in flags and " avx512bw" in flags else [])
 
 
-def _compile_for(march: str, sources: list[str], tmp_path: Path) -> ctypes.CDLL:
+class _PartialLibrary:
+    """A library built from some of csrc/'s sources: each function bound, when first asked for,
+    with its signature in the kernels header (as `native._library()` binds the whole library)."""
+
+    def __init__(self, cdll: ctypes.CDLL) -> None:
+        self.cdll = cdll
+
+    def __getattr__(self, name: str) -> Any:
+        function = kernel_abi.bind(self.cdll, name)
+        setattr(self, name, function)
+        return function
+
+
+def _compile_for(march: str, sources: list[str], tmp_path: Path) -> _PartialLibrary:
     """csrc/ `sources` (with the task pool) compiled alone for one -march level and loaded."""
     compiler = shutil.which("gcc") or shutil.which("cc")
     flags = [flag for flag in native.CFLAGS if not flag.startswith("-march")]
@@ -286,7 +307,7 @@ def _compile_for(march: str, sources: list[str], tmp_path: Path) -> ctypes.CDLL:
     subprocess.run([compiler, *flags, f"-march={march}", *(str(csrc / source) for source in sources),
                     str(csrc / "task_pool.c"), "-o", str(library_path), "-lpthread"],
                    check=True, capture_output=True, timeout=120)
-    return ctypes.CDLL(str(library_path))
+    return _PartialLibrary(ctypes.CDLL(str(library_path)))
 
 
 @needs_kernel
@@ -297,7 +318,6 @@ def test_gemv_matches_torch_on_every_vector_width(march: str, tmp_path: Path) ->
     so a CI machine with another CPU runs tested code."""
     library = _compile_for(march, ["gemv.c"], tmp_path)
     gen = torch.Generator().manual_seed(5)
-    library.gemv_preferred_rows.restype = ctypes.c_int
     assert library.gemv_preferred_rows() == (native.GEMV_MAX_INPUT_ROWS if march == "x86-64-v4" else 16)
     for rows, (out_features, in_features) in ((1, (67, 301)), (3, (130, 64)), (8, (9, 40)), (16, (70, 517)),
                                               (27, (33, 70))):
@@ -313,7 +333,6 @@ def test_gemv_matches_torch_on_every_vector_width(march: str, tmp_path: Path) ->
                     out_features, 2]
             if kernel is library.gemv_i8:
                 args.insert(1, scales.data_ptr())
-            kernel.argtypes = [ctypes.c_void_p] * (len(args) == 10) + native._GEMV_ARGTYPES
             assert kernel(*args) == 0
             torch.testing.assert_close(y, expected, atol=1e-4 * (128 if w.dtype == torch.int8 else 1), rtol=1e-4)
 
@@ -504,7 +523,6 @@ def test_gemm_rows_builds_on_every_vector_width(march: str, tmp_path: Path) -> N
     x = torch.randn(40, 70 + 3, generator=gen)[:, 2:72]
     weight = torch.randn(33, 70, generator=gen)
     y = torch.full((40, 33), float("nan"))
-    library.gemm_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, *native._GEMV_ARGTYPES[1:]]
     status = library.gemm_rows(weight.data_ptr(), None, 0, 33, 70, x.data_ptr(), 40, x.stride(0), y.data_ptr(), 33, 2)
     assert status == (0 if avx512 else 1)
     if avx512:
@@ -512,20 +530,18 @@ def test_gemm_rows_builds_on_every_vector_width(march: str, tmp_path: Path) -> N
     else:
         assert torch.isnan(y).all()
     attention = _compile_for(march, ["prefill_attention.c"], tmp_path)
-    attention.prefill_attention_max_tokens.restype = ctypes.c_int
     assert attention.prefill_attention_max_tokens() == (128 if avx512 else 0)
 
 
 AMX_REASON = "csrc/gemm_amx.c needs a CPU and OS with AMX tiles"
 
 
-def _amx_call(library: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None = None,
+def _amx_call(library: Any, weight: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None = None,
               silu: bool = False, threads: int = 2) -> tuple[int, torch.Tensor]:
     """gemm_amx (or gemm_amx_silu_mul) on a NaN-filled output: (status, output)."""
     out = weight.shape[0] // 2 if silu else weight.shape[0]
     y = torch.full((x.shape[0], out), float("nan"))
     kernel = library.gemm_amx_silu_mul if silu else library.gemm_amx
-    kernel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, *native._GEMV_ARGTYPES[1:]]
     status = kernel(weight.data_ptr(), scales.data_ptr() if scales is not None else None,
                     1 if weight.dtype == torch.int8 else 2, out, weight.shape[1], x.data_ptr(), x.shape[0],
                     x.stride(0), y.data_ptr(), out, threads)
@@ -617,7 +633,6 @@ def test_gemm_amx_declines_without_amx(march: str, tmp_path: Path) -> None:
     """Built for a level without AMX tiles (x86-64 to x86-64-v4), csrc/gemm_amx.c takes nothing and
     reports none: the callers keep the GEMV and the float32 tile there."""
     library = _compile_for(march, ["gemm_amx.c"], tmp_path)
-    library.gemm_amx_available.restype = ctypes.c_int
     assert library.gemm_amx_available() == 0
     gen = torch.Generator().manual_seed(1)
     for weight, scales in (_amx_weight("bfloat16", (40, 64), gen), _amx_weight("int8", (40, 64), gen)):
@@ -652,7 +667,7 @@ def test_a_slot_out_of_range_is_rejected_before_any_state_changes() -> None:
         layer.fused(in_place=True)
     assert torch.equal(layer.rec_live, before)
     layer.slots = torch.tensor([0, 1, 2])
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(TypeError, match="proj must be float32"):
         native.gdn_decode_f32(layer.projection.double(), layer.b_offset, layer.b_offset + layer.hv,
                               layer.slots, layer.conv_live, layer.rec_live, layer.weight, layer.dt_bias,
                               layer.neg_decay_rate, layer.hk, L2_NORM_EPS)
@@ -775,3 +790,334 @@ def test_argmax_and_finite_leave_other_tensors_to_torch() -> None:
     assert native.argmax_and_finite(torch.randn(8, 2).t()) is None  # columns not contiguous
     assert native.argmax_and_finite(torch.randn(2, 0)) is None
     assert native.argmax_and_finite(torch.randn(8)) is None
+
+
+# ---- The kernel interface: one header, bindings and struct mirrors from it, checked at load ----
+
+def _library_or_skip() -> kernel_abi.KernelLibrary:
+    library = native._library()
+    if library is None:
+        pytest.skip("no C compiler: the eager path is used")
+    return library
+
+
+def test_the_header_parser_reads_prototypes_structs_and_constants() -> None:
+    abi = kernel_abi.parse_header("""
+        #include <stdint.h>
+        /* a comment; with a semicolon */
+        enum { FORMAT_A = 0, FORMAT_B = -3 };
+        typedef struct { const float *a, **b; int64_t n; } Inner;
+        typedef struct { Inner inner; const Inner *many; float eps; } Outer;
+        int64_t size_of(const Outer *outer, int threads);  // trailing comment
+        void nothing(void);
+    """)
+    assert abi.constants == {"FORMAT_A": 0, "FORMAT_B": -3}
+    assert [(f.base, f.pointers, f.name) for f in abi.structs["Inner"]] == [("float", 1, "a"), ("float", 2, "b"),
+                                                                           ("int64_t", 0, "n")]
+    assert [f.c_type() for f in abi.structs["Outer"]] == ["Inner", "Inner *", "float"]
+    size_of = abi.functions["size_of"]
+    assert size_of.result.c_type() == "int64_t"
+    assert [(p.c_type(), p.name) for p in size_of.params] == [("Outer *", "outer"), ("int", "threads")]
+    assert abi.functions["nothing"].params == ()
+    function = kernel_abi.function_type(size_of)
+    assert function._argtypes_ == (ctypes.c_void_p, ctypes.c_int) and function._restype_ is ctypes.c_int64
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ("long weird(int x);", "unknown type"),
+    ("int unnamed(int);", "declarator"),
+    ("enum { A };", "explicit value"),
+    ("int twice(void); int twice(void);", "declared twice"),
+    ("int missing_semicolon(void)", "after the last"),
+    ("typedef struct { unsigned short x; } S;", "unknown type"),
+])
+def test_the_header_parser_rejects_what_it_cannot_read(text: str, problem: str) -> None:
+    with pytest.raises(kernel_abi.KernelAbiError, match=problem):
+        kernel_abi.parse_header(text)
+
+
+def test_the_kernels_header_declares_the_bound_functions_and_shared_structs() -> None:
+    abi = kernel_abi.header_abi()
+    assert set(abi.structs) == set(kernel_abi.MIRRORS) == {"Linear", "DecodeLayer", "DecodeModel"}
+    gdn = abi.functions["gdn_decode_f32"]
+    assert len(gdn.params) == 26 and gdn.result.c_type() == "int"
+    assert [p.name for p in gdn.params[:3]] == ["batch", "num_k_heads", "num_v_heads"]
+    for name, mirror in kernel_abi.MIRRORS.items():  # the mirrors take their fields from the header, in order
+        assert [field[0] for field in mirror._fields_] == [field.name for field in abi.structs[name]]
+    assert kernel_abi.WEIGHT_FORMATS == {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}
+
+
+@needs_kernel
+def test_every_declared_function_is_bound_with_its_arity_and_types() -> None:
+    library = _library_or_skip()
+    for name, prototype in kernel_abi.header_abi().functions.items():
+        function = getattr(library, name)
+        assert len(function.argtypes) == len(prototype.params), name
+        for param, argtype in zip(prototype.params, function.argtypes):
+            assert argtype is (ctypes.c_void_p if param.pointers else getattr(ctypes, {
+                "int": "c_int", "float": "c_float", "int64_t": "c_int64"}[param.base])), (name, param)
+    with pytest.raises(TypeError, match="takes 0 arguments"):
+        library.gemv_preferred_rows(1)
+    with pytest.raises(TypeError, match="takes 8 arguments"):  # one too many: ctypes' cdecl default passes it on
+        library.rms_norm_f32(0, 0, 0, 0, 0, 1e-6, 0, 0, 0)
+    with pytest.raises(AttributeError, match="declares no function"):
+        library.not_a_kernel  # noqa: B018 (the attribute access is the test)
+
+
+@needs_kernel
+def test_every_exported_function_is_declared_in_the_header() -> None:
+    """The library exports the header's functions and, besides them, only the task pool's entry
+    point (declared in task_pool.h, called by the kernels alone)."""
+    library = _library_or_skip()
+    if shutil.which("nm") is None:
+        pytest.skip("no nm to list the library's symbols")
+    listing = subprocess.run(["nm", "-D", "--defined-only", str(library.path)], check=True, capture_output=True,
+                             text=True).stdout
+    exported = {line.split()[2] for line in listing.splitlines() if len(line.split()) == 3
+                and line.split()[1] == "T"}
+    assert exported - set(kernel_abi.header_abi().functions) == {"task_pool_run"}
+    assert set(kernel_abi.header_abi().functions) <= exported
+
+
+@needs_kernel
+def test_the_struct_mirrors_match_the_compiled_layout() -> None:
+    library = _library_or_skip()
+    assert kernel_abi.layout_problems(library) == []
+    for name, mirror in kernel_abi.MIRRORS.items():
+        assert library.kernel_abi_struct_size(name.encode()) == ctypes.sizeof(mirror)
+    assert library.kernel_abi_struct_size(b"NoSuchStruct") == -1
+    assert library.kernel_abi_field_offset(b"DecodeModel", b"layers") == kernel_abi.DecodeModel.layers.offset
+    assert library.kernel_abi_field_size(b"DecodeModel", b"rms_eps") == 4
+
+
+class _NarrowFormat(ctypes.Structure):
+    _fields_ = [("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("format", ctypes.c_int32)]
+
+
+class _SwappedPointers(ctypes.Structure):
+    _fields_ = [("scales", ctypes.c_void_p), ("weight", ctypes.c_void_p), ("format", ctypes.c_int64)]
+
+
+class _MissingFormat(ctypes.Structure):
+    _fields_ = [("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p)]
+
+
+@needs_kernel
+@pytest.mark.parametrize(("mirror", "problems"), [
+    (_NarrowFormat, ["sizeof(Linear.format): 8 compiled, 4 in the mirror"]),
+    (_SwappedPointers, ["offsetof(Linear, weight): 0 compiled, 8 in the mirror",
+                        "offsetof(Linear, scales): 8 compiled, 0 in the mirror"]),
+    (_MissingFormat, ["sizeof(Linear): 24 compiled, 16 in the ctypes mirror",
+                      "Linear.format is declared in hybridserve_kernels.h but not in the ctypes mirror"]),
+])
+def test_a_mirror_that_differs_from_the_compiled_struct_is_reported(mirror: type[ctypes.Structure],
+                                                                    problems: list[str]) -> None:
+    library = _library_or_skip()
+    assert kernel_abi.layout_problems(library, mirrors={**kernel_abi.MIRRORS, "Linear": mirror}) == problems
+    missing = kernel_abi.layout_problems(library, mirrors={"Linear": kernel_abi.Linear})
+    assert missing == [f"struct {name} is declared in hybridserve_kernels.h but has no ctypes mirror"
+                       for name in ("DecodeLayer", "DecodeModel")]
+
+
+@needs_kernel
+def test_an_interface_mismatch_disables_the_kernels(monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A mirror that does not match the compiled struct (or a declared function the library lacks)
+    is an error at load: the kernels are off and every caller keeps the PyTorch ops."""
+    library = _library_or_skip()
+    monkeypatch.setitem(kernel_abi.MIRRORS, "Linear", _NarrowFormat)
+    native._library.cache_clear()
+    try:
+        assert native._library() is None and not native.native_kernels_enabled()
+        assert "do not match their interface" in caplog.text and "Linear.format" in caplog.text
+        assert not native.rms_norm_applies(torch.randn(2, 16), torch.ones(16))
+        assert not native.gemv_applies(torch.randn(8, 16), torch.randn(2, 16))
+        with pytest.raises(RuntimeError, match="unavailable"):
+            native.rms_norm_f32(torch.randn(2, 16), torch.ones(16), 1e-6)
+    finally:
+        monkeypatch.undo()
+        native._library.cache_clear()
+    abi = kernel_abi.header_abi()
+    extra = kernel_abi.parse_header("int not_exported(int x);").functions
+    with pytest.raises(kernel_abi.KernelAbiError, match="does not export not_exported"):
+        kernel_abi.KernelLibrary(library.path, kernel_abi.HeaderAbi({**abi.functions, **extra}, abi.structs,
+                                                                     abi.constants))
+    assert native.native_kernels_enabled()
+
+
+def _compile_probe(source: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """`source` (next to the kernels header) compiled with the kernels' flags."""
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    assert compiler is not None
+    csrc = Path(native.__file__).with_name("csrc")
+    probe = tmp_path / "probe.c"
+    probe.write_text(source)
+    return subprocess.run([compiler, *native.CFLAGS, f"-I{csrc}", str(probe), "-o", str(tmp_path / "probe.so")],
+                          check=False, capture_output=True, text=True, timeout=120)
+
+
+@needs_kernel
+def test_a_definition_that_differs_from_the_header_does_not_compile(tmp_path: Path) -> None:
+    """The build's -Wmissing-prototypes -Werror: an exported function the header does not declare,
+    or one defined with another signature than declared, fails the build (the kernels then stay
+    off) instead of being called with the wrong arguments."""
+    assert {"-Wall", "-Wextra", "-Werror", "-Wmissing-prototypes"} <= set(native.CFLAGS)
+    declared = '#include "hybridserve_kernels.h"\nint gemv_preferred_rows(void) { return 16; }\n'
+    assert _compile_probe(declared, tmp_path).returncode == 0
+    changed = '#include "hybridserve_kernels.h"\nint gemv_preferred_rows(int rows) { return rows; }\n'
+    assert "conflicting types" in _compile_probe(changed, tmp_path).stderr
+    undeclared = '#include "hybridserve_kernels.h"\nint exported_without_declaration(void) { return 0; }\n'
+    assert "no previous prototype" in _compile_probe(undeclared, tmp_path).stderr
+    unused = '#include "hybridserve_kernels.h"\nint gemv_preferred_rows(void) { int unused; return 16; }\n'
+    assert _compile_probe(unused, tmp_path).returncode != 0
+
+
+def test_the_build_is_keyed_by_its_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Changing a compiler flag (a warning made an error, say) builds a new library rather than
+    loading one built with the old flags."""
+    if native._compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built: list[Path] = []
+    monkeypatch.setattr(native, "_build", lambda compiler, target: built.append(target))
+    first = native._compiled_library()
+    monkeypatch.setattr(native, "CFLAGS", [*native.CFLAGS, "-Wconversion"])
+    second = native._compiled_library()
+    assert first is not None and second is not None and first != second and built == [first, second]
+
+
+def _meta(*shape: int) -> torch.Tensor:
+    return torch.empty(*shape, device="meta")
+
+
+_W, _X = torch.randn(8, 16), torch.randn(2, 16)
+_INT8, _SCALES = torch.randint(-5, 5, (8, 16), dtype=torch.int8), torch.rand(8)
+_LAYER = _Layer()
+
+
+def _gdn_decode(**changed: object) -> object:
+    args = {"proj": _LAYER.projection, "b_offset": _LAYER.b_offset, "a_offset": _LAYER.b_offset + _LAYER.hv,
+            "slots": _LAYER.slots, "conv_live": _LAYER.conv_live, "rec_live": _LAYER.rec_live,
+            "conv_weight": _LAYER.weight, "dt_bias": _LAYER.dt_bias, "neg_decay_rate": _LAYER.neg_decay_rate,
+            "num_k_heads": _LAYER.hk, "l2_eps": L2_NORM_EPS}
+    return native.gdn_decode_f32(**{**args, **changed})  # type: ignore[arg-type]
+
+
+def _gdn_prefill(**changed: object) -> object:
+    hk, hv, dk, dv, kernel = 1, 2, 4, 4, 4
+    conv_dim = 2 * hk * dk + hv * dv
+    args = {"x": torch.randn(5, conv_dim), "conv_state": torch.randn(conv_dim, kernel - 1), "g": torch.randn(5, hv),
+            "beta": torch.rand(5, hv), "rec_state": torch.randn(hv, dk, dv),
+            "conv_weight": torch.randn(conv_dim, kernel), "num_k_heads": hk, "l2_eps": L2_NORM_EPS,
+            "capture_tokens": []}
+    return native.gdn_prefill_f32(**{**args, **changed})  # type: ignore[arg-type]
+
+
+_ROPE_X, _ROPE_COS = torch.randn(3, 2, 8), torch.randn(3, 1, 4)
+_CACHE, _SLOTS = torch.randn(20, 2, 64), torch.arange(6)
+
+# (call, exception, message): each wrapper rejects a wrong dtype, device, layout or shape itself,
+# before any pointer reaches C (with or without the compiled kernels).
+WRONG_INPUTS = {
+    "rms_norm x dtype": (lambda: native.rms_norm_f32(_X.double(), torch.ones(16), 1e-6), TypeError,
+                         "rms_norm_f32: x must be float32, got float64"),
+    "rms_norm x not a tensor": (lambda: native.rms_norm_f32([1.0], torch.ones(1), 1e-6), TypeError,
+                                "x must be a tensor"),
+    "rms_norm x device": (lambda: native.rms_norm_f32(_meta(2, 16), torch.ones(16), 1e-6), ValueError,
+                          "x must be on the CPU"),
+    "rms_norm rows": (lambda: native.rms_norm_f32(torch.randn(4, 3, 16).transpose(0, 1), torch.ones(16), 1e-6),
+                      ValueError, "evenly spaced"),
+    "rms_norm scale shape": (lambda: native.rms_norm_f32(_X, torch.ones(8), 1e-6), ValueError,
+                             r"scale must have shape \(16,\)"),
+    "rms_norm scale layout": (lambda: native.rms_norm_f32(_X, torch.ones(32)[::2], 1e-6), ValueError,
+                              "scale must be contiguous"),
+    "norm_rope x dims": (lambda: native.rms_norm_rope_f32(_X, torch.ones(16), 1e-6, _ROPE_COS, _ROPE_COS),
+                         ValueError, "x must have 3 dimensions"),
+    "norm_rope x columns": (lambda: native.rms_norm_rope_f32(torch.randn(3, 2, 16)[:, :, ::2], torch.ones(8), 1e-6,
+                                                             _ROPE_COS, _ROPE_COS), ValueError, "contiguous rows"),
+    "norm_rope cos shape": (lambda: native.rms_norm_rope_f32(_ROPE_X, torch.ones(8), 1e-6, torch.randn(2, 1, 4),
+                                                             torch.randn(2, 1, 4)), ValueError, "cos must have shape"),
+    "norm_rope sin dtype": (lambda: native.rms_norm_rope_f32(_ROPE_X, torch.ones(8), 1e-6, _ROPE_COS,
+                                                             _ROPE_COS.bfloat16()), TypeError, "sin must be float32"),
+    "norm_rope odd rotary": (lambda: native.rms_norm_rope_f32(_ROPE_X, torch.ones(8), 1e-6, torch.randn(3, 1, 3),
+                                                              torch.randn(3, 1, 3)), ValueError, "must be even"),
+    "gated_norm gate dtype": (lambda: native.gated_rms_norm_f32(_X, _X.bfloat16(), torch.ones(16), 1e-6), TypeError,
+                              "gate must be float32"),
+    "gated_norm gate rows": (lambda: native.gated_rms_norm_f32(torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+                                                               .transpose(0, 1), torch.ones(16), 1e-6),
+                             ValueError, "gate must have contiguous, evenly spaced rows"),
+    "silu_mul dtype": (lambda: native.silu_mul_f32(torch.ones(2, 16, dtype=torch.int32)), TypeError,
+                       "x must be float32, got int32"),
+    "silu_mul columns": (lambda: native.silu_mul_f32(torch.randn(16, 4).t()), ValueError, "evenly spaced"),
+    "silu_mul scalar": (lambda: native.silu_mul_f32(torch.tensor(1.0)), ValueError, "even and non-zero"),
+    "gemv weight dtype": (lambda: native.gemv(_W.double(), _X), TypeError,
+                          "gemv: weight must be float32 or bfloat16 or int8, got float64"),
+    "gemv weight layout": (lambda: native.gemv(torch.randn(16, 8).t(), _X), ValueError,
+                           "weight must be contiguous"),
+    "gemv weight dims": (lambda: native.gemv(torch.randn(16), _X), ValueError, "weight must have 2 dimensions"),
+    "gemv x dtype": (lambda: native.gemv(_W, _X.bfloat16()), TypeError, "x must be float32, got bfloat16"),
+    "gemv x columns": (lambda: native.gemv(_W, torch.randn(32, 2).t()[:, :16]), ValueError, "contiguous rows"),
+    "gemv x device": (lambda: native.gemv(_W, _meta(2, 16)), ValueError, "x must be on the CPU"),
+    "gemv scales on float32": (lambda: native.gemv(_W, _X, _SCALES), ValueError, "int8 weights only"),
+    "gemv scales dtype": (lambda: native.gemv(_INT8, _X, _SCALES.double()), TypeError, "scales must be float32"),
+    "gemv scales shape": (lambda: native.gemv(_INT8, _X, torch.rand(7)), ValueError, r"scales must have shape \(8,\)"),
+    "gemm_rows weight dtype": (lambda: native.gemm_rows(_W.bfloat16(), torch.randn(8, 16)), TypeError,
+                               "gemm_rows: weight must be float32 or int8, got bfloat16"),
+    "gemm_rows x columns": (lambda: native.gemm_rows(_W, torch.randn(8, 15)), ValueError, "15 columns"),
+    "gemm_rows int8 without scales": (lambda: native.gemm_rows(_INT8, torch.randn(8, 16)), ValueError,
+                                      "need contiguous float32 scales"),
+    "gemm_rows_silu_mul odd": (lambda: native.gemm_rows_silu_mul(_W[1:], torch.randn(8, 16)), ValueError,
+                               "even number of rows"),
+    "gemm_rows_silu_mul x dims": (lambda: native.gemm_rows_silu_mul(_W, torch.randn(8)), ValueError,
+                                  "x must have 2 dimensions"),
+    "prefill_attention q dtype": (lambda: native.prefill_attention(torch.randn(4, 4, 64).bfloat16(), _CACHE, _CACHE,
+                                                                   _SLOTS, 0.125), TypeError, "q must be float32"),
+    "prefill_attention q heads": (lambda: native.prefill_attention(torch.randn(4, 8, 64)[:, ::2], _CACHE, _CACHE,
+                                                                   _SLOTS, 0.125), ValueError, "heads of q"),
+    "prefill_attention slots dtype": (lambda: native.prefill_attention(torch.randn(4, 4, 64), _CACHE, _CACHE,
+                                                                       _SLOTS.int(), 0.125), TypeError,
+                                      "slots must be int64"),
+    "prefill_attention slots layout": (lambda: native.prefill_attention(torch.randn(4, 4, 64), _CACHE, _CACHE,
+                                                                        torch.arange(12)[::2], 0.125), ValueError,
+                                       "slots must be contiguous"),
+    "prefill_attention too few slots": (lambda: native.prefill_attention(torch.randn(4, 4, 64), _CACHE, _CACHE,
+                                                                         _SLOTS[:3], 0.125), ValueError,
+                                        "3 slots for 4"),
+    "prefill_attention values layout": (lambda: native.prefill_attention(torch.randn(4, 4, 64), _CACHE,
+                                                                         torch.randn(64, 2, 20).permute(2, 1, 0),
+                                                                         _SLOTS, 0.125), ValueError,
+                                        "cache_values must be contiguous"),
+    "gdn_decode slots dtype": (lambda: _gdn_decode(slots=_LAYER.slots.int()), TypeError, "slots must be int64"),
+    "gdn_decode state layout": (lambda: _gdn_decode(rec_live=_LAYER.rec_live.transpose(2, 3)), ValueError,
+                                "rec_live must be contiguous"),
+    "gdn_decode state dims": (lambda: _gdn_decode(conv_live=_LAYER.conv_live[0]), ValueError,
+                              "conv_live must have 3 dimensions"),
+    "gdn_decode proj columns": (lambda: _gdn_decode(proj=_LAYER.projection.t().contiguous().t()), ValueError,
+                                "proj must have contiguous rows"),
+    "gdn_decode norm dtype": (lambda: _gdn_decode(norm_weight=torch.ones(_LAYER.dv).double()), TypeError,
+                              "norm_weight must be float32"),
+    "gdn_decode norm shape": (lambda: _gdn_decode(norm_weight=torch.ones(_LAYER.dv + 1)), ValueError, "disagree"),
+    "gdn_prefill x dtype": (lambda: _gdn_prefill(x=torch.randn(5, 24).double()), TypeError, "x must be float32"),
+    "gdn_prefill gates layout": (lambda: _gdn_prefill(g=torch.randn(2, 5).t()), ValueError, "g must be contiguous"),
+    "gdn_prefill state dims": (lambda: _gdn_prefill(rec_state=torch.randn(2, 4, 4, 1)), ValueError,
+                               "rec_state must have 3 dimensions"),
+    "decode step ids": (lambda: native.check_index_tensors("decode_step_f32", tokens=torch.zeros(3, dtype=torch.int32)),
+                        TypeError, "decode_step_f32: tokens must be int64"),
+    "decode step tables": (lambda: native.check_index_tensors("decode_step_f32",
+                                                              block_tables=torch.zeros(4, 3, dtype=torch.long).t()),
+                           ValueError, "block_tables must be contiguous"),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG_INPUTS))
+def test_each_wrapper_rejects_wrong_inputs_with_a_clear_error(case: str) -> None:
+    call, exception, message = WRONG_INPUTS[case]
+    with pytest.raises(exception, match=message):
+        call()
+
+
+def test_no_assert_guards_a_kernel_call() -> None:
+    """Runtime checks in the wrappers and the C step's caller raise; `python -O` strips asserts."""
+    for module in (native, kernel_abi, fused_decode):
+        tree = ast.parse(Path(module.__file__).read_text())
+        assert not [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)], module.__name__

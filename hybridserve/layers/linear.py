@@ -223,7 +223,8 @@ class PackedLinear:
         return y.to(x.dtype)
 
     def _int8(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.scales is not None and self.kernel_scales is not None
+        if self.scales is None or self.kernel_scales is None:
+            raise ValueError("PackedLinear: an int8 weight needs its scales")
         if native.gemm_rows_applies(self.weight, x):  # the C GEMM and GEMV widen int8 in registers
             y = native.gemm_rows(self.weight, x, self.scales)
         elif native.gemv_applies(self.weight, x, native.gemv_preferred_rows()):

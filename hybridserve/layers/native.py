@@ -17,12 +17,18 @@ which comes first where it applies; where the CPU has AMX tiles, bfloat16 weight
 6 to 32 rows and int8 ones from 8 (csrc/gemm_amx.c; `HYBRIDSERVE_AMX=0` turns that off);
 `prefill_attention` (csrc/prefill_attention.c) attends a short chunk over the paged KV in place;
 csrc/decode_step.c runs a whole decode step (see models/fused_decode.py). The sources are compiled
-with the system C compiler into the user's cache directory (keyed by sources, compiler and CPU, so
-a home shared by different CPUs is safe) and loaded with ctypes: no build step at install, about
-3 s at the first start on the 2-core VM, nothing after. The kernels' parallel work runs on their own task pool (csrc/task_pool.c), whose
-caller never waits for a worker that has not started; the one OpenMP loop left (logits.c) binds to
-the `libgomp.so.1` torch already loaded. Without a compiler, on other devices or dtypes, or with
-`HYBRIDSERVE_NATIVE_KERNELS=0`, callers fall back to the eager PyTorch ops (see
+with the system C compiler, warnings as errors, into the user's cache directory (keyed by sources,
+flags, compiler and CPU, so a home shared by different CPUs is safe): no build step at install, a
+few seconds at the first start, nothing after. The kernels' parallel work runs on their own task
+pool (csrc/task_pool.c), whose caller never waits for a worker that has not started; the one
+OpenMP loop left (logits.c) binds to the `libgomp.so.1` torch already loaded.
+
+Every exported function and shared struct is declared once, in csrc/hybridserve_kernels.h;
+kernel_abi.py binds the functions from it (types and exact arity) and checks the struct mirrors
+against the compiled layout at load. Each wrapper here checks the dtype, device, layout and shape
+of its tensors itself and raises TypeError (dtype) or ValueError (the rest) before any pointer
+reaches C. Without a compiler, with an interface that does not match, on other devices or
+dtypes, or with `HYBRIDSERVE_NATIVE_KERNELS=0`, callers fall back to the eager PyTorch ops (see
 `native_kernels_enabled`).
 """
 
@@ -37,15 +43,19 @@ import shutil
 import subprocess
 import sysconfig
 import tempfile
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from hybridserve import envs
+from hybridserve.layers.kernel_abi import WEIGHT_FORMATS, KernelAbiError, KernelLibrary
+
 logger = logging.getLogger(__name__)
 
-NATIVE_KERNELS_ENV = "HYBRIDSERVE_NATIVE_KERNELS"
-AMX_ENV = "HYBRIDSERVE_AMX"  # 0: bf16 and int8 rows keep the GEMV / float32 tile where the CPU has AMX
+NATIVE_KERNELS_ENV = envs.NATIVE_KERNELS.name
+AMX_ENV = envs.AMX.name  # 0: bf16 and int8 rows keep the GEMV / float32 tile where the CPU has AMX
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
 # elements the single-threaded elementwise kernels (norms, gates) take: decode rows and short chunks
 # (the fused MLP output of a 64-token chunk of the built-in model: 64 x 3072). There each of torch's
@@ -54,34 +64,30 @@ CHUNK_MAX_ELEMENTS = 1 << 18
 HEADERS = sorted((Path(__file__).with_name("csrc")).glob("*.h"))
 # -fno-trapping-math lets GCC vectorise the branches of vector_math.h's exp; like -fno-math-errno it
 # changes no result (no -ffast-math: sums keep their order)
-CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+OPTIMIZE_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+# Warnings are errors. -Wmissing-prototypes makes every exported function need its declaration in
+# hybridserve_kernels.h (which every source includes, so a definition that differs from it does not
+# compile either). -Wno-psabi: GCC notes that static helpers returning AVX vectors have another ABI
+# when built without AVX; they are never called across that boundary.
+WARNING_FLAGS = ["-Wall", "-Wextra", "-Wshadow", "-Wstrict-prototypes", "-Wmissing-prototypes", "-Wno-psabi",
+                 "-Werror"]
+CFLAGS = OPTIMIZE_FLAGS + WARNING_FLAGS
 
-_i64 = ctypes.c_int64
-_ptr, _float, _int = ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-_GDN_DECODE_ARGTYPES = [_i64] * 6 + [_ptr, _i64, _i64, _i64, _ptr, _i64] + [_ptr] * 5 \
-    + [_float, _ptr, _float, _int, _int] + [_ptr] * 4
-_GDN_PREFILL_ARGTYPES = [_i64] * 6 + [_ptr, _i64] + [_ptr] * 5 + [_float, _i64, _ptr, _int] + [_ptr] * 4
-_RMS_NORM_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _float, _ptr, _i64]
-_RMS_NORM_ROPE_ARGTYPES = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _float, _ptr, _ptr, _i64, _ptr]
-_GEMV_ARGTYPES = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _int]
 GEMV_MAX_INPUT_ROWS = 32  # as in csrc/gemv.c
 GEMV_DECODE_ROWS = 16  # the rows `gemv_applies` admits unless told otherwise (see gemv_preferred_rows)
 # int8 weights take the tile GEMM up to here, where it replaced the GEMV (built-in model's linears at
 # 8, 16 and 32 rows: 0.77x, 0.70x and 0.63x the GEMV's time); more rows keep PyTorch's int8 GEMM.
 GEMM_ROWS_INT8_MAX_ROWS = GEMV_MAX_INPUT_ROWS
-_GEMM_FORMATS = {torch.float32: 0, torch.int8: 1}  # as in csrc/gemm_rows.c
-_GEMM_FORMAT_BF16 = 2  # bfloat16: taken on AMX tiles only (csrc/gemm_amx.c)
-
-
-def _env_flag(name: str) -> bool:
-    """An on/off environment switch, on unless set to 0, false, no or off."""
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+_GEMM_DTYPES = (torch.float32, torch.int8)  # gemm_rows' weights (bfloat16 ones: AMX tiles only, via gemv)
+_GEMV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+_FLOAT32 = (torch.float32,)
+_INT64 = (torch.int64,)
 
 
 def native_kernels_enabled() -> bool:
     """Whether the C kernels may be used: not disabled by the environment and compiled (once per
-    process; a failed build is logged once and the eager path is used)."""
-    if not _env_flag(NATIVE_KERNELS_ENV):
+    process; a failed build or an interface mismatch is logged once and the eager path is used)."""
+    if not envs.native_kernels():
         return False
     return _library() is not None
 
@@ -133,14 +139,15 @@ def _build(compiler: str, target: Path) -> None:
         os.replace(partial, target)
 
 
-@lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
+def _compiled_library() -> Path | None:
+    """The kernels library for these sources, flags, compiler and CPU, built if not cached; None
+    (logged) without a compiler or when the build fails."""
     compiler = _compiler()
     if compiler is None:
         logger.warning("no C compiler found: the CPU decode runs on eager PyTorch ops (slower)")
         return None
     try:
-        version = subprocess.run([*compiler.split(), "--version"], capture_output=True, text=True,
+        version = subprocess.run([*compiler.split(), "--version"], check=False, capture_output=True, text=True,
                                  timeout=30).stdout
         sources = [source.read_text() for source in [*SOURCES, *HEADERS]]
         key = hashlib.sha256("\0".join([*sources, compiler, version, " ".join(CFLAGS),
@@ -148,54 +155,99 @@ def _library() -> ctypes.CDLL | None:
         target = _cache_dir() / f"kernels-{key}.so"
         if not target.exists():
             _build(compiler, target)
-        library = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("building the C decode kernels failed; using eager PyTorch ops: %s", detail)
         return None
-    library.gdn_decode_f32.argtypes = _GDN_DECODE_ARGTYPES
-    library.gdn_decode_f32.restype = ctypes.c_int
-    library.gdn_prefill_f32.argtypes = _GDN_PREFILL_ARGTYPES
-    library.gdn_prefill_f32.restype = ctypes.c_int
-    library.gemv_f32.argtypes = _GEMV_ARGTYPES
-    library.gemv_f32.restype = ctypes.c_int
-    library.gemv_i8.argtypes = [_ptr, *_GEMV_ARGTYPES]
-    library.gemv_i8.restype = ctypes.c_int
-    library.gemv_bf16.argtypes = _GEMV_ARGTYPES
-    library.gemv_bf16.restype = ctypes.c_int
-    library.gemm_amx.argtypes = [_ptr, _ptr, _int, *_GEMV_ARGTYPES[1:]]
-    library.gemm_amx.restype = ctypes.c_int
-    library.gemm_amx_available.argtypes = []
-    library.gemm_amx_available.restype = ctypes.c_int
-    library.gemm_amx_set_enabled.argtypes = [_int]
-    library.gemm_amx_set_enabled.restype = ctypes.c_int
-    library.gemm_amx_set_enabled(int(_env_flag(AMX_ENV)))
-    library.gemv_preferred_rows.argtypes = []
-    library.gemv_preferred_rows.restype = ctypes.c_int
-    for kernel in (library.gemm_rows, library.gemm_rows_silu_mul):
-        kernel.argtypes = [_ptr, _ptr, _int, *_GEMV_ARGTYPES[1:]]
-        kernel.restype = ctypes.c_int
-    library.gemm_rows_bounds.argtypes = [ctypes.POINTER(_int), ctypes.POINTER(_int)]
-    library.gemm_rows_bounds.restype = None
-    library.prefill_attention_f32.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _float,
-                                              _ptr, _int]
-    library.prefill_attention_f32.restype = ctypes.c_int
-    library.prefill_attention_max_tokens.argtypes = []
-    library.prefill_attention_max_tokens.restype = ctypes.c_int
-    library.logits_argmax_finite.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _int]
-    library.logits_argmax_finite.restype = None
-    library.decode_step_workspace_floats.argtypes = [_ptr, _i64, _ptr, _i64, _int]
-    library.decode_step_workspace_floats.restype = _i64
-    library.decode_step_f32.argtypes = ([_ptr, _i64] + [_ptr] * 5 + [_i64] * 3 + [_ptr] * 3 + [_i64] + [_ptr] * 2
-                                        + [_i64] + [_ptr] * 3 + [_int])
-    library.decode_step_f32.restype = ctypes.c_int
-    for name, argtypes in (("rms_norm_f32", _RMS_NORM_ARGTYPES),
-                           ("rms_norm_rope_f32", _RMS_NORM_ROPE_ARGTYPES),
-                           ("gated_rms_norm_f32", [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _float, _ptr]),
-                           ("silu_mul_f32", [_ptr, _i64, _i64, _i64, _ptr])):
-        getattr(library, name).argtypes = argtypes
-        getattr(library, name).restype = None
+    return target
+
+
+@lru_cache(maxsize=1)
+def _library() -> KernelLibrary | None:
+    """The loaded kernels library with the header's functions bound (once per process), or None."""
+    target = _compiled_library()
+    if target is None:
+        return None
+    try:
+        library = KernelLibrary(target)
+    except OSError as exc:
+        logger.warning("loading the C decode kernels failed; using eager PyTorch ops: %s", exc)
+        return None
+    except KernelAbiError as exc:
+        logger.error("the C kernels do not match their interface; using eager PyTorch ops: %s", exc)
+        return None
+    library.gemm_amx_set_enabled(int(envs.amx()))
     return library
+
+
+def _require_library(kernel: str) -> KernelLibrary:
+    """The kernels library, or RuntimeError naming the wrapper called without it."""
+    library = _library()
+    if library is None:
+        raise RuntimeError(f"{kernel}: the C kernels are unavailable (ask its *_applies check first)")
+    return library
+
+
+def _check_tensor(kernel: str, name: str, tensor: object, dtypes: Sequence[torch.dtype], dims: int | None = None,
+                  contiguous: bool = False) -> torch.Tensor:
+    """`tensor` if it is a CPU tensor of one of `dtypes` (with `dims` dimensions, contiguous when
+    asked); else TypeError (not a tensor, another dtype) or ValueError naming the kernel and argument."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{kernel}: {name} must be a tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in dtypes:
+        wanted = " or ".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
+        raise TypeError(f"{kernel}: {name} must be {wanted}, got {str(tensor.dtype).removeprefix('torch.')}")
+    if not tensor.is_cpu:
+        raise ValueError(f"{kernel}: {name} must be on the CPU, got {tensor.device}")
+    if dims is not None and tensor.dim() != dims:
+        raise ValueError(f"{kernel}: {name} must have {dims} dimensions, got shape {tuple(tensor.shape)}")
+    if contiguous and not tensor.is_contiguous():
+        raise ValueError(f"{kernel}: {name} must be contiguous")
+    return tensor
+
+
+def _check_shape(kernel: str, name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{kernel}: {name} must have shape {shape}, got {tuple(tensor.shape)}")
+
+
+def _check_columns(kernel: str, name: str, tensor: torch.Tensor) -> None:
+    """Each row (last-dim vector) of `tensor` contiguous: the kernels read it as one run."""
+    if tensor.stride(-1) != 1 and tensor.shape[-1] > 1:
+        raise ValueError(f"{kernel}: {name} must have contiguous rows (last-dimension stride 1)")
+
+
+def _check_rows(kernel: str, name: str, tensor: torch.Tensor) -> int:
+    """The row stride of `tensor` (see `row_stride`), or ValueError when its rows are not evenly spaced."""
+    stride = row_stride(tensor)
+    if stride is None:
+        raise ValueError(f"{kernel}: {name} must have contiguous, evenly spaced rows")
+    return stride
+
+
+def _check_scales(kernel: str, weight: torch.Tensor, scales: torch.Tensor | None) -> None:
+    """int8 weights need float32 scales [out], contiguous; other weights take none."""
+    if weight.dtype != torch.int8:
+        if scales is not None:
+            raise ValueError(f"{kernel}: scales go with int8 weights only, the weight is {weight.dtype}")
+        return
+    if scales is None:
+        raise ValueError(f"{kernel}: int8 weights need contiguous float32 scales [{weight.shape[0]}]")
+    _check_tensor(kernel, "scales", scales, _FLOAT32, dims=1, contiguous=True)
+    _check_shape(kernel, "scales", scales, (weight.shape[0],))
+
+
+def _check_linear(kernel: str, weight: object, x: object, dtypes: Sequence[torch.dtype],
+                  scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A contiguous [out, in] weight of `dtypes` (with its scales) and float32 rows x [rows, in]
+    with contiguous columns."""
+    weight = _check_tensor(kernel, "weight", weight, dtypes, dims=2, contiguous=True)
+    x = _check_tensor(kernel, "x", x, _FLOAT32, dims=2)
+    _check_columns(kernel, "x", x)
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"{kernel}: x has {x.shape[1]} columns, the weight {weight.shape[1]}")
+    _check_scales(kernel, weight, scales)
+    return weight, x
 
 
 def row_stride(x: torch.Tensor) -> int | None:
@@ -222,13 +274,13 @@ def rms_norm_applies(x: torch.Tensor, scale: torch.Tensor) -> bool:
 def rms_norm_f32(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2, -1) + eps) * scale over the last dim of float32 CPU rows; returns a
     contiguous tensor of x's shape (check `rms_norm_applies` first)."""
-    dim, stride = x.shape[-1], row_stride(x)
-    if scale.shape != (dim,) or not scale.is_contiguous():
-        raise ValueError(f"rms_norm_f32: scale must be a contiguous [{dim}] tensor, got {tuple(scale.shape)}")
-    if stride is None:
-        raise ValueError("rms_norm_f32: rows must be contiguous and evenly spaced")
-    library = _library()
-    assert library is not None, "check rms_norm_applies() first"
+    kernel = "rms_norm_f32"
+    _check_tensor(kernel, "x", x, _FLOAT32)
+    dim = x.shape[-1] if x.dim() else 0
+    stride = _check_rows(kernel, "x", x)
+    _check_tensor(kernel, "scale", scale, _FLOAT32, dims=1, contiguous=True)
+    _check_shape(kernel, "scale", scale, (dim,))
+    library = _require_library(kernel)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = x.numel() // dim if dim else 0
     library.rms_norm_f32(x.data_ptr(), rows, dim, stride, scale.data_ptr(), eps, out.data_ptr(), dim)
@@ -249,15 +301,20 @@ def rms_norm_rope_f32(x: torch.Tensor, scale: torch.Tensor, eps: float, cos: tor
     """RMSNorm of each head of x [T, heads, dim] (float32 CPU, each head contiguous) times `scale`,
     then rotary on the first `rot` dims with cos, sin [T, 1, rot] (rotate-half layout); returns a
     contiguous [T, heads, dim] (check `norm_rope_applies` first)."""
+    kernel = "rms_norm_rope_f32"
+    _check_tensor(kernel, "x", x, _FLOAT32, dims=3)
+    _check_columns(kernel, "x", x)
     tokens, heads, dim = x.shape
+    _check_tensor(kernel, "scale", scale, _FLOAT32, dims=1, contiguous=True)
+    _check_shape(kernel, "scale", scale, (dim,))
+    _check_tensor(kernel, "cos", cos, _FLOAT32, dims=3, contiguous=True)
+    _check_tensor(kernel, "sin", sin, _FLOAT32, dims=3, contiguous=True)
     rot = cos.shape[-1]
-    if (x.stride(2) != 1 and dim > 1) or scale.shape != (dim,) or cos.shape != (tokens, 1, rot) \
-            or sin.shape != cos.shape or rot > dim or rot % 2 \
-            or not (cos.is_contiguous() and sin.is_contiguous() and scale.is_contiguous()) \
-            or cos.dtype != torch.float32 or sin.dtype != torch.float32:
-        raise ValueError("rms_norm_rope_f32: shapes, layouts or dtypes do not match")
-    library = _library()
-    assert library is not None, "check norm_rope_applies() first"
+    _check_shape(kernel, "cos", cos, (tokens, 1, rot))
+    _check_shape(kernel, "sin", sin, (tokens, 1, rot))
+    if rot > dim or rot % 2:
+        raise ValueError(f"{kernel}: the rotary width {rot} must be even and at most the head size {dim}")
+    library = _require_library(kernel)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     library.rms_norm_rope_f32(x.data_ptr(), tokens, heads, dim, x.stride(0), x.stride(1), scale.data_ptr(), eps,
                               cos.data_ptr(), sin.data_ptr(), rot, out.data_ptr())
@@ -274,27 +331,34 @@ def chunk_rows_apply(*tensors: torch.Tensor) -> bool:
 def gated_rms_norm_f32(x: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """scale * rms_norm(x) * silu(gate) over the last dim (x and gate of one shape); returns a
     contiguous tensor of x's shape (check `chunk_rows_apply` first)."""
+    kernel = "gated_rms_norm_f32"
+    _check_tensor(kernel, "x", x, _FLOAT32)
+    _check_tensor(kernel, "gate", gate, _FLOAT32)
+    if gate.shape != x.shape or x.dim() == 0:
+        raise ValueError(f"{kernel}: x and gate must have one shape, got {tuple(x.shape)} and {tuple(gate.shape)}")
+    ld_x, ld_gate = _check_rows(kernel, "x", x), _check_rows(kernel, "gate", gate)
     dim = x.shape[-1]
-    if gate.shape != x.shape or scale.shape != (dim,) or not scale.is_contiguous() or scale.dtype != torch.float32:
-        raise ValueError("gated_rms_norm_f32: x, gate and scale shapes or dtypes do not match")
-    library = _library()
-    assert library is not None, "check chunk_rows_apply() first"
+    _check_tensor(kernel, "scale", scale, _FLOAT32, dims=1, contiguous=True)
+    _check_shape(kernel, "scale", scale, (dim,))
+    library = _require_library(kernel)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    library.gated_rms_norm_f32(x.data_ptr(), gate.data_ptr(), x.numel() // dim, dim, row_stride(x),
-                               row_stride(gate), scale.data_ptr(), eps, out.data_ptr())
+    library.gated_rms_norm_f32(x.data_ptr(), gate.data_ptr(), x.numel() // dim if dim else 0, dim, ld_x, ld_gate,
+                               scale.data_ptr(), eps, out.data_ptr())
     return out
 
 
 def silu_mul_f32(x: torch.Tensor) -> torch.Tensor:
     """silu(x[..., :half]) * x[..., half:] for a fused [gate | up] last dim; returns a contiguous
     [..., half] tensor (check `chunk_rows_apply` first)."""
-    width = x.shape[-1]
-    if width % 2:
-        raise ValueError(f"silu_mul_f32: the last dim must be even, got {width}")
-    library = _library()
-    assert library is not None, "check chunk_rows_apply() first"
+    kernel = "silu_mul_f32"
+    _check_tensor(kernel, "x", x, _FLOAT32)
+    width = x.shape[-1] if x.dim() else 0
+    if width == 0 or width % 2:
+        raise ValueError(f"{kernel}: the last dim must be even and non-zero, got shape {tuple(x.shape)}")
+    stride = _check_rows(kernel, "x", x)
+    library = _require_library(kernel)
     out = torch.empty((*x.shape[:-1], width // 2), dtype=x.dtype, device=x.device)
-    library.silu_mul_f32(x.data_ptr(), x.numel() // width, width // 2, row_stride(x), out.data_ptr())
+    library.silu_mul_f32(x.data_ptr(), x.numel() // width, width // 2, stride, out.data_ptr())
     return out
 
 
@@ -306,7 +370,8 @@ def argmax_and_finite(logits: torch.Tensor) -> tuple[list[int], list[bool]] | No
             or logits.stride(1) != 1 or not native_kernels_enabled()):
         return None
     library = _library()
-    assert library is not None
+    if library is None:
+        return None
     rows = logits.shape[0]
     argmax = torch.empty(rows, dtype=torch.int64)
     finite = torch.empty(rows, dtype=torch.uint8)
@@ -333,7 +398,7 @@ def gemv_applies(weight: torch.Tensor, x: torch.Tensor, max_rows: int = GEMV_DEC
     rows = min(max_rows, GEMV_MAX_INPUT_ROWS)
     return (x.dim() == 2 and 0 < x.shape[0] <= rows and x.dtype == torch.float32 and x.is_cpu
             and (x.stride(1) == 1 or x.shape[1] == 1)
-            and weight.dtype in (torch.float32, torch.bfloat16, torch.int8)
+            and weight.dtype in _GEMV_DTYPES and weight.dim() == 2
             and weight.is_cpu and weight.is_contiguous() and native_kernels_enabled())
 
 
@@ -344,7 +409,7 @@ def gemm_rows_bounds() -> tuple[int, int]:
     library = _library()
     if library is None:
         return 0, 0
-    low, high = _int(), _int()
+    low, high = ctypes.c_int(), ctypes.c_int()
     library.gemm_rows_bounds(ctypes.byref(low), ctypes.byref(high))
     return low.value, high.value
 
@@ -353,24 +418,22 @@ def gemm_rows_applies(weight: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether `gemm_rows` takes x @ weight.T: float32 CPU rows (contiguous, evenly spaced) in
     `gemm_rows_bounds` (int8 weights: up to GEMM_ROWS_INT8_MAX_ROWS of them), a contiguous float32
     or int8 CPU weight, and the kernels enabled."""
-    if x.dim() != 2 or x.dtype != torch.float32 or weight.dtype not in _GEMM_FORMATS or not x.is_cpu:
+    if x.dim() != 2 or x.dtype != torch.float32 or weight.dtype not in _GEMM_DTYPES or not x.is_cpu:
         return False
     low, high = gemm_rows_bounds() if native_kernels_enabled() else (0, 0)
     if weight.dtype == torch.int8:
         high = min(high, GEMM_ROWS_INT8_MAX_ROWS)
     return (low <= x.shape[0] <= high and low > 0 and (x.stride(1) == 1 or x.shape[1] == 1)
-            and weight.is_cpu and weight.is_contiguous())
+            and weight.dim() == 2 and weight.is_cpu and weight.is_contiguous())
 
 
 def gemm_rows(weight: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T for 6..128 float32 CPU rows on the plain [out, in] weight: float32, or int8
     with float32 `scales` [out] (y = (x @ W.T) * scales) (csrc/gemm_rows.c; check
     `gemm_rows_applies` first). Returns a new contiguous [rows, out]."""
-    out_features, in_features = weight.shape
-    if x.shape[1] != in_features:
-        raise ValueError(f"gemm_rows: x has {x.shape[1]} columns, the weight {in_features}")
-    y = torch.empty(x.shape[0], out_features)
-    _gemm_rows_call("gemm_rows", weight, scales, out_features, x, y)
+    weight, x = _check_linear("gemm_rows", weight, x, _GEMM_DTYPES, scales)
+    y = torch.empty(x.shape[0], weight.shape[0])
+    _gemm_rows_call("gemm_rows", weight, scales, weight.shape[0], x, y)
     return y
 
 
@@ -379,32 +442,26 @@ def gemm_rows_silu_mul(weight: torch.Tensor, x: torch.Tensor, scales: torch.Tens
     float32, or int8 with `scales` [2 * half]) and 6..128 float32 CPU rows, the [rows, 2 * half]
     projection never stored (csrc/gemm_rows.c; check `gemm_rows_applies` first). Returns a new
     contiguous [rows, half]."""
-    out_features, in_features = weight.shape
-    if x.shape[1] != in_features or out_features % 2:
-        raise ValueError(f"gemm_rows_silu_mul: x has {x.shape[1]} columns, the weight {tuple(weight.shape)} "
-                         "(an even number of rows)")
-    half = out_features // 2
+    kernel = "gemm_rows_silu_mul"
+    weight, x = _check_linear(kernel, weight, x, _GEMM_DTYPES, scales)
+    if weight.shape[0] % 2:
+        raise ValueError(f"{kernel}: the fused [gate; up] weight needs an even number of rows, got "
+                         f"{tuple(weight.shape)}")
+    half = weight.shape[0] // 2
     y = torch.empty(x.shape[0], half)
-    _gemm_rows_call("gemm_rows_silu_mul", weight, scales, half, x, y)
+    _gemm_rows_call(kernel, weight, scales, half, x, y)
     return y
 
 
-def _gemm_rows_call(name: str, weight: torch.Tensor, scales: torch.Tensor | None, out_features: int,
+def _gemm_rows_call(kernel: str, weight: torch.Tensor, scales: torch.Tensor | None, out_features: int,
                     x: torch.Tensor, y: torch.Tensor) -> None:
-    if weight.dtype not in _GEMM_FORMATS:
-        raise ValueError(f"{name}: weights must be float32 or int8, got {weight.dtype}")
-    int8 = weight.dtype == torch.int8
-    if int8 != (scales is not None) or (int8 and (scales.shape != (weight.shape[0],) or scales.dtype != torch.float32
-                                                  or not scales.is_contiguous())):
-        raise ValueError(f"{name}: int8 weights need contiguous float32 scales [{weight.shape[0]}], "
-                         "float32 weights none")
-    library = _library()
-    assert library is not None, "check gemm_rows_applies() first"
-    kernel = getattr(library, name)
-    if kernel(weight.data_ptr(), scales.data_ptr() if scales is not None else None, _GEMM_FORMATS[weight.dtype],
-              out_features, weight.shape[1], x.data_ptr(), x.shape[0], x.stride(0), y.data_ptr(), y.shape[1],
-              torch.get_num_threads()):
-        raise ValueError(f"gemm_rows takes {gemm_rows_bounds()} rows of float32 or int8 weights with this build, "
+    """Run the checked GEMM `kernel` into y; ValueError when this build does not take the rows."""
+    library = _require_library(kernel)
+    function = getattr(library, kernel)
+    if function(weight.data_ptr(), scales.data_ptr() if scales is not None else None, WEIGHT_FORMATS[weight.dtype],
+                out_features, weight.shape[1], x.data_ptr(), x.shape[0], x.stride(0), y.data_ptr(), y.shape[1],
+                torch.get_num_threads()):
+        raise ValueError(f"{kernel} takes {gemm_rows_bounds()} rows of float32 or int8 weights with this build, "
                          f"got {x.shape[0]} of {weight.dtype}")
 
 
@@ -436,22 +493,31 @@ def prefill_attention(q: torch.Tensor, cache_keys: torch.Tensor, cache_values: t
     values at `slots` ([prefix + T] flat slots, in position order) of one layer of the paged cache
     ([num_slots, kv_heads, dim] each), read in place (csrc/prefill_attention.c; check
     `prefill_attention_applies` first). Returns a new contiguous [T, heads, dim]."""
+    kernel = "prefill_attention"
+    _check_tensor(kernel, "q", q, _FLOAT32, dims=3)
     tokens, heads, dim = q.shape
-    if cache_values.shape != cache_keys.shape or not cache_values.is_contiguous():
-        raise ValueError("prefill_attention: keys and values must be contiguous and of one shape")
+    if (q.stride(2) != 1 and dim > 1) or (q.stride(1) != dim and heads > 1):
+        raise ValueError(f"{kernel}: each token's heads of q must be contiguous, got strides {q.stride()}")
+    _check_tensor(kernel, "cache_keys", cache_keys, _FLOAT32, dims=3, contiguous=True)
+    _check_tensor(kernel, "cache_values", cache_values, _FLOAT32, dims=3, contiguous=True)
+    if cache_values.shape != cache_keys.shape or cache_keys.shape[2] != dim or heads % cache_keys.shape[1]:
+        raise ValueError(f"{kernel}: keys {tuple(cache_keys.shape)} and values {tuple(cache_values.shape)} must be "
+                         f"[slots, kv_heads, {dim}] with kv_heads dividing {heads}")
+    _check_tensor(kernel, "slots", slots, _INT64, dims=1, contiguous=True)
+    if slots.shape[0] < tokens:
+        raise ValueError(f"{kernel}: {slots.shape[0]} slots for {tokens} query tokens")
     lowest, highest = (int(bound) for bound in slots.aminmax())  # the kernel reads through them unchecked
     if lowest < 0 or highest >= cache_keys.shape[0]:
-        raise IndexError(f"prefill_attention: slots [{lowest}, {highest}] outside the cache's {cache_keys.shape[0]}")
-    library = _library()
-    assert library is not None, "check prefill_attention_applies() first"
+        raise IndexError(f"{kernel}: slots [{lowest}, {highest}] outside the cache's {cache_keys.shape[0]}")
+    library = _require_library(kernel)
     out = torch.empty(tokens, heads, dim)
     status = library.prefill_attention_f32(q.data_ptr(), tokens, heads, dim, q.stride(0), cache_keys.data_ptr(),
                                            cache_values.data_ptr(), cache_keys.shape[1], slots.data_ptr(),
                                            slots.shape[0] - tokens, scale, out.data_ptr(), torch.get_num_threads())
     if status == 2:
-        raise MemoryError("prefill_attention: out of memory for its scratch")
+        raise MemoryError(f"{kernel}: out of memory for its scratch")
     if status:
-        raise ValueError(f"prefill_attention: this build does not take q {tuple(q.shape)}")
+        raise ValueError(f"{kernel}: this build does not take q {tuple(q.shape)}")
     return out
 
 
@@ -459,26 +525,19 @@ def gemv(weight: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None = No
     """x @ weight.T for a few float32 CPU rows (csrc/gemv.c): weight [out, in] contiguous float32 or
     bfloat16 (widened exactly), or int8 with float32 `scales` [out] (y = (x @ W.T) * scales); x
     [rows, in] (check `gemv_applies` first). Returns a new contiguous float32 [rows, out]."""
+    weight, x = _check_linear("gemv", weight, x, _GEMV_DTYPES, scales)
     out_features, in_features = weight.shape
     rows = x.shape[0]
-    if x.shape[1] != in_features:
-        raise ValueError(f"gemv: x has {x.shape[1]} columns, the weight {in_features}")
-    int8 = weight.dtype == torch.int8
-    if int8 and (scales is None or scales.shape != (out_features,) or scales.dtype != torch.float32
-                 or not scales.is_contiguous()):
-        raise ValueError(f"gemv: int8 weights need contiguous float32 scales [{out_features}]")
-    library = _library()
-    assert library is not None, "check gemv_applies() first"
+    library = _require_library("gemv")
     y = torch.empty(rows, out_features)
     threads = torch.get_num_threads()
-    if int8:
-        assert scales is not None
+    if scales is not None:  # int8 (checked above)
         failed = library.gemv_i8(weight.data_ptr(), scales.data_ptr(), out_features, in_features, x.data_ptr(), rows,
                                  x.stride(0), y.data_ptr(), out_features, threads)
     elif weight.dtype == torch.bfloat16:  # AMX tiles where they take the rows (as the decode step)
         args = (weight.data_ptr(), out_features, in_features, x.data_ptr(), rows, x.stride(0), y.data_ptr(),
                 out_features, threads)
-        failed = library.gemm_amx(args[0], None, _GEMM_FORMAT_BF16, *args[1:]) \
+        failed = library.gemm_amx(args[0], None, WEIGHT_FORMATS[torch.bfloat16], *args[1:]) \
             and library.gemv_bf16(*args)
     else:
         failed = library.gemv_f32(weight.data_ptr(), out_features, in_features, x.data_ptr(), rows, x.stride(0),
@@ -505,39 +564,44 @@ def gdn_decode_f32(proj: torch.Tensor, b_offset: int, a_offset: int, slots: torc
     With `norm_weight` [Dv] the output is the GDN output norm, w * rms_norm(core) * silu(z), z being
     the projection's columns after the conv inputs.
     """
-    library = _library()
-    assert library is not None, "check native_kernels_enabled() first"
-    batch = proj.shape[0]
-    _, num_v_heads, head_k, head_v = rec_live.shape
-    conv_dim, kernel = conv_weight.shape
-    floats = (proj, conv_live, rec_live, conv_weight, dt_bias, neg_decay_rate)
+    kernel = "gdn_decode_f32"
+    _check_tensor(kernel, "proj", proj, _FLOAT32, dims=2)
+    _check_columns(kernel, "proj", proj)
+    _check_tensor(kernel, "slots", slots, _INT64, dims=1, contiguous=True)
+    _check_tensor(kernel, "conv_live", conv_live, _FLOAT32, dims=3, contiguous=True)
+    _check_tensor(kernel, "rec_live", rec_live, _FLOAT32, dims=4, contiguous=True)
+    _check_tensor(kernel, "conv_weight", conv_weight, _FLOAT32, dims=2, contiguous=True)
+    _check_tensor(kernel, "dt_bias", dt_bias, _FLOAT32, dims=1, contiguous=True)
+    _check_tensor(kernel, "neg_decay_rate", neg_decay_rate, _FLOAT32, dims=1, contiguous=True)
     if norm_weight is not None:
-        floats += (norm_weight,)
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in floats) or slots.dtype != torch.int64 \
-            or slots.device.type != "cpu":
-        raise ValueError("gdn_decode_f32 takes float32 CPU tensors and int64 slots")
-    if proj.stride(1) != 1 or not all(t.is_contiguous() for t in floats[1:]) or not slots.is_contiguous():
-        raise ValueError("gdn_decode_f32 needs contiguous state, weights, slots and projection columns")
+        _check_tensor(kernel, "norm_weight", norm_weight, _FLOAT32, dims=1, contiguous=True)
+    batch = proj.shape[0]
+    num_slots, num_v_heads, head_k, head_v = rec_live.shape
+    conv_dim, width = conv_weight.shape
     value_dim = num_v_heads * head_v
-    if (kernel < 2 or conv_live.shape != (rec_live.shape[0], conv_dim, kernel - 1) or num_v_heads % num_k_heads
-            or conv_dim != 2 * num_k_heads * head_k + value_dim or slots.shape != (batch,)
+    if (width < 2 or num_k_heads < 1 or conv_live.shape != (num_slots, conv_dim, width - 1)
+            or num_v_heads % num_k_heads or conv_dim != 2 * num_k_heads * head_k + value_dim or slots.shape != (batch,)
             or b_offset < conv_dim + value_dim or a_offset < b_offset + num_v_heads
             or proj.shape[1] < a_offset + num_v_heads or dt_bias.shape != (num_v_heads,)
             or neg_decay_rate.shape != (num_v_heads,)
             or (norm_weight is not None and norm_weight.shape != (head_v,))):
-        raise ValueError("gdn_decode_f32: projection, state, slot and weight shapes disagree")
+        raise ValueError(f"{kernel}: projection {tuple(proj.shape)} (gates at {b_offset}, {a_offset}), slots "
+                         f"{tuple(slots.shape)}, conv state {tuple(conv_live.shape)}, recurrent state "
+                         f"{tuple(rec_live.shape)}, conv weight {tuple(conv_weight.shape)} and {num_k_heads} key heads "
+                         "disagree")
+    library = _require_library(kernel)
     core = torch.empty(batch, num_v_heads, head_v)
     scratch = torch.empty(batch, conv_dim)
-    out_conv = torch.empty(batch, conv_dim, kernel - 1)
+    out_conv = torch.empty(batch, conv_dim, width - 1)
     out_rec = torch.empty(batch, num_v_heads, head_k, head_v)
     failed = library.gdn_decode_f32(
-        batch, num_k_heads, num_v_heads, head_k, head_v, kernel, proj.data_ptr(), proj.stride(0), b_offset,
-        a_offset, slots.data_ptr(), rec_live.shape[0], conv_live.data_ptr(), rec_live.data_ptr(),
+        batch, num_k_heads, num_v_heads, head_k, head_v, width, proj.data_ptr(), proj.stride(0), b_offset,
+        a_offset, slots.data_ptr(), num_slots, conv_live.data_ptr(), rec_live.data_ptr(),
         conv_weight.data_ptr(), dt_bias.data_ptr(), neg_decay_rate.data_ptr(), l2_eps,
         norm_weight.data_ptr() if norm_weight is not None else None, norm_eps, torch.get_num_threads(),
         int(in_place), scratch.data_ptr(), out_conv.data_ptr(), out_rec.data_ptr(), core.data_ptr())
     if failed:
-        raise IndexError(f"gdn_decode_f32: a state slot is outside [0, {rec_live.shape[0]}) or repeated")
+        raise IndexError(f"{kernel}: a state slot is outside [0, {num_slots}) or repeated")
     return core, out_conv, out_rec
 
 
@@ -552,32 +616,44 @@ def gdn_prefill_f32(x: torch.Tensor, conv_state: torch.Tensor, g: torch.Tensor, 
     conv_weight [conv_dim, K]. Live state is only read. Returns (core output [T, Hv, Dv], final
     state, the states after each of `capture_tokens` tokens, in the order given).
     """
-    library = _library()
-    assert library is not None, "check native_kernels_enabled() first"
+    kernel = "gdn_prefill_f32"
+    _check_tensor(kernel, "x", x, _FLOAT32, dims=2)
+    _check_columns(kernel, "x", x)
+    _check_tensor(kernel, "conv_state", conv_state, _FLOAT32, dims=2, contiguous=True)
+    _check_tensor(kernel, "g", g, _FLOAT32, dims=2, contiguous=True)
+    _check_tensor(kernel, "beta", beta, _FLOAT32, dims=2, contiguous=True)
+    _check_tensor(kernel, "rec_state", rec_state, _FLOAT32, dims=3, contiguous=True)
+    _check_tensor(kernel, "conv_weight", conv_weight, _FLOAT32, dims=2, contiguous=True)
     num_v_heads, head_k, head_v = rec_state.shape
-    conv_dim, kernel = conv_weight.shape
+    conv_dim, width = conv_weight.shape
     tokens = x.shape[0]
-    floats = (x, conv_state, g, beta, rec_state, conv_weight)
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in floats):
-        raise ValueError("gdn_prefill_f32 takes float32 CPU tensors")
-    if x.dim() != 2 or x.stride(1) != 1 or not all(t.is_contiguous() for t in floats[1:]):
-        raise ValueError("gdn_prefill_f32 needs contiguous state, gates and weights and contiguous input columns")
-    if (kernel < 1 or num_v_heads % num_k_heads or conv_dim != 2 * num_k_heads * head_k + num_v_heads * head_v
-            or x.shape[1] != conv_dim or conv_state.shape != (conv_dim, kernel - 1)
+    if (width < 1 or num_k_heads < 1 or num_v_heads % num_k_heads
+            or conv_dim != 2 * num_k_heads * head_k + num_v_heads * head_v
+            or x.shape[1] != conv_dim or conv_state.shape != (conv_dim, width - 1)
             or g.shape != (tokens, num_v_heads) or beta.shape != g.shape):
-        raise ValueError("gdn_prefill_f32: input, gate, state and weight shapes disagree")
+        raise ValueError(f"{kernel}: input {tuple(x.shape)}, gates {tuple(g.shape)} and {tuple(beta.shape)}, "
+                         f"states {tuple(conv_state.shape)} and {tuple(rec_state.shape)}, conv weight "
+                         f"{tuple(conv_weight.shape)} and {num_k_heads} key heads disagree")
     if any(not 1 <= t <= tokens for t in capture_tokens):
-        raise ValueError(f"gdn_prefill_f32: capture points {capture_tokens} must lie within 1..{tokens}")
+        raise ValueError(f"{kernel}: capture points {capture_tokens} must lie within 1..{tokens}")
+    library = _require_library(kernel)
     captures = torch.tensor(capture_tokens, dtype=torch.int64)
     captured = torch.empty(len(capture_tokens), num_v_heads, head_k, head_v)
     final_state = torch.empty(num_v_heads, head_k, head_v)
     core = torch.empty(tokens, num_v_heads, head_v)
-    scratch = torch.empty((2 * kernel - 1 + tokens) * conv_dim)
+    scratch = torch.empty((2 * width - 1 + tokens) * conv_dim)
     failed = library.gdn_prefill_f32(
-        tokens, num_k_heads, num_v_heads, head_k, head_v, kernel, x.data_ptr(), x.stride(0), conv_state.data_ptr(),
+        tokens, num_k_heads, num_v_heads, head_k, head_v, width, x.data_ptr(), x.stride(0), conv_state.data_ptr(),
         conv_weight.data_ptr(), g.data_ptr(), beta.data_ptr(), rec_state.data_ptr(), l2_eps, len(capture_tokens),
         captures.data_ptr(), torch.get_num_threads(), scratch.data_ptr(), captured.data_ptr(),
         final_state.data_ptr(), core.data_ptr())
     if failed:
-        raise ValueError("gdn_prefill_f32: capture points out of range")
+        raise ValueError(f"{kernel}: capture points out of range")
     return core, final_state, list(captured.unbind(0))
+
+
+def check_index_tensors(kernel: str, **tensors: torch.Tensor) -> None:
+    """Each of `tensors` a contiguous int64 CPU tensor (the ids, positions, slots and tables a C
+    step reads as int64 arrays; the step checks their values itself)."""
+    for name, tensor in tensors.items():
+        _check_tensor(kernel, name, tensor, _INT64, contiguous=True)

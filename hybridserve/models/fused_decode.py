@@ -30,14 +30,20 @@ the snapshot sink afterwards; one at a chunk's end (or a decode row's) is read f
 from __future__ import annotations
 
 import ctypes
-import os
 import weakref
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from hybridserve import envs
 from hybridserve.layers import native
 from hybridserve.layers.gated_delta import L2_NORM_EPS
+from hybridserve.layers.kernel_abi import (
+    WEIGHT_FORMATS,
+    DecodeLayer,
+    DecodeModel,
+    Linear,
+)
 from hybridserve.layers.linear import PackedLinear
 from hybridserve.layers.norms import ZeroCenteredRMSNorm
 from hybridserve.models.batch import ForwardBatch, StateWrite
@@ -45,7 +51,7 @@ from hybridserve.models.batch import ForwardBatch, StateWrite
 if TYPE_CHECKING:
     from hybridserve.models.qwen3_5 import ForwardContext, Qwen3_5ForCausalLM
 
-FUSED_DECODE_ENV = "HYBRIDSERVE_FUSED_DECODE"
+FUSED_DECODE_ENV = envs.FUSED_DECODE.name
 MAX_ROWS = 512  # DECODE_STEP_MAX_ROWS in decode_step.c
 PIECE_ROWS = 128  # GEMM_PIECE_ROWS and CHUNK_PIECE_ROWS there: the rows its kernels take at once
 # A bfloat16 model's linears take AMX tiles 32 rows at a time, each piece a pass over the weights:
@@ -53,44 +59,9 @@ PIECE_ROWS = 128  # GEMM_PIECE_ROWS and CHUNK_PIECE_ROWS there: the rows its ker
 # 256 / 384 / 512 tokens against 30.8 / 49.9 / 61.6 / 79.0 / 93.7 ms on the module path (oneDNN).
 BF16_MAX_ROWS = 256
 
-WEIGHT_FORMATS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}  # as in decode_step.c
-
-_p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-
-
-class Linear(ctypes.Structure):
-    """A linear's weight: float32, bfloat16, or int8 with per-output float32 scales."""
-
-    _fields_ = [("weight", _p), ("scales", _p), ("format", _i64)]
-
-
-class DecodeLayer(ctypes.Structure):
-    """One decoder layer's weights (the C struct of the same name)."""
-
-    _fields_ = [("is_attention", _i64), ("mixer_index", _i64), ("input_norm", _p), ("post_norm", _p),
-                ("mixer_in", Linear), ("mixer_in_features", _i64), ("mixer_out", Linear), ("gate_up", Linear),
-                ("down", Linear), ("conv_weight", _p), ("dt_bias", _p), ("neg_decay_rate", _p), ("gdn_norm", _p),
-                ("b_offset", _i64), ("q_norm", _p), ("k_norm", _p)]
-
-
-class DecodeModel(ctypes.Structure):
-    """Shape, weights and state storage (the C struct of the same name)."""
-
-    _fields_ = [("num_layers", _i64), ("hidden", _i64), ("intermediate", _i64), ("vocab", _i64),
-                ("bf16_storage", _i64), ("rms_eps", _f), ("gdn_norm_eps", _f), ("l2_eps", _f), ("embed", _p),
-                ("final_norm", _p), ("head", Linear), ("cos_table", _p), ("sin_table", _p),
-                ("max_positions", _i64), ("rot", _i64),
-                ("num_k_heads", _i64), ("num_v_heads", _i64), ("head_k", _i64), ("head_v", _i64),
-                ("conv_kernel", _i64), ("num_state_slots", _i64), ("conv_live", _p), ("rec_live", _p),
-                ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("attn_scale", _f), ("keys", _p),
-                ("values", _p), ("num_kv_slots", _i64), ("layers", ctypes.POINTER(DecodeLayer))]
-
-
 def fused_decode_enabled() -> bool:
     """Not switched off by HYBRIDSERVE_FUSED_DECODE=0, and the C kernels are available."""
-    if os.environ.get(FUSED_DECODE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return False
-    return native.native_kernels_enabled()
+    return envs.fused_decode() and native.native_kernels_enabled()
 
 
 class FusedDecodeStep:
@@ -102,7 +73,8 @@ class FusedDecodeStep:
         once and never replaced, this object belongs to the model, and it runs only with a context
         holding the storage it was built for (held here weakly, so a temporary one is not kept)."""
         library = native._library()
-        assert library is not None, "check supported() first"
+        if library is None:
+            raise RuntimeError("FusedDecodeStep: the C kernels are unavailable (check supported() first)")
         self._library = library
         config, text = model.config, model.model
         self._kv_cache, self._live = weakref.ref(ctx.kv_cache), weakref.ref(ctx.live_states)
@@ -112,7 +84,8 @@ class FusedDecodeStep:
         self._layers = (DecodeLayer * len(text.layers))(*[self._layer_struct(layer) for layer in text.layers])
         self.max_rows = _max_rows(model, ctx)
         attention = next((layer.self_attn for layer in text.layers if layer.is_attention), None)
-        assert model.head is not None and text.norm.scale is not None
+        if model.head is None or text.norm.scale is None:
+            raise ValueError("FusedDecodeStep: the model needs an LM head and a final norm scale")
         self.model = DecodeModel(
             num_layers=len(text.layers), hidden=config.hidden_size, intermediate=config.intermediate_size,
             vocab=model.head.weight.shape[0], bf16_storage=int(ctx.kv_cache.keys.dtype == torch.bfloat16),
@@ -198,6 +171,8 @@ class FusedDecodeStep:
         undo = buffers.undo(int(step.sequences.shape[0]))  # one record per sequence and layer, as on the module path
         captures = buffers.captures(len(step.inner)) if step.inner else None
         capture_rows = torch.tensor([row for row, _ in step.inner], dtype=torch.long) if step.inner else None
+        native.check_index_tensors("decode_step_f32", tokens=tokens, positions=positions, state_slots=step.slots,
+                                   kv_write_slots=write_slots, block_tables=step.tables, logit_rows=logit_rows)
         logits = torch.empty(logit_rows.shape[0], self.model.vocab)
         failed = library.decode_step_f32(
             model, rows, tokens.data_ptr(), positions.data_ptr(), step.slots.data_ptr(), write_slots.data_ptr(),
@@ -219,9 +194,9 @@ class FusedDecodeStep:
         """Snapshots into the sink: those inside chunks from the records the C step filled, those at a
         chunk's end or after a decode row from the live slots the step left."""
         sink, layers = ctx.snapshot_sink, range(self.num_gdn_layers)
-        assert sink is not None
+        if sink is None or (inner and captures is None):
+            raise ValueError("fused decode: captures need a snapshot sink and the records the step filled")
         for index, (_, snapshot_slot) in enumerate(inner):
-            assert captures is not None
             for layer in layers:
                 sink.write(layer, snapshot_slot, captures.conv[layer][index], captures.recurrent[layer][index])
         group = batch.decode
@@ -249,10 +224,12 @@ def _step_rows(batch: ForwardBatch) -> StepRows:
     repeated for its rows and the rows of its captures inside it."""
     group = batch.decode
     if not batch.prefills:
-        assert group is not None
+        if group is None:
+            raise ValueError("fused decode: a step without prompt chunks needs decode rows")
         slots = group.state_slots.contiguous()
         return StepRows(group.block_tables.contiguous(), slots, group.max_length, slots, [])
-    assert batch.block_tables is not None
+    if batch.block_tables is None:
+        raise ValueError("fused decode: prompt chunks need their block tables")
     counts = [1] * batch.num_decode + [chunk.length for chunk in batch.prefills]
     tables = batch.block_tables.index_select(0, torch.repeat_interleave(torch.arange(len(counts)),
                                                                         torch.tensor(counts)))

@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "hybridserve_kernels.h"
 #include "task_pool.h"
 #include "vector_math.h"
 #if defined(__AVX__)
@@ -32,76 +33,6 @@
 #define GEMV_MAX_ROWS 32     /* and the GEMV */
 #define CHUNK_ATTENTION_MIN_ROWS 8  /* a chunk's rows from this many attend with prefill_attention.c, */
 #define CHUNK_PIECE_ROWS 128        /* up to this many at once */
-
-int gemv_f32(const float *weight, int64_t out, int64_t in, const float *x, int64_t rows, int64_t ld_x, float *y,
-             int64_t ld_y, int threads);
-int gemv_i8(const int8_t *weight, const float *scales, int64_t out, int64_t in, const float *x, int64_t rows,
-            int64_t ld_x, float *y, int64_t ld_y, int threads);
-int gemv_bf16(const uint16_t *weight, int64_t out, int64_t in, const float *x, int64_t rows, int64_t ld_x, float *y,
-              int64_t ld_y, int threads);
-int gemm_rows(const void *weight, const float *scales, int format, int64_t out, int64_t in, const float *x,
-              int64_t rows, int64_t ld_x, float *y, int64_t ld_y, int threads);
-int gemm_rows_silu_mul(const void *weight, const float *scales, int format, int64_t half, int64_t in,
-                       const float *x, int64_t rows, int64_t ld_x, float *y, int64_t ld_y, int threads);
-void rms_norm_f32(const float *x, int64_t rows, int64_t dim, int64_t ld_x, const float *scale, float eps,
-                  float *out, int64_t ld_out);
-void rms_norm_rope_f32(const float *x, int64_t tokens, int64_t heads, int64_t dim, int64_t ld_token, int64_t ld_head,
-                       const float *scale, float eps, const float *cos, const float *sin, int64_t rot, float *out);
-int gdn_decode_step(int64_t batch, int64_t num_k_heads, int64_t num_v_heads, int64_t head_k, int64_t head_v,
-                    int64_t kernel, const float *proj, int64_t proj_stride, int64_t b_offset, int64_t a_offset,
-                    const int64_t *slots, int64_t num_slots, void *conv_live, float *rec_live,
-                    const float *conv_weight, const float *dt_bias, const float *neg_decay_rate, float l2_eps,
-                    const float *norm_weight, float norm_eps, int num_threads, int in_place, int conv_bf16,
-                    float *scratch, void *out_conv, float *out_rec, float *core, int64_t num_captures,
-                    const int64_t *capture_rows, void *capture_conv, float *capture_rec);
-int64_t prefill_attention_scratch_floats(int64_t tokens, int64_t heads, int64_t dim, int64_t kv_heads, int threads);
-int prefill_attention_f32_scratch(const float *q, int64_t tokens, int64_t heads, int64_t dim, int64_t ld_q,
-                                  const void *keys, const void *values, int kv_bf16, int64_t kv_heads,
-                                  const int64_t *slots, int64_t num_prefix, float scale, float *out, int threads,
-                                  float *scratch);
-
-enum { WEIGHT_F32 = 0, WEIGHT_I8 = 1, WEIGHT_BF16 = 2 };
-
-/* A linear's weight [out, in]: float32, bfloat16, or int8 with one float32 scale per output. */
-typedef struct {
-    const void *weight;
-    const float *scales;
-    int64_t format;
-} Linear;
-
-/* One decoder layer's weights (mirrored by DecodeLayer in fused_decode.py). */
-typedef struct {
-    int64_t is_attention;
-    int64_t mixer_index;                 /* GDN state layer, or KV layer */
-    const float *input_norm, *post_norm; /* RMSNorm scales [hidden] */
-    Linear mixer_in;                     /* GDN in_proj or attention q|gate,k,v: [mixer_in_features, hidden] */
-    int64_t mixer_in_features;
-    Linear mixer_out;                    /* out_proj / o_proj [hidden, value_dim or heads * head_dim] */
-    Linear gate_up, down;                /* MLP: [2 * intermediate, hidden], [hidden, intermediate] */
-    const float *conv_weight, *dt_bias, *neg_decay_rate, *gdn_norm; /* GDN only; float32 copies in a bf16 model */
-    int64_t b_offset;                    /* GDN: column of the beta gate in the in_proj output */
-    const float *q_norm, *k_norm;        /* attention only */
-} DecodeLayer;
-
-/* The model's shape, weights and state storage (mirrored by DecodeModel in fused_decode.py). */
-typedef struct {
-    int64_t num_layers, hidden, intermediate, vocab;
-    int64_t bf16_storage;                /* embeddings, rotary tables, KV and conv state in bfloat16, else float32 */
-    float rms_eps, gdn_norm_eps, l2_eps;
-    const void *embed;
-    const float *final_norm;
-    Linear head;
-    const void *cos_table, *sin_table;   /* [max_positions, rot] */
-    int64_t max_positions, rot;
-    int64_t num_k_heads, num_v_heads, head_k, head_v, conv_kernel, num_state_slots;
-    void *conv_live;                     /* [gdn layers, slots, conv_dim, K-1] */
-    float *rec_live;                     /* [gdn layers, slots, Hv, Dk, Dv] */
-    int64_t heads, kv_heads, head_dim;
-    float attn_scale;
-    void *keys, *values;                 /* [attention layers, kv slots, kv_heads, head_dim] */
-    int64_t num_kv_slots;
-    const DecodeLayer *layers;
-} DecodeModel;
 
 typedef struct {
     float *x, *h, *proj, *core, *mlp, *act, *gdn_scratch, *q, *k, *cos, *sin, *scores, *max_scores, *kv_rows;
@@ -430,7 +361,7 @@ static void attention_task(void *context, int64_t task) {
     }
     for (int64_t g = 0; g < group; g++) {
         float *scores = w->scores + (first_score + g) * max_context, top = w->max_scores[first_score + g];
-        for (int64_t j = 0; j < length; j++) scores[j] = exp_f32(scores[j] - top);
+        for (int64_t t = 0; t < length; t++) scores[t] = exp_f32(scores[t] - top);
         v8f partial = {0};  /* eight running sums: a single one is a chain of `length` dependent adds */
         int64_t k = 0;
         for (; k + 8 <= length; k += 8) partial += load8(scores + k);

@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "hybridserve_kernels.h"
 #include "vector_math.h"
 
 /* For each token t and head h: y = rms_norm(x[t, h]) * scale, then its first rot dims rotated in

@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "delta_rule.h"
+#include "hybridserve_kernels.h"
 #include "task_pool.h"
 #include "vector_math.h"
 

@@ -37,10 +37,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "hybridserve_kernels.h"
 #include "task_pool.h"
 #include "vector_math.h"
-
-enum { WEIGHT_I8 = 1, WEIGHT_BF16 = 2 };  /* as in decode_step.c */
 
 #define GEMM_AMX_MIN_ROWS 6       /* bf16 */
 #define GEMM_AMX_MIN_ROWS_INT8 8  /* below, the float32 tile of gemm_rows.c is faster */

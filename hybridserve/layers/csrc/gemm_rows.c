@@ -48,6 +48,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "hybridserve_kernels.h"
 #include "task_pool.h"
 #include "vector_math.h"
 
@@ -63,9 +64,6 @@
 
 /* How a tile prefetches the next TILE_W weight rows (see weight_rows). */
 enum { PREFETCH_NONE, PREFETCH_ROWS_TOGETHER, PREFETCH_SPREAD };
-
-/* Weight formats, numbered as in decode_step.c: int8 rows carry one float32 scale per row. */
-enum { WEIGHT_F32 = 0, WEIGHT_I8 = 1 };
 
 static inline __attribute__((always_inline)) int64_t weight_bytes(int format) {
     return format == WEIGHT_I8 ? 1 : 4;
@@ -206,14 +204,6 @@ static void block_rows_any(const void *w, int format, const float *scales, int64
 }
 #endif
 
-/* int8 and bfloat16 weights go first to AMX tiles where the CPU has them (csrc/gemm_amx.c: 8 to 32
- * int8 rows, 6 to 32 bf16 ones; 1 where not taken). */
-#define WEIGHT_F32_ANY 0
-int gemm_amx(const void *weight, const float *scales, int format, int64_t out, int64_t in, const float *x,
-             int64_t rows, int64_t ld_x, float *y, int64_t ld_y, int threads);
-int gemm_amx_silu_mul(const void *weight, const float *scales, int format, int64_t half, int64_t in, const float *x,
-                      int64_t rows, int64_t ld_x, float *y, int64_t ld_y, int threads);
-
 /* The rows this build takes: [TILE_MIN_ROWS, TILE_MAX_ROWS] with AVX-512, none otherwise (0, 0). */
 void gemm_rows_bounds(int *min_rows, int *max_rows) {
 #if defined(__AVX512F__)
@@ -270,11 +260,12 @@ static void silu_mul_task(void *context, int64_t block) {
  * `scales` [out], y = (x @ W.T) * scales, the weights widened to float32 in registers (or 2
  * bfloat16, taken only on AMX tiles); x [rows, in]
  * float32 with row stride ld_x; y [rows, out] with row stride ld_y. Returns 1 (nothing written)
- * when this build, `rows` (outside gemm_rows_bounds) or `format` is not taken. The blocks run on
- * the task pool (task_pool.h). */
+ * when this build, `rows` (outside gemm_rows_bounds) or `format` is not taken. int8 and bfloat16
+ * weights go first to AMX tiles where the CPU has them (gemm_amx.c: 8 to 32 int8 rows, 6 to 32
+ * bf16 ones). The blocks run on the task pool (task_pool.h). */
 int gemm_rows(const void *weight, const float *scales, int format, int64_t out, int64_t in, const float *x,
               int64_t rows, int64_t ld_x, float *y, int64_t ld_y, int threads) {
-    if (format != WEIGHT_F32_ANY && !gemm_amx(weight, scales, format, out, in, x, rows, ld_x, y, ld_y, threads))
+    if (format != WEIGHT_F32 && !gemm_amx(weight, scales, format, out, in, x, rows, ld_x, y, ld_y, threads))
         return 0;
 #if defined(__AVX512F__)
     if (rows < TILE_MIN_ROWS || rows > TILE_MAX_ROWS || (format != WEIGHT_F32 && format != WEIGHT_I8)) return 1;
@@ -296,7 +287,7 @@ int gemm_rows(const void *weight, const float *scales, int format, int64_t out, 
  * us a call in a forward against 40 in isolation). Returns 1 (nothing written) as gemm_rows. */
 int gemm_rows_silu_mul(const void *weight, const float *scales, int format, int64_t half, int64_t in,
                        const float *x, int64_t rows, int64_t ld_x, float *y, int64_t ld_y, int threads) {
-    if (format != WEIGHT_F32_ANY &&
+    if (format != WEIGHT_F32 &&
         !gemm_amx_silu_mul(weight, scales, format, half, in, x, rows, ld_x, y, ld_y, threads))
         return 0;
 #if defined(__AVX512F__)

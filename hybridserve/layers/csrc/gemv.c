@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #endif
 
+#include "hybridserve_kernels.h"
 #include "task_pool.h"
 
 #define GEMV_MAX_INPUT_ROWS 32
@@ -83,8 +84,6 @@ static inline vecf load_bf16(const uint16_t *p) {
 #endif
     return v;
 }
-
-enum { WEIGHT_F32 = 0, WEIGHT_I8 = 1, WEIGHT_BF16 = 2 };
 
 static inline __attribute__((always_inline)) int64_t weight_bytes(int format) {
     return format == WEIGHT_F32 ? 4 : format == WEIGHT_I8 ? 1 : 2;

@@ -8,6 +8,8 @@
  */
 #include <stdint.h>
 
+#include "hybridserve_kernels.h"
+
 #define LOGIT_LANES 16
 typedef float vec_logits __attribute__((vector_size(LOGIT_LANES * 4)));
 typedef int32_t vec_mask __attribute__((vector_size(LOGIT_LANES * 4)));

@@ -24,6 +24,7 @@
 #include <immintrin.h>
 #endif
 
+#include "hybridserve_kernels.h"
 #include "task_pool.h"
 #include "vector_math.h"
 

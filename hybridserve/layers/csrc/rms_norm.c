@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "hybridserve_kernels.h"
 #include "vector_math.h"
 
 void rms_norm_f32(const float *x, int64_t rows, int64_t dim, int64_t ld_x, const float *scale, float eps,

@@ -26,6 +26,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "hybridserve_kernels.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define CPU_RELAX() _mm_pause()
