@@ -364,8 +364,9 @@ class AsyncLLMEngine:
             self._fail_all(EngineStepError(f"engine step failed: {exc}"))
             return
         self._deliver(outputs)
-        if getattr(self.engine, "dead_reason", None) is not None:  # e.g. a tensor-parallel worker died
-            logger.error("engine stopped: %s", self.engine.dead_reason)
+        reason = getattr(self.engine, "dead_reason", None)
+        if reason is not None:  # e.g. a tensor-parallel worker died
+            logger.error("engine stopped: %s", reason)
             with self._cond:
                 self._stopping = True
 
