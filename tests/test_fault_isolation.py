@@ -4,6 +4,8 @@ each request's admission once across reverts and preemptions. CPU, float32."""
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 from typing import Callable
 
@@ -66,9 +68,11 @@ def _assert_only_victim_failed(finished: dict[str, RequestOutput], reference: di
             assert finished[request_id].outputs[0].token_ids == ref.outputs[0].token_ids, request_id
 
 
-def _poison_draws(monkeypatch: pytest.MonkeyPatch, chosen: Callable[[PlanChunk, int], bool], value: float) -> dict:
-    """Make the forward's logits row of every sampling chunk for which `chosen(chunk, n)` holds
-    (n: how many draws its sequence had before) carry `value` (token 17, or the whole row for inf)."""
+def _poison_draws(monkeypatch: pytest.MonkeyPatch, chosen: Callable[[StepPlan, PlanChunk, int], bool],
+                  value: float) -> dict:
+    """Make the forward's logits row of every sampling chunk for which `chosen(plan, chunk, n)`
+    holds (n: how many draws its sequence had before) carry `value`: at token 17 for NaN, over
+    the whole row otherwise."""
     original = ModelRunner.execute_plan
     seen: dict[tuple, int] = {}
     poisoned = {"steps": 0}
@@ -79,8 +83,11 @@ def _poison_draws(monkeypatch: pytest.MonkeyPatch, chosen: Callable[[PlanChunk, 
         for row, index in enumerate(result.sample_chunks):
             chunk = plan.chunks[index]
             key = chunk.sampling[0].key
-            if chosen(chunk, seen.get(key, 0)):
-                logits[row, 17 if value != value else slice(None)] = value
+            if chosen(plan, chunk, seen.get(key, 0)):
+                if math.isnan(value):
+                    logits[row, 17] = value
+                else:
+                    logits[row] = value
                 poisoned["steps"] += 1
             seen[key] = seen.get(key, 0) + 1
         return result._replace(logits=logits)
@@ -92,7 +99,7 @@ def _poison_draws(monkeypatch: pytest.MonkeyPatch, chosen: Callable[[PlanChunk, 
 def test_nan_logits_end_only_that_request(text_checkpoint: Path, reference: dict[str, RequestOutput],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     engine = _engine(text_checkpoint)
-    poisoned = _poison_draws(monkeypatch, lambda chunk, n: chunk.sampling[0].key[0] == "r5" and n == 4,
+    poisoned = _poison_draws(monkeypatch, lambda plan, chunk, n: chunk.sampling[0].key[0] == "r5" and n == 4,
                              float("nan"))
     finished = _run(engine, PROMPTS)
     assert poisoned["steps"] == 1
@@ -238,12 +245,11 @@ def test_stream_of_a_failed_request_carries_an_error_event(monkeypatch: pytest.M
     from tests.test_server import ServerThread
 
     poison_token = 4095
-    victims: set[tuple] = set()
+    victims: set[int] = set()  # the poisoned request's live state slot
 
-    def chosen(chunk: PlanChunk, draws: int) -> bool:
-        if chunk.start == 0 and chunk.token_ids[0] == poison_token:
-            victims.add(chunk.sampling[0].key)
-        return chunk.sampling[0].key in victims and draws == 2
+    def chosen(plan: StepPlan, chunk: PlanChunk, draws: int) -> bool:
+        victims.update(c.state_slot for c in plan.chunks if c.start == 0 and c.token_ids[0] == poison_token)
+        return chunk.state_slot in victims and draws == 2
 
     _poison_draws(monkeypatch, chosen, float("inf"))
     config = EngineConfig(device="cpu", dtype="float32", cache=CacheConfig(kv_cache_mib=16, prefix_cache_mib=0))

@@ -19,7 +19,7 @@ import struct
 import sys
 from array import array
 from collections import Counter, OrderedDict
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import xxhash
 
@@ -27,7 +27,18 @@ BlockHash = bytes
 """A chained content hash of one full KV block and its whole prefix: 16 bytes (xxh3-128) or 32
 bytes (SHA-256, for deployments that need collision resistance against chosen inputs)."""
 
-HASH_FUNCTIONS = {"xxh3_128": (xxhash.xxh3_128, 16), "sha256": (hashlib.sha256, 32)}
+
+
+class Hasher(Protocol):
+    """The incremental hash object both algorithms return."""
+
+    def update(self, data: bytes | memoryview, /) -> None: ...
+
+    def digest(self) -> bytes: ...
+
+
+HASH_FUNCTIONS: dict[str, tuple[Callable[..., Hasher], int]] = {
+    "xxh3_128": (xxhash.xxh3_128, 16), "sha256": (hashlib.sha256, 32)}
 """Block hash algorithms by name: (constructor taking the first bytes, digest size)."""
 
 _ROOT_TAG = b"\x00hybridserve-root"
@@ -60,7 +71,7 @@ def _encode_key(key: object, out: bytearray) -> None:
         raise TypeError(f"unsupported extra key type: {type(key).__name__}")
 
 
-def encode_extra_keys(extra_keys: tuple) -> bytes:
+def encode_extra_keys(extra_keys: tuple[object, ...]) -> bytes:
     """Canonical byte encoding of ``extra_keys`` (so ``("ab",) != ("a", "b")``).
 
     Supported element types: ``None``, ``bool``, ``int``, ``str``, ``bytes`` and
@@ -80,7 +91,7 @@ def _encode_tokens(token_ids: Sequence[int]) -> bytes:
 
 
 def hash_block(
-    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = (), algorithm: str = "xxh3_128"
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple[object, ...] = (), algorithm: str = "xxh3_128"
 ) -> BlockHash:
     """Chained 128-bit hash of one block given its parent block's hash.
 
@@ -102,7 +113,7 @@ def hash_block(
     return h.digest()
 
 
-def hash_tail(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = (),
+def hash_tail(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple[object, ...] = (),
               algorithm: str = "xxh3_128") -> BlockHash:
     """Hash of a *partial* block (fewer tokens than a block) after `parent`.
 
@@ -119,7 +130,7 @@ def hash_tail(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tu
 def block_hashes_for(
     token_ids: Sequence[int],
     block_size: int,
-    extra_keys: tuple = (),
+    extra_keys: tuple[object, ...] = (),
     start: list[BlockHash] | None = None,
     algorithm: str = "xxh3_128",
 ) -> list[BlockHash]:

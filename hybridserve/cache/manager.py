@@ -185,7 +185,7 @@ class JointCacheManager:
             raise RuntimeError("forget() on a sequence that still holds cache resources")
 
     # -- keys ---------------------------------------------------------------------------------
-    def _extra_keys(self, seq: CacheSequence) -> tuple:
+    def _extra_keys(self, seq: CacheSequence) -> tuple[object, ...]:
         """Hash extra keys: sequences with different salts share no cache entry."""
         return () if seq.cache_salt is None else (seq.cache_salt,)
 

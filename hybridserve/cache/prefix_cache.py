@@ -58,7 +58,7 @@ class PrefixCache:
         self._queries = self._query_tokens = self._hits = self._hit_tokens = 0
         self._kv_only = self._snapshot_only = 0
 
-    def lookup(self, block_hashes: list[BlockHash], token_ids: Sequence[int], extra_keys: tuple,
+    def lookup(self, block_hashes: list[BlockHash], token_ids: Sequence[int], extra_keys: tuple[object, ...],
                algorithm: str = "xxh3_128") -> PrefixLookup:
         """Deepest boundary b <= len(token_ids) - 1 whose KV and snapshot are both present.
 
@@ -85,7 +85,7 @@ class PrefixCache:
         return PrefixLookup(PrefixHit(0, [], None), None, num_tokens, len(cached) * size, bool(cached), snapshot_only)
 
     def _tail_hit(self, parent: BlockHash | None, blocks: int, token_ids: Sequence[int],
-                  keys: tuple[tuple, str], limit: int, cached: list[int]) -> tuple[PrefixHit, BlockHash] | None:
+                  keys: tuple[tuple[object, ...], str], limit: int, cached: list[int]) -> tuple[PrefixHit, BlockHash] | None:
         """The deepest cached tail after `blocks` full blocks that matches and has a snapshot
         (`keys`: the request's extra hash keys and hash algorithm)."""
         tails = self.block_pool.tails_after(parent)

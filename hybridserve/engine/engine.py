@@ -74,7 +74,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """`auto`: float32 on CPU (bf16 matmul is ~100x slower there), bfloat16 on accelerators."""
     if name == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return getattr(torch, name)
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
 
 class LLMEngine:
@@ -459,9 +460,9 @@ class LLMEngine:
                 return self._finish(request, "error")
             if request.matcher.is_stopped():  # the grammar is complete: only EOS could follow
                 return self._finish(request, "stop")
-        if enough and token in params.stop_token_ids:
+        if enough and params.stop_token_ids and token in params.stop_token_ids:
             return self._finish(request, "stop", token)
-        if enough and params.stop and delta and detokenizer is not None:
+        if enough and isinstance(params.stop, list) and params.stop and delta and detokenizer is not None:
             hit = _find_stop(detokenizer.text, params.stop, since=len(detokenizer.text) - len(delta))
             if hit is not None:
                 index, stop = hit

@@ -19,12 +19,15 @@ import functools
 
 import logging
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from hybridserve.config import (  # noqa: F401 - parse_size and the defaults are re-exported
     DEFAULT_CPU_KV_CACHE_MIB, DEFAULT_CPU_PREFIX_CACHE_MIB, MIB, CacheConfig, parse_size)
+
+if TYPE_CHECKING:
+    from hybridserve.models.qwen3_5 import Qwen3_5ForCausalLM
 
 logger = logging.getLogger(__name__)
 DEFAULT_CUDA_MEMORY_FRACTION = 0.9
@@ -91,7 +94,7 @@ def _process_status(field: str) -> int:
     raise OSError(f"{field} not in /proc/self/status")
 
 
-def measure_peak(device: torch.device, run: Callable[[], None]) -> int:
+def measure_peak(device: torch.device, run: Callable[[], object]) -> int:
     """Peak memory growth while `run()` executes: CUDA allocator peak, or CPU resident-set peak."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -211,7 +214,7 @@ def _check(plan: MemoryPlan, inputs: PlanInputs, derived: bool) -> None:
                          f"of weights; lower the cache sizes or --memory-fraction")
 
 
-def profile_forward(model: torch.nn.Module, num_tokens: int, block_size: int, dtype: torch.dtype,
+def profile_forward(model: Qwen3_5ForCausalLM, num_tokens: int, block_size: int, dtype: torch.dtype,
                     device: torch.device) -> int:
     """Activation peak (bytes) of one prefill forward of `num_tokens` tokens on `device`, run on a
     temporary runner whose KV pool holds exactly that prompt (freed afterwards)."""

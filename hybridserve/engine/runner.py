@@ -15,8 +15,8 @@ from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.cache.manager import Fork
 from hybridserve.engine.step_plan import PlanChunk, StepPlan
 from hybridserve.layers.attention import PagedKVCache
-from hybridserve.models.batch import DecodeGroup, ForwardBatch, PrefillChunk, context_slots
-from hybridserve.models.qwen3_5 import ForwardContext, Qwen3_5ForCausalLM, StateWrite
+from hybridserve.models.batch import DecodeGroup, ForwardBatch, PrefillChunk, StateWrite, context_slots
+from hybridserve.models.qwen3_5 import ForwardContext, Qwen3_5ForCausalLM
 
 logger = logging.getLogger(__name__)
 

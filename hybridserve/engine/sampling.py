@@ -9,6 +9,7 @@ logprobs only.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Iterable, NamedTuple
 
 import numpy as np
@@ -185,8 +186,10 @@ def _apply_penalties(row: torch.Tensor, spec: SamplingSpec) -> None:
         values = row[seen]
         row[seen] = torch.where(values > 0, values / spec.repetition_penalty, values * spec.repetition_penalty)
     if (spec.presence_penalty or spec.frequency_penalty) and spec.output_token_ids:
-        ids, counts = torch.tensor(spec.output_token_ids, device=row.device).unique(return_counts=True)
-        row[ids] -= spec.frequency_penalty * counts.to(row.dtype) + spec.presence_penalty
+        counted = Counter(spec.output_token_ids)
+        ids = torch.tensor(list(counted), device=row.device)
+        counts = torch.tensor(list(counted.values()), dtype=row.dtype, device=row.device)
+        row[ids] -= spec.frequency_penalty * counts + spec.presence_penalty
 
 
 def _sample_row(row: torch.Tensor, spec: SamplingSpec, generator: torch.Generator) -> int:

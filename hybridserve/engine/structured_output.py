@@ -16,7 +16,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import llguidance
 import llguidance.numpy as llg_numpy  # not llguidance.torch: it runs torch.compile at import (~5 s)
@@ -26,10 +26,13 @@ import torch
 from hybridserve.models.tokenizer import Tokenizer
 from hybridserve.sampling_params import StructuredOutputsParams
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 logger = logging.getLogger(__name__)
 
 # Compact JSON (no free whitespace): a random or weak model cannot wander off into endless spaces.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 DEFAULT_CACHE_SIZE = 256
 
 
@@ -127,7 +130,8 @@ class TokenMasker:
         `SamplingSpec` carries to the worker that applies it with `apply_bitmask`."""
         bitmask = self._buffer(1)
         llg_numpy.fill_next_token_bitmask(matcher, bitmask, 0)
-        return bitmask[0].copy()
+        row: np.ndarray = bitmask[0].copy()
+        return row
 
     def allowed(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
         """[len(matchers), vocab] bool: the tokens each matcher allows next."""

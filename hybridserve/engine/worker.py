@@ -97,9 +97,9 @@ class RankGroup(Protocol):
 class SingleRank:
     """The `RankGroup` of TP=1: this worker's answers are the answers."""
 
-    all_reduce_name = "none"
-    model_all_reduce = None
-    comm_seconds = 0.0
+    all_reduce_name: str = "none"
+    model_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    comm_seconds: float = 0.0
 
     def all_agree(self, ok: bool) -> bool:
         return ok
@@ -242,7 +242,7 @@ class Worker:
             store.__dict__.pop("write_layer", None)
             store.__dict__.pop("copy_slot", None)
 
-    def handle(self, command: tuple) -> Any:
+    def handle(self, command: tuple[Any, ...]) -> Any:
         """Run one command; rank 0's return value is the answer."""
         kind = command[0]
         if kind == "execute":
