@@ -184,3 +184,18 @@ def test_every_variable_the_package_names_is_declared() -> None:
     assert named <= declared, f"not declared in hybridserve/envs.py: {sorted(named - declared)}"
     assert len(declared) == len(envs.ENVIRONMENT_VARIABLES)
     assert all(variable.meaning and variable.type in ("bool", "str") for variable in envs.ENVIRONMENT_VARIABLES)
+
+
+def test_only_envs_reads_hybridserve_variables() -> None:
+    """Outside envs.py (and engine/threads.py, which sets OpenMP's and oneDNN's), the package reads the
+    environment only by literal names, none of them ours."""
+    read = re.compile(r"os\.(?:environ\.get|getenv)\(\s*([^,)]+)|os\.environ\[\s*([^\]]+)\]")
+    exempt = {PACKAGE / "envs.py", PACKAGE / "engine" / "threads.py"}
+    offenders = []
+    for path in sorted(set(PACKAGE.rglob("*.py")) - exempt):
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for match in read.finditer(line):
+                key = (match.group(1) or match.group(2)).strip()
+                if not re.fullmatch(r"[\"'][A-Z0-9_]+[\"']", key) or "HYBRIDSERVE_" in key:
+                    offenders.append(f"{path.relative_to(PACKAGE.parent)}:{number}: {line.strip()}")
+    assert offenders == []
