@@ -18,7 +18,7 @@ import pytest
 from hybridserve import envs
 from hybridserve.engine import threads
 
-PACKAGE = Path(__file__).resolve().parents[1] / "hybridserve"
+PACKAGE = Path(__file__).resolve().parents[2] / "hybridserve"
 REPO_ROOT = PACKAGE.parent
 
 ENV_AFTER_IMPORT = """
