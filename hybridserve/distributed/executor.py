@@ -27,6 +27,7 @@ from hybridserve.cache.manager import Fork
 from hybridserve.distributed.worker import worker_main
 from hybridserve.engine.executor import StepFailedError, WorkerDiedError, unwrap
 from hybridserve.engine.step_plan import StepPlan
+from hybridserve.engine.threads import child_process_environment
 from hybridserve.engine.worker import PlanResult, RankCapacity, StepReply, WorkerSpec
 
 __all__ = ["CommStats", "StepFailedError", "TensorParallelExecutor", "WorkerDiedError", "free_port"]
@@ -71,7 +72,8 @@ class TensorParallelExecutor:
             parent, child = context.Pipe()
             process = context.Process(target=worker_main, args=(spec, child, os.getpid()),
                                       name=f"hybridserve-tp{spec.rank}", daemon=False)
-            process.start()
+            with child_process_environment():  # OpenMP settings before torch loads in the child
+                process.start()
             child.close()
             self.processes.append(process)
             self.conns.append(parent)

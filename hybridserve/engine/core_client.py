@@ -59,6 +59,7 @@ from hybridserve.engine.core_messages import (
 )
 from hybridserve.engine.detokenizer import IncrementalDetokenizer
 from hybridserve.engine.frames import FrameReceiver
+from hybridserve.engine.threads import child_process_environment
 from hybridserve.errors import (
     EngineDeadError,
     EngineOverloadedError,
@@ -273,7 +274,8 @@ class EngineCoreClient:
         self._process = spawn.Process(target=run_engine_core, name="hybridserve-engine-core",
                                       args=(self.config, input_address, output_address, os.getpid(),
                                             logging.getLogger().getEffectiveLevel()))
-        self._process.start()
+        with child_process_environment():  # OpenMP settings before torch loads in the child
+            self._process.start()
         try:
             self._await_ready()
         except BaseException:
