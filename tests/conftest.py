@@ -8,7 +8,7 @@ import pytest
 
 from hybridserve.models.builtin import builtin_tokenizer
 from hybridserve.models.tokenizer import Tokenizer
-from tests.checkpoints import make_multimodal_checkpoint, make_text_checkpoint
+from tests.helpers.checkpoints import make_multimodal_checkpoint, make_text_checkpoint
 
 
 @pytest.fixture(scope="session")

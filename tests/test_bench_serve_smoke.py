@@ -15,8 +15,8 @@ from hybridserve.cli import build_parser, main
 from hybridserve.engine.async_engine import AsyncLLMEngine
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.server.app import build_app
-from tests.live_server import ServerThread, tiny_config
-from tests.targets import CPU
+from tests.helpers.live_server import ServerThread, tiny_config
+from tests.helpers.targets import CPU
 
 pytestmark = pytest.mark.timeout(120)
 

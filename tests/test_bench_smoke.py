@@ -16,7 +16,7 @@ from hybridserve.bench.ttft_bench import TTFTBenchConfig, format_ttft_report, ru
 from hybridserve.cli import build_parser, main
 from hybridserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridserve.models.builtin import BUILTIN_MODEL_CONFIG
-from tests.targets import CPU
+from tests.helpers.targets import CPU
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 from hybridserve.engine.async_engine import AsyncLLMEngine
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.server.app import build_app
-from tests.live_server import ServerThread, tiny_config
+from tests.helpers.live_server import ServerThread, tiny_config
 
 MODEL = "tiny"
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}

@@ -1,5 +1,5 @@
 """The differential and server tests on CUDA in bfloat16 (marked `cuda`; skipped without a GPU).
-The parity tests' CUDA variant is in test_parity.py. Tolerances: tests/targets.py (CUDA)."""
+The parity tests' CUDA variant is in test_parity.py. Tolerances: tests/helpers/targets.py (CUDA)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from hybridserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridserve.engine.async_engine import AsyncLLMEngine
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.server.app import build_app
-from tests.targets import CUDA, requires_cuda
-from tests.test_prefix_cache import _multi_turn_workload
-from tests.test_server import ServerThread, engine_stats, is_idle, wait_until
+from tests.helpers.live_server import ServerThread, engine_stats, is_idle, wait_until
+from tests.helpers.prefix_cache import multi_turn_workload
+from tests.helpers.targets import CUDA, requires_cuda
 
 pytestmark = [pytest.mark.cuda, requires_cuda, pytest.mark.timeout(300)]
 
@@ -28,7 +28,7 @@ def test_differential_cache_on_off_cuda_bf16(text_checkpoint: Path, seed: int) -
     on = LLM(model=str(text_checkpoint), **CUDA.engine_kwargs(), kv_cache_mib=4, prefix_cache_mib=4,
              snapshot_interval=32, max_num_batched_tokens=160, max_num_seqs=4)
     off = LLM(model=str(text_checkpoint), **CUDA.engine_kwargs(), kv_cache_mib=4, prefix_cache_mib=0)
-    for batch in _multi_turn_workload(seed):
+    for batch in multi_turn_workload(seed):
         for prompt in batch:
             warm = on.llm_engine.prompt_logits(prompt).float().cpu()
             cold = off.llm_engine.prompt_logits(prompt).float().cpu()
@@ -36,7 +36,7 @@ def test_differential_cache_on_off_cuda_bf16(text_checkpoint: Path, seed: int) -
         on.llm_engine.check_integrity()
     assert on.prefix_cache_stats().hits > 0
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    assert len(on.generate([_multi_turn_workload(seed)[-1][0]], params)[0].outputs[0].token_ids) == 8
+    assert len(on.generate([multi_turn_workload(seed)[-1][0]], params)[0].outputs[0].token_ids) == 8
     on.llm_engine.check_integrity()
 
 

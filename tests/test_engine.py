@@ -9,7 +9,7 @@ import torch
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.engine.engine import LLMEngine
-from tests.targets import CPU
+from tests.helpers.targets import CPU
 
 
 def _random_prompt(length: int, seed: int, vocab: int = 4096) -> list[int]:

@@ -52,7 +52,7 @@ from hybridserve.sampling_params import (
     StructuredOutputsParams,
 )
 from hybridserve.server.app import build_app
-from tests.live_server import ServerThread, tiny_config
+from tests.helpers.live_server import ServerThread, tiny_config
 
 MODEL = "tiny"
 VOCAB = 4096

@@ -242,7 +242,7 @@ def test_stream_of_a_failed_request_carries_an_error_event(monkeypatch: pytest.M
 
     from hybridserve.engine.async_engine import AsyncLLMEngine
     from hybridserve.server.app import build_app
-    from tests.test_server import ServerThread
+    from tests.helpers.live_server import ServerThread
 
     poison_token = 4095
     victims: set[int] = set()  # the poisoned request's live state slot

@@ -17,7 +17,7 @@ from hybridserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridserve.engine.async_engine import AsyncLLMEngine
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.server.app import build_app
-from tests.test_server import ServerThread
+from tests.helpers.live_server import ServerThread
 
 MAX_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "25"))
 CALL_TIMEOUT_S = 60.0  # a response slower than this is a hang

@@ -25,7 +25,7 @@ from hybridserve.models.builtin import (
 )
 from hybridserve.models.loader import load_weights, read_model_config
 from hybridserve.models.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, Tokenizer
-from tests.checkpoints import (
+from tests.helpers.checkpoints import (
     FAKE_MTP_TENSORS, fresh_text_model, reference_text_model, rewrite_tensors, text_config,
 )
 

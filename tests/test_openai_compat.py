@@ -23,7 +23,7 @@ from hybridserve.engine.engine import LLMEngine
 from hybridserve.engine_args import engine_config_from_args
 from hybridserve.server.app import build_app
 from hybridserve.server.cli import build_parser
-from tests.live_server import ServerThread, tiny_config
+from tests.helpers.live_server import ServerThread, tiny_config
 
 MODEL = "tiny"
 ALIAS = "tiny-alias"

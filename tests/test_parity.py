@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
-from tests.checkpoints import make_text_checkpoint, reference_text_model
-from tests.targets import CPU, CUDA, Target, requires_cuda
+from tests.helpers.checkpoints import make_text_checkpoint, reference_text_model
+from tests.helpers.targets import CPU, CUDA, Target, requires_cuda
 
 SHAPES = {
     "base": dict(),

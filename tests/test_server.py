@@ -26,41 +26,14 @@ from hybridserve.server.app import build_app
 from hybridserve.engine_args import engine_config_from_args
 from hybridserve.server.cli import build_parser, check_http_arguments, served_model_names
 from hybridserve.server.protocol import ChatCompletionStreamResponse, CompletionStreamResponse
-from tests.live_server import ServerThread, tiny_config
-from tests.targets import CPU
+from tests.helpers.live_server import ServerThread, engine_stats, is_idle, random_ids, tiny_config, wait_until
+from tests.helpers.targets import CPU
 
 MODEL = "tiny"
 API_KEY = "sekrit-key"
 MAX_MODEL_LEN = 32768  # the built-in model's max_position_embeddings
-VOCAB = 4096
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def engine_stats(engine: AsyncLLMEngine) -> dict[str, float]:
-    """Engine stats, read on the engine thread from this (test) thread."""
-    return asyncio.run(engine.stats())
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
-    """Poll `predicate` until it holds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-
-
-def is_idle(engine: AsyncLLMEngine) -> bool:
-    """No request holds anything: the pool counts are back to their idle values."""
-    stats = engine_stats(engine)
-    return (stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_used"] == 0
-            and stats["state_slots_free"] == stats["state_slots_total"])
-
-
-def random_ids(seed: int, n: int) -> list[int]:
-    """Deterministic prompt token ids."""
-    rng = random.Random(seed)
-    return [rng.randrange(300, VOCAB) for _ in range(n)]
 
 
 # --------------------------------------------------------------------------- fixtures

@@ -9,9 +9,9 @@ import torch
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.models.builtin import save_builtin_checkpoint
-from tests.checkpoints import reference_text_model
-from tests import test_prefix_cache
-from tests.targets import CPU
+from tests.helpers.checkpoints import reference_text_model
+from tests.helpers.prefix_cache import check_multi_turn_cache_on_equals_off, check_random_configuration
+from tests.helpers.targets import CPU
 
 pytestmark = pytest.mark.slow
 
@@ -37,9 +37,9 @@ def test_builtin_model_parity_on_a_long_prompt(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("seed", range(2, 8))
 def test_differential_multi_turn_more_seeds(text_checkpoint: Path, seed: int) -> None:
-    test_prefix_cache.test_differential_multi_turn_cache_on_equals_off(text_checkpoint, seed)
+    check_multi_turn_cache_on_equals_off(text_checkpoint, seed)
 
 
 @pytest.mark.parametrize("seed", range(100, 200))
 def test_differential_random_configurations_more_seeds(text_checkpoint: Path, seed: int) -> None:
-    test_prefix_cache.differential_random_configuration(text_checkpoint, seed)
+    check_random_configuration(text_checkpoint, seed)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hybridserve.bench.soak_bench import SoakConfig, format_soak_report, run_soak
-from tests.targets import CPU
+from tests.helpers.targets import CPU
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 SERVE_ARGS = [*CPU.cli_args(), "--max-num-seqs", "4", "--max-waiting-requests", "8", "--max-model-len", "4096",

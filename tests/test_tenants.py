@@ -16,7 +16,7 @@ from hybridserve.engine.engine import LLMEngine
 from hybridserve.server.app import build_app
 from hybridserve.server.auth import ApiKeyring, read_key_file, tenant_cache_salt, tenant_id
 from hybridserve.server.cli import api_keys_from, build_parser
-from tests.test_server import ServerThread, random_ids
+from tests.helpers.live_server import ServerThread, random_ids
 
 KEYS = ("key-of-tenant-a", "key-of-tenant-b")
 pytestmark = pytest.mark.timeout(120)

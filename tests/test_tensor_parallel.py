@@ -24,7 +24,7 @@ from hybridserve.distributed.executor import TensorParallelExecutor
 from hybridserve.engine.executor import InProcessExecutor
 from hybridserve.engine.worker import PlanResult, Worker
 from hybridserve.engine.engine import EngineDeadError
-from tests.targets import CPU
+from tests.helpers.targets import CPU
 
 MIB = 1 << 20
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -306,7 +306,7 @@ def test_server_answers_503_after_a_worker_died() -> None:
 
 @pytest.mark.slow
 def test_kv_heads_replicated_when_ranks_exceed_them(tmp_path: Path) -> None:
-    from tests.checkpoints import make_text_checkpoint
+    from tests.helpers.checkpoints import make_text_checkpoint
 
     path = make_text_checkpoint(tmp_path / "one_kv_head", seed=4, kv_heads=1)  # 2 ranks, 1 KV head each copy
     one, two = _pair(str(path))

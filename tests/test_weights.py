@@ -11,7 +11,7 @@ from hybridserve.engine.engine import LLMEngine
 from hybridserve.layers import huge_pages
 from hybridserve.layers.linear import union_bytes
 from hybridserve.models.builtin import parameter_shapes
-from tests.greedy_runs import run_greedy
+from tests.helpers.greedy_runs import run_greedy
 
 
 def _engine(model: str | None, dtype: str) -> LLMEngine:

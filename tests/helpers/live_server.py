@@ -1,17 +1,23 @@
-"""A live server for end-to-end tests: uvicorn on a free loopback port in a daemon thread, and
-the small engine configuration the server tests run on."""
+"""A live server for end-to-end tests: uvicorn on a free loopback port in a daemon thread, the
+small engine configuration the server tests run on, and probes of a served engine's state."""
 
 from __future__ import annotations
 
+import asyncio
+import random
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
 
 from hybridserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from hybridserve.engine.async_engine import AsyncLLMEngine
 from hybridserve.server.cli import bind_socket, serve_uvicorn
-from tests.targets import CPU
+from tests.helpers.targets import CPU
+
+VOCAB = 4096  # the built-in model's vocabulary size
 
 
 def tiny_config(**scheduler: Any) -> EngineConfig:
@@ -47,3 +53,27 @@ class ServerThread:
         self._sock.close()
 
 
+def engine_stats(engine: AsyncLLMEngine) -> dict[str, float]:
+    """Engine stats, read on the engine thread from this (test) thread."""
+    return asyncio.run(engine.stats())
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
+    """Poll `predicate` until it holds; `timeout` only bounds the wait so that a hang fails."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def is_idle(engine: AsyncLLMEngine) -> bool:
+    """No request holds anything: the pool counts are back to their idle values."""
+    stats = engine_stats(engine)
+    return (stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_used"] == 0
+            and stats["state_slots_free"] == stats["state_slots_total"])
+
+
+def random_ids(seed: int, n: int) -> list[int]:
+    """`n` deterministic prompt token ids of the built-in vocabulary, drawn from [300, VOCAB)."""
+    rng = random.Random(seed)
+    return [rng.randrange(300, VOCAB) for _ in range(n)]
