@@ -18,7 +18,7 @@ from hybridserve.layers import native
 from hybridserve.models import fused_decode
 from hybridserve.models.batch import DecodeGroup, ForwardBatch
 from hybridserve.models.qwen3_5 import ForwardContext
-from tests.greedy_runs import run_greedy
+from tests.helpers.greedy_runs import run_greedy
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the module path serves every step")

@@ -32,7 +32,7 @@ from hybridserve.layers.rotary import PartialRotaryEmbedding
 from hybridserve.models import fused_decode
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.models.qwen3_5 import ForwardContext
-from tests.greedy_runs import run_greedy
+from tests.helpers.greedy_runs import run_greedy
 
 HAVE_COMPILER = shutil.which("cc") is not None or shutil.which("gcc") is not None
 needs_kernel = pytest.mark.skipif(not HAVE_COMPILER, reason="no C compiler: the eager path is used")
