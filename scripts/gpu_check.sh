@@ -13,7 +13,7 @@ hs=(python3 -m hybridserve.cli)  # an array, not a function: `timeout` and `&` n
 } >"$out/env.txt" 2>&1
 
 timeout 150 python3 -m pytest -m cuda -q -rA -p no:cacheprovider --timeout 120 \
-    tests/test_cuda.py tests/test_parity.py >"$out/cuda_tests.log" 2>&1
+    tests/engine/test_cuda.py tests/models/test_parity.py >"$out/cuda_tests.log" 2>&1
 echo "cuda tests rc=$?" | tee -a "$out/env.txt"
 
 {

@@ -6,7 +6,7 @@ models per chunk and dumping them was the largest part of the API process's work
 token that this code controls. `TextChunkTemplate` dumps such a chunk once through its pydantic
 model with placeholder values, keeps the JSON around the two values that change (the choice index
 and the text), and afterwards writes only those, escaped as pydantic escapes them (the C string
-encoder behind `json.dumps(..., ensure_ascii=False)` writes the same bytes; tests/test_sse.py
+encoder behind `json.dumps(..., ensure_ascii=False)` writes the same bytes; tests/server/test_sse.py
 checks it). Every other chunk (logprobs, a finish reason, a role, tool calls, usage) still goes
 through its model.
 """

@@ -5,7 +5,7 @@ Requests run one at a time in trace order, as the live `bench trace` replays the
 admitted (joint lookup, restore), prefilled, then its output tokens are computed (decode; the
 accounting is the same in one chunk) and it finishes — its end state is offered to the policy.
 The live engine makes the same calls, so for the same tokens, policy and pool sizes the hits are
-the same (tests/test_sim.py checks this against the engine).
+the same (tests/sim/test_sim.py checks this against the engine).
 """
 
 from __future__ import annotations

@@ -1,0 +1,562 @@
+"""The engine core process (`EngineCoreClient` + `EngineCore`) behind the real HTTP app: same
+greedy tokens as `LLM.generate`, streaming and `n`, aborts, bad input, stats, and a core that
+dies (requests fail, /health answers 503, nothing is left running)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from hybridserve.api import LLM
+from hybridserve.engine.core import BURST_GAP_S, SOCKET_DIR_PREFIX, EngineCore
+from hybridserve.engine.core_client import EngineCoreClient
+from hybridserve.engine.core_messages import (
+    AbortRequests,
+    AddRequest,
+    CoreInput,
+    EngineDead,
+    SamplingParamsWire,
+    Shutdown,
+    StepOutputs,
+    UtilityCall,
+    input_decoder,
+    input_encoder,
+    output_decoder,
+    params_from_wire,
+    params_to_wire,
+)
+from hybridserve.engine.frames import FrameReceiver, FrameSender
+from hybridserve.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+)
+from hybridserve.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+from hybridserve.server.app import build_app
+from tests.helpers.live_server import ServerThread, tiny_config
+
+MODEL = "tiny"
+VOCAB = 4096
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
+    """Poll `predicate` until it holds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def is_idle(core: EngineCoreClient) -> bool:
+    """Nothing holds a KV block or a state slot in the core."""
+    stats = asyncio.run(core.stats())
+    return (stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_used"] == 0
+            and stats["state_slots_free"] == stats["state_slots_total"])
+
+
+def check_clean(core: EngineCoreClient) -> None:
+    """Idle, and the pools pass their integrity checks."""
+    wait_until(lambda: is_idle(core))
+    asyncio.run(core.check_integrity())
+
+
+def reader_thread_running() -> bool:
+    """Whether an engine core client's reader thread is alive (it ends once a loop reads)."""
+    return any(thread.name == "hybridserve-core-reader" and thread.is_alive() for thread in threading.enumerate())
+
+
+def process_gone(pid: int) -> bool:
+    """The process has exited and been reaped (or was never ours)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie still answers kill(0)
+        return stat.read().split()[2] == "Z"
+
+
+@pytest.fixture(scope="module")
+def core() -> Iterator[EngineCoreClient]:
+    client = EngineCoreClient(tiny_config(), max_waiting_requests=64)
+    client.start()
+    yield client
+    pid = client.pid
+    client.shutdown()
+    assert pid is not None and process_gone(pid)
+
+
+@pytest.fixture(scope="module")
+def server(core: EngineCoreClient) -> Iterator[ServerThread]:
+    with ServerThread(build_app(core, model_name=MODEL), core) as srv:  # outputs read on its loop
+        yield srv
+
+
+def _prompts() -> list[list[int]]:
+    return [[300 + (7 * i + 13 * j) % 3000 for j in range(20 + 5 * i)] for i in range(3)]
+
+
+def test_same_greedy_tokens_as_llm_generate(core: EngineCoreClient, server: ServerThread) -> None:
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    offline = LLM.from_config(tiny_config()).generate(_prompts(), params, use_tqdm=False)
+
+    async def through_core() -> list[list[int]]:
+        outs = []
+        for i, prompt in enumerate(_prompts()):
+            last = None
+            async for output in core.generate(f"parity-{i}", prompt, params):
+                last = output
+            assert last is not None and last.finished
+            outs.append(last.outputs[0].token_ids)
+        return outs
+
+    assert asyncio.run(through_core()) == [o.outputs[0].token_ids for o in offline]
+    body = {"model": MODEL, "prompt": _prompts(), "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    texts = [c["text"] for c in httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"]]
+    assert texts == [o.outputs[0].text for o in offline]
+    streamed = _stream_texts(server, {**body, "prompt": _prompts()[0]})
+    assert streamed == {0: offline[0].outputs[0].text}
+    check_clean(core)
+
+
+def _stream_texts(server: ServerThread, body: dict) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    return texts
+
+
+def test_streaming_n_logprobs_stop_and_stats(core: EngineCoreClient, server: ServerThread) -> None:
+    body = {"model": MODEL, "prompt": "The joint prefix cache", "max_tokens": 12, "temperature": 0.8,
+            "seed": 3, "n": 2, "logprobs": 1}
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    assert [c["text"] for c in whole["choices"]] == list(_stream_texts(server, body).values())
+    assert all(len(c["logprobs"]["tokens"]) == whole["usage"]["completion_tokens"] // 2 for c in whole["choices"])
+    text = whole["choices"][0]["text"]
+    if len(text) > 3:  # a stop string inside the text cuts it there
+        stopped = httpx.post(f"{server.url}/v1/completions", json={**body, "n": 1, "stop": [text[2:4]]}).json()
+        assert stopped["choices"][0]["text"] == text[:2] and stopped["choices"][0]["finish_reason"] == "stop"
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "hybridserve_kv_blocks_total" in metrics or "kv_blocks" in metrics
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    check_clean(core)
+
+
+def test_text_is_made_in_the_api_process_except_for_stop_strings(core: EngineCoreClient) -> None:
+    """The core detokenizes only requests with stop strings (the stop is checked on the text); the
+    others' text is made from their token ids on the API side and equals `LLM.generate`'s, also
+    when a delta carries several tokens (stream_interval) and with special tokens kept or skipped.
+    Ids from the whole vocabulary: byte pieces included."""
+    assert asyncio.run(core.call("detokenize_all_requests")) is False
+    prompts = [[(97 * i + 31 * j) % VOCAB for j in range(12)] for i in range(4)]
+    cases = [SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True, stream_interval=1 + 3 * (i % 2),
+                            skip_special_tokens=i < 2) for i in range(4)]
+    llm = LLM.from_config(tiny_config())
+    offline = [llm.generate([prompt], params, use_tqdm=False)[0].outputs[0] for prompt, params in zip(prompts, cases)]
+
+    async def through_core(params_list: list[SamplingParams], tag: str) -> list[Any]:
+        outs = []
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            last = None
+            async for output in core.generate(f"detok-{tag}-{i}", prompt, params):
+                last = output
+            outs.append(last.outputs[0])
+        return outs
+
+    served = asyncio.run(through_core(cases, "api"))
+    assert [(o.token_ids, o.text) for o in served] == [(o.token_ids, o.text) for o in offline]
+    assert any(o.text for o in served)
+    stops = [SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True, stop=[o.text[5:7]])
+             for i, o in enumerate(offline) if len(o.text) > 8]
+    stopped = asyncio.run(through_core(stops, "stop"))
+    expected = [llm.generate([prompts[i]], params, use_tqdm=False)[0].outputs[0].text
+                for i, params in zip([i for i, o in enumerate(offline) if len(o.text) > 8], stops)]
+    assert stops and [o.text for o in stopped] == expected
+    assert all(o.finish_reason == "stop" for o in stopped)
+    check_clean(core)
+
+
+def test_final_only_requests_get_one_message(core: EngineCoreClient) -> None:
+    """The core holds a final-only request's deltas back until it finishes: its stream yields one
+    output, the cumulative run's last."""
+    async def outputs(kind: RequestOutputKind) -> list:
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, output_kind=kind)
+        return [out async for out in core.generate(f"core-kind-{int(kind)}", [400, 401, 402], params)]
+
+    cumulative = asyncio.run(outputs(RequestOutputKind.CUMULATIVE))
+    final = asyncio.run(outputs(RequestOutputKind.FINAL_ONLY))
+    assert len(cumulative) > 1 and len(final) == 1 and final[0].finished
+    assert final[0].outputs[0].token_ids == cumulative[-1].outputs[0].token_ids and final[0].prompt_token_ids
+    check_clean(core)
+
+
+def test_stream_interval_holds_deltas_back(core: EngineCoreClient) -> None:
+    """The core sends a request with `stream_interval=5` its first token, then a delta per 5 new
+    tokens, then the last: the stream yields those outputs, ending in the cumulative run's."""
+    async def outputs(interval: int) -> list[list[int]]:
+        params = SamplingParams(max_tokens=23, temperature=0.0, ignore_eos=True, stream_interval=interval)
+        return [out.outputs[0].token_ids async for out in core.generate(f"core-interval-{interval}",
+                                                                         [410, 411, 412], params)]
+
+    every, chunked = asyncio.run(outputs(1)), asyncio.run(outputs(5))
+    assert [len(ids) for ids in chunked] == [1, 6, 11, 16, 21, 23] and chunked[-1] == every[-1]
+    check_clean(core)
+
+
+def test_bad_input_is_a_400_with_the_engine_message(core: EngineCoreClient, server: ServerThread) -> None:
+    response = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": [1, VOCAB + 5]})
+    assert response.status_code == 400 and "outside the vocabulary" in response.json()["error"]["message"]
+    check_clean(core)
+
+
+def test_disconnect_mid_stream_aborts(core: EngineCoreClient, server: ServerThread) -> None:
+    body = {"model": MODEL, "prompt": "abort me", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    check_clean(core)
+
+
+def test_core_death_fails_requests_and_health() -> None:
+    client = EngineCoreClient(tiny_config(), max_waiting_requests=8)
+    client.start()
+    pid = client.pid
+    assert pid is not None
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 5000, "ignore_eos": True, "stream": True}
+    try:
+        with ServerThread(build_app(client, model_name=MODEL), client) as srv:
+            assert httpx.get(f"{srv.url}/health").status_code == 200
+            wait_until(lambda: not reader_thread_running())  # the server's loop reads the outputs
+            started = time.monotonic()
+            with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as response:
+                lines = response.iter_lines()
+                assert next(lines).startswith("data: ")
+                os.kill(pid, signal.SIGKILL)
+                rest = [line for line in lines if line]
+            assert time.monotonic() - started < 10
+            assert "engine core process died" in json.loads(rest[-2][6:])["error"]["message"]
+            assert rest[-1] == "data: [DONE]"
+            assert httpx.get(f"{srv.url}/health").status_code == 503
+            again = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+            assert again.status_code == 503
+            with pytest.raises(EngineDeadError):
+                asyncio.run(client.stats())
+    finally:
+        client.shutdown()
+    assert process_gone(pid)
+
+
+def test_aborts_that_empty_the_queue_reopen_admission() -> None:
+    """The API process admits requests by the core's waiting count. When aborts empty the engine
+    no step follows to report it, and a stale count refused every request as overloaded, for good."""
+    client = EngineCoreClient(tiny_config(max_num_seqs=1), max_waiting_requests=2)
+    client.start()
+    long = SamplingParams(max_tokens=5000, ignore_eos=True, temperature=0.0)
+
+    async def scenario() -> list[int]:
+        await client.add_request("running", [300] * 20, long)
+        await asyncio.to_thread(wait_until, lambda: client.num_waiting_estimate == 0)
+        for index in range(2):
+            await client.add_request(f"queued-{index}", [301 + index] * 20, long)
+        await asyncio.to_thread(wait_until, lambda: client.num_waiting_estimate == 2)
+        with pytest.raises(EngineOverloadedError):
+            await client.add_request("refused", [303] * 20, long)
+        for request_id in ("queued-0", "queued-1", "running"):
+            client.abort(request_id)
+        await asyncio.to_thread(wait_until, lambda: client.num_waiting_estimate == 0)
+        outputs = [output async for output in client.generate("after", [304] * 20,
+                                                              SamplingParams(max_tokens=3, temperature=0.0))]
+        return outputs[-1].outputs[0].token_ids
+
+    try:
+        assert len(asyncio.run(scenario())) == 3
+        asyncio.run(client.check_integrity())
+    finally:
+        client.shutdown()
+
+
+def test_bad_model_dir_fails_start_with_the_engine_error() -> None:
+    from dataclasses import replace
+
+    client = EngineCoreClient(replace(tiny_config(), model="/nonexistent/model-dir"))
+    with pytest.raises((ValueError, OSError), match="does not exist"):
+        client.start()
+    assert client.pid is not None and process_gone(client.pid)
+    client.shutdown()
+
+
+@pytest.mark.slow
+def test_core_exits_when_the_api_process_is_killed() -> None:
+    from hybridserve.bench.serve_bench import ServerProcess
+
+    def socket_dirs() -> set[Path]:
+        return set(Path(tempfile.gettempdir()).glob(SOCKET_DIR_PREFIX + "*"))
+
+    before = socket_dirs()
+    with ServerProcess(["--kv-cache-mib", "16", "--prefix-cache-mib", "16", "--max-model-len", "1024",
+                        "--threads", "1"]) as server:
+        assert server.proc is not None
+        pid = server.proc.pid
+        with open(f"/proc/{pid}/task/{pid}/children") as children:
+            cores = [int(c) for c in children.read().split()]
+        assert cores, "the server has no engine core child"
+        ours = socket_dirs() - before
+        assert ours, "the server made no socket directory"
+        os.kill(pid, signal.SIGKILL)
+        server.proc.wait(10)
+        wait_until(lambda: all(process_gone(c) for c in cores), timeout=10)
+    assert not any(d.exists() for d in ours), "the core left the dead server's sockets behind"
+
+
+class _RecordingEngine:
+    """Stands in for `LLMEngine` in `EngineCore`: records when each request was added."""
+
+    def __init__(self) -> None:
+        self.added: list[tuple[str, float]] = []
+
+    def add_request(self, request_id: str, prompt: Any, params: Any, cache_salt: str | None = None) -> None:
+        self.added.append((request_id, time.monotonic()))
+
+
+class _ZmqSink:
+    """Hands the core's output messages to a ZMQ socket (instead of the frames of a real core)."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+
+    def send_message(self, message: Any) -> None:
+        self.sock.send(msgspec.msgpack.encode(message))
+
+
+def _core_with_sockets() -> tuple[EngineCore, _RecordingEngine, list[zmq.Socket], zmq.Context]:
+    context = zmq.Context()
+    address = f"inproc://burst-{uuid.uuid4().hex}"
+    inputs, sender = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    outputs, sink = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+    inputs.bind(address)
+    sender.connect(address)
+    sink.bind(address + "-out")
+    outputs.connect(address + "-out")
+    engine = _RecordingEngine()
+    return (EngineCore(engine, inputs, _ZmqSink(outputs), os.getppid()), engine, [sender, inputs, outputs, sink],
+            context)
+
+
+def test_an_idle_core_gathers_a_burst_but_not_a_lone_request() -> None:
+    """Two requests arriving together start a burst: the core keeps taking requests that follow
+    within BURST_GAP_S before its first step; a lone request is handled at once."""
+    core, engine, sockets, context = _core_with_sockets()
+    sender = sockets[0]
+    encoder, params = input_encoder(), params_to_wire(SamplingParams(max_tokens=1))
+
+    def send(request_id: str) -> None:
+        sender.send(encoder.encode(AddRequest(request_id, [1, 2, 3], params, None)))
+
+    try:
+        send("alone")
+        start = time.monotonic()
+        core._drain_inputs(block=True)
+        assert [r for r, _ in engine.added] == ["alone"] and time.monotonic() - start < BURST_GAP_S
+        send("burst-0")
+        send("burst-1")
+        late = threading.Timer(BURST_GAP_S / 3, send, args=("burst-2",))
+        late.start()
+        core._drain_inputs(block=True)
+        late.join()
+        assert [r for r, _ in engine.added] == ["alone", "burst-0", "burst-1", "burst-2"]
+        send("next")  # a busy core never waits
+        time.sleep(0.01)
+        core._drain_inputs(block=False)
+        assert engine.added[-1][0] == "next"
+    finally:
+        for socket in sockets:
+            socket.close(linger=0)
+        context.term()
+
+
+def test_frames_cross_read_boundaries_and_end_with_the_peer() -> None:
+    """Frames of any size arrive whole and in order however the reads cut them (7-byte reads here,
+    a frame over the 64 KiB one-write size); the peer's close reads as None."""
+    ours, theirs = socket.socketpair()
+    sender, receiver = FrameSender(ours), FrameReceiver(theirs, read_bytes=7)
+    payloads = [b"", b"x", b"hello world", bytes(range(256)) * 300]
+    for payload in payloads:
+        sender.send(payload)
+    received: list[bytes] = []
+    while len(received) < len(payloads):
+        frames = receiver.receive(5.0)
+        assert frames is not None
+        received += frames
+    assert received == payloads
+    assert receiver.receive(0) == [] and receiver.receive(0.01) == []
+    sender.close()
+    assert receiver.receive(5.0) is None
+    receiver.close()
+
+
+def test_outputs_move_to_a_loop_and_back_to_the_reader_thread() -> None:
+    """After `read_on_loop` the reader thread ends and that loop reads the core's outputs, also for
+    streams of other loops; once that loop is closed, the next request resumes the thread."""
+    client = EngineCoreClient(tiny_config(), max_waiting_requests=8)
+    client.start()
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def tokens(request_id: str) -> list[int]:
+        last = None
+        async for output in client.generate(request_id, [5, 6, 7, 8], params):
+            last = output
+        assert last is not None and last.finished
+        return last.outputs[0].token_ids
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        assert reader_thread_running()
+        client.read_on_loop(loop)
+        wait_until(lambda: not reader_thread_running())
+        on_loop = asyncio.run_coroutine_threadsafe(tokens("on-loop"), loop).result(60)
+        assert len(on_loop) == 8 and asyncio.run(tokens("other-loop")) == on_loop
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+        assert asyncio.run(tokens("after-close")) == on_loop and reader_thread_running()
+        check_clean(client)
+    finally:
+        client.shutdown()
+    assert not reader_thread_running()
+
+
+def test_frames_carry_typed_messages() -> None:
+    """`send_message` / `receive_messages` move typed messages whole, whatever the read size; a
+    frame that does not decode is skipped and the ones after it still arrive."""
+    ours, theirs = socket.socketpair()
+    sender, receiver = FrameSender(ours), FrameReceiver(theirs, read_bytes=5, decoder=output_decoder())
+    messages = [StepOutputs([], 3), EngineDead("x" * 70_000), StepOutputs([], 0)]
+    sender.send_message(messages[0])
+    sender.send(b"\xc1not msgpack")
+    for message in messages[1:]:
+        sender.send_message(message)
+    received: list[Any] = []
+    while len(received) < len(messages):
+        batch = receiver.receive_messages(5.0)
+        assert batch is not None
+        received += batch
+    assert received == messages
+    sender.close()
+    assert receiver.receive_messages(5.0) is None
+    receiver.close()
+
+
+def _every_sampling_field() -> SamplingParams:
+    """Sampling parameters with every field away from its default."""
+    return SamplingParams(
+        n=3, max_tokens=77, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=11, stop=["\n\n", "END"],
+        stop_token_ids=[5, 6], ignore_eos=True, min_tokens=2, logprobs=4, presence_penalty=0.5,
+        frequency_penalty=-0.25, repetition_penalty=1.1, include_stop_str_in_output=True,
+        skip_special_tokens=False, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+        logit_bias={7: 2, 9: -1.5}, output_kind=RequestOutputKind.FINAL_ONLY, stream_interval=4)
+
+
+def _plain_values(value: Any) -> bool:
+    """Whether a decoded msgpack value holds only lists, dicts, str, numbers, bools and None."""
+    if isinstance(value, list):
+        return all(_plain_values(item) for item in value)
+    if isinstance(value, dict):
+        return all(_plain_values(k) and _plain_values(v) for k, v in value.items())
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+@pytest.mark.parametrize("constraint", [
+    None, StructuredOutputsParams(choice=["a", "b"]), StructuredOutputsParams(regex="[0-9]+"),
+    StructuredOutputsParams(json={"type": "object", "properties": {"x": {"type": "integer"}}}),
+    StructuredOutputsParams(json_object=True), StructuredOutputsParams(grammar='start: "x"'),
+])
+def test_requests_cross_the_wire_typed_and_without_pickle(constraint: StructuredOutputsParams | None) -> None:
+    """An `AddRequest` encodes to plain msgpack values (no bytes, so no pickle anywhere in it) and
+    decodes to equal `SamplingParams`, structured-output constraint included."""
+    params = _every_sampling_field()
+    params.structured_outputs = constraint
+    encoded = input_encoder().encode(AddRequest("req-1", [1, 2, 3], params_to_wire(params), "salt"))
+    assert _plain_values(msgspec.msgpack.decode(encoded))
+    decoded = input_decoder().decode(encoded)
+    assert isinstance(decoded, AddRequest)
+    assert params_from_wire(decoded.params) == params
+
+
+def test_no_message_to_the_core_has_a_bytes_field() -> None:
+    """Every API -> core message is typed: no field is opaque bytes (where a pickle could hide),
+    and the wire form of the sampling parameters has exactly `SamplingParams`' fields."""
+    for kind in (AddRequest, AbortRequests, UtilityCall, Shutdown, SamplingParamsWire):
+        info = msgspec.inspect.type_info(kind)
+        assert isinstance(info, msgspec.inspect.StructType)
+        assert not [f.name for f in info.fields if "Bytes" in repr(f.type)], kind
+    assert {m.__name__ for m in CoreInput.__args__} == {"AddRequest", "AbortRequests", "UtilityCall", "Shutdown"}
+    import dataclasses
+    assert list(SamplingParamsWire.__struct_fields__) == [f.name for f in dataclasses.fields(SamplingParams)]
+
+
+def test_wire_params_are_validated_again_on_arrival() -> None:
+    """A wire message with an out-of-range value is refused by the core's conversion, as a
+    `ValueError`, instead of reaching the engine."""
+    wire = params_to_wire(SamplingParams(max_tokens=4))
+    wire.temperature = -1.0
+    with pytest.raises(ValueError, match="temperature"):
+        params_from_wire(wire)
+
+
+def test_utility_calls_reach_public_engine_names_only(core: EngineCoreClient) -> None:
+    """Utility calls name a public engine method (with plain arguments) or attribute; private
+    names are refused, and errors come back as the shared error classes."""
+    assert asyncio.run(core.call("has_unfinished_requests")) is False
+    with pytest.raises(InvalidRequestError, match="public"):
+        asyncio.run(core.call("_step"))
+    with pytest.raises(RuntimeError):
+        asyncio.run(core.call("no_such_method"))
+    with pytest.raises(InvalidRequestError, match="empty"):  # the engine's own ValueError, by kind
+        asyncio.run(core.add_request("empty-prompt", "", SamplingParams(max_tokens=1)))
+
+
+def test_both_front_ends_are_engine_clients() -> None:
+    """The in-process `AsyncLLMEngine` and the out-of-process `EngineCoreClient` implement the one
+    `EngineClient` interface the server talks to, with the same parameter names."""
+    import inspect
+    from types import SimpleNamespace
+
+    from hybridserve.engine.async_engine import AsyncLLMEngine
+    from hybridserve.engine.protocol import EngineClient
+
+    in_process = AsyncLLMEngine(SimpleNamespace(tokenizer=None, max_model_len=64))  # type: ignore[arg-type]
+    clients = [in_process, EngineCoreClient(tiny_config())]
+    methods = [name for name, value in vars(EngineClient).items()
+               if not name.startswith("_") and inspect.isfunction(value)]
+    assert {"add_request", "abort", "call", "stats", "check_integrity", "start", "shutdown"} <= set(methods)
+    for client in clients:
+        assert isinstance(client, EngineClient), type(client).__name__
+        for name in methods:
+            expected = list(inspect.signature(getattr(EngineClient, name)).parameters)
+            assert list(inspect.signature(getattr(type(client), name)).parameters) == expected, (client, name)

@@ -1,0 +1,127 @@
+"""`hybridserve sim`: the whole command on a small trace, its errors, and the slot bound."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hybridserve.cli import main
+from hybridserve.config import POLICY_NAMES
+from hybridserve.sim.bound import hit_options, slot_bound_hit_tokens
+from hybridserve.sim.simulator import ceiling_hit_tokens
+from hybridserve.sim.trace import TraceRecord, TraceTokens
+
+VOCAB = 4096
+
+
+def _tokens(hash_lists: list[list[int]], input_length: int, block_tokens: int = 16) -> TraceTokens:
+    records = [TraceRecord(float(i), input_length, 2, tuple(ids)) for i, ids in enumerate(hash_lists)]
+    return TraceTokens(records, block_tokens, VOCAB)
+
+
+def _branching_trace(path: Path) -> Path:
+    """Chains that share a system prefix, fork and come back, plus one conversation."""
+    records = []
+    for turn in range(6):
+        records.append({"timestamp": turn, "input_length": 64 * (2 + turn % 3), "output_length": 4,
+                        "hash_ids": [0, 1 + turn % 3, 10 + turn % 2, 20 + turn][:2 + turn % 3]})
+    records.append({"timestamp": 7, "input_length": 64, "output_length": 8, "hash_ids": [50, 51]})
+    records.append({"timestamp": 8, "input_length": 200, "output_length": 8, "hash_ids": [50, 51, 52, 53, 54, 55, 56]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_slot_bound_charges_each_hit_its_stretch() -> None:
+    """Six one-block prompts, each repeated three requests later: every hit holds a slot for three
+    requests, so one slot over six requests pays for two hits of 15 tokens (input - 1)."""
+    tokens = _tokens([[1], [2], [3], [1], [2], [3]], input_length=16)
+    ceiling, _ = ceiling_hit_tokens(tokens)
+    options = hit_options(tokens)
+    assert ceiling == 3 * 15
+    assert slot_bound_hit_tokens(options, 1) == pytest.approx(2 * 15, rel=1e-6)
+    assert slot_bound_hit_tokens(options, 2) == pytest.approx(ceiling, rel=1e-6)
+
+
+def test_slot_bound_is_at_most_the_ceiling_and_grows_with_slots(tmp_path: Path) -> None:
+    from hybridserve.sim.trace import read_trace
+
+    tokens = TraceTokens(read_trace(_branching_trace(tmp_path / "t.jsonl"), None, 16), 16, VOCAB)
+    ceiling, _ = ceiling_hit_tokens(tokens)
+    options = hit_options(tokens)
+    bounds = [slot_bound_hit_tokens(options, slots) for slots in (0, 1, 2, 64)]
+    assert bounds == sorted(bounds) and bounds[-1] == pytest.approx(ceiling, rel=1e-6)
+    assert bounds[0] == pytest.approx(0, abs=1e-6) and bounds[1] > 0
+
+
+def test_sim_command_reports_every_policy_below_its_bound(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    code = main(["sim", "--trace", str(_branching_trace(tmp_path / "t.jsonl")), "--model-shape", "builtin",
+                 "--policies", ",".join(POLICY_NAMES), "--snapshot-budgets-gib", "0.002,0.05",
+                 "--kv-budgets-gib", "0.01", "--block-size", "16", "--snapshot-interval", "32",
+                 "--block-tokens", "16", "--json", str(out), "--no-progress"])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert {row["policy"] for row in report["rows"]} == set(POLICY_NAMES)
+    for row in report["rows"]:
+        assert row["token_hit_rate"] <= row["slot_bound_token_hit_rate"] + 1e-9
+        assert row["slot_bound_token_hit_rate"] <= report["ceiling_token_hit_rate"] + 1e-9
+    assert max(row["token_hit_rate"] for row in report["rows"]) > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--policies", "lru"], "unknown cache policy lru"),
+    (["--snapshot-budgets-gib", "-1"], "must be positive"),
+    (["--kv-budgets-gib", "lots"], "comma-separated numbers"),
+    (["--snapshot-interval", "24", "--block-size", "16"], "multiple of --block-size"),
+    (["--trace", "/nonexistent/trace.jsonl"], "trace"),
+])
+def test_sim_bad_input_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str],
+                                        message: str) -> None:
+    trace = str(_branching_trace(tmp_path / "t.jsonl"))
+    argv = ["sim", "--trace", trace, "--model-shape", "builtin", "--no-progress", *flags]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_oracle_keeps_the_states_restored_soonest() -> None:
+    """A, B, C, then A, B, C again (three-block prompts that end mid-block): each repeat can hit
+    the prompt mark at 32 tokens. With one slot the oracle keeps A's (restored first) and skips
+    B's and C's; with two it keeps A's and B's. LRU-like eviction keeps the latest marks, which
+    the repeats need last, and hits nothing with one or two slots."""
+    from hybridserve.sim.oracle import learn_restores, simulate_oracle
+    from hybridserve.sim.shapes import model_shape
+    from hybridserve.sim.simulator import SimConfig, simulate
+
+    shape = model_shape("builtin")
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]] * 2
+    config = SimConfig("hybridserve", 64 * 16 * shape.cost.kv_bytes_per_token, shape.cost.snapshot_bytes, 16, 32)
+    restores = learn_restores(_tokens(prompts, input_length=40), shape, config)
+    assert sorted(len(times) for times in restores.values()) == [1, 1, 1]
+    hits = []
+    for slots in (1, 2, 3):
+        sized = config._replace(snapshot_bytes=slots * shape.cost.snapshot_bytes)
+        result = simulate_oracle(_tokens(prompts, input_length=40), shape, sized, restores, check=True)
+        assert result.config.policy == "oracle" and result.snapshot_slots == slots
+        assert result.hits == (0, 0, 0, 32, 32 if slots > 1 else 0, 32 if slots > 2 else 0)
+        hits.append(result.hit_tokens)
+        online = simulate(_tokens(prompts, input_length=40), shape, sized, check=True)
+        assert online.hit_tokens <= result.hit_tokens
+    assert hits == [32, 64, 96]
+
+
+def test_sim_oracle_rows_lie_between_the_policies_and_the_bound(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    code = main(["sim", "--trace", str(_branching_trace(tmp_path / "t.jsonl")), "--model-shape", "builtin",
+                 "--policies", "hybridserve", "--snapshot-budgets-gib", "0.002,0.05", "--oracle",
+                 "--kv-budgets-gib", "0.01", "--block-size", "16", "--snapshot-interval", "32",
+                 "--block-tokens", "16", "--json", str(out), "--no-progress"])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    oracle = {row["snapshot_slots"]: row for row in rows if row["policy"] == "oracle"}
+    online = {row["snapshot_slots"]: row for row in rows if row["policy"] == "hybridserve"}
+    assert set(oracle) == set(online) == {2, 65}
+    for slots, row in oracle.items():
+        assert online[slots]["token_hit_rate"] <= row["token_hit_rate"] <= row["slot_bound_token_hit_rate"] + 1e-9
+    assert oracle[65]["token_hit_rate"] > 0
