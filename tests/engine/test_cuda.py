@@ -1,5 +1,5 @@
 """The differential and server tests on CUDA in bfloat16 (marked `cuda`; skipped without a GPU).
-The parity tests' CUDA variant is in test_parity.py. Tolerances: tests/helpers/targets.py (CUDA)."""
+The parity tests' CUDA variant is in tests/models/test_parity.py. Tolerances: tests/helpers/targets.py (CUDA)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from hybridserve.cache.block_pool import (
     hash_block,
 )
 
-TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mooncake_conversation.jsonl"
+TRACE = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "mooncake_conversation.jsonl"
 
 
 # --------------------------------------------------------------------- hashing

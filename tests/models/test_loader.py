@@ -255,7 +255,7 @@ def test_builtin_tokenizer_layout_and_determinism(builtin_tok: Tokenizer) -> Non
     # Rust hash seeds differ between processes: the tokenizer must not depend on them.
     code = "from hybridserve.models.tokenizer import Tokenizer as T; print(hash(T.byte_level(4096).backend.to_str()))"
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={"PYTHONHASHSEED": "0", "PYTHONPATH": str(Path(__file__).parents[1])}).stdout
+                           env={"PYTHONHASHSEED": "0", "PYTHONPATH": str(Path(__file__).parents[2])}).stdout
             for _ in range(2)}
     assert len(runs) == 1
 

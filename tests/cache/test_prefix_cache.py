@@ -245,3 +245,15 @@ def test_differential_random_configurations(text_checkpoint: Path, seed: int) ->
 @pytest.mark.parametrize("seed", [0, 1])
 def test_differential_multi_turn_cache_on_equals_off(text_checkpoint: Path, seed: int) -> None:
     check_multi_turn_cache_on_equals_off(text_checkpoint, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(2, 8))
+def test_differential_multi_turn_more_seeds(text_checkpoint: Path, seed: int) -> None:
+    check_multi_turn_cache_on_equals_off(text_checkpoint, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(100, 200))
+def test_differential_random_configurations_more_seeds(text_checkpoint: Path, seed: int) -> None:
+    check_random_configuration(text_checkpoint, seed)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.models.builtin import save_builtin_checkpoint
 from tests.helpers.checkpoints import make_text_checkpoint, reference_text_model
 from tests.helpers.targets import CPU, CUDA, Target, requires_cuda
 
@@ -84,3 +85,23 @@ def test_sharded_checkpoint_parity(sharded_checkpoint: Path) -> None:
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_text_checkpoint_parity_cuda_bf16(name: str, tmp_path: Path) -> None:
     _check_parity(make_text_checkpoint(tmp_path / name, **SHAPES[name]), CUDA)
+
+
+@pytest.mark.slow
+def test_builtin_model_parity_on_a_long_prompt(tmp_path: Path) -> None:
+    """The built-in model's shape, saved as a HF checkpoint: transformers agrees over 1100 tokens."""
+    path = save_builtin_checkpoint(tmp_path / "builtin")
+    reference = reference_text_model(path)
+    prompt = torch.randint(0, 4096, (1100,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        ref_logits = reference(torch.tensor([prompt])).logits[0]
+    llm = LLM(model=str(path), **CPU.engine_kwargs(), kv_cache_mib=32, prefix_cache_mib=0)
+    ours = llm.llm_engine.prompt_logits(prompt)
+    assert (ours - ref_logits).abs().max().item() <= 1e-4
+    out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(16):
+            ids = torch.cat([ids, reference(ids).logits[0, -1].argmax().view(1, 1)], dim=1)
+    assert out.token_ids == ids[0, len(prompt):].tolist()
+    llm.llm_engine.check_integrity()

@@ -20,7 +20,7 @@ from hybridserve.sampling_params import SamplingParams
 
 BLOCK = 16
 COST = PrefixCost(1.0e6, 1.0, 2048, 1 << 20)
-PACKAGE = Path(__file__).resolve().parents[1] / "hybridserve"
+PACKAGE = Path(__file__).resolve().parents[2] / "hybridserve"
 
 
 def _manager(blocks: int = 64, slots: int = 4, snapshots: int = 8, policy: str = "interval") -> JointCacheManager:

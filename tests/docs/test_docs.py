@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from types import ModuleType
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 README = REPO_ROOT / "README.md"
 DOCS = REPO_ROOT / "docs"
 # A markdown link's target, up to a '#' anchor: [text](target) or [text](target#anchor).
