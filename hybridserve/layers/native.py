@@ -192,6 +192,9 @@ def _check_tensor(kernel: str, name: str, tensor: object, dtypes: Sequence[torch
                   contiguous: bool = False) -> torch.Tensor:
     """`tensor` if it is a CPU tensor of one of `dtypes` (with `dims` dimensions, contiguous when
     asked); else TypeError (not a tensor, another dtype) or ValueError naming the kernel and argument."""
+    if (isinstance(tensor, torch.Tensor) and tensor.dtype in dtypes and tensor.is_cpu
+            and (dims is None or tensor.dim() == dims) and (not contiguous or tensor.is_contiguous())):
+        return tensor  # the common case in one test; the checks below only say what is wrong
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{kernel}: {name} must be a tensor, got {type(tensor).__name__}")
     if tensor.dtype not in dtypes:
@@ -207,13 +210,13 @@ def _check_tensor(kernel: str, name: str, tensor: object, dtypes: Sequence[torch
 
 
 def _check_shape(kernel: str, name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if tuple(tensor.shape) != shape:
+    if tensor.shape != shape:
         raise ValueError(f"{kernel}: {name} must have shape {shape}, got {tuple(tensor.shape)}")
 
 
 def _check_columns(kernel: str, name: str, tensor: torch.Tensor) -> None:
     """Each row (last-dim vector) of `tensor` contiguous: the kernels read it as one run."""
-    if tensor.stride(-1) != 1 and tensor.shape[-1] > 1:
+    if tensor.stride()[-1] != 1 and tensor.shape[-1] > 1:
         raise ValueError(f"{kernel}: {name} must have contiguous rows (last-dimension stride 1)")
 
 
@@ -241,6 +244,11 @@ def _check_linear(kernel: str, weight: object, x: object, dtypes: Sequence[torch
                   scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """A contiguous [out, in] weight of `dtypes` (with its scales) and float32 rows x [rows, in]
     with contiguous columns."""
+    if (isinstance(weight, torch.Tensor) and isinstance(x, torch.Tensor) and weight.dtype in dtypes
+            and x.dtype == torch.float32 and weight.is_cpu and x.is_cpu and weight.dim() == 2 and x.dim() == 2
+            and weight.is_contiguous() and x.shape[1] == weight.shape[1] and (x.stride()[1] == 1 or x.shape[1] == 1)
+            and scales is None and weight.dtype != torch.int8):
+        return weight, x  # float weights in one test (a linear per call on the decode path)
     weight = _check_tensor(kernel, "weight", weight, dtypes, dims=2, contiguous=True)
     x = _check_tensor(kernel, "x", x, _FLOAT32, dims=2)
     _check_columns(kernel, "x", x)
@@ -281,7 +289,7 @@ def rms_norm_f32(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tens
     _check_tensor(kernel, "scale", scale, _FLOAT32, dims=1, contiguous=True)
     _check_shape(kernel, "scale", scale, (dim,))
     library = _require_library(kernel)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=torch.float32, device="cpu")
     rows = x.numel() // dim if dim else 0
     library.rms_norm_f32(x.data_ptr(), rows, dim, stride, scale.data_ptr(), eps, out.data_ptr(), dim)
     return out
@@ -315,7 +323,7 @@ def rms_norm_rope_f32(x: torch.Tensor, scale: torch.Tensor, eps: float, cos: tor
     if rot > dim or rot % 2:
         raise ValueError(f"{kernel}: the rotary width {rot} must be even and at most the head size {dim}")
     library = _require_library(kernel)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=torch.float32, device="cpu")
     library.rms_norm_rope_f32(x.data_ptr(), tokens, heads, dim, x.stride(0), x.stride(1), scale.data_ptr(), eps,
                               cos.data_ptr(), sin.data_ptr(), rot, out.data_ptr())
     return out
@@ -341,7 +349,7 @@ def gated_rms_norm_f32(x: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor,
     _check_tensor(kernel, "scale", scale, _FLOAT32, dims=1, contiguous=True)
     _check_shape(kernel, "scale", scale, (dim,))
     library = _require_library(kernel)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=torch.float32, device="cpu")
     library.gated_rms_norm_f32(x.data_ptr(), gate.data_ptr(), x.numel() // dim if dim else 0, dim, ld_x, ld_gate,
                                scale.data_ptr(), eps, out.data_ptr())
     return out
@@ -357,7 +365,7 @@ def silu_mul_f32(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{kernel}: the last dim must be even and non-zero, got shape {tuple(x.shape)}")
     stride = _check_rows(kernel, "x", x)
     library = _require_library(kernel)
-    out = torch.empty((*x.shape[:-1], width // 2), dtype=x.dtype, device=x.device)
+    out = torch.empty((*x.shape[:-1], width // 2), dtype=torch.float32, device="cpu")
     library.silu_mul_f32(x.data_ptr(), x.numel() // width, width // 2, stride, out.data_ptr())
     return out
 
