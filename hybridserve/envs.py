@@ -33,8 +33,8 @@ NATIVE_KERNELS = EnvVar(
 AMX = EnvVar(
     "HYBRIDSERVE_AMX", "bool", "1",
     "run bfloat16 and int8 linears of a few rows on AMX tiles where the CPU has them; 0 keeps the GEMV")
-FUSED_DECODE = EnvVar(
-    "HYBRIDSERVE_FUSED_DECODE", "bool", "1",
+ONE_CALL_STEP = EnvVar(
+    "HYBRIDSERVE_ONE_CALL_STEP", "bool", "1",
     "run decode and short prefill steps as one call into the C step; 0 runs the model module by module")
 HUGE_PAGES = EnvVar(
     "HYBRIDSERVE_HUGE_PAGES", "bool", "1",
@@ -46,7 +46,7 @@ API_KEY = EnvVar(
     "HYBRIDSERVE_API_KEY", "str", "",
     "API key `hybridserve serve` requires when no --api-key or --api-key-file is given; empty: none")
 
-ENVIRONMENT_VARIABLES: tuple[EnvVar, ...] = (NATIVE_KERNELS, AMX, FUSED_DECODE, HUGE_PAGES, SHM_ALLREDUCE, API_KEY)
+ENVIRONMENT_VARIABLES: tuple[EnvVar, ...] = (NATIVE_KERNELS, AMX, ONE_CALL_STEP, HUGE_PAGES, SHM_ALLREDUCE, API_KEY)
 
 
 def read_flag(variable: EnvVar) -> bool:
@@ -75,9 +75,9 @@ def amx() -> bool:
     return read_flag(AMX)
 
 
-def fused_decode() -> bool:
-    """HYBRIDSERVE_FUSED_DECODE: whether the one-call C step may run decode and short prefills."""
-    return read_flag(FUSED_DECODE)
+def one_call_step() -> bool:
+    """HYBRIDSERVE_ONE_CALL_STEP: whether the one-call C step may run decode and short prefills."""
+    return read_flag(ONE_CALL_STEP)
 
 
 def huge_pages() -> bool:

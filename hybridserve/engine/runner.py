@@ -1,7 +1,15 @@
 """Model runner: owns the physical tensors (KV pages, live GDN slots, snapshot slots) and runs steps.
 
-It turns a `StepPlan` into a `ForwardBatch`, performs admissions' state restores, runs
-the forward, and commits the new GDN state only when the whole forward succeeded.
+It turns a `StepPlan` into a `ForwardBatch`, performs admissions' state restores, chooses the
+backend of the forward, runs it, and commits the new GDN state only when the whole forward
+succeeded. Backends, in the order they are tried:
+
+* the one-call CPU step (`one_call_step.OneCallStep`): a step of up to 512 rows — decode rows,
+  prompt chunks beside them, a warm request's suffix — as one C call, where the model, storage and
+  batch allow it (`HYBRIDSERVE_ONE_CALL_STEP=0` turns it off);
+* the model's modules (`Qwen3_5ForCausalLM.forward`), whose layers take the per-op C kernels on
+  CPU rows they apply to and PyTorch ops otherwise (CUDA, tensor parallelism, long prefills,
+  prompt logprobs). A CUDA-graph backend would be a third entry here.
 """
 
 from __future__ import annotations
@@ -11,8 +19,9 @@ from typing import NamedTuple
 
 import torch
 
-from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.cache.manager import Fork
+from hybridserve.cache.state_tensors import GDNStateTensors
+from hybridserve.engine.one_call_step import OneCallStep, one_call_step_supported
 from hybridserve.engine.step_plan import PlanChunk, StepPlan
 from hybridserve.layers.attention import PagedKVCache
 from hybridserve.models.batch import DecodeGroup, ForwardBatch, PrefillChunk, StateWrite, context_slots
@@ -62,6 +71,8 @@ class ModelRunner:
         self.live_states = GDNStateTensors(config, num_state_slots, dtype, device)
         self.snapshots = (GDNStateTensors(config, num_snapshot_slots, dtype, device)
                           if num_snapshot_slots > 0 else None)
+        self.one_call_step: OneCallStep | None = None  # built on the first step it could take
+        self._one_call_checked = False
 
     # -- one step -------------------------------------------------------------------------------
     def restore(self, plan: StepPlan) -> None:
@@ -85,7 +96,7 @@ class ModelRunner:
         writes: list[StateWrite] = []
         undo: list[StateWrite] = []
         try:
-            logits = self.model(batch, ForwardContext(self.kv_cache, self.live_states, writer, writes, undo))
+            logits = self.forward(batch, ForwardContext(self.kv_cache, self.live_states, writer, writes, undo))
         except BaseException:
             self._write_states(undo)  # layers that updated live state in place: back to before the step
             raise
@@ -95,6 +106,26 @@ class ModelRunner:
         prompt_logits = [(index, logits[num_sampled + first:num_sampled + first + count])
                          for index, first, count in full_rows]
         return ForwardResult(logits[:num_sampled], sample_chunks, failed, prompt_logits)
+
+    def forward(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+        """Run the forward on the first backend that takes this batch (see the module docstring)."""
+        step = self._one_call_step_for(batch, ctx)
+        if step is not None:
+            return step.run(batch, ctx)
+        logits: torch.Tensor = self.model(batch, ctx)
+        return logits
+
+    def _one_call_step_for(self, batch: ForwardBatch, ctx: ForwardContext) -> OneCallStep | None:
+        """The one-call step if it takes and fits this batch; whether the model and this runner's
+        storage support it is checked once, on the first batch it could take."""
+        if not OneCallStep.takes(batch):
+            return None
+        if not self._one_call_checked:
+            self._one_call_checked = True
+            if one_call_step_supported(self.model, ctx):
+                self.one_call_step = OneCallStep(self.model, ctx)
+        step = self.one_call_step
+        return step if step is not None and step.fits(batch) else None
 
     @torch.inference_mode()
     def save_state(self, state_slot: int, snapshot_slot: int | None) -> bool:

@@ -33,7 +33,7 @@ GEMV fast, and tied embeddings share it with the LM head.
 bfloat16 on CPU also keeps the one plain matrix. Decode rows (up to the C GEMV's bound) are
 computed in float32 by the C GEMV reading the bf16 weight (from 6 rows on AMX tiles where the CPU
 has them, csrc/gemm_amx.c, every product still exact) and rounded back, so the one-call decode
-step (models/fused_decode.py) can read the same weight. More rows take PyTorch's bf16 GEMM where the
+step (engine/one_call_step.py) can read the same weight. More rows take PyTorch's bf16 GEMM where the
 CPU has native bf16 instructions (AVX512-BF16/AMX: oneDNN on the plain weight is within 0.97-1.33x
 of its pre-packed layout, equal at 2048 rows, and 7x faster than float32 there), and otherwise the
 float32 GEMM on a copy widened for the call: without them PyTorch's bf16 GEMM is emulated (a cold

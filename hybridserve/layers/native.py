@@ -16,7 +16,7 @@ csrc/vector_math.h an exp that GCC vectorises and the denormal flush the kernels
 which comes first where it applies; where the CPU has AMX tiles, bfloat16 weights take them from
 6 to 32 rows and int8 ones from 8 (csrc/gemm_amx.c; `HYBRIDSERVE_AMX=0` turns that off);
 `prefill_attention` (csrc/prefill_attention.c) attends a short chunk over the paged KV in place;
-csrc/decode_step.c runs a whole decode step (see models/fused_decode.py). The sources are compiled
+csrc/decode_step.c runs a whole step as one call (see engine/one_call_step.py). The sources are compiled
 with the system C compiler, warnings as errors, into the user's cache directory (keyed by sources,
 flags, compiler and CPU, so a home shared by different CPUs is safe): no build step at install, a
 few seconds at the first start, nothing after. The kernels' parallel work runs on their own task

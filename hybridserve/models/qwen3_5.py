@@ -4,17 +4,17 @@ Module and parameter names equal the Hugging Face `Qwen3_5ForCausalLM` names, so
 by name. The forward runs a flat `ForwardBatch` (decodes + prefill chunks of many requests) over
 paged KV and slot-indexed GDN state. The eager and chunked GDN paths leave live state untouched:
 new states are returned as `StateWrite`s and committed by the runner only after the whole forward
-succeeded (schedule -> forward -> apply | revert). The fused CPU decode kernels (per layer, or the
-whole step in `fused_decode`) update live slots in place instead and return the states they
-replaced as undo records, which the runner writes back if the forward fails. Snapshot captures go
-to a `SnapshotSink`. Decode-only steps that fit `fused_decode` run as one C call.
+succeeded (schedule -> forward -> apply | revert). The per-layer C decode kernels update live
+slots in place instead and return the states they replaced as undo records, which the runner
+writes back if the forward fails. Snapshot captures go to a `SnapshotSink`. The model does not
+choose a backend: the runner decides whether a step runs here or as the one-call C step
+(`engine/one_call_step.py`).
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Iterator
-from typing import Callable, NamedTuple, Protocol
+from collections.abc import Callable, Iterator
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,16 +23,28 @@ from torch import nn
 from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.config import FULL_ATTENTION, ModelConfig
 from hybridserve.layers.attention import PagedKVCache, decode_attention, prefill_attention
+from hybridserve.layers.gated_delta import (
+    L2_NORM_EPS,
+    ChunkedResult,
+    causal_conv_decode,
+    causal_conv_prefill,
+    chunked_gated_delta,
+    conv_state_after,
+    recurrent_gated_delta_step,
+)
 from hybridserve.layers.huge_pages import move_to_huge_pages
 from hybridserve.layers.linear import PackedLinear, drop_linears, union_bytes
-from hybridserve.layers.gated_delta import L2_NORM_EPS, ChunkedResult, causal_conv_decode, \
-    causal_conv_prefill, chunked_gated_delta, conv_state_after, recurrent_gated_delta_step
-from hybridserve.layers.native import gdn_decode_f32, gdn_prefill_f32, native_kernels_enabled, \
-    norm_rope_applies, prefill_attention_applies, rms_norm_rope_f32
+from hybridserve.layers.native import (
+    gdn_decode_f32,
+    gdn_prefill_f32,
+    native_kernels_enabled,
+    norm_rope_applies,
+    prefill_attention_applies,
+    rms_norm_rope_f32,
+)
 from hybridserve.layers.native import prefill_attention as native_prefill_attention
 from hybridserve.layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from hybridserve.layers.rotary import PartialRotaryEmbedding
-from hybridserve.models import fused_decode
 from hybridserve.models.batch import DecodeGroup, ForwardBatch, PrefillChunk, StateWrite
 
 
@@ -231,7 +243,7 @@ class GatedDeltaNet(nn.Module):
         live_conv = ctx.live_states.conv[self.state_layer]
         if not batch.prefills and self._native_applies(projection, live_conv, weight):
             assert batch.decode is not None  # decode only: the kernel's output is normed and gated too
-            out = self._decode_fused(projection, weight, batch.decode, ctx, gated_norm=True)
+            out = self._decode_native(projection, weight, batch.decode, ctx, gated_norm=True)
             out = out.reshape(num_tokens, self.value_dim)
             return self.out(out if rows is None else out.index_select(0, rows))
         mixed, z, b, a = projection.split(self.in_proj.widths, dim=-1)
@@ -267,7 +279,7 @@ class GatedDeltaNet(nn.Module):
         assert group is not None
         conv_live, recurrent_live = ctx.live_states.conv[layer], ctx.live_states.recurrent[layer]
         if self._native_applies(projection, conv_live, weight):
-            core = self._decode_fused(projection[:batch.num_decode], weight, group, ctx, gated_norm=False)
+            core = self._decode_native(projection[:batch.num_decode], weight, group, ctx, gated_norm=False)
         else:
             core, new_conv, new_state = self._decode_eager(projection[:batch.num_decode], weight, group.state_slots,
                                                            conv_live, recurrent_live)
@@ -277,7 +289,7 @@ class GatedDeltaNet(nn.Module):
                     ctx.snapshot_sink.write(layer, snapshot_slot, new_conv[row], new_state[row])
         return core
 
-    def _decode_fused(self, projection: torch.Tensor, weight: torch.Tensor, group: DecodeGroup,
+    def _decode_native(self, projection: torch.Tensor, weight: torch.Tensor, group: DecodeGroup,
                       ctx: ForwardContext, gated_norm: bool) -> torch.Tensor:
         """The C kernel: one pass over each state, updated in its live slot; the state it replaced
         becomes the step's undo record. With `gated_norm` the output has the output norm applied."""
@@ -421,8 +433,6 @@ class Qwen3_5ForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.head: PackedLinear | None = None
-        self._fused_decode: fused_decode.FusedDecodeStep | None = None
-        self._fused_unsupported: weakref.ref | None = None  # the KV cache the fused step was found not to fit
 
     def pack(self, quantization: str | None = None) -> None:
         """Repack loaded weights for inference: fused projections in the backend's fastest GEMM
@@ -467,9 +477,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         return union_bytes(tensor for _, _, tensor in self.weight_slots())
 
     def forward(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
-        step = self._fused_decode_step(batch, ctx)
-        if step is not None:
-            return step.run(batch, ctx)
+        """Logits [len(batch.logits_rows), vocab] float32, module by module."""
         x = self.model.embed_tokens(batch.input_ids)
         cos_sin = self.model.rotary.cos_sin(batch.positions, x.dtype)
         # The last layer's outputs feed nothing but the logits: compute it for those rows only.
@@ -482,18 +490,3 @@ class Qwen3_5ForCausalLM(nn.Module):
             x = self.model.norm(last(x, batch, ctx, cos_sin).index_select(0, batch.logits_rows))
         assert self.head is not None, "call pack() after loading weights"
         return self.head(x).float()
-
-    def _fused_decode_step(self, batch: ForwardBatch, ctx: ForwardContext) -> fused_decode.FusedDecodeStep | None:
-        """The one-call C decode step for this batch and storage, where it applies (see
-        `models.fused_decode`); built on the first decode step over a storage, checked once."""
-        if not fused_decode.FusedDecodeStep.takes(batch):
-            return None
-        step = self._fused_decode
-        if step is None or not step.serves(ctx):
-            if self._fused_unsupported is not None and self._fused_unsupported() is ctx.kv_cache:
-                return None
-            if not fused_decode.supported(self, ctx):
-                self._fused_unsupported = weakref.ref(ctx.kv_cache)
-                return None
-            step = self._fused_decode = fused_decode.FusedDecodeStep(self, ctx)
-        return step if step.fits(batch) else None

@@ -157,7 +157,7 @@ def test_flags_are_read_when_called(monkeypatch: pytest.MonkeyPatch, value: str 
         else:
             monkeypatch.setenv(variable.name, value)
         assert envs.read_flag(variable) is expected
-    assert (envs.native_kernels(), envs.amx(), envs.fused_decode(), envs.huge_pages(),
+    assert (envs.native_kernels(), envs.amx(), envs.one_call_step(), envs.huge_pages(),
             envs.shm_allreduce()) == (expected,) * 5
 
 

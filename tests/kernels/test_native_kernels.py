@@ -29,7 +29,7 @@ from hybridserve.layers.gated_delta import (
 )
 from hybridserve.layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from hybridserve.layers.rotary import PartialRotaryEmbedding
-from hybridserve.models import fused_decode
+from hybridserve.engine import one_call_step
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.models.qwen3_5 import ForwardContext
 from tests.helpers.greedy_runs import run_greedy
@@ -708,7 +708,7 @@ def test_a_forward_failing_after_an_in_place_update_leaves_no_trace(monkeypatch:
     """Module path: the final norm runs after every GDN layer updated its live slots in place;
     failing it once mid-decode must restore those slots, so the retried step gives the tokens of an
     unfailed run."""
-    monkeypatch.setenv(fused_decode.FUSED_DECODE_ENV, "0")
+    monkeypatch.setenv(one_call_step.ONE_CALL_STEP_ENV, "0")
     expected = run_greedy(_engine(prefix_cache_mib=0), PROMPTS)
     engine = _engine(prefix_cache_mib=0)
     norm, calls = engine.runner.model.model.norm, {"n": 0}
@@ -726,25 +726,25 @@ def test_a_forward_failing_after_an_in_place_update_leaves_no_trace(monkeypatch:
 
 
 @needs_kernel
-@pytest.mark.parametrize("kept_bytes", [fused_decode._StepBuffers.KEPT_BYTES, 0], ids=["kept", "per-step"])
+@pytest.mark.parametrize("kept_bytes", [one_call_step._StepBuffers.KEPT_BYTES, 0], ids=["kept", "per-step"])
 def test_a_fused_decode_step_failing_after_it_ran_leaves_no_trace(kept_bytes: int,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Fused path: the C step updated every GDN slot in place and then the forward fails; the undo
     record it handed over restores the slots, and the retried step gives an unfailed run's tokens.
     Its buffers are kept from step to step, or (past KEPT_BYTES) allocated for each step."""
     expected = run_greedy(_engine(prefix_cache_mib=0), PROMPTS)
-    monkeypatch.setattr(fused_decode._StepBuffers, "KEPT_BYTES", kept_bytes)
+    monkeypatch.setattr(one_call_step._StepBuffers, "KEPT_BYTES", kept_bytes)
     engine = _engine(prefix_cache_mib=0)
-    calls, original = {"n": 0}, fused_decode.FusedDecodeStep.run
+    calls, original = {"n": 0}, one_call_step.OneCallStep.run
 
-    def failing_once(self: fused_decode.FusedDecodeStep, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+    def failing_once(self: one_call_step.OneCallStep, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         logits = original(self, batch, ctx)
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected failure after the fused decode step")
         return logits
 
-    monkeypatch.setattr(fused_decode.FusedDecodeStep, "run", failing_once)
+    monkeypatch.setattr(one_call_step.OneCallStep, "run", failing_once)
     assert run_greedy(engine, PROMPTS) == expected
     assert calls["n"] > 3
 
@@ -1118,6 +1118,6 @@ def test_each_wrapper_rejects_wrong_inputs_with_a_clear_error(case: str) -> None
 
 def test_no_assert_guards_a_kernel_call() -> None:
     """Runtime checks in the wrappers and the C step's caller raise; `python -O` strips asserts."""
-    for module in (native, kernel_abi, fused_decode):
+    for module in (native, kernel_abi, one_call_step):
         tree = ast.parse(Path(module.__file__).read_text())
         assert not [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)], module.__name__

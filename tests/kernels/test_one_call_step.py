@@ -1,4 +1,4 @@
-"""The one-call C decode step (hybridserve/models/fused_decode.py): the same tokens and logits as
+"""The one-call C decode step (hybridserve/models/one_call_step.py): the same tokens and logits as
 the module path in float32 (bfloat16: within its rounding), used exactly where it applies, bad
 input rejected with nothing changed."""
 
@@ -15,7 +15,7 @@ from hybridserve.engine.engine import LLMEngine
 from hybridserve.engine.runner import ModelRunner, SnapshotWriter
 from hybridserve.engine.step_plan import plan_step
 from hybridserve.layers import native
-from hybridserve.models import fused_decode
+from hybridserve.engine import one_call_step
 from hybridserve.models.batch import DecodeGroup, ForwardBatch
 from hybridserve.models.qwen3_5 import ForwardContext
 from tests.helpers.greedy_runs import run_greedy
@@ -30,13 +30,13 @@ def _engine(dtype: str = "float32", quantization: str | None = None, **cache: ob
 
 
 def _count_fused_steps(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    calls, original = {"n": 0}, fused_decode.FusedDecodeStep.run
+    calls, original = {"n": 0}, one_call_step.OneCallStep.run
 
-    def counted(self: fused_decode.FusedDecodeStep, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+    def counted(self: one_call_step.OneCallStep, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         calls["n"] += 1
         return original(self, batch, ctx)
 
-    monkeypatch.setattr(fused_decode.FusedDecodeStep, "run", counted)
+    monkeypatch.setattr(one_call_step.OneCallStep, "run", counted)
     return calls
 
 
@@ -54,7 +54,7 @@ def test_tokens_logprobs_and_cache_hits_match_the_module_path(quantization: str 
     rounding, with the fused step serving the decode steps (float32 and int8 weights)."""
     results = {}
     for enabled in ("1", "0"):
-        monkeypatch.setenv(fused_decode.FUSED_DECODE_ENV, enabled)
+        monkeypatch.setenv(one_call_step.ONE_CALL_STEP_ENV, enabled)
         calls = _count_fused_steps(monkeypatch)
         engine = _engine(quantization=quantization, snapshot_interval=16, block_size=16)
         cold = run_greedy(engine, PROMPTS, max_tokens=20, logprobs=2)
@@ -80,7 +80,7 @@ def test_bfloat16_decodes_in_float32_arithmetic(monkeypatch: pytest.MonkeyPatch)
     path's, and no further from float32's than the module path's are."""
     logprobs = {}
     for name, dtype, enabled in (("fused", "bfloat16", "1"), ("module", "bfloat16", "0"), ("f32", "float32", "1")):
-        monkeypatch.setenv(fused_decode.FUSED_DECODE_ENV, enabled)
+        monkeypatch.setenv(one_call_step.ONE_CALL_STEP_ENV, enabled)
         calls = _count_fused_steps(monkeypatch)
         done = run_greedy(_engine(dtype=dtype), SHORT_PROMPTS, max_tokens=3, logprobs=5)
         assert (calls["n"] > 0) == (enabled == "1")
@@ -130,16 +130,16 @@ def test_a_tensor_parallel_rank_keeps_the_module_path() -> None:
     engine = _engine()
     runner, model = engine.runner, engine.runner.model
     ctx = ForwardContext(runner.kv_cache, runner.live_states, None, [], [])
-    assert fused_decode.supported(model, ctx)
+    assert one_call_step.one_call_step_supported(model, ctx)
     model.model.layers[2].all_reduce = lambda t: t
-    assert not fused_decode.supported(model, ctx)
+    assert not one_call_step.one_call_step_supported(model, ctx)
 
 
 def test_an_out_of_range_input_fails_the_step_with_nothing_written() -> None:
     engine = _engine()
     runner, model = engine.runner, engine.runner.model
     ctx = ForwardContext(runner.kv_cache, runner.live_states, None, [], [])
-    step = fused_decode.FusedDecodeStep(model, ctx)
+    step = one_call_step.OneCallStep(model, ctx)
     num_slots = runner.live_states.num_slots
     state_before = runner.live_states.recurrent.clone(), runner.live_states.conv.clone()
     keys_before = runner.kv_cache.keys.clone()
@@ -165,13 +165,13 @@ def test_an_out_of_range_input_fails_the_step_with_nothing_written() -> None:
 
 
 def test_steps_it_does_not_take() -> None:
-    rows = fused_decode.MAX_ROWS + 1
+    rows = one_call_step.MAX_ROWS + 1
     batch = _decode_batch(tokens=[1] * rows, positions=[0] * rows, state_slots=list(range(rows)),
                           write_slots=list(range(rows)))
-    assert not fused_decode.FusedDecodeStep.takes(batch)  # over the C step's bound
+    assert not one_call_step.OneCallStep.takes(batch)  # over the C step's bound
     batch = _decode_batch(tokens=[1, 2], positions=[0, 0], state_slots=[0, 1], write_slots=[0, 16])
     batch.logits_only_last_layer = False  # prompt logits wanted: not a plain decode step
-    assert not fused_decode.FusedDecodeStep.takes(batch)
+    assert not one_call_step.OneCallStep.takes(batch)
 
 
 def _decode_batch(tokens: list[int], positions: list[int], state_slots: list[int], write_slots: list[int],
@@ -217,14 +217,14 @@ def test_steps_mixing_decode_rows_and_prompt_chunks_match_the_module_path(dtype:
     bf16 rounding."""
     results = {}
     for enabled in ("1", "0"):
-        monkeypatch.setenv(fused_decode.FUSED_DECODE_ENV, enabled)
-        mixed, original = {"n": 0}, fused_decode.FusedDecodeStep.run
+        monkeypatch.setenv(one_call_step.ONE_CALL_STEP_ENV, enabled)
+        mixed, original = {"n": 0}, one_call_step.OneCallStep.run
 
-        def counted(self: fused_decode.FusedDecodeStep, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+        def counted(self: one_call_step.OneCallStep, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
             mixed["n"] += bool(batch.prefills)
             return original(self, batch, ctx)
 
-        monkeypatch.setattr(fused_decode.FusedDecodeStep, "run", counted)
+        monkeypatch.setattr(one_call_step.OneCallStep, "run", counted)
         engine = _engine(dtype=dtype, quantization=quantization, snapshot_interval=16, block_size=16)
         results[enabled] = (_staggered_arrivals(engine), _staggered_arrivals(engine), mixed["n"])
         monkeypatch.undo()
@@ -271,6 +271,12 @@ def _fused_and_module(runner: ModelRunner, batch: ForwardBatch, monkeypatch: pyt
     (zeroed) snapshots: each run's logits and the storage after it (KV, conv, recurrent state, then
     the conv and recurrent state of `snapshot_slots`). The fused run's undo records, one per
     sequence, give back the state it started from."""
+    probe = ForwardContext(runner.kv_cache, runner.live_states, None, [], [])
+    if not one_call_step.one_call_step_supported(runner.model, probe):
+        pytest.skip("the one-call step does not support this model here")
+    max_rows = one_call_step.OneCallStep(runner.model, probe).max_rows
+    if int(batch.input_ids.shape[0]) > max_rows:
+        pytest.skip(f"this CPU's one-call step takes at most {max_rows} rows")  # e.g. no AVX-512 tile GEMM
     storage = [runner.kv_cache.keys, runner.kv_cache.values, runner.live_states.conv, runner.live_states.recurrent]
     before = [t.clone() for t in storage]
     sequences = batch.num_decode + len(batch.prefills)
@@ -284,18 +290,18 @@ def _fused_and_module(runner: ModelRunner, batch: ForwardBatch, monkeypatch: pyt
             runner.snapshots.conv.zero_()
             runner.snapshots.recurrent.zero_()
             writer = SnapshotWriter(runner.snapshots)
-        ran, original = {"fused": 0}, fused_decode.FusedDecodeStep.run
+        ran, original = {"fused": 0}, one_call_step.OneCallStep.run
 
-        def counted(self: fused_decode.FusedDecodeStep, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+        def counted(self: one_call_step.OneCallStep, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
             ran["fused"] += 1
             return original(self, batch, ctx)
 
-        monkeypatch.setattr(fused_decode.FusedDecodeStep, "run", counted)
+        monkeypatch.setattr(one_call_step.OneCallStep, "run", counted)
         if not fused:
-            monkeypatch.setattr(fused_decode.FusedDecodeStep, "takes", staticmethod(lambda batch: False))
+            monkeypatch.setattr(one_call_step.OneCallStep, "takes", staticmethod(lambda batch: False))
         writes, undo = [], []
         with torch.inference_mode():
-            logits = runner.model(batch, ForwardContext(runner.kv_cache, runner.live_states, writer, writes, undo))
+            logits = runner.forward(batch, ForwardContext(runner.kv_cache, runner.live_states, writer, writes, undo))
         assert ran["fused"] == int(fused) and not (writer and writer.failed)
         assert undo and bool(writes) != fused  # the module path writes the chunk's state after the forward
         if fused:
@@ -348,7 +354,7 @@ def test_a_long_chunk_with_captures_inside_matches_the_module_path(chunk: int,
     assert [(c.length, c.start_position) for c in batch.prefills] == [(chunk, chunk)] and batch.num_decode == 4
     captures = batch.prefills[0].captures
     inside = [b for b, _ in captures if b < 2 * chunk]
-    assert len(inside) >= 2 and fused_decode.FusedDecodeStep.takes(batch)
+    assert len(inside) >= 2 and one_call_step.OneCallStep.takes(batch)
     assert runner.snapshots is not None
     results = _fused_and_module(runner, batch, monkeypatch, [slot for _, slot in captures])
     (fused_logits, fused_storage), (module_logits, module_storage) = results[True], results[False]
@@ -370,14 +376,14 @@ def test_warm_suffixes_run_as_one_call_with_the_module_paths_tokens(dtype: str, 
     suffixes = {f"w{n}": prefix + [(13 * n + 7 * j) % 4000 + 10 for j in range(n)] for n in (20, 45, 70, 150)}
     results, largest = {}, {}
     for enabled in ("1", "0"):
-        monkeypatch.setenv(fused_decode.FUSED_DECODE_ENV, enabled)
-        rows, original = [0], fused_decode.FusedDecodeStep.run
+        monkeypatch.setenv(one_call_step.ONE_CALL_STEP_ENV, enabled)
+        rows, original = [0], one_call_step.OneCallStep.run
 
-        def counted(self: fused_decode.FusedDecodeStep, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
+        def counted(self: one_call_step.OneCallStep, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
             rows.append(int(batch.input_ids.shape[0]))
             return original(self, batch, ctx)
 
-        monkeypatch.setattr(fused_decode.FusedDecodeStep, "run", counted)
+        monkeypatch.setattr(one_call_step.OneCallStep, "run", counted)
         engine = _engine(dtype=dtype, block_size=16, snapshot_interval=64)
         run_greedy(engine, {"prefix": prefix}, max_tokens=1)
         results[enabled] = {}  # one at a time, so that each suffix is a step of its own
@@ -385,7 +391,7 @@ def test_warm_suffixes_run_as_one_call_with_the_module_paths_tokens(dtype: str, 
             results[enabled].update(run_greedy(engine, {key: prompt}, max_tokens=6, logprobs=2))
         largest[enabled] = max(rows)
         monkeypatch.undo()
-    if native.gemm_rows_bounds()[1] >= fused_decode.PIECE_ROWS and (dtype == "float32" or native.amx_available()):
+    if native.gemm_rows_bounds()[1] >= one_call_step.PIECE_ROWS and (dtype == "float32" or native.amx_available()):
         assert largest["1"] >= 150  # long chunks run fused
     assert largest["0"] == 0
     on, off = results["1"], results["0"]
@@ -407,16 +413,16 @@ def test_the_rows_a_step_takes() -> None:
     """A float32 model's step (float32 or int8 linears) takes up to MAX_ROWS rows where the chunk
     attention and the tile GEMM take them (AVX-512), a bfloat16 model's up to BF16_MAX_ROWS where
     its linears also have AMX tiles; elsewhere GEMV_DECODE_ROWS (a chunk's rows would attend one by one)."""
-    wide = (native.gemm_rows_bounds()[1] >= fused_decode.PIECE_ROWS
-            and native.prefill_attention_max_tokens() >= fused_decode.PIECE_ROWS)
-    expected = {("float32", None): fused_decode.MAX_ROWS if wide else native.GEMV_DECODE_ROWS,
-                ("float32", "int8"): fused_decode.MAX_ROWS if wide else native.GEMV_DECODE_ROWS,
-                ("bfloat16", None): fused_decode.BF16_MAX_ROWS if wide and native.amx_available()
+    wide = (native.gemm_rows_bounds()[1] >= one_call_step.PIECE_ROWS
+            and native.prefill_attention_max_tokens() >= one_call_step.PIECE_ROWS)
+    expected = {("float32", None): one_call_step.MAX_ROWS if wide else native.GEMV_DECODE_ROWS,
+                ("float32", "int8"): one_call_step.MAX_ROWS if wide else native.GEMV_DECODE_ROWS,
+                ("bfloat16", None): one_call_step.BF16_MAX_ROWS if wide and native.amx_available()
                 else native.GEMV_DECODE_ROWS}
     for (dtype, quantization), rows in expected.items():
         engine = _engine(dtype=dtype, quantization=quantization)
         run_greedy(engine, {"a": PROMPTS["s1"]}, max_tokens=2)
-        step = engine.runner.model._fused_decode
+        step = engine.runner.one_call_step
         assert step is not None and step.max_rows == rows, (dtype, quantization)
 
 

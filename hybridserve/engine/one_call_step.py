@@ -1,4 +1,4 @@
-"""The decode forward of a CPU model as one C call (layers/csrc/decode_step.c).
+"""The one-call CPU step: a whole forward of up to 512 rows as one C call (layers/csrc/decode_step.c).
 
 A step of up to 512 rows runs embeddings, every layer, the final norm and the LM head in C:
 decode rows, and prompt chunks taken in the same step (a burst of short prompts, the few tokens a
@@ -19,7 +19,7 @@ each one to bfloat16: closer to a float32 model, not equal to the module path (o
 bf16 arithmetic this is also what makes bfloat16 fast); its chunk attention widens each block of
 keys and values once, and its steps take up to 256 rows (see `_max_rows`). Steps of more rows, steps that want
 prompt logprobs, CUDA and tensor parallelism keep the module path, as does everything with
-`HYBRIDSERVE_FUSED_DECODE=0` or the C kernels off.
+`HYBRIDSERVE_ONE_CALL_STEP=0` or the C kernels off.
 
 The step is transactional like the module path: GDN layers update their live slots in place and
 hand the replaced state, one record per sequence, to `ForwardContext.state_undo`. A snapshot
@@ -30,7 +30,6 @@ the snapshot sink afterwards; one at a chunk's end (or a decode row's) is read f
 from __future__ import annotations
 
 import ctypes
-import weakref
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -51,7 +50,7 @@ from hybridserve.models.batch import ForwardBatch, StateWrite
 if TYPE_CHECKING:
     from hybridserve.models.qwen3_5 import ForwardContext, Qwen3_5ForCausalLM
 
-FUSED_DECODE_ENV = envs.FUSED_DECODE.name
+ONE_CALL_STEP_ENV = envs.ONE_CALL_STEP.name
 MAX_ROWS = 512  # DECODE_STEP_MAX_ROWS in decode_step.c
 PIECE_ROWS = 128  # GEMM_PIECE_ROWS and CHUNK_PIECE_ROWS there: the rows its kernels take at once
 # A bfloat16 model's linears take AMX tiles 32 rows at a time, each piece a pass over the weights:
@@ -59,25 +58,24 @@ PIECE_ROWS = 128  # GEMM_PIECE_ROWS and CHUNK_PIECE_ROWS there: the rows its ker
 # 256 / 384 / 512 tokens against 30.8 / 49.9 / 61.6 / 79.0 / 93.7 ms on the module path (oneDNN).
 BF16_MAX_ROWS = 256
 
-def fused_decode_enabled() -> bool:
-    """Not switched off by HYBRIDSERVE_FUSED_DECODE=0, and the C kernels are available."""
-    return envs.fused_decode() and native.native_kernels_enabled()
+def one_call_step_enabled() -> bool:
+    """Not switched off by HYBRIDSERVE_ONE_CALL_STEP=0, and the C kernels are available."""
+    return envs.one_call_step() and native.native_kernels_enabled()
 
 
-class FusedDecodeStep:
-    """The whole decode forward of one model over one set of KV and state tensors, in C."""
+class OneCallStep:
+    """The whole forward of one model over one runner's KV and state tensors, in C."""
 
     def __init__(self, model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> None:
-        """Point the C structs at the model's weights and the context's storage (check `supported`
-        first). The pointers stay valid while both live: packed weights and the pools are allocated
-        once and never replaced, this object belongs to the model, and it runs only with a context
-        holding the storage it was built for (held here weakly, so a temporary one is not kept)."""
+        """Point the C structs at the model's weights and the context's storage (check
+        `one_call_step_supported` first). The pointers stay valid while both live: packed weights and
+        the pools are allocated once and never replaced, and the step belongs to the runner that
+        owns the model and the storage."""
         library = native._library()
         if library is None:
-            raise RuntimeError("FusedDecodeStep: the C kernels are unavailable (check supported() first)")
+            raise RuntimeError("OneCallStep: the C kernels are unavailable (check one_call_step_supported() first)")
         self._library = library
         config, text = model.config, model.model
-        self._kv_cache, self._live = weakref.ref(ctx.kv_cache), weakref.ref(ctx.live_states)
         self.num_gdn_layers = len(config.gdn_layer_ids)
         self._float_copies: list[torch.Tensor] = []  # a bfloat16 model's small GDN weights, in float32
         self._buffers = _StepBuffers(self.num_gdn_layers, ctx)
@@ -85,7 +83,7 @@ class FusedDecodeStep:
         self.max_rows = _max_rows(model, ctx)
         attention = next((layer.self_attn for layer in text.layers if layer.is_attention), None)
         if model.head is None or text.norm.scale is None:
-            raise ValueError("FusedDecodeStep: the model needs an LM head and a final norm scale")
+            raise ValueError("OneCallStep: the model needs an LM head and a final norm scale")
         self.model = DecodeModel(
             num_layers=len(text.layers), hidden=config.hidden_size, intermediate=config.intermediate_size,
             vocab=model.head.weight.shape[0], bf16_storage=int(ctx.kv_cache.keys.dtype == torch.bfloat16),
@@ -131,10 +129,6 @@ class FusedDecodeStep:
             struct.b_offset = gdn.in_proj.widths[0] + gdn.in_proj.widths[1]
         return struct
 
-    def serves(self, ctx: ForwardContext) -> bool:
-        """Built for this context's storage."""
-        return ctx.kv_cache is self._kv_cache() and ctx.live_states is self._live()
-
     @staticmethod
     def takes(batch: ForwardBatch) -> bool:
         """A step of 1..MAX_ROWS rows whose logits rows are sequence ends (no prompt logits): decode
@@ -155,7 +149,7 @@ class FusedDecodeStep:
         return int(batch.input_ids.shape[0]) <= self.max_rows
 
     def run(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
-        """Logits [len(logits_rows), vocab] of the step (check `takes`, `fits` and `serves` first);
+        """Logits [len(logits_rows), vocab] of the step (check `takes` and `fits` first);
         live GDN state is updated in place, each sequence's undo record appended to ctx.state_undo,
         captures written to the snapshot sink. A prompt chunk's rows are consecutive tokens of one
         sequence: the C step writes every row's KV before attending, so each row sees the rows
@@ -182,7 +176,7 @@ class FusedDecodeStep:
             capture_rows.data_ptr() if capture_rows is not None else None,
             captures.conv_pointers if captures else None, captures.recurrent_pointers if captures else None, threads)
         if failed:
-            raise IndexError("fused decode: a token id, position or slot is out of range")
+            raise IndexError("one-call step: a token id, position or slot is out of range")
         ctx.state_undo.extend(StateWrite(layer, step.sequences, undo.conv[layer], undo.recurrent[layer])
                               for layer in range(self.num_gdn_layers))
         if ctx.snapshot_sink is not None:
@@ -195,7 +189,7 @@ class FusedDecodeStep:
         chunk's end or after a decode row from the live slots the step left."""
         sink, layers = ctx.snapshot_sink, range(self.num_gdn_layers)
         if sink is None or (inner and captures is None):
-            raise ValueError("fused decode: captures need a snapshot sink and the records the step filled")
+            raise ValueError("one-call step: captures need a snapshot sink and the records the step filled")
         for index, (_, snapshot_slot) in enumerate(inner):
             for layer in layers:
                 sink.write(layer, snapshot_slot, captures.conv[layer][index], captures.recurrent[layer][index])
@@ -225,11 +219,11 @@ def _step_rows(batch: ForwardBatch) -> StepRows:
     group = batch.decode
     if not batch.prefills:
         if group is None:
-            raise ValueError("fused decode: a step without prompt chunks needs decode rows")
+            raise ValueError("one-call step: a step without prompt chunks needs decode rows")
         slots = group.state_slots.contiguous()
         return StepRows(group.block_tables.contiguous(), slots, group.max_length, slots, [])
     if batch.block_tables is None:
-        raise ValueError("fused decode: prompt chunks need their block tables")
+        raise ValueError("one-call step: prompt chunks need their block tables")
     counts = [1] * batch.num_decode + [chunk.length for chunk in batch.prefills]
     tables = batch.block_tables.index_select(0, torch.repeat_interleave(torch.arange(len(counts)),
                                                                         torch.tensor(counts)))
@@ -307,12 +301,12 @@ class _StepBuffers:
         return records._replace(conv=[t[:count] for t in conv], recurrent=[t[:count] for t in recurrent])
 
 
-def supported(model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> bool:
-    """Whether the fused step can run this model over this storage: on CPU, embeddings, rotary
+def one_call_step_supported(model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> bool:
+    """Whether the one-call step can run this model over this storage: on CPU, embeddings, rotary
     tables, KV and conv state all float32 or all bfloat16, float32 recurrent state and norm scales,
     row-major linears without bias (float32 or int8 in a float32 model, bfloat16 in a bfloat16 one),
     one tensor-parallel rank, one norm epsilon."""
-    if not fused_decode_enabled() or model.head is None:
+    if not one_call_step_enabled() or model.head is None:
         return False
     text = model.model
     storage = [text.embed_tokens.weight, text.rotary.cos_table, text.rotary.sin_table, ctx.kv_cache.keys,
