@@ -2,7 +2,7 @@
 
 Each subcommand's flags are the engine flags (`engine_args`) plus the fields of its settings
 dataclass (`bench.configs`); building the parser imports no torch, the handlers import the
-benchmark they run. The llama.cpp comparison lives outside the package (`python -m benchmarks.peer`).
+benchmark they run. Developer harnesses live outside the package: `python -m benchmarks.peer|soak|threads`.
 """
 
 from __future__ import annotations
@@ -39,16 +39,13 @@ ENGINE_BENCHES: dict[str, tuple[str, type, str]] = {
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every `hybridserve bench` subcommand."""
-    names = [*ENGINE_BENCHES, "serve", "soak", "threads", "all"]
+    names = [*ENGINE_BENCHES, "serve", "all"]
     subparsers = parser.add_subparsers(dest="bench_command", required=True, metavar="{" + ",".join(names) + "}")
     for name, (help_text, config_cls, _) in ENGINE_BENCHES.items():
         sub = _subparser(subparsers, name, help_text, _run_engine_bench, config_cls)
         if name == "ttft":
             sub.add_argument("--plot", metavar="PATH", default=None, help="save a bar chart (needs matplotlib)")
     _add_serve(subparsers)
-    _add_soak(subparsers)
-    _subparser(subparsers, "threads", "decode ms/token idle vs with one core kept busy, per thread setting",
-               run_threads, configs.ThreadsBenchConfig, engine_flags=False)
     all_parser = _subparser(subparsers, "all", "bench engine, then bench ttft (and bench trace with --with-trace), "
                             "each with its default sizes", run_all)
     all_parser.add_argument("--with-trace", action="store_true", help="also replay the trace (several minutes)")
@@ -56,11 +53,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _subparser(subparsers: argparse._SubParsersAction, name: str, help_text: str, handler: Handler,
-               config_cls: type | None = None, *, engine_flags: bool = True) -> argparse.ArgumentParser:
+               config_cls: type | None = None) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(name, help=help_text, description=help_text,
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    if engine_flags:
-        add_engine_arguments(parser)
+    add_engine_arguments(parser)
     if config_cls is not None:
         configs.add_config_arguments(parser, config_cls)
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON here")
@@ -77,16 +73,6 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                         help="compare the server with LLM.generate on the same requests (decode ms/token, "
                              "warm TTFT, 16-stream tok/s) instead of the load test")
     configs.add_config_arguments(parser, configs.CompareConfig)
-
-
-def _add_soak(subparsers: argparse._SubParsersAction) -> None:
-    parser = _subparser(subparsers, "soak", "mixed random traffic against a live server for a fixed time: errors by "
-                        "class, leaks, RSS curve, latency percentiles", run_soak, configs.SoakConfig)
-    parser.add_argument("--url", default=None, help="soak a running server instead of starting one")
-    parser.add_argument("--plot", metavar="PATH", default=None, help="save the RSS curve (matplotlib)")
-    # A small queue, so the overload bursts do overflow it.
-    parser.set_defaults(max_num_seqs=4, max_waiting_requests=8, max_model_len=4096, kv_cache_mib=64.0,
-                        prefix_cache_mib=64.0)
 
 
 def _finish(args: argparse.Namespace, result: dict[str, Any], report: str) -> int:
@@ -152,27 +138,6 @@ def run_serve(args: argparse.Namespace) -> int:
     result = run_serve_bench(configs.config_from_args(configs.ServeBenchConfig, args), url=args.url,
                              serve_args=serve_args_from(args), api_key=args.api_key)
     return _finish(args, result, format_serve_report(result))
-
-
-def run_soak(args: argparse.Namespace) -> int:
-    """Handler of `bench soak`: exit status 1 when the soak's pass criteria fail."""
-    from hybridserve.bench.soak_bench import format_soak_report, plot_rss
-    from hybridserve.bench.soak_bench import run_soak as soak
-
-    result = soak(configs.config_from_args(configs.SoakConfig, args), url=args.url, serve_args=serve_args_from(args))
-    _finish(args, result, format_soak_report(result))
-    if result["rss"]:
-        _plot(plot_rss, result, args.plot)
-    return 0 if result["passed"] else 1
-
-
-def run_threads(args: argparse.Namespace) -> int:
-    """Handler of `bench threads`."""
-    from hybridserve.bench.threads_bench import format_threads_report, run_threads_bench
-
-    cfg = configs.config_from_args(configs.ThreadsBenchConfig, args)
-    result = run_threads_bench(prompt_tokens=cfg.prompt_tokens, decode_tokens=cfg.decode_tokens, rounds=cfg.rounds)
-    return _finish(args, result, format_threads_report(result))
 
 
 def run_all(args: argparse.Namespace) -> int:

@@ -170,37 +170,6 @@ class TPBenchConfig:
 
 
 @dataclass(frozen=True)
-class ThreadsBenchConfig:
-    """What `bench threads` measures."""
-
-    rounds: int = option(3, "idle/busy pairs per setting (median)")
-    prompt_tokens: int = 32
-    decode_tokens: int = option(48, "tokens decoded per run")
-
-
-@dataclass(frozen=True)
-class SoakConfig:
-    """Sizes of `bench soak` (token counts are prompt token ids)."""
-
-    duration_s: float = option(300.0, "seconds of traffic", flag="--duration")
-    clients: int = option(6, "concurrent clients")
-    overload_every_s: float = option(45.0, "seconds between overload bursts", flag="--overload-every")
-    overload_burst: int = option(40, "requests sent at once in a burst")
-    short_prompt_tokens: tuple[int, int] = (4, 64)
-    long_prompt_tokens: int = 1500
-    shared_prefixes: int = 3
-    shared_prefix_tokens: int = 512
-    max_tokens: tuple[int, int] = (1, 24)
-    rss_interval_s: float = 2.0
-    rss_window_s: float = option(60.0, "RSS growth compares the mean of the last window with the second one",
-                                 flag="--rss-window")
-    request_timeout_s: float = 120.0
-    idle_timeout_s: float = 60.0
-    warmup_long_prompts: int = 8
-    seed: int = seed_option("the traffic")
-
-
-@dataclass(frozen=True)
 class ServeBenchConfig:
     """Sizes of `bench serve` (token counts are prompt token ids sent as-is)."""
 

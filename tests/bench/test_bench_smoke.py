@@ -30,8 +30,8 @@ def one_thread() -> Iterator[None]:
 
 def small_engine_config(interval: int = 32) -> EngineConfig:
     """The built-in model with small pools and a short context (fast to build)."""
-    return EngineConfig(**CPU.engine_kwargs(), cache=CacheConfig(kv_cache_mib=16, prefix_cache_mib=64, snapshot_interval=interval),
-                        scheduler=SchedulerConfig(max_model_len=1024))
+    cache = CacheConfig(kv_cache_mib=16, prefix_cache_mib=64, snapshot_interval=interval)
+    return EngineConfig(**CPU.engine_kwargs(), cache=cache, scheduler=SchedulerConfig(max_model_len=1024))
 
 
 def write_trace(path: Path) -> Path:
@@ -94,10 +94,11 @@ def test_trace_bench_smoke(tmp_path: Path) -> None:
 
 def test_cli_bench_subcommands(tmp_path: Path) -> None:
     parser = build_parser()
-    for name in ("engine", "decode", "ttft", "trace", "chat", "structured", "tp", "serve", "soak", "threads", "all"):
+    for name in ("engine", "decode", "ttft", "trace", "chat", "structured", "tp", "serve", "all"):
         assert callable(parser.parse_args(["bench", name]).handler)
     out = tmp_path / "trace.json"
-    code = main(["bench", "trace", *CPU.cli_args(), "--trace", str(write_trace(tmp_path / "t.jsonl")), "--num-requests", "2",
+    trace = str(write_trace(tmp_path / "t.jsonl"))
+    code = main(["bench", "trace", *CPU.cli_args(), "--trace", trace, "--num-requests", "2",
                  "--max-output-tokens", "1", "--no-progress", "--kv-cache-mib", "16", "--prefix-cache-mib", "64",
                  "--max-model-len", "1024", "--json", str(out)])
     assert code == 0 and json.loads(out.read_text())["num_requests"] == 2
@@ -115,8 +116,7 @@ def test_chat_bench_smoke() -> None:
 
 
 def test_structured_bench_runs() -> None:
-    from hybridserve.bench.structured_bench import StructuredBenchConfig, format_structured_report, \
-        run_structured_bench
+    from hybridserve.bench.structured_bench import StructuredBenchConfig, format_structured_report, run_structured_bench
 
     cfg = StructuredBenchConfig(batch_sizes=(1, 2), prompt_tokens=8, decode_tokens=6, warmup=0, iterations=1)
     result = run_structured_bench(small_engine_config(), cfg)
@@ -152,7 +152,5 @@ def test_bench_flags_come_from_the_settings_dataclasses() -> None:
     args = parser.parse_args(["bench", "serve", "--no-mixed", "--bench-seed", "3", "--concurrency", "2", "4"])
     cfg = configs.config_from_args(configs.ServeBenchConfig, args)
     assert (cfg.mixed, cfg.seed, cfg.concurrency, cfg.token_logprobs) == (False, 3, (2, 4), True)
-    assert configs.config_from_args(configs.SoakConfig, parser.parse_args(["bench", "soak", "--duration", "5"])) \
-        == configs.SoakConfig(duration_s=5.0)
     assert not configs.config_from_args(configs.TraceBenchConfig,
                                          parser.parse_args(["bench", "trace", "--no-progress"])).progress

@@ -35,7 +35,7 @@ def test_configuration_page_lists_every_command_and_variable() -> None:
     from hybridserve import envs
 
     text = (DOCS / "configuration.md").read_text()
-    for command in ("generate", "serve", "sim", "bench ttft", "bench soak"):
+    for command in ("generate", "serve", "sim", "bench ttft", "bench serve"):
         assert f"## `hybridserve {command}`" in text
     for variable in envs.ENVIRONMENT_VARIABLES:
         assert f"`{variable.name}`" in text

@@ -1,21 +1,16 @@
-"""`hybridserve bench soak`: mixed random traffic against a live server for a fixed time.
+"""`python -m benchmarks.soak`: mixed random traffic against a live server for a fixed time.
 
-A `hybridserve serve` subprocess (or `--url`) gets, from several concurrent clients, a random mix
-of streamed and non-streamed completions and chats, short and long prompts, prompts sharing a
-few common prefixes, streams abandoned mid-way (aborts), requests whose client gives up before the
-answer (disconnects) and bad requests; every `overload_every_s` a burst larger than the server's
-queue arrives at once (deliberate overload: 503 expected there and only there). The resident
-memory of the server's processes (API, engine core, tensor-parallel workers) is sampled throughout.
-
-Pass criteria (`SoakResult.passed`): no 5xx other than 503 during an overload burst, no valid
-request answered 4xx, no bad request answered 2xx, no error event in a stream, every pool back to
-its initial free counts once idle (no KV block, state slot, snapshot reservation or pin held),
-and resident memory (API and engine processes, net of the free memory the engine's allocator keeps)
-growing under 5% between the second window (minute) and the last one.
+A `hybridserve serve` subprocess (or `--url`) gets, from several clients, a random mix of streamed
+and plain completions and chats, shared prefixes, aborts, client disconnects and bad requests, plus
+periodic bursts larger than its queue (503 expected there and only there), while the resident
+memory of its processes is sampled. Pass (`result["passed"]`): no unexpected 5xx/503, no valid request
+answered 4xx nor bad one 2xx, no stream error event, every pool free again once idle, and net
+resident memory growing under 5% from the second window to the last.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -30,8 +25,31 @@ from typing import Any
 import httpx
 
 from hybridserve.bench.common import FIRST_PLAIN_ID, KEEPALIVE_EXPIRY_S, PLAIN_ID_SPAN, write_json
-from hybridserve.bench.configs import SoakConfig
+from hybridserve.bench.configs import add_config_arguments, config_from_args, option, seed_option
 from hybridserve.bench.serve_client import ServerProcess, percentile
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    """Sizes of the soak (token counts are prompt token ids)."""
+
+    duration_s: float = option(300.0, "seconds of traffic", flag="--duration")
+    clients: int = option(6, "concurrent clients")
+    overload_every_s: float = option(45.0, "seconds between overload bursts", flag="--overload-every")
+    overload_burst: int = option(40, "requests sent at once in a burst")
+    short_prompt_tokens: tuple[int, int] = (4, 64)
+    long_prompt_tokens: int = 1500
+    shared_prefixes: int = 3
+    shared_prefix_tokens: int = 512
+    max_tokens: tuple[int, int] = (1, 24)
+    rss_interval_s: float = 2.0
+    rss_window_s: float = option(60.0, "RSS growth compares the mean of the last window with the second one",
+                                 flag="--rss-window")
+    request_timeout_s: float = 120.0
+    idle_timeout_s: float = 60.0
+    warmup_long_prompts: int = 8
+    seed: int = seed_option("the traffic")
+
 
 KINDS = ("complete", "stream", "chat", "long", "shared", "abort", "disconnect", "bad")
 WEIGHTS = (3, 3, 2, 1, 3, 1, 1, 1)
@@ -90,7 +108,8 @@ class Traffic:
         cfg = self.cfg
         max_tokens = rng.randint(*cfg.max_tokens)
         if kind == "chat":
-            text = " ".join(rng.choice(["cache", "state", "delta", "block", "prefix"]) for _ in range(rng.randint(2, 40)))
+            words = ["cache", "state", "delta", "block", "prefix"]
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(2, 40)))
             return "/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
                                             "temperature": rng.choice([0.0, 0.7]), "stream": rng.random() < 0.5}
         if kind == "long":
@@ -135,12 +154,13 @@ class Traffic:
                 try:
                     response = await asyncio.wait_for(self.client.post(path, json=body), timeout=rng.uniform(0.01, 0.3))
                     self.record(kind, response.status_code, sent, response.text)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     self.record(kind, None, sent)
             else:
                 path, body = self.body(kind, rng)
                 if body.get("stream"):
-                    await self._stream(kind, path, body, sent, abandon_after=rng.randint(1, 3) if kind == "abort" else None)
+                    abandon_after = rng.randint(1, 3) if kind == "abort" else None
+                    await self._stream(kind, path, body, sent, abandon_after=abandon_after)
                 else:
                     response = await self.client.post(path, json=body)
                     self.record(kind, response.status_code, sent, response.text)
@@ -407,7 +427,37 @@ def plot_rss(result: dict[str, Any], path: str | Path) -> None:
     plt.close(fig)
 
 
-def save(result: dict[str, Any], json_path: str | None) -> None:
-    """Write the figures as JSON (RSS samples included)."""
-    if json_path:
-        write_json(json_path, result)
+
+def build_parser() -> argparse.ArgumentParser:
+    """The soak's flags: the engine's (for the server it starts), the `SoakConfig` fields, --url/--plot/--json."""
+    from hybridserve.engine_args import add_engine_arguments
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_engine_arguments(parser)
+    add_config_arguments(parser, SoakConfig)
+    parser.add_argument("--url", default=None, help="soak a running server instead of starting one")
+    parser.add_argument("--plot", metavar="PATH", default=None, help="save the RSS curve (matplotlib)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON here")
+    # A small queue, so the overload bursts do overflow it.
+    parser.set_defaults(max_num_seqs=4, max_waiting_requests=8, max_model_len=4096, kv_cache_mib=64.0,
+                        prefix_cache_mib=64.0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the soak, print the report; exit status 1 when its pass criteria fail."""
+    from hybridserve.bench.cli import serve_args_from
+
+    args = build_parser().parse_args(argv)
+    result = run_soak(config_from_args(SoakConfig, args), url=args.url, serve_args=serve_args_from(args))
+    print(format_soak_report(result), flush=True)
+    if args.json:
+        write_json(args.json, result)
+    if args.plot and result["rss"]:
+        plot_rss(result, args.plot)
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

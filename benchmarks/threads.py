@@ -1,4 +1,4 @@
-"""`hybridserve bench threads`: decode speed idle vs with one core kept busy by another process.
+"""`python -m benchmarks.threads`: decode speed idle vs with one core kept busy by another process.
 
 Each thread setting runs in its own worker process (the OpenMP wait policy is read when torch
 loads), decoding greedily on the configured engine; a second process spinning in a loop plays the
@@ -13,11 +13,24 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
+from hybridserve.bench.configs import add_config_arguments, config_from_args, option
 from hybridserve.engine.threads import available_cores
 
 BUSY_LOOP = "import time\nend = time.monotonic() + 600\nwhile time.monotonic() < end:\n    pass\n"
+REPO_ROOT = Path(__file__).resolve().parents[1]  # the workers run `-m benchmarks.threads` from here
+
+
+@dataclass(frozen=True)
+class ThreadsBenchConfig:
+    """What the threads benchmark measures."""
+
+    rounds: int = option(3, "idle/busy pairs per setting (median)")
+    prompt_tokens: int = 32
+    decode_tokens: int = option(48, "tokens decoded per run")
 
 
 class ThreadSetting(NamedTuple):
@@ -56,14 +69,15 @@ def _worker_command(setting: ThreadSetting, prompt_tokens: int, decode_tokens: i
         env["OMP_WAIT_POLICY"] = setting.wait_policy
     else:
         env["OMP_WAIT_POLICY"] = ""  # explicit and empty: the OpenMP default
-    command = [sys.executable, "-m", "hybridserve.bench.threads_bench", "--threads", str(setting.threads),
+    command = [sys.executable, "-m", "benchmarks.threads", "--worker-threads", str(setting.threads),
                "--prompt-tokens", str(prompt_tokens), "--decode-tokens", str(decode_tokens)]
     return command, env
 
 
 def _run_worker(setting: ThreadSetting, prompt_tokens: int, decode_tokens: int, timeout: float) -> float:
     command, env = _worker_command(setting, prompt_tokens, decode_tokens)
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=True)
+    done = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+                          check=True)
     return float(json.loads(done.stdout.strip().splitlines()[-1])["decode_ms_per_token"])
 
 
@@ -124,14 +138,26 @@ def _measure_decode(threads: int, prompt_tokens: int, decode_tokens: int) -> flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Worker entry point (`python -m hybridserve.bench.threads_bench`): prints one JSON line."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--threads", type=int, required=True)
-    parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--decode-tokens", type=int, default=48)
+    """Print the table (optionally write JSON); with `--worker-threads N`, be one measuring worker
+    and print its figure as one JSON line."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.threads", description=__doc__,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_config_arguments(parser, ThreadsBenchConfig)
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON here")
+    parser.add_argument("--worker-threads", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--prompt-tokens", type=int, default=ThreadsBenchConfig.prompt_tokens, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    ms = _measure_decode(args.threads, args.prompt_tokens, args.decode_tokens)
-    print(json.dumps({"decode_ms_per_token": ms}))
+    if args.worker_threads is not None:
+        ms = _measure_decode(args.worker_threads, args.prompt_tokens, args.decode_tokens)
+        print(json.dumps({"decode_ms_per_token": ms}))
+        return 0
+    cfg = config_from_args(ThreadsBenchConfig, args)
+    result = run_threads_bench(prompt_tokens=cfg.prompt_tokens, decode_tokens=cfg.decode_tokens, rounds=cfg.rounds)
+    print(format_threads_report(result), flush=True)
+    if args.json:
+        from hybridserve.bench.common import write_json
+
+        write_json(args.json, result)
     return 0
 
 
