@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -63,11 +63,18 @@ def _check_sum(shm: ShmAllReduce, x: torch.Tensor, group: Any) -> None:
         assert torch.equal(part, got)
 
 
-def _expect_error(call: Callable[[], Any], within_s: float) -> None:
-    start = time.monotonic()
-    with pytest.raises(ShmAllReduceError):
+TIMED_OUT, MISMATCH, ABORTED = (shm_allreduce._ERRORS[code] for code in (-1, -2, -4))
+
+
+def _expect_error(call: Callable[[], Any], *reasons: str) -> str:
+    """`call` raises ShmAllReduceError for one of `reasons` (the C side's return code, as text),
+    which says why it failed: a peer's abort or a mismatch fails at once, only a peer that never
+    comes costs the timeout. Returns the error's message."""
+    with pytest.raises(ShmAllReduceError) as error:
         call()
-    assert time.monotonic() - start < within_s
+    message = str(error.value)
+    assert message.endswith(reasons), message
+    return message
 
 
 def _checks(group: Any) -> None:
@@ -129,8 +136,10 @@ def _checks(group: Any) -> None:
         mixed = ShmAllReduce.setup(group, CPU, TIMEOUT_S, slot_bytes=SMALL_SLOT)
         assert mixed is not None
         size, tag = (4 if rank == 0 and sizes_differ else 5), (CONTROL if rank == 0 and not sizes_differ else 0)
-        _expect_error(lambda: mixed.all_reduce(torch.ones(size), tag=tag), within_s=10)
-        _expect_error(lambda: mixed.all_reduce(torch.ones(size), tag=tag), within_s=1)  # broken from now on
+        first = _expect_error(lambda: mixed.all_reduce(torch.ones(size), tag=tag), MISMATCH, ABORTED)
+        # Broken from now on: the next call fails with the same reason, without entering the channel.
+        assert _expect_error(lambda: mixed.all_reduce(torch.ones(size), tag=tag), MISMATCH, ABORTED) == first
+        assert mixed.broken == first
         mixed.close()
         dist.barrier(group=group)
 
@@ -138,10 +147,10 @@ def _checks(group: Any) -> None:
     lonely = ShmAllReduce.setup(group, CPU, 0.5, slot_bytes=SMALL_SLOT)
     assert lonely is not None
     if rank == 0:
-        _expect_error(lambda: lonely.all_reduce(torch.ones(3)), within_s=5)
+        _expect_error(lambda: lonely.all_reduce(torch.ones(3)), TIMED_OUT)
     dist.barrier(group=group)
     if rank != 0:
-        _expect_error(lambda: lonely.all_reduce(torch.ones(3)), within_s=1)
+        _expect_error(lambda: lonely.all_reduce(torch.ones(3)), ABORTED)
     lonely.close()
 
     # A peer that closed its end (a worker exiting): the others fail at once, not after the timeout.
@@ -151,7 +160,7 @@ def _checks(group: Any) -> None:
         closing.close()
     dist.barrier(group=group)
     if rank != 1:
-        _expect_error(lambda: closing.all_reduce(torch.ones(3)), within_s=5)
+        _expect_error(lambda: closing.all_reduce(torch.ones(3)), ABORTED)
         closing.close()
 
 

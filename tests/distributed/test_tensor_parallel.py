@@ -21,9 +21,9 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.distributed import launch, shm_allreduce
 from hybridserve.distributed import worker as worker_process
 from hybridserve.distributed.executor import TensorParallelExecutor
+from hybridserve.engine.engine import EngineDeadError
 from hybridserve.engine.executor import InProcessExecutor
 from hybridserve.engine.worker import PlanResult, Worker
-from hybridserve.engine.engine import EngineDeadError
 from tests.helpers.targets import CPU
 
 MIB = 1 << 20
@@ -198,12 +198,12 @@ def test_worker_killed_mid_request_fails_requests_and_stops_cleanly(text_pair) -
     for _ in range(3):
         engine.step()
     os.kill(pids[1], signal.SIGKILL)
-    start, finished = time.monotonic(), {}
-    while engine.has_unfinished_requests() and time.monotonic() - start < 10:
+    deadline, finished = time.monotonic() + 60, {}  # the deadline only bounds a hang
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
         for output in engine.step():
             if output.finished:
                 finished[output.request_id] = output.outputs[0].finish_reason
-    assert time.monotonic() - start < 10
+    assert not engine.has_unfinished_requests(), "the requests did not finish after the worker died"
     assert finished == {"victim": "error", "bystander": "error"}
     assert engine.dead_reason is not None and "worker" in engine.dead_reason
     engine.check_integrity()

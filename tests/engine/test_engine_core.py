@@ -11,7 +11,6 @@ import signal
 import socket
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +22,8 @@ import pytest
 import zmq
 
 from hybridserve.api import LLM
-from hybridserve.engine.core import BURST_GAP_S, SOCKET_DIR_PREFIX, EngineCore
+from hybridserve.engine import core as core_module
+from hybridserve.engine.core import BURST_GAP_S, BURST_POLL_MS, PARENT_CHECK_S, SOCKET_DIR_PREFIX, EngineCore
 from hybridserve.engine.core_client import EngineCoreClient
 from hybridserve.engine.core_messages import (
     AbortRequests,
@@ -52,20 +52,12 @@ from hybridserve.sampling_params import (
     StructuredOutputsParams,
 )
 from hybridserve.server.app import build_app
-from tests.helpers.live_server import ServerThread, tiny_config
+from tests.helpers.live_server import ServerThread, tiny_config, wait_until
 
 MODEL = "tiny"
 VOCAB = 4096
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
-    """Poll `predicate` until it holds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def is_idle(core: EngineCoreClient) -> bool:
@@ -251,13 +243,12 @@ def test_core_death_fails_requests_and_health() -> None:
         with ServerThread(build_app(client, model_name=MODEL), client) as srv:
             assert httpx.get(f"{srv.url}/health").status_code == 200
             wait_until(lambda: not reader_thread_running())  # the server's loop reads the outputs
-            started = time.monotonic()
-            with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as response:
+            # The read timeout only bounds a hang: the stream must end with the core's death.
+            with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=30) as response:
                 lines = response.iter_lines()
                 assert next(lines).startswith("data: ")
                 os.kill(pid, signal.SIGKILL)
                 rest = [line for line in lines if line]
-            assert time.monotonic() - started < 10
             assert "engine core process died" in json.loads(rest[-2][6:])["error"]["message"]
             assert rest[-1] == "data: [DONE]"
             assert httpx.get(f"{srv.url}/health").status_code == 503
@@ -333,13 +324,13 @@ def test_core_exits_when_the_api_process_is_killed() -> None:
 
 
 class _RecordingEngine:
-    """Stands in for `LLMEngine` in `EngineCore`: records when each request was added."""
+    """Stands in for `LLMEngine` in `EngineCore`: records the order in which requests were added."""
 
     def __init__(self) -> None:
-        self.added: list[tuple[str, float]] = []
+        self.added: list[str] = []
 
     def add_request(self, request_id: str, prompt: Any, params: Any, cache_salt: str | None = None) -> None:
-        self.added.append((request_id, time.monotonic()))
+        self.added.append(request_id)
 
 
 class _ZmqSink:
@@ -352,7 +343,45 @@ class _ZmqSink:
         self.sock.send(msgspec.msgpack.encode(message))
 
 
-def _core_with_sockets() -> tuple[EngineCore, _RecordingEngine, list[zmq.Socket], zmq.Context]:
+class _VirtualClock:
+    """The core module's clock in the burst test: it moves only when the core waits on its input
+    socket, so whether a request falls inside the burst gap depends on the order of events, not on
+    how fast this machine runs."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        """The virtual time in seconds."""
+        return self.now
+
+
+class _ScriptedInputs:
+    """The core's input socket: records the timeout of every wait (`poll`), runs the action
+    scheduled for a wait (sending a request that arrives during it), and advances the virtual
+    clock by the wait's whole timeout when nothing arrived, by nothing when something did."""
+
+    def __init__(self, sock: zmq.Socket, clock: _VirtualClock) -> None:
+        self.sock, self.clock = sock, clock
+        self.waits: list[int] = []
+        self.during_wait: dict[int, Callable[[], None]] = {}  # wait number (from 1) -> what arrives
+
+    def poll(self, timeout_ms: int) -> int:
+        self.waits.append(timeout_ms)
+        arrival = self.during_wait.pop(len(self.waits), None)
+        if arrival is not None:
+            arrival()
+        ready = self.sock.poll(timeout_ms if arrival is not None else 0)
+        if not ready:
+            self.clock.now += timeout_ms / 1000
+        return ready
+
+    def recv(self, *args: Any, **kwargs: Any) -> Any:
+        return self.sock.recv(*args, **kwargs)
+
+
+def _core_with_sockets(clock: _VirtualClock) -> tuple[EngineCore, _RecordingEngine, _ScriptedInputs,
+                                                      list[zmq.Socket], zmq.Context]:
     context = zmq.Context()
     address = f"inproc://burst-{uuid.uuid4().hex}"
     inputs, sender = context.socket(zmq.PULL), context.socket(zmq.PUSH)
@@ -361,37 +390,47 @@ def _core_with_sockets() -> tuple[EngineCore, _RecordingEngine, list[zmq.Socket]
     sender.connect(address)
     sink.bind(address + "-out")
     outputs.connect(address + "-out")
-    engine = _RecordingEngine()
-    return (EngineCore(engine, inputs, _ZmqSink(outputs), os.getppid()), engine, [sender, inputs, outputs, sink],
-            context)
+    engine, scripted = _RecordingEngine(), _ScriptedInputs(inputs, clock)
+    core = EngineCore(engine, scripted, _ZmqSink(outputs), os.getppid())  # type: ignore[arg-type]
+    return core, engine, scripted, [sender, inputs, outputs, sink], context
 
 
-def test_an_idle_core_gathers_a_burst_but_not_a_lone_request() -> None:
+def test_an_idle_core_gathers_a_burst_but_not_a_lone_request(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two requests arriving together start a burst: the core keeps taking requests that follow
-    within BURST_GAP_S before its first step; a lone request is handled at once."""
-    core, engine, sockets, context = _core_with_sockets()
+    within BURST_GAP_S before its first step; a lone request is handled without a further wait,
+    and a busy core does not wait at all."""
+    clock = _VirtualClock()
+    monkeypatch.setattr(core_module, "time", clock)
+    core, engine, inputs, sockets, context = _core_with_sockets(clock)
     sender = sockets[0]
     encoder, params = input_encoder(), params_to_wire(SamplingParams(max_tokens=1))
+    parent_check_ms = int(PARENT_CHECK_S * 1000)
 
     def send(request_id: str) -> None:
         sender.send(encoder.encode(AddRequest(request_id, [1, 2, 3], params, None)))
 
     try:
         send("alone")
-        start = time.monotonic()
         core._drain_inputs(block=True)
-        assert [r for r, _ in engine.added] == ["alone"] and time.monotonic() - start < BURST_GAP_S
+        assert engine.added == ["alone"]
+        assert inputs.waits == [parent_check_ms]  # the wait for the request itself, none for followers
+
+        inputs.waits.clear()
         send("burst-0")
         send("burst-1")
-        late = threading.Timer(BURST_GAP_S / 3, send, args=("burst-2",))
-        late.start()
+        inputs.during_wait[2] = lambda: send("burst-2")  # arrives during the first wait for followers
         core._drain_inputs(block=True)
-        late.join()
-        assert [r for r, _ in engine.added] == ["alone", "burst-0", "burst-1", "burst-2"]
-        send("next")  # a busy core never waits
-        time.sleep(0.01)
-        core._drain_inputs(block=False)
-        assert engine.added[-1][0] == "next"
+        assert engine.added == ["alone", "burst-0", "burst-1", "burst-2"]
+        followers = inputs.waits[1:]
+        assert inputs.waits[0] == parent_check_ms and followers and set(followers) == {BURST_POLL_MS}
+        # After burst-2 the core kept waiting for more until a quiet BURST_GAP_S passed, then stopped.
+        assert len(followers) >= 2 and clock.now >= BURST_GAP_S
+
+        inputs.waits.clear()
+        send("next")
+        assert sockets[1].poll(10_000)  # bounds the wait for the message to reach the core's socket
+        core._drain_inputs(block=False)  # a busy core never waits
+        assert engine.added[-1] == "next" and inputs.waits == []
     finally:
         for socket in sockets:
             socket.close(linger=0)

@@ -10,7 +10,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,13 +19,22 @@ from safetensors import safe_open
 from hybridserve.config import ModelConfig
 from hybridserve.models import loader
 from hybridserve.models.builtin import (
-    BUILTIN_MODEL_CONFIG, builtin_state_dict, builtin_tokenizer, hf_config_dict, init_builtin_weights,
-    parameter_shapes, save_builtin_checkpoint,
+    BUILTIN_MODEL_CONFIG,
+    builtin_state_dict,
+    builtin_tokenizer,
+    hf_config_dict,
+    init_builtin_weights,
+    parameter_shapes,
+    save_builtin_checkpoint,
 )
 from hybridserve.models.loader import load_weights, read_model_config
 from hybridserve.models.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, Tokenizer
 from tests.helpers.checkpoints import (
-    FAKE_MTP_TENSORS, fresh_text_model, reference_text_model, rewrite_tensors, text_config,
+    FAKE_MTP_TENSORS,
+    fresh_text_model,
+    reference_text_model,
+    rewrite_tensors,
+    text_config,
 )
 
 
@@ -242,9 +250,8 @@ def test_tokenizer_config_variants(builtin_tok: Tokenizer, tmp_path: Path) -> No
 
 
 def test_builtin_tokenizer_layout_and_determinism(builtin_tok: Tokenizer) -> None:
-    start = time.perf_counter()
     again = builtin_tokenizer()
-    assert time.perf_counter() - start < 1.0
+    assert again is not builtin_tok  # a fresh instance each call, built the same way every time
     assert again.backend.to_str() == builtin_tok.backend.to_str()
     assert builtin_tok.vocab_size == 4096 == BUILTIN_MODEL_CONFIG.vocab_size
     assert builtin_tok.backend.id_to_token(4095) is not None and builtin_tok.backend.id_to_token(4096) is None

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -21,13 +20,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from hybridserve.engine.async_engine import AsyncLLMEngine
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.engine.memory import allocator_free_bytes
-from hybridserve.sampling_params import RequestOutputKind, SamplingParams
-from hybridserve.server.app import build_app
 from hybridserve.engine_args import engine_config_from_args
+from hybridserve.sampling_params import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
+from hybridserve.server.app import build_app
 from hybridserve.server.cli import build_parser, check_http_arguments, served_model_names
+from hybridserve.server.metrics import ServerMetrics
 from hybridserve.server.protocol import ChatCompletionStreamResponse, CompletionStreamResponse
 from tests.helpers.live_server import ServerThread, engine_stats, is_idle, random_ids, tiny_config, wait_until
-from tests.helpers.targets import CPU
 
 MODEL = "tiny"
 API_KEY = "sekrit-key"
@@ -248,7 +247,23 @@ def test_non_streamed_requests_get_their_final_output_only(http: httpx.Client, e
     assert delta("hybridserve_inter_token_latency_seconds_count") == 39
     ttft = delta("hybridserve_time_to_first_token_seconds_sum")
     e2e = delta("hybridserve_e2e_request_latency_seconds_sum")
-    assert 0 < ttft < 0.5 * e2e
+    assert 0 < ttft < e2e  # the first token came before the request finished
+
+
+def test_a_final_only_output_dates_ttft_by_the_engines_first_token() -> None:
+    """Forty tokens reaching the tracker at once: TTFT is the engine's first-token time minus the
+    arrival, whenever the output arrives, and the other 39 tokens are inter-token gaps."""
+    metrics = ServerMetrics()
+    arrival = time.monotonic() - 100.0  # the output arrives long after the first token
+    tracker = metrics.tracker(arrival)
+    completion = CompletionOutput(index=0, text="", token_ids=list(range(40)), finish_reason="length")
+    tracker.observe(RequestOutput("r", None, [1, 2, 3], [completion], finished=True,
+                                  metrics={"arrival_time": arrival, "first_token_time": arrival + 0.25}))
+    sample = metrics.registry.get_sample_value
+    assert sample("hybridserve_time_to_first_token_seconds_count") == 1
+    assert sample("hybridserve_time_to_first_token_seconds_sum") == pytest.approx(0.25)
+    assert sample("hybridserve_inter_token_latency_seconds_count") == 39
+    assert sample("hybridserve_e2e_request_latency_seconds_count") == 1
 
 
 # --------------------------------------------------------------------------- disconnects
