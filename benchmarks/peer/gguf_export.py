@@ -146,7 +146,7 @@ def _tile_value_heads(hf_name: str, value: torch.Tensor, config: ModelConfig) ->
     return value
 
 
-def storage_type(kind: str, gguf_name: str, shape: tuple[int, ...], outtype: str) -> "gguf.GGMLQuantizationType":
+def storage_type(kind: str, gguf_name: str, shape: tuple[int, ...], outtype: str) -> gguf.GGMLQuantizationType:
     """The GGML type a tensor is stored in: float32 for 1-D tensors, norms, the conv kernel,
     `ssm_a` and biases; `outtype` for the matrices."""
     gguf = require_gguf()
@@ -156,7 +156,7 @@ def storage_type(kind: str, gguf_name: str, shape: tuple[int, ...], outtype: str
     return {"f32": q.F32, "bf16": q.BF16, "q8_0": q.Q8_0}[outtype]
 
 
-def _encode(value: torch.Tensor, qtype: "gguf.GGMLQuantizationType") -> np.ndarray:
+def _encode(value: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     gguf = require_gguf()
     data = value.numpy()
     if qtype == gguf.GGMLQuantizationType.F32:
@@ -181,7 +181,7 @@ def iter_checkpoint_tensors(model_dir: str | Path, config: ModelConfig) -> Itera
 
 
 # =========================================================================== metadata
-def add_hparams(writer: "gguf.GGUFWriter", config: ModelConfig, name: str) -> None:
+def add_hparams(writer: gguf.GGUFWriter, config: ModelConfig, name: str) -> None:
     """The `qwen35` hyperparameters llama.cpp reads."""
     writer.add_name(name)
     writer.add_context_length(config.max_position_embeddings)
@@ -217,7 +217,7 @@ def _attention_interval(config: ModelConfig) -> int | None:
     return interval if attention == expected else None
 
 
-def add_tokenizer(writer: "gguf.GGUFWriter", tokenizer: Tokenizer, config: ModelConfig) -> None:
+def add_tokenizer(writer: gguf.GGUFWriter, tokenizer: Tokenizer, config: ModelConfig) -> None:
     """The byte-level BPE vocabulary ("gpt2" model, pre-tokenizer named explicitly), merges,
     special ids and chat template. Ids the model has beyond the tokenizer are `[PADn]` unused."""
     backend = tokenizer.backend

@@ -376,7 +376,7 @@ def environment(cfg: PeerBenchConfig, load_start: tuple[float, float, float]) ->
             return None
 
     source_file = Path(cfg.llama_cpp_dir) / "SOURCE"
-    return {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    return {"date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": platform.machine(), "cpu_count": os.cpu_count(), "loadavg_start": list(load_start),
             "loadavg_end": list(os.getloadavg()),
             "llama_cpp_source": source_file.read_text().strip() if source_file.is_file() else None,

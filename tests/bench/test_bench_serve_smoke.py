@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridserve.bench.serve_bench import RequestRecord, percentile, summarize
 from hybridserve.bench.configs import HTTP_CLIENTS, CompareConfig, config_from_args
+from hybridserve.bench.serve_bench import RequestRecord, percentile, summarize
 from hybridserve.bench.serve_client import ServerBackend
 from hybridserve.cli import build_parser, main
 from hybridserve.engine.async_engine import AsyncLLMEngine

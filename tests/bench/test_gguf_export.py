@@ -23,11 +23,11 @@ from benchmarks.peer.gguf_export import (  # noqa: E402 - after the importorskip
 Q = gguf.GGMLQuantizationType
 
 
-def _fields(reader: "gguf.GGUFReader") -> dict:
+def _fields(reader: gguf.GGUFReader) -> dict:
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
-def _tensors(reader: "gguf.GGUFReader") -> dict:
+def _tensors(reader: gguf.GGUFReader) -> dict:
     return {t.name: t for t in reader.tensors}
 
 
@@ -82,7 +82,8 @@ def test_tensor_values_follow_the_llama_cpp_layout(f32_gguf: Path, text_checkpoi
         return np.asarray(t.data).reshape([int(n) for n in reversed(t.shape)])
 
     np.testing.assert_array_equal(value("token_embd.weight"), hf["model.embed_tokens.weight"].numpy())
-    np.testing.assert_allclose(value("blk.0.attn_norm.weight"), 1.0 + hf["model.layers.0.input_layernorm.weight"].numpy())
+    np.testing.assert_allclose(value("blk.0.attn_norm.weight"),
+                               1.0 + hf["model.layers.0.input_layernorm.weight"].numpy())
     np.testing.assert_array_equal(value("blk.0.ssm_norm.weight"), hf["model.layers.0.linear_attn.norm.weight"].numpy())
     hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
     a_log = hf["model.layers.0.linear_attn.A_log"]
@@ -92,13 +93,14 @@ def test_tensor_values_follow_the_llama_cpp_layout(f32_gguf: Path, text_checkpoi
     assert [int(n) for n in conv.shape] == [config.linear_conv_kernel_dim, config.gdn_conv_dim]
     key_rows = 2 * config.gdn_key_dim
     qkv = value("blk.0.attn_qkv.weight")
-    np.testing.assert_array_equal(qkv[:key_rows], hf["model.layers.0.linear_attn.in_proj_qkv.weight"][:key_rows].numpy())
+    np.testing.assert_array_equal(qkv[:key_rows],
+                                  hf["model.layers.0.linear_attn.in_proj_qkv.weight"][:key_rows].numpy())
     q_proj = tensors["blk.3.attn_q.weight"]
     assert [int(n) for n in q_proj.shape] == [config.hidden_size, 2 * config.num_attention_heads * config.head_dim]
 
 
 @pytest.mark.parametrize("outtype,matrix_type", [("bf16", Q.BF16), ("q8_0", Q.Q8_0)])
-def test_reduced_types_keep_vectors_float32(outtype: str, matrix_type: "gguf.GGMLQuantizationType",
+def test_reduced_types_keep_vectors_float32(outtype: str, matrix_type: gguf.GGMLQuantizationType,
                                             f32_gguf: Path, text_checkpoint: Path, tmp_path: Path) -> None:
     path = export_model_dir(text_checkpoint, tmp_path / f"model-{outtype}.gguf", outtype)
     tensors = _tensors(gguf.GGUFReader(path))

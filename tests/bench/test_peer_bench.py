@@ -9,9 +9,21 @@ from pathlib import Path
 import pytest
 
 from benchmarks.peer.__main__ import main
-from benchmarks.peer.peer_bench import ENGINE_METRICS, ENGINES, SERVER_METRICS, LlamaServer, PeerBenchConfig, \
-    agreement, format_peer_report, llama_cpp_binaries, medians, parse_batched_bench, parse_llama_bench, \
-    run_peer_bench, server_prompts
+from benchmarks.peer.peer_bench import (
+    ENGINE_METRICS,
+    ENGINES,
+    SERVER_METRICS,
+    LlamaServer,
+    PeerBenchConfig,
+    agreement,
+    format_peer_report,
+    llama_cpp_binaries,
+    medians,
+    parse_batched_bench,
+    parse_llama_bench,
+    run_peer_bench,
+    server_prompts,
+)
 from hybridserve.bench.serve_client import PromptSource
 
 BUILT = Path("bench-out/llama.cpp")

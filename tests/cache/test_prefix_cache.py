@@ -126,7 +126,8 @@ def test_all_snapshots_pinned_skips_insertion(text_checkpoint: Path) -> None:
     snapshots = llm.llm_engine.cache.snapshots
     a, b = random_tokens(257, seed=20), random_tokens(257, seed=21)
     llm.generate([a], GREEDY)
-    slot = snapshots.lookup(llm.llm_engine.cache.block_hashes(llm.llm_engine.make_request("p", a, GREEDY).first, 16)[-1])
+    engine = llm.llm_engine
+    slot = snapshots.lookup(engine.cache.block_hashes(engine.make_request("p", a, GREEDY).first, 16)[-1])
     assert slot is not None
     snapshots.pin(slot)
     skipped = llm.prefix_cache_stats().snapshots_skipped

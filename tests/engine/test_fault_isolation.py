@@ -5,20 +5,19 @@ each request's admission once across reverts and preemptions. CPU, float32."""
 from __future__ import annotations
 
 import math
-
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
 
+from hybridserve.cache.manager import JointCacheManager
 from hybridserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from hybridserve.engine import engine as engine_module
 from hybridserve.engine import sampling as sampling_module
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.engine.runner import ForwardResult, ModelRunner
 from hybridserve.engine.step_plan import PlanChunk, StepPlan
-from hybridserve.cache.manager import JointCacheManager
 from hybridserve.sampling_params import RequestOutput, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -39,7 +39,7 @@ class ServerThread:
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
         self._thread = threading.Thread(target=serve_uvicorn, args=(self.server, [self._sock], engine), daemon=True)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         self._thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:

@@ -12,8 +12,14 @@ from hybridserve.engine.engine import LLMEngine
 from hybridserve.layers import linear as linear_module
 from hybridserve.layers.attention import prefill_attention
 from hybridserve.layers.gated_delta import recurrent_gated_delta_step
-from hybridserve.layers.linear import GEMV_MAX_ROWS, INT8_DEQUANT_ROWS, SPLIT_GEMM_ROWS, PackedLinear, gemv_splits, \
-    quantize_int8
+from hybridserve.layers.linear import (
+    GEMV_MAX_ROWS,
+    INT8_DEQUANT_ROWS,
+    SPLIT_GEMM_ROWS,
+    PackedLinear,
+    gemv_splits,
+    quantize_int8,
+)
 
 # Documented int8 tolerances (built-in model, prompt logits against float32; docs/benchmarks.md has
 # the measured figures): the error comes from per-channel int8 weights and bf16 GEMM inputs.
@@ -107,7 +113,8 @@ def test_split_gemv_matches_f_linear_for_every_row_count(threads: int, split_bmm
     MLP's silu(gate) * up, for out sizes a thread count divides or not."""
     monkeypatch.setattr(linear_module, "split_bmm_preferred", lambda: split_bmm)
     torch.manual_seed(2)
-    gate, up = torch.nn.Linear(64, 97, bias=True), torch.nn.Linear(64, 97, bias=True)  # 194 rows: 3 threads do not divide it
+    # 194 rows: 3 threads do not divide it
+    gate, up = torch.nn.Linear(64, 97, bias=True), torch.nn.Linear(64, 97, bias=True)
     down = torch.nn.Linear(97, 64, bias=False)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
