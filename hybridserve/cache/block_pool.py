@@ -1,15 +1,7 @@
-"""Content-addressed paged KV blocks: bookkeeping only (no tensors).
+"""Content-addressed paged KV blocks: reference counts, chained block hashes and an LRU free list.
 
-A :class:`BlockPool` tracks, for each physical KV block id, a reference count
-and an optional content hash.  Full, computed blocks are *registered* under a
-chained 128-bit hash of their token prefix (plus extra keys such as a
-per-request cache salt) so that later requests with the same prefix can share
-them.  Blocks whose reference count drops to zero go to an LRU free list but
-keep their hash: they stay matchable until :meth:`BlockPool.allocate` reclaims
-them, which evicts the hash.
-
-The physical KV tensors live elsewhere; this module is pure Python so the cache
-policy can be unit-tested and replayed on traces.
+Tensor-free, so the cache can be unit-tested and replayed on traces; docs/prefix-cache.md
+describes the keys.
 """
 
 from __future__ import annotations
@@ -19,14 +11,14 @@ import struct
 import sys
 from array import array
 from collections import Counter, OrderedDict
-from typing import Callable, NamedTuple, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
 
 import xxhash
 
 BlockHash = bytes
 """A chained content hash of one full KV block and its whole prefix: 16 bytes (xxh3-128) or 32
 bytes (SHA-256, for deployments that need collision resistance against chosen inputs)."""
-
 
 
 class Hasher(Protocol):
@@ -44,9 +36,6 @@ HASH_FUNCTIONS: dict[str, tuple[Callable[..., Hasher], int]] = {
 _ROOT_TAG = b"\x00hybridserve-root"
 _PARENT_TAG = b"\x01"
 _TAIL_TAG = b"\x02hybridserve-tail"
-
-
-# --------------------------------------------------------------------- hashing
 
 
 def _encode_key(key: object, out: bytearray) -> None:
@@ -72,11 +61,8 @@ def _encode_key(key: object, out: bytearray) -> None:
 
 
 def encode_extra_keys(extra_keys: tuple[object, ...]) -> bytes:
-    """Canonical byte encoding of ``extra_keys`` (so ``("ab",) != ("a", "b")``).
-
-    Supported element types: ``None``, ``bool``, ``int``, ``str``, ``bytes`` and
-    nested tuples of those.
-    """
+    """Canonical byte encoding of ``extra_keys`` (so ``("ab",) != ("a", "b")``): ``None``, ``bool``,
+    ``int``, ``str``, ``bytes`` and nested tuples of those."""
     out = bytearray()
     _encode_key(tuple(extra_keys), out)
     return bytes(out)
@@ -93,13 +79,8 @@ def _encode_tokens(token_ids: Sequence[int]) -> bytes:
 def hash_block(
     parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple[object, ...] = (), algorithm: str = "xxh3_128"
 ) -> BlockHash:
-    """Chained 128-bit hash of one block given its parent block's hash.
-
-    ``parent`` is ``None`` for the first block of a sequence.  Equal parents,
-    tokens and extra keys give equal hashes; any difference (including the
-    cache salt in ``extra_keys``) gives a different hash with overwhelming
-    probability.
-    """
+    """Chained hash of one block given its parent block's hash (``None`` for the first block); any
+    difference in parent, tokens or extra keys (the cache salt) gives a different hash."""
     new, size = HASH_FUNCTIONS[algorithm]
     h = new()
     if parent is None:
@@ -115,12 +96,8 @@ def hash_block(
 
 def hash_tail(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple[object, ...] = (),
               algorithm: str = "xxh3_128") -> BlockHash:
-    """Hash of a *partial* block (fewer tokens than a block) after `parent`.
-
-    Tagged apart from full-block hashes, so a partial block never matches a full one; equal
-    parents, tokens and extra keys give equal hashes. It names the token prefix that ends
-    inside the block (a request-end boundary).
-    """
+    """Hash of a *partial* block after `parent`: names a prefix that ends inside a block (a request
+    end), tagged apart from full-block hashes so it never matches a full one."""
     h = HASH_FUNCTIONS[algorithm][0](_TAIL_TAG + (parent or b""))
     h.update(_encode_tokens(token_ids))
     h.update(encode_extra_keys(extra_keys))
@@ -134,12 +111,8 @@ def block_hashes_for(
     start: list[BlockHash] | None = None,
     algorithm: str = "xxh3_128",
 ) -> list[BlockHash]:
-    """Hashes of every *full* block of ``token_ids`` (a trailing partial block gets none).
-
-    ``start`` holds already-computed hashes of a prefix of those blocks (e.g. from
-    the previous scheduling step); only the remaining blocks are hashed.  The
-    returned list is a new list; ``start`` is not modified.
-    """
+    """Hashes of every *full* block of ``token_ids``, as a new list. ``start`` holds already-computed
+    hashes of leading blocks (not modified); only the remaining blocks are hashed."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     num_full = len(token_ids) // block_size
@@ -152,8 +125,7 @@ def block_hashes_for(
     first = len(hashes)
     if first == num_full:
         return hashes
-    # Same byte stream as `hash_block`, but the tokens and extra keys are encoded once for all
-    # blocks (a 4k-token prompt hashes in ~0.3 ms instead of ~2.5 ms).
+    # Same byte stream as `hash_block`, but the tokens and extra keys are encoded once for all blocks.
     tokens = _encode_tokens(token_ids[first * block_size: num_full * block_size])
     data = memoryview(tokens)[8:]
     count = struct.pack("<Q", block_size)
@@ -169,8 +141,6 @@ def block_hashes_for(
         hashes.append(parent)
     return hashes
 
-
-# ------------------------------------------------------------------ block pool
 
 _NO_TAILS: dict[BlockHash, int] = {}
 
@@ -191,22 +161,14 @@ class BlockPoolStats(NamedTuple):
 class BlockPool:
     """Reference-counted, content-addressed pool of ``num_blocks`` KV block ids.
 
-    Invariants (checked by :meth:`check_integrity`):
-
-    * a block is in the LRU free list iff its ``ref_count`` is 0;
-    * ``block_hash[b] == h`` iff the hash index maps ``h -> b`` (one block per
-      hash; a second block with the same content simply stays unhashed);
-    * free blocks that still hold a hash are *cached*: they count as free
-      (reclaimable) and are matchable until reallocated;
-    * a *tail* is a partial block registered under :func:`hash_tail` (a request ended inside
-      it); the tail index lists, per parent hash, the tails that follow it.
-
-    ``on_evict(hash)`` hears every hash dropped when a cached block is reclaimed, so state
-    keyed by that prefix (a GDN snapshot) can go with it.
+    A block is on the LRU free list iff its ref count is 0; a free block that still holds a hash is
+    *cached* (reclaimable, and matchable until reallocated). One block per hash: a second block with
+    the same content stays unhashed. A *tail* is a partial block registered under :func:`hash_tail`,
+    indexed by its parent hash. ``on_evict(hash)`` hears every hash dropped when a cached block is
+    reclaimed, so state keyed by that prefix (a GDN snapshot) can go with it.
     """
 
     def __init__(self, num_blocks: int, on_evict: Callable[[BlockHash], None] | None = None) -> None:
-        """Create a pool whose blocks ``0 .. num_blocks-1`` are all free."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self._num_blocks = num_blocks
@@ -223,9 +185,6 @@ class BlockPool:
         self.num_evictions = 0
         self.num_touched = 0
         self.num_registered = 0
-        self.num_duplicate_registrations = 0
-
-    # -------------------------------------------------------------- properties
 
     @property
     def num_blocks(self) -> int:
@@ -255,18 +214,13 @@ class BlockPool:
         """Hash held by ``block_id`` (``None`` if unregistered or evicted)."""
         return self._block_hash[self._check_id(block_id)]
 
-    # ------------------------------------------------------------- allocation
-
     def can_allocate(self, n: int) -> bool:
         """Whether ``n`` blocks can be allocated now (cached free blocks included)."""
         return 0 <= n <= len(self._free)
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` fresh blocks (``ref_count`` 1), oldest-freed first; all or nothing.
-
-        A reclaimed block that still held a hash is evicted from the hash index.
-        Raises ``RuntimeError`` if fewer than ``n`` blocks are free.
-        """
+        """Take ``n`` fresh blocks (``ref_count`` 1), oldest-freed first, evicting the hashes of
+        reclaimed cached blocks; all or nothing (``RuntimeError`` if fewer than ``n`` are free)."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
         if n > len(self._free):
@@ -286,11 +240,8 @@ class BlockPool:
         return out
 
     def touch(self, block_ids: Sequence[int]) -> None:
-        """Take one more reference on each block (a prefix-cache hit or a fork).
-
-        A free cached block leaves the free list (O(1)).  Touching a free block
-        that holds no hash is a bug (its content is meaningless) and raises.
-        """
+        """Take one more reference on each block (a prefix-cache hit or a fork); a free cached block
+        leaves the free list. Touching a free block without a hash (meaningless content) raises."""
         for block_id in block_ids:
             self._check_id(block_id)
             if self._ref_count[block_id] == 0 and self._block_hash[block_id] is None:
@@ -304,15 +255,11 @@ class BlockPool:
             self.num_touched += 1
 
     def free(self, block_ids: Sequence[int], evict_first: bool = False) -> None:
-        """Drop one reference on each block; blocks reaching 0 go to the MRU end.
+        """Drop one reference on each block; blocks reaching 0 go to the MRU end, keeping their hash.
 
-        Freed blocks keep their hash and stay matchable until reallocated.
-        Callers should pass a request's blocks in *reverse* order (tail blocks
-        first): the free list is LRU, so the deepest, least shareable blocks are
-        then evicted before the request's shared prefix.  With ``evict_first``
-        they go to the LRU *front* instead (the first one listed is reclaimed
-        first): blocks a cache policy judges worth little.  Dropping a reference
-        that does not exist raises ``ValueError`` (nothing is changed).
+        Pass a request's blocks tail first, so its deepest, least shareable blocks are evicted before
+        its shared prefix. ``evict_first`` puts them at the LRU *front* instead (blocks a policy
+        judges worth little). Dropping a reference that does not exist raises ``ValueError``.
         """
         counts = Counter(block_ids) if len(set(block_ids)) != len(block_ids) else dict.fromkeys(block_ids, 1)
         refs, total = self._ref_count, self._num_blocks
@@ -330,16 +277,11 @@ class BlockPool:
                 if self._block_hash[block_id] is not None:
                     self._num_cached_free += 1
 
-    # ----------------------------------------------------------- hash index
-
     def register(self, block_id: int, block_hash: BlockHash) -> bool:
-        """Make a full, computed, in-use block matchable under ``block_hash``.
+        """Make a full, computed, in-use block matchable under ``block_hash``; whether it now holds it.
 
-        Returns ``True`` if the block now holds the hash.  If another block
-        already holds it, the index keeps pointing to that one and this block
-        stays unhashed (returns ``False``).  Re-registering the same hash on the
-        same block is a no-op (``True``); registering a *different* hash on a
-        hashed block, or registering a free block, raises ``ValueError``.
+        ``False`` when another block already holds the hash (this one stays unhashed). A different
+        hash on a hashed block, or a free block, raises ``ValueError``.
         """
         self._check_id(block_id)
         if self._ref_count[block_id] == 0:
@@ -350,7 +292,6 @@ class BlockPool:
                 raise ValueError(f"block {block_id} already holds a different hash")
             return True
         if block_hash in self._index:
-            self.num_duplicate_registrations += 1
             return False
         self._block_hash[block_id] = block_hash
         self._index[block_hash] = block_id
@@ -381,11 +322,8 @@ class BlockPool:
         return self._index.get(block_hash)
 
     def longest_cached_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
-        """Block ids for the longest run of leading ``hashes`` that are all present.
-
-        Nothing is changed; call :meth:`touch` on (a prefix of) the result to
-        take references.
-        """
+        """Block ids for the longest run of leading ``hashes`` that are all present (no references
+        taken: :meth:`touch` them)."""
         out: list[int] = []
         for block_hash in hashes:
             block_id = self._index.get(block_hash)
@@ -395,10 +333,7 @@ class BlockPool:
         return out
 
     def evict_all_cached(self) -> int:
-        """Drop the hashes of all free blocks; returns how many were dropped.
-
-        Blocks in use keep their hashes.  O(number of free blocks).
-        """
+        """Drop the hashes of all free blocks (in-use ones keep theirs); returns how many."""
         dropped = 0
         for block_id in self._free:
             if self._block_hash[block_id] is not None:
@@ -411,20 +346,12 @@ class BlockPool:
         """Alias of :meth:`evict_all_cached`."""
         return self.evict_all_cached()
 
-    # --------------------------------------------------------- diagnostics
-
     def stats(self) -> BlockPoolStats:
         """Current occupancy and counters."""
-        return BlockPoolStats(
-            total=self._num_blocks,
-            used=self.num_used_blocks,
-            free=self.num_free_blocks,
-            cached_free=self._num_cached_free,
-            evictions=self.num_evictions,
-            hash_entries=len(self._index),
-            touched=self.num_touched,
-            registered=self.num_registered,
-        )
+        return BlockPoolStats(total=self._num_blocks, used=self.num_used_blocks, free=self.num_free_blocks,
+                              cached_free=self._num_cached_free, evictions=self.num_evictions,
+                              hash_entries=len(self._index), touched=self.num_touched,
+                              registered=self.num_registered)
 
     def check_integrity(self) -> None:
         """Verify every invariant; raises ``AssertionError`` on any inconsistency."""
@@ -436,42 +363,30 @@ class BlockPool:
             ref = self._ref_count[block_id]
             in_free = block_id in self._free
             assert ref >= 0, f"block {block_id} has negative ref_count {ref}"
-            assert in_free == (ref == 0), (
-                f"block {block_id}: ref_count {ref} but in_free_list={in_free}"
-            )
+            assert in_free == (ref == 0), f"block {block_id}: ref_count {ref} but in_free_list={in_free}"
             block_hash = self._block_hash[block_id]
             if block_hash is not None:
                 hashed += 1
-                assert self._index.get(block_hash) == block_id, (
-                    f"block {block_id} holds a hash the index maps elsewhere"
-                )
+                assert self._index.get(block_hash) == block_id, f"block {block_id}: index maps its hash elsewhere"
                 cached_free += in_free
         for block_hash, block_id in self._index.items():
             assert 0 <= block_id < self._num_blocks, f"index maps to bad id {block_id}"
-            assert self._block_hash[block_id] == block_hash, (
-                f"index entry for block {block_id} disagrees with the block"
-            )
+            assert self._block_hash[block_id] == block_hash, f"index entry of block {block_id} disagrees"
         assert hashed == len(self._index), "hash index size != hashed blocks"
         assert all(0 <= b < self._num_blocks for b in self._free), "bad id in free list"
-        assert cached_free == self._num_cached_free, (
-            f"cached-free counter {self._num_cached_free} != actual {cached_free}"
-        )
+        assert cached_free == self._num_cached_free, f"cached-free count {self._num_cached_free} != {cached_free}"
         for tail_hash, (parent_key, num_tokens) in self._tail_of.items():
             assert tail_hash in self._index, "tail index lists a hash no block holds"
             assert self._tails[parent_key][tail_hash] == num_tokens, "tail index out of step"
         assert sum(map(len, self._tails.values())) == len(self._tail_of), "stale tail entries"
         assert self.num_used_blocks + self.num_free_blocks == self._num_blocks
 
-    # -------------------------------------------------------------- helpers
-
     def _check_id(self, block_id: int) -> int:
-        """Validate a block id and return it."""
         if not 0 <= block_id < self._num_blocks:
             raise IndexError(f"block id {block_id} out of range [0, {self._num_blocks})")
         return block_id
 
     def _drop_hash(self, block_id: int) -> None:
-        """Remove ``block_id``'s hash from the block and the index."""
         block_hash = self._block_hash[block_id]
         assert block_hash is not None
         del self._index[block_hash]
@@ -486,7 +401,5 @@ class BlockPool:
     def __repr__(self) -> str:
         """Short summary for debugging."""
         s = self.stats()
-        return (
-            f"BlockPool(total={s.total}, used={s.used}, free={s.free}, "
-            f"cached_free={s.cached_free}, evictions={s.evictions})"
-        )
+        return f"BlockPool(total={s.total}, used={s.used}, free={s.free}, cached_free={s.cached_free}, " \
+            f"evictions={s.evictions})"

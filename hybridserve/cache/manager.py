@@ -1,10 +1,9 @@
 """The joint cache manager: the scheduler's only door to cache state.
 
-It owns the logical pools (KV blocks, live GDN state slots, GDN snapshot slots), the joint prefix
-lookup and the cache policy, and keeps every sequence's cache bookkeeping (its block table, live
-slot, registered blocks, the snapshot on its path, its branch point) so that `Request` carries
-none. Everything here is tensor-free: the live engine and the trace simulator drive the same
-object, and the runner receives plain block ids and slot numbers.
+It owns the logical pools (KV blocks, live GDN state slots, snapshot slots), the joint lookup and
+the policy, and keeps every sequence's cache bookkeeping so that `Request` carries none. It is
+tensor-free: the engine and the trace simulator drive the same object, and the runner receives
+plain block ids and slot numbers.
 
 The verbs, in a sequence's life:
 
@@ -19,16 +18,16 @@ The verbs, in a sequence's life:
   `complete_end_capture`), then `release` frees its blocks and slot;
 * `release`: preemption or the end: blocks back tail-first (hashes kept for reuse), slot freed.
 
-Where a second tier plugs in: every eviction reaches the manager (`_on_block_evicted`, and the
-snapshot pool's victims through the policy), every lookup goes through `_lookup`, and a
-`Restore` tells the runner where to load a state from — a host, disk or remote tier demotes at
-the first, extends the second, and adds a source to the third without touching the scheduler.
+A second tier (host, disk, remote) plugs in here without touching the scheduler: it demotes at
+the evictions (`_on_block_evicted`, the policy's snapshot victims), extends `_lookup`, and adds a
+source to `Restore`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol, Sequence
+from typing import NamedTuple, Protocol
 
 from hybridserve.cache.block_pool import BlockHash, BlockPool, block_hashes_for, hash_tail
 from hybridserve.cache.policy import CachePolicy, RequestView
@@ -57,10 +56,9 @@ class CacheSequence(Protocol):
 
 
 class Restore(NamedTuple):
-    """An admission: load the live slot from a snapshot (or zero it for a cold start). With
-    `kv_copy = (source, target)` the hit ends inside a block: copy the cached partial block into
-    the sequence's own block first (the restore holds a reference on the source for the step).
-    `lookup` is counted in the prefix-cache stats when the step commits, once per sequence."""
+    """An admission: load the live slot from a snapshot (or zero it for a cold start). `kv_copy =
+    (source, target)`: the hit ends inside a block, copy the cached partial block into the
+    sequence's own (the restore holds a reference on the source for the step)."""
 
     request: CacheSequence
     state_slot: int
@@ -71,16 +69,16 @@ class Restore(NamedTuple):
 
 
 class EndCapture(NamedTuple):
-    """A finished sequence's final state on its way into a snapshot slot: the capture owns the
-    live slot until `complete_end_capture` publishes (or aborts) and frees it."""
+    """A finished sequence's final state on its way into a snapshot slot; owns the live slot until
+    `complete_end_capture`."""
 
     reservation: Reservation
     state_slot: int
 
 
 class Fork(NamedTuple):
-    """A sequence placed beside its running parent: copy the parent's live GDN state slot, and its
-    partially filled last KV block when the prompt does not end on a block boundary."""
+    """A sequence placed beside its running parent: copy the parent's live state slot, and its
+    partial last KV block if any."""
 
     src_state_slot: int
     dst_state_slot: int
@@ -103,8 +101,7 @@ class CacheUsage(NamedTuple):
 
 @dataclass(eq=False)
 class _SequenceCache:
-    """The manager's record of one sequence: resources it holds and where its path's snapshots are.
-    It keeps a reference to its sequence, so the `id()` that keys it cannot be reused while it exists."""
+    """The manager's record of one sequence; holding `owner` keeps the `id()` that keys it unique."""
 
     owner: CacheSequence
     block_ids: list[int] = field(default_factory=list)
@@ -118,9 +115,8 @@ class _SequenceCache:
 
 
 class JointCacheManager:
-    """Owns the block pool, state slots, snapshot pool, joint lookup and policy; see the module
-    docstring for the verbs. `snapshots is None` disables the prefix cache (no lookup, no
-    capture); blocks and live slots are still managed."""
+    """Owns the pools, the joint lookup and the policy (verbs in the module docstring).
+    `snapshots is None` disables the prefix cache; blocks and live slots are still managed."""
 
     def __init__(self, block_size: int, block_pool: BlockPool, state_slots: StateSlotPool,
                  snapshots: SnapshotPool | None, policy: CachePolicy | None = None,
@@ -190,8 +186,7 @@ class JointCacheManager:
         return () if seq.cache_salt is None else (seq.cache_salt,)
 
     def block_hashes(self, seq: CacheSequence, num_blocks: int) -> list[BlockHash]:
-        """Hashes of the sequence's first `num_blocks` full blocks (computed incrementally for a
-        sequence the manager tracks, from scratch for any other)."""
+        """Hashes of the sequence's first `num_blocks` full blocks (incremental for a tracked one)."""
         entry = self._sequences.get(id(seq))
         known = entry.hashes if entry is not None else []
         if num_blocks > len(known):
@@ -203,8 +198,8 @@ class JointCacheManager:
         return known[:num_blocks]
 
     def boundary_key(self, seq: CacheSequence, num_tokens: int) -> BlockHash:
-        """Name of the prefix `token_ids[:num_tokens]`: its last full block's hash, or the tail
-        hash of the partial block when the boundary falls inside a block."""
+        """Name of the prefix `token_ids[:num_tokens]`: its last full block's hash, or the tail hash
+        when the boundary falls inside a block."""
         full, partial = divmod(num_tokens, self.block_size)
         hashes = self.block_hashes(seq, full)
         if partial == 0:
@@ -215,9 +210,8 @@ class JointCacheManager:
 
     # -- admission ------------------------------------------------------------------------------
     def admit(self, seq: CacheSequence) -> Restore | None:
-        """Joint lookup, then attach and allocate everything the sequence needs to run from the
-        hit; None (nothing taken) when a live slot or the blocks are not available now. All or
-        nothing: if allocation raises, what was taken is given back first."""
+        """Joint lookup, then attach and allocate what the sequence needs to run from the hit; None
+        (nothing taken) when a live slot or the blocks are not free now. All or nothing."""
         if self.state_slots.num_free_slots == 0:
             return None
         entry = self._entry(seq)  # a waiting sequence's record keeps its hashes across retries
@@ -266,8 +260,8 @@ class JointCacheManager:
         return lookup
 
     def grow(self, seq: CacheSequence, num_tokens: int) -> list[int] | None:
-        """Blocks so the sequence covers `num_tokens`: the new block ids, or None (nothing taken)
-        when the pool cannot supply them now (the caller may preempt and retry)."""
+        """New blocks so the sequence covers `num_tokens`, or None (nothing taken) when the pool
+        cannot supply them now (the caller may preempt and retry)."""
         entry = self._entry(seq)
         needed = blocks_for(num_tokens, self.block_size) - len(entry.block_ids)
         if needed <= 0:
@@ -280,9 +274,8 @@ class JointCacheManager:
 
     # -- captures -------------------------------------------------------------------------------
     def reserve_captures(self, seq: CacheSequence, start: int, length: int, captures: list[Reservation]) -> None:
-        """Reserve snapshot slots, appended to `captures` as they are taken (so a failure midway
-        leaves each where `revert_chunk` finds it), for the boundaries the policy wants from the
-        forward of tokens [start, start + length)."""
+        """Reserve snapshot slots for the boundaries the policy wants from the forward of tokens
+        [start, start + length), appended to `captures` as taken (so `revert_chunk` finds each)."""
         if self.snapshots is None or self.policy is None:
             return
         entry = self._entry(seq)
@@ -303,7 +296,7 @@ class JointCacheManager:
 
     @staticmethod
     def _parent_key(entry: _SequenceCache, boundary: int) -> BlockHash | None:
-        """The snapshot on the sequence's path just below `boundary`, if one is known."""
+        """The snapshot on the sequence's path just below `boundary`, if known."""
         return entry.snapshot_key if 0 < entry.snapshot_depth < boundary else None
 
     def _on_block_evicted(self, block_hash: BlockHash) -> None:
@@ -314,15 +307,15 @@ class JointCacheManager:
     # -- transaction end ------------------------------------------------------------------------
     def commit_restore(self, restore: Restore) -> None:
         """The step that restored this admission succeeded: drop its holds, count its lookup."""
-        self._drop_restore_holds(restore)
+        self.drop_restore_holds(restore)
         entry = self._entry(restore.request)
         if restore.lookup is not None and not entry.lookup_counted and self.prefix_cache is not None:
             entry.lookup_counted = True  # once per sequence, across reverts and preemptions
             self.prefix_cache.record(restore.lookup)
 
     def commit_chunk(self, seq: CacheSequence, captures: Sequence[Reservation], failed_slots: set[int]) -> None:
-        """The chunk's forward succeeded and `seq.num_computed_tokens` includes it: register its
-        full blocks and publish its captures (abort those whose copy failed)."""
+        """The chunk's forward succeeded (`num_computed_tokens` includes it): register its full
+        blocks, publish its captures (abort those whose copy failed)."""
         self._register_full_blocks(seq)
         for reservation in captures:
             if reservation.slot in failed_slots:
@@ -332,7 +325,7 @@ class JointCacheManager:
 
     def revert_restore(self, restore: Restore) -> None:
         """Undo an admission whose step failed: drop its holds and release what it took."""
-        self._drop_restore_holds(restore)
+        self.drop_restore_holds(restore)
         self.release(restore.request)
 
     def revert_chunk(self, seq: CacheSequence, new_blocks: Sequence[int], captures: Sequence[Reservation]) -> None:
@@ -351,9 +344,6 @@ class JointCacheManager:
 
     def drop_restore_holds(self, restore: Restore) -> None:
         """Unpin the restored snapshot and drop the reference on a copied partial block."""
-        self._drop_restore_holds(restore)
-
-    def _drop_restore_holds(self, restore: Restore) -> None:
         if restore.snapshot_slot is not None:
             self._snapshot_pool().unpin(restore.snapshot_slot)
         if restore.kv_copy is not None:
@@ -373,9 +363,8 @@ class JointCacheManager:
 
     # -- forks ----------------------------------------------------------------------------------
     def fork(self, parent: CacheSequence, child: CacheSequence) -> Fork | None:
-        """Place `child` (same tokens as `parent`, whose computed tokens are all its tokens) on the
-        parent's computed state: full blocks are shared, the partial last block gets a new block to
-        be copied into. None (nothing taken) when no live slot or block is free."""
+        """Place `child` (same tokens as a fully computed `parent`) on the parent's state: full
+        blocks shared, the partial last one copied. None (nothing taken) when no slot or block is free."""
         source = self._entry(parent)
         if source.state_slot is None or parent.num_computed_tokens != parent.num_tokens:
             raise ValueError("fork() needs a running parent whose tokens are all computed")
@@ -395,9 +384,8 @@ class JointCacheManager:
 
     # -- the end ----------------------------------------------------------------------------------
     def finish(self, seq: CacheSequence, keep_end_state: bool) -> EndCapture | None:
-        """A running sequence ended: reserve a snapshot of its final state when `keep_end_state`
-        and the policy keeps request ends (the returned capture then owns the live slot), then
-        release its blocks and slot. Release happens even if reserving raises."""
+        """A running sequence ended: with `keep_end_state`, reserve a snapshot of its final state if
+        the policy keeps request ends (the capture owns the live slot), then release (even on error)."""
         capture = None
         try:
             if keep_end_state:
@@ -407,8 +395,8 @@ class JointCacheManager:
         return capture
 
     def _reserve_end_capture(self, seq: CacheSequence) -> EndCapture | None:
-        """Reserve a snapshot of the state after the last computed token; registers the partial
-        last block's KV under its tail hash so the boundary is a joint one."""
+        """Reserve a snapshot after the last computed token, registering a partial last block under
+        its tail hash so the boundary is a joint one."""
         end = seq.num_computed_tokens
         if self.snapshots is None or self.policy is None or not self.policy.capture_at_end or end == 0:
             return None
@@ -442,8 +430,8 @@ class JointCacheManager:
             self.state_slots.free(capture.state_slot)
 
     def release(self, seq: CacheSequence, finished: bool = False) -> None:
-        """Give back blocks (tail first, so shared prefixes stay cached longest) and the live slot.
-        A finished sequence's blocks that the policy judges worthless go to the free list's front."""
+        """Give back blocks (tail first, so shared prefixes stay cached longest) and the live slot; a
+        finished sequence's blocks the policy judges worthless go to the free list's front."""
         entry = self._entry(seq)
         blocks = entry.block_ids
         cold_from = len(blocks)
@@ -464,14 +452,9 @@ class JointCacheManager:
 
     # -- introspection ------------------------------------------------------------------------
     def _snapshot_pool(self) -> SnapshotPool:
-        """The snapshot pool; only reached on paths that exist when the prefix cache is on."""
         if self.snapshots is None:
             raise RuntimeError("the prefix cache is disabled")
         return self.snapshots
-
-    def can_allocate_blocks(self, num_blocks: int) -> bool:
-        """Whether `num_blocks` blocks can be allocated now (reclaiming cached free ones)."""
-        return self.block_pool.can_allocate(num_blocks)
 
     def usage(self) -> CacheUsage:
         """Pool capacities and occupancy."""
@@ -491,8 +474,8 @@ class JointCacheManager:
         return self.snapshots.stats()
 
     def check_integrity(self, running: Sequence[CacheSequence], waiting: Sequence[CacheSequence]) -> None:
-        """Pools consistent, and every block and live-slot reference held by exactly the `running`
-        sequences; `waiting` ones hold nothing. Raises AssertionError naming the first breach."""
+        """Pools consistent, every block and live-slot reference held by exactly the `running`
+        sequences, `waiting` ones holding nothing; AssertionError names the first breach."""
         self.block_pool.check_integrity()
         self.state_slots.check_integrity()
         if self.snapshots is not None:

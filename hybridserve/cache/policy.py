@@ -1,19 +1,8 @@
 """Cache policies: which GDN states to snapshot (admission) and which to drop (eviction).
 
-A policy is tensor-free and sees only positions, keys and pool metadata, so the live engine and
-the trace simulator (`hybridserve sim`) run the same code. The scheduler asks it:
-
-* `captures(view, start, length)`: boundaries in (start, start + length] to snapshot while a
-  chunk of the request is computed (prefill or decode) — taken from that same forward;
-* `capture_at_end`: whether a finished request's state after its last computed token is kept;
-* `choose_victim(pool)`: which published snapshot to evict when the pool is full;
-* `evict_kv_first(view)`: from which position a released request's KV blocks are worth little
-  (they go to the front of the block pool's free list).
-
-Policies: `interval` (every N tokens, LRU), `last-block` (one state at the last block boundary
-before the prompt end, LRU — vLLM's align mode), `marconi` (request-end and branch-point
-admission, eviction by recency + alpha * FLOP efficiency among nodes with at most one child)
-and `hybridserve` (the default; see `HybridServePolicy`).
+Tensor-free (positions, keys and pool metadata only), so the engine and `hybridserve sim` run the
+same code. docs/prefix-cache.md tables the four policies: `interval`, `last-block`, `marconi` and
+`hybridserve` (the default).
 """
 
 from __future__ import annotations
@@ -41,7 +30,7 @@ class PrefixCost(NamedTuple):
     snapshot_bytes: int
 
     @classmethod
-    def from_model(cls, config: "ModelConfig", kv_bytes_per_token: int, snapshot_bytes: int) -> "PrefixCost":
+    def from_model(cls, config: ModelConfig, kv_bytes_per_token: int, snapshot_bytes: int) -> PrefixCost:
         """Derive the costs of a Qwen3.5 decoder of this shape."""
         hidden = config.hidden_size
         attention = hidden * config.head_dim * (2 * config.num_attention_heads + 2 * config.num_key_value_heads) \
@@ -170,19 +159,11 @@ class MarconiPolicy(CachePolicy):
 
 
 class HybridServePolicy(IntervalPolicy):
-    """The default. Admission: branch points, the request end, the last block boundary before the
-    prompt end (a repeated prompt, or a chat turn whose template re-tokenises the reply
-    differently, still hits), and — only into free or covered slots — every `interval` tokens
-    (so the second request that shares a prefix already hits near its end).
-
-    Eviction, cheapest loss first: a snapshot whose KV is gone; then one that a deeper snapshot
-    on the same path already covers (one child, restored at most once — interval and prompt
-    marks once the request's end is in, and a chat turn's end once the next turn, which restored
-    it, has published its own), least recently used first; then the lowest value among
-    the least recently used, where value = prefill FLOPs a hit saves beyond the resident parent
-    snapshot (where a miss would fall back) x (1 + hits + paths beyond one) / (1 + age in pool
-    turnovers). KV blocks of a released request beyond its
-    deepest snapshot go to the front of the free list (they cannot serve a joint hit)."""
+    """The default. Admits branch points, request ends, the last block boundary before the prompt
+    end (a re-tokenised chat turn still hits), and every `interval` tokens into free or covered
+    slots only. Evicts, cheapest loss first: a snapshot whose KV is gone, then a covered one, then
+    the lowest value = prefill FLOPs saved beyond the resident parent x (1 + hits + extra paths) /
+    (1 + age in pool turnovers). A released request's KV beyond its deepest snapshot is freed first."""
 
     name = "hybridserve"
     capture_at_end = True

@@ -1,22 +1,18 @@
-"""Joint prefix lookup: a boundary is a hit only when its KV blocks AND its GDN snapshot exist.
-
-Tensor-free: it decides which boundary to restore from the block pool's hash index and the
-snapshot pool's key index, and keeps the hit/miss statistics. Copying state is the runner's job.
-"""
+"""Joint prefix lookup (a boundary is a hit only when its KV blocks AND its GDN snapshot exist) and
+its hit/miss statistics; tensor-free."""
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from hybridserve.cache.block_pool import BlockHash, BlockPool, hash_tail
 from hybridserve.cache.snapshots import SnapshotPool
 
 
 class PrefixHit(NamedTuple):
-    """Result of a joint lookup: restore `num_tokens` from these blocks and that snapshot slot.
-    `num_tokens == 0` is a cold start (no blocks, no snapshot). When the boundary falls inside a
-    block, `tail_block` holds that block's cached partial KV: the request copies it into a block
-    of its own (copy-on-write) and computes from `num_tokens` on."""
+    """Restore `num_tokens` (0: a cold start) from these blocks and that snapshot slot; a boundary
+    inside a block also names the cached partial block (`tail_block`) to copy on write."""
 
     num_tokens: int
     block_ids: list[int]
@@ -47,9 +43,8 @@ class PrefixCacheStats(NamedTuple):
 
 
 class PrefixCache:
-    """Joint lookup over a `BlockPool` and a `SnapshotPool`. A snapshot at a block boundary is
-    keyed by that block's hash; one inside a block (a request end) by the tail hash of the
-    partial block, whose KV the block pool keeps under the same hash."""
+    """Joint lookup over a `BlockPool` and a `SnapshotPool`, which key a boundary by the same block
+    (or tail) hash."""
 
     def __init__(self, block_pool: BlockPool, snapshots: SnapshotPool, block_size: int) -> None:
         self.block_pool = block_pool
@@ -60,13 +55,9 @@ class PrefixCache:
 
     def lookup(self, block_hashes: list[BlockHash], token_ids: Sequence[int], extra_keys: tuple[object, ...],
                algorithm: str = "xxh3_128") -> PrefixLookup:
-        """Deepest boundary b <= len(token_ids) - 1 whose KV and snapshot are both present.
-
-        `block_hashes` are the hashes of the request's full blocks. Boundaries are tried deepest
-        first: tails inside block j + 1, then the end of block j, for j from the KV match down.
-        Pure: call `record` once the request is actually admitted, so retries do not inflate
-        the stats.
-        """
+        """Deepest boundary b <= len(token_ids) - 1 whose KV and snapshot are both present, trying
+        tails inside block j + 1, then the end of block j, for j from the KV match down. Pure:
+        `record` it once the request is admitted, so retries do not inflate the stats."""
         num_tokens, size = len(token_ids), self.block_size
         cached = self.block_pool.longest_cached_prefix(block_hashes)
         limit = num_tokens - 1  # one token is always computed, for logits
@@ -85,7 +76,8 @@ class PrefixCache:
         return PrefixLookup(PrefixHit(0, [], None), None, num_tokens, len(cached) * size, bool(cached), snapshot_only)
 
     def _tail_hit(self, parent: BlockHash | None, blocks: int, token_ids: Sequence[int],
-                  keys: tuple[tuple[object, ...], str], limit: int, cached: list[int]) -> tuple[PrefixHit, BlockHash] | None:
+                  keys: tuple[tuple[object, ...], str], limit: int,
+                  cached: list[int]) -> tuple[PrefixHit, BlockHash] | None:
         """The deepest cached tail after `blocks` full blocks that matches and has a snapshot
         (`keys`: the request's extra hash keys and hash algorithm)."""
         tails = self.block_pool.tails_after(parent)

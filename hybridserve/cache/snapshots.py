@@ -1,24 +1,17 @@
-"""GDN state snapshot slots: bookkeeping only (no tensors).
+"""GDN state snapshot slots: bookkeeping only (the tensors live in the runner).
 
-Each slot of a :class:`SnapshotPool` stands for one physical copy (held
-elsewhere) of the conv + recurrent state of every Gated DeltaNet layer at one
-token boundary.  A published slot is keyed by the :data:`BlockHash` of the KV
-block that ends at that boundary, which identifies the exact token prefix and
-cache salt.  Together with the KV blocks up to that hash it forms a joint
-prefix-cache hit.
-
-Protocol: :meth:`SnapshotPool.reserve` -> the caller copies the state into the
-physical slot -> :meth:`SnapshotPool.publish` or :meth:`SnapshotPool.abort`.
-A reservation exposes nothing until it is published.  Slots being restored are
-pinned (:meth:`SnapshotPool.pin`) and are never evicted while pinned.
+A published slot holds every GDN layer's state at one token boundary, keyed by the boundary's
+block (or tail) hash. Protocol: `reserve` -> the caller copies the state -> `publish` or `abort`;
+a slot being restored is pinned and never evicted.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from itertools import islice
-from typing import Callable, Iterable, NamedTuple
+from typing import NamedTuple
 
 from hybridserve.cache.block_pool import BlockHash
 
@@ -38,12 +31,8 @@ class ReserveStatus(enum.Enum):
 
 
 class Reservation(NamedTuple):
-    """Handle returned by :meth:`SnapshotPool.reserve`.
-
-    ``slot`` is set only for ``RESERVED``.  ``evicted_key`` is the key whose
-    published slot was evicted to make room (``None`` if none).  ``ticket`` is a
-    unique id that lets the pool reject stale handles.
-    """
+    """Handle returned by :meth:`SnapshotPool.reserve`: ``slot`` is set only for ``RESERVED``,
+    ``evicted_key`` names the slot evicted to make room, ``ticket`` lets the pool reject stale handles."""
 
     status: ReserveStatus
     slot: int | None
@@ -91,12 +80,10 @@ class _State(enum.Enum):
 
 
 class SnapshotPool:
-    """Bounded LRU pool of ``num_slots`` GDN state snapshot slots.
+    """Bounded LRU pool of ``num_slots`` snapshot slots, each free, reserved or published.
 
-    Every slot is exactly one of free / reserved / published.  Published,
-    unpinned slots sit in an LRU list (O(1) touch and eviction).  A pinned slot
-    leaves the LRU list and re-enters it as most-recently-used when its last pin
-    is dropped (being restored counts as a use).
+    Published, unpinned slots sit in an LRU list; a pinned slot leaves it and re-enters as most
+    recently used when its last pin is dropped (being restored counts as a use).
     """
 
     def __init__(self, num_slots: int, on_evict: EvictCallback | None = None,
@@ -134,8 +121,6 @@ class SnapshotPool:
         self.aborted_total = 0
         self.duplicate_total = 0
 
-    # -------------------------------------------------------------- properties
-
     @property
     def num_slots(self) -> int:
         """Total number of slots."""
@@ -160,8 +145,6 @@ class SnapshotPool:
     def num_pinned(self) -> int:
         """Published slots with at least one pin."""
         return self._num_pinned
-
-    # ----------------------------------------------------------------- lookup
 
     def lookup(self, key: BlockHash) -> int | None:
         """Published slot for ``key``, else ``None`` (no LRU change)."""
@@ -197,9 +180,8 @@ class SnapshotPool:
         return self._covered.keys()
 
     def candidates(self, limit: int) -> Iterable[tuple[int, BlockHash, int, int, int, int, int]]:
-        """The `limit` least recently used evictable slots as (slot, key, tokens, last use, hits,
-        paths, depth of the resident parent or 0) — what eviction weighs, without building an
-        `info` per slot."""
+        """What eviction weighs of the `limit` least recently used evictable slots: (slot, key, tokens,
+        last use, hits, paths continuing past it, depth of the resident parent or 0)."""
         keys, num_tokens, last_use, hits = self._key, self._num_tokens, self._last_use, self._hits
         parents, branch, children, published = self._parent, self._branch, self._children, self._published
         for slot in islice(self._lru, limit):
@@ -234,8 +216,6 @@ class SnapshotPool:
         self._check_slot(slot)
         return self._pins[slot]
 
-    # --------------------------------------------------------------- pinning
-
     def pin(self, slot: int) -> None:
         """Pin a published slot (e.g. while it is being restored); pins nest."""
         self._check_slot(slot)
@@ -258,19 +238,15 @@ class SnapshotPool:
             self._num_pinned -= 1
             self._update_covered(slot)
 
-    # --------------------------------------------------------------- protocol
-
     def reserve(self, key: BlockHash, num_tokens: int, parent: BlockHash | None = None,
                 opportunistic: bool = False, branch: bool = False) -> Reservation:
         """Reserve a slot for the state at ``num_tokens`` tokens, keyed by ``key``.
 
-        DUPLICATE if ``key`` is published (refreshes its LRU position) or
-        already in flight; otherwise take a free slot, else evict an unpinned
-        published slot (``choose_victim``'s pick, by default the least recently
-        used; reported in ``evicted_key`` and to ``on_evict``), else SKIPPED.
-        ``parent`` names the next shallower snapshot on the same path, if any.
-        An ``opportunistic`` reservation only takes a free slot or a covered one. A ``branch``
-        snapshot sits where a new request left an older cached path: that path counts as a child.
+        DUPLICATE if ``key`` is published (refreshing its LRU position) or in flight; else a free
+        slot, else an evicted one (``choose_victim``'s pick, by default the least recently used;
+        reported in ``evicted_key`` and to ``on_evict``), else SKIPPED. ``parent`` names the next
+        shallower snapshot on the same path; an ``opportunistic`` reservation takes only a free or
+        covered slot; a ``branch`` snapshot is where a request left an older cached path.
         """
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
@@ -309,11 +285,8 @@ class SnapshotPool:
         return Reservation(ReserveStatus.RESERVED, slot, key, num_tokens, evicted_key, ticket)
 
     def publish(self, res: Reservation) -> None:
-        """Make a reserved slot visible under its key as most-recently-used.
-
-        Raises ``ValueError`` for a non-RESERVED handle, or one that is stale
-        (already published, aborted, or superseded).
-        """
+        """Make a reserved slot visible under its key as most recently used; ``ValueError`` for a
+        handle that is not RESERVED or is stale (already published, aborted or superseded)."""
         slot = self._check_live(res, "publish")
         key = res.key
         del self._reserved[key]
@@ -339,18 +312,14 @@ class SnapshotPool:
                 and self._ticket[slot] == res.ticket)
 
     def abort(self, res: Reservation) -> None:
-        """Return a reserved slot to the free list; nothing was ever exposed.
-
-        A no-op for DUPLICATE and SKIPPED handles; a stale RESERVED handle raises.
-        """
+        """Return a reserved slot to the free list (a no-op for DUPLICATE and SKIPPED; a stale
+        RESERVED handle raises)."""
         if res.status is not ReserveStatus.RESERVED:
             return
         slot = self._check_live(res, "abort")
         del self._reserved[res.key]
         self._release(slot)
         self.aborted_total += 1
-
-    # -------------------------------------------------------------- eviction
 
     def evict(self, key: BlockHash) -> bool:
         """Drop ``key``'s published slot; ``False`` if absent or pinned."""
@@ -368,21 +337,13 @@ class SnapshotPool:
             self._unpublish(slot)
         return len(slots)
 
-    # ----------------------------------------------------------- diagnostics
-
     def stats(self) -> SnapshotPoolStats:
         """Current occupancy and counters."""
-        return SnapshotPoolStats(
-            slots=self._num_slots,
-            published=len(self._published),
-            reserved=len(self._reserved),
-            pinned=self._num_pinned,
-            published_total=self.published_total,
-            evicted_total=self.evicted_total,
-            skipped_total=self.skipped_total,
-            aborted_total=self.aborted_total,
-            duplicate_total=self.duplicate_total,
-        )
+        return SnapshotPoolStats(slots=self._num_slots, published=len(self._published),
+                                 reserved=len(self._reserved), pinned=self._num_pinned,
+                                 published_total=self.published_total, evicted_total=self.evicted_total,
+                                 skipped_total=self.skipped_total, aborted_total=self.aborted_total,
+                                 duplicate_total=self.duplicate_total)
 
     def check_integrity(self) -> None:
         """Verify every invariant; raises ``AssertionError`` on any inconsistency."""
@@ -422,15 +383,11 @@ class SnapshotPool:
         assert pinned == self._num_pinned, f"pinned counter {self._num_pinned} != {pinned}"
         assert sum(counts.values()) == self._num_slots
 
-    # --------------------------------------------------------------- helpers
-
     def _check_slot(self, slot: int) -> None:
-        """Validate a slot index."""
         if not 0 <= slot < self._num_slots:
             raise IndexError(f"slot {slot} out of range [0, {self._num_slots})")
 
     def _check_held(self, slot: int) -> None:
-        """Validate that ``slot`` is reserved or published."""
         self._check_slot(slot)
         if self._state[slot] is _State.FREE:
             raise ValueError(f"slot {slot} is free")
@@ -439,16 +396,10 @@ class SnapshotPool:
         """Return the slot of a still-live RESERVED handle, else raise ``ValueError``."""
         if res.status is not ReserveStatus.RESERVED or res.slot is None:
             raise ValueError(f"cannot {op} a {res.status.name} reservation")
-        slot = res.slot
-        self._check_slot(slot)
-        live = (
-            self._state[slot] is _State.RESERVED
-            and self._key[slot] == res.key
-            and self._ticket[slot] == res.ticket
-        )
-        if not live:
-            raise ValueError(f"cannot {op}: reservation for slot {slot} is not live")
-        return slot
+        self._check_slot(res.slot)
+        if not self.is_reserved(res):
+            raise ValueError(f"cannot {op}: reservation for slot {res.slot} is not live")
+        return res.slot
 
     def _victim(self, opportunistic: bool = False) -> int | None:
         """The slot to evict for a new reservation, or None when nothing is evictable."""
@@ -475,7 +426,6 @@ class SnapshotPool:
         return max(2, children + 1) if self._branch[slot] else children
 
     def _update_covered(self, slot: int) -> None:
-        """Keep `slot`'s membership of the covered list in step with its counters."""
         if self._is_covered(slot):
             if slot not in self._covered:
                 self._covered[slot] = None
@@ -488,7 +438,6 @@ class SnapshotPool:
             self._update_covered(slot)
 
     def _unpublish(self, slot: int) -> None:
-        """Remove an unpinned published slot from the index and free it."""
         key = self._key[slot]
         assert key is not None and self._pins[slot] == 0
         parent = self._parent[slot]
@@ -506,7 +455,6 @@ class SnapshotPool:
         self._release(slot)
 
     def _release(self, slot: int) -> None:
-        """Reset a slot's fields and put it on the free list."""
         self._state[slot] = _State.FREE
         self._key[slot] = None
         self._num_tokens[slot] = 0
@@ -518,7 +466,5 @@ class SnapshotPool:
     def __repr__(self) -> str:
         """Short summary for debugging."""
         s = self.stats()
-        return (
-            f"SnapshotPool(slots={s.slots}, published={s.published}, "
-            f"reserved={s.reserved}, pinned={s.pinned}, free={self.num_free_slots})"
-        )
+        return f"SnapshotPool(slots={s.slots}, published={s.published}, reserved={s.reserved}, " \
+            f"pinned={s.pinned}, free={self.num_free_slots})"
