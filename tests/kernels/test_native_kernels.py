@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridserve.config import CacheConfig, EngineConfig
+from hybridserve.engine import one_call_step
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.layers import kernel_abi, native
 from hybridserve.layers.attention import prefill_attention
@@ -29,7 +30,6 @@ from hybridserve.layers.gated_delta import (
 )
 from hybridserve.layers.norms import GatedRMSNorm, ZeroCenteredRMSNorm
 from hybridserve.layers.rotary import PartialRotaryEmbedding
-from hybridserve.engine import one_call_step
 from hybridserve.models.batch import ForwardBatch
 from hybridserve.models.qwen3_5 import ForwardContext
 from tests.helpers.greedy_runs import run_greedy

@@ -11,11 +11,11 @@ import torch
 
 from hybridserve import SamplingParams
 from hybridserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from hybridserve.engine import one_call_step
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.engine.runner import ModelRunner, SnapshotWriter
 from hybridserve.engine.step_plan import plan_step
 from hybridserve.layers import native
-from hybridserve.engine import one_call_step
 from hybridserve.models.batch import DecodeGroup, ForwardBatch
 from hybridserve.models.qwen3_5 import ForwardContext
 from tests.helpers.greedy_runs import run_greedy
@@ -308,12 +308,14 @@ def _fused_and_module(runner: ModelRunner, batch: ForwardBatch, monkeypatch: pyt
             assert all(write.slots.shape[0] == sequences for write in undo)
             after = [t.clone() for t in storage]
             runner._write_states(undo)
-            assert torch.equal(runner.live_states.recurrent, before[3]) and torch.equal(runner.live_states.conv, before[2])
+            assert torch.equal(runner.live_states.recurrent, before[3])
+            assert torch.equal(runner.live_states.conv, before[2])
             for tensor, saved in zip(storage, after):
                 tensor.copy_(saved)
         runner._write_states(writes)
-        captured = ([runner.snapshots.conv[:, snapshot_slots].clone(), runner.snapshots.recurrent[:, snapshot_slots].clone()]
-                    if snapshot_slots is not None and runner.snapshots is not None else [])
+        snapshots = runner.snapshots
+        captured = ([snapshots.conv[:, snapshot_slots].clone(), snapshots.recurrent[:, snapshot_slots].clone()]
+                    if snapshot_slots is not None and snapshots is not None else [])
         results[fused] = (logits, [t.clone() for t in storage] + captured)
         monkeypatch.undo()
     return results
@@ -365,7 +367,8 @@ def test_a_long_chunk_with_captures_inside_matches_the_module_path(chunk: int,
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_warm_suffixes_run_as_one_call_with_the_module_paths_tokens(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_warm_suffixes_run_as_one_call_with_the_module_paths_tokens(dtype: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Prompts that share a cached 320-token prefix and add 20-150 tokens each (a multi-turn chat's
     next message): the suffix runs as one C call (a step of that many rows; past 128 its linears and
     attention go in pieces). float32: tokens, log-probabilities and cached-token counts match the
