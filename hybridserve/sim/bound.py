@@ -1,16 +1,10 @@
-"""An upper bound on the token hit rate that any snapshot policy can reach with a given number of
-snapshot slots on a trace (KV unbounded), to tell a policy's shortfall from the budget's.
+"""An upper bound on the token hit rate any snapshot policy reaches with a given number of slots on a
+trace (KV unbounded), to tell a policy's shortfall from the budget's.
 
-A hit of q tokens for request i needs a snapshot at that boundary of i's path, resident from the
-last earlier request that passed the boundary (the latest moment it could have been captured)
-until i arrives. Two hits on the same snapshot occupy disjoint stretches: the later one's starts
-at or after the earlier hit, which passed the boundary itself. So any policy, online or
-clairvoyant, spends at least the sum of those stretches in slot-time, and it has at most
-`slots x requests` (time counted in requests, in trace order). Maximising hit tokens under that
-single constraint, one hit option per request, is a knapsack whose Lagrangian dual
-`min over lam >= 0 of lam * slots * requests + sum_i max(0, max_q(tokens_q - lam * stretch_q))`
-is the bound. It relaxes slot sharing in time, so it is optimistic; a policy at the bound is
-optimal, and a goal above it is out of reach for every policy at that budget.
+A hit needs its snapshot resident from the last earlier request that passed the boundary until the
+hit (a *stretch*), and a policy has at most `slots x requests` of slot-time. The bound is the
+Lagrangian dual of that knapsack, one option per request:
+`min over lam >= 0 of lam * slots * requests + sum_i max(0, max_q(tokens_q - lam * stretch_q))`.
 """
 
 from __future__ import annotations

@@ -60,7 +60,8 @@ def _policies(text: str) -> list[str]:
     names = [part.strip() for part in text.split(",") if part.strip()]
     unknown = [name for name in names if name not in POLICY_NAMES]
     if not names or unknown:
-        raise ValueError(f"unknown cache policy {', '.join(unknown) or repr(text)}; choose from {', '.join(POLICY_NAMES)}")
+        raise ValueError(f"unknown cache policy {', '.join(unknown) or repr(text)}; "
+                         f"choose from {', '.join(POLICY_NAMES)}")
     return names
 
 

@@ -1,27 +1,17 @@
-"""A clairvoyant reference row for `hybridserve sim`: what the same cache reaches when it knows
-which states later requests restore.
+"""A clairvoyant reference row for `hybridserve sim`: the same cache when it knows which states later
+requests restore.
 
-An online policy has to guess which GDN states will be restored (a request end: will the
-conversation continue? an interval mark: will some later request branch right there?). The
-oracle takes the answer from the trace. A first replay, with `hybridserve`'s admission and a
-snapshot pool too large to ever evict, records which requests restore each snapshot key. The
-second replay, under the real budget, runs the same scheduler and policy with an
-`OracleSnapshotPool`, which applies Belady's MIN to snapshots: a state is admitted only if a later
-request restores it (then even where the policy asked for an opportunistic slot) and sooner than
-some resident one, and the resident restored furthest ahead (or never again) makes room.
-
-It is a reference, not a bound: a request that finds its recorded snapshot gone falls back to a
-shallower one that the oracle did not keep, and with variable prefix values MIN is not optimal.
-`hybridserve/sim/bound.py` gives the bound. The gap between `hybridserve` and this row is what
-knowledge of the future is worth at a budget; the gap between this row and the ceiling is what
-the budget costs even with that knowledge.
+A first replay with a pool that never evicts records which requests restore each snapshot key; the
+second, under the budget, applies Belady's MIN: admit only states restored later, evict the one
+restored furthest ahead. A reference, not a bound (that is `bound.py`): it shows what knowledge of
+the future is worth at a budget.
 """
 
 from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from typing import Iterable
+from collections.abc import Iterable
 
 from hybridserve.cache.block_pool import BlockHash
 from hybridserve.cache.snapshots import Reservation, ReserveStatus, SnapshotPool

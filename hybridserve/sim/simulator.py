@@ -1,17 +1,13 @@
-"""Replay a trace through the real scheduler and joint cache manager (block pool, snapshot pool
-and cache policy), with a runner that only does accounting (no model, no tensors).
-
-Requests run one at a time in trace order, as the live `bench trace` replays them. Each one is
-admitted (joint lookup, restore), prefilled, then its output tokens are computed (decode; the
-accounting is the same in one chunk) and it finishes — its end state is offered to the policy.
-The live engine makes the same calls, so for the same tokens, policy and pool sizes the hits are
-the same (tests/sim/test_sim.py checks this against the engine).
+"""Replay a trace through the real scheduler and joint cache manager with an accounting-only runner
+(no model, no tensors), one request at a time in trace order as `bench trace` replays it live; for
+the same tokens, policy and pool sizes the hits equal the engine's (tests/sim/test_sim.py).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 from tqdm import tqdm
 
@@ -64,14 +60,11 @@ class SimResult(NamedTuple):
 
 
 class AccountingRun:
-    """The scheduler and cache manager (pools and policy) of one replay, stepped by an
-    accounting-only runner: `serve` admits, prefills, decodes and finishes one request at a time
-    (tests build traces with it)."""
+    """The scheduler and cache manager of one replay; `serve` admits, prefills, decodes and finishes
+    one request. `snapshot_pool` builds the snapshot pool from its slot count (the oracle's type)."""
 
     def __init__(self, config: SimConfig, shape: ModelShape,
                  snapshot_pool: Callable[[int], SnapshotPool] = SnapshotPool) -> None:
-        """`snapshot_pool` builds the snapshot pool from its slot count (the oracle's own pool
-        type, see oracle.py)."""
         if config.kv_bytes <= 0 or config.snapshot_bytes <= 0:
             raise ValueError("KV and snapshot budgets must be positive")
         cost = shape.cost
@@ -91,12 +84,12 @@ class AccountingRun:
         self.block_size = config.block_size
 
     def fits(self, num_tokens: int) -> bool:
+        """Whether a request of `num_tokens` fits the whole KV pool."""
         return blocks_for(num_tokens, self.block_size) <= self.kv_blocks
 
     def serve(self, request_id: str, prompt: list[int], output: list[int], stepwise: bool = False) -> int:
-        """Admit, prefill, decode and finish one request; returns its cached prompt tokens. Decode
-        runs as one chunk (same captures, same blocks) or, `stepwise`, a token per step as in the
-        engine (same order of every pool operation)."""
+        """Admit, prefill, decode and finish one request; its cached prompt tokens. Decode runs as one
+        chunk (same captures and blocks) or, `stepwise`, a token per step as in the engine."""
         request = Request(request_id, None, prompt, SamplingParams(max_tokens=len(output), ignore_eos=True))
         scheduler = self.scheduler
         scheduler.add(request)
@@ -158,10 +151,9 @@ def simulate(tokens: TraceTokens, shape: ModelShape, config: SimConfig, indices:
 
 
 def ceiling_hit_tokens(tokens: TraceTokens, indices: Iterable[int] | None = None) -> tuple[int, int]:
-    """(hit tokens, prompt tokens) of an unbounded cache that keeps every computed state: for
-    each request, the deepest prefix computed before — the longest run of hash ids already seen
-    at the same positions, or the whole computed history of the turn it continues — at most
-    prompt length - 1. Call after (or instead of) a replay: it builds prompts in order."""
+    """(hit tokens, prompt tokens) of an unbounded cache that keeps every computed state: per request
+    the deepest prefix computed before (seen hash ids, or the turn it continues), at most prompt - 1.
+    Builds prompts in order, so call it after or instead of a replay."""
     seen: set[tuple[int, ...]] = set()
     hit = total = 0
     size = tokens.block_tokens

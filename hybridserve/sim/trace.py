@@ -1,19 +1,10 @@
-"""Request traces in the Mooncake format, turned into token ids for replay.
+"""Mooncake-format request traces (`hash_ids`: one id per 512-token block), turned into token ids.
 
-A record has `timestamp`, `input_length`, `output_length` and `hash_ids` (one id per 512-token
-block; equal ids at equal positions mean an identical prefix). Raw text is not published, so
-tokens are synthesised:
-
-* every hash id stands for a fixed pseudo-random block of `block_tokens` tokens (512 unscaled;
-  fewer for a scaled replay, lengths scaled alike); the first request that shows a block fixes
-  its tokens, so equal id prefixes always give equal token prefixes;
-* conversations: a request whose first k >= 2 ids are exactly the full blocks of an earlier
-  request P, and which is at least as long as P's prompt plus P's output, is taken as P's next
-  turn — its prompt starts with P's prompt and P's output tokens (a chat template appends the
-  reply and the new message), which is what real multi-turn traffic sends.
-
-Output tokens are synthetic (unique per request) unless a live replay supplies the ones the
-model generated (`TraceTokens.set_output`).
+Each hash id stands for a fixed pseudo-random block of `block_tokens` tokens, so equal id prefixes
+give equal token prefixes. A request whose first k >= 2 ids are exactly an earlier request P's full
+blocks, and which is at least as long as P's prompt plus output, is P's next turn: its prompt starts
+with P's prompt and output, as multi-turn chat sends. Outputs are synthetic unless a live replay
+supplies them (`TraceTokens.set_output`).
 """
 
 from __future__ import annotations
@@ -52,7 +43,7 @@ def read_trace(path: str | Path, limit: int | None = None, block_tokens: int = T
         raise ValueError(f"trace file {str(path)!r} does not exist (see ../shared/traces/README.md)")
     if not 1 <= block_tokens <= TRACE_BLOCK_TOKENS:
         raise ValueError(f"block_tokens must be in [1, {TRACE_BLOCK_TOKENS}], got {block_tokens}")
-    records = []
+    records: list[TraceRecord] = []
     with path.open(encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
             if limit is not None and len(records) >= limit:
@@ -135,7 +126,8 @@ class TraceTokens:
         """Prompt token ids of request `index`; every earlier request must have been built."""
         if index not in self._prompts:
             self._prompts[index] = self._build_prompt(index)
-        return self._prompts[index].tolist()
+        prompt: list[int] = self._prompts[index].tolist()
+        return prompt
 
     def output(self, index: int) -> list[int]:
         """Output token ids of request `index` (synthetic unless `set_output` gave them)."""
@@ -143,7 +135,8 @@ class TraceTokens:
             record = self.records[index]
             self.set_output(index, pseudo_random_tokens(0x7F000000 + index, record.output_length,
                                                         self.vocab_size).tolist())
-        return self._outputs[index].tolist()
+        output: list[int] = self._outputs[index].tolist()
+        return output
 
     def has_output(self, index: int) -> bool:
         """Whether request `index`'s output tokens are known."""
