@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run generate test test-all bench bench-peer clean
+.PHONY: setup run generate lint test test-all bench bench-peer clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,17 @@ run: setup
 
 generate: setup
 	$(VENV)/bin/hybridserve generate --prompt "The joint prefix cache" --max-tokens 32
+
+# Lint: ruff on the package, tests, benchmarks and scripts; mypy with pyproject.toml's [tool.mypy]
+# (the package, strict on hybridserve.cache and hybridserve.engine).
+# Both always run, so that one run reports every finding; either failing fails the target.
+lint: setup
+	@status=0; \
+	echo "ruff check hybridserve tests benchmarks scripts"; \
+	$(VENV)/bin/ruff check hybridserve tests benchmarks scripts || status=1; \
+	echo "mypy"; \
+	$(VENV)/bin/mypy || status=1; \
+	exit $$status
 
 test: setup
 	$(PY) -m pytest -q
