@@ -1,36 +1,22 @@
-"""The one-call CPU step: a whole forward of up to 512 rows as one C call (layers/csrc/decode_step.c).
+"""The one-call CPU step: a whole forward of up to 512 rows as one C call (`csrc/decode_step.c`).
 
-A step of up to 512 rows runs embeddings, every layer, the final norm and the LM head in C:
-decode rows, and prompt chunks taken in the same step (a burst of short prompts, the few tokens a
-long prompt adds per step while others decode, a warm request's suffix behind its cached prefix),
-each chunk's rows stepping its sequence's state in order and attending to the rows before them.
-It calls the same kernels as the module path in the same order; Python passes the step's ids,
-positions, slots and kept buffers. It is what a captured CUDA graph is to a GPU engine: the
-per-op dispatch of ~150 ops and ~40 module calls goes (for a 64-token warm suffix behind 4096
-cached tokens, ~10 ms of ~31). Float32 models (float32 or int8 linears) get the module path's
-decode math exactly; a chunk of 8 or more rows attends with the module path's chunk attention
-kernel (prefill_attention.c; past 128 rows, as the linears' tile GEMM, in even pieces of at most
-128), and its rows' GDN state is stepped token by token like decode rows,
-where the module path's prefill uses its chunked kernel (the same recurrence, sums in another
-order). As on the module path, the last layer's attention, output projection and MLP run for the
-logit rows only. A bfloat16 model's weights, KV and conv state stay bfloat16 in memory and are
-widened to float32 as they are read, so its activations are float32 where the module path rounds
-each one to bfloat16: closer to a float32 model, not equal to the module path (on a CPU without
-bf16 arithmetic this is also what makes bfloat16 fast); its chunk attention widens each block of
-keys and values once, and its steps take up to 256 rows (see `_max_rows`). Steps of more rows, steps that want
-prompt logprobs, CUDA and tensor parallelism keep the module path, as does everything with
-`HYBRIDSERVE_ONE_CALL_STEP=0` or the C kernels off.
+Embeddings, every layer, the final norm and the LM head of decode rows and of the prompt chunks
+taken in the same step run in C, calling the module path's kernels in its order, so the per-op
+dispatch of the module path goes (docs/cpu-kernels.md: which models, row counts and kernels).
+Float32 models get the module path's math, except that a chunk's GDN state is stepped token by
+token (the same recurrence as the chunked kernel, summed in another order); a bfloat16 model keeps
+bf16 storage and computes in float32. Larger steps, steps that want prompt logprobs, CUDA, tensor
+parallelism and `HYBRIDSERVE_ONE_CALL_STEP=0` keep the module path.
 
-The step is transactional like the module path: GDN layers update their live slots in place and
-hand the replaced state, one record per sequence, to `ForwardContext.state_undo`. A snapshot
-captured inside a chunk is copied out by the C step as the chunk's rows pass it and written to
-the snapshot sink afterwards; one at a chunk's end (or a decode row's) is read from the live slot.
+Transactional like the module path: GDN layers update their live slots in place and hand the
+replaced state to `ForwardContext.state_undo`; a snapshot inside a chunk is copied out as the rows
+pass it, one at a chunk's end is read from the live slot.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 
@@ -48,15 +34,15 @@ from hybridserve.layers.norms import ZeroCenteredRMSNorm
 from hybridserve.models.batch import ForwardBatch, StateWrite
 
 if TYPE_CHECKING:
-    from hybridserve.models.qwen3_5 import ForwardContext, Qwen3_5ForCausalLM
+    from hybridserve.models.qwen3_5 import DecoderLayer, ForwardContext, Qwen3_5ForCausalLM
 
 ONE_CALL_STEP_ENV = envs.ONE_CALL_STEP.name
 MAX_ROWS = 512  # DECODE_STEP_MAX_ROWS in decode_step.c
 PIECE_ROWS = 128  # GEMM_PIECE_ROWS and CHUNK_PIECE_ROWS there: the rows its kernels take at once
-# A bfloat16 model's linears take AMX tiles 32 rows at a time, each piece a pass over the weights:
-# warm suffixes behind 4096 cached tokens took 18.0 / 36.5 / 51.8 / 75.7 / 97.6 ms at 64 / 161 /
-# 256 / 384 / 512 tokens against 30.8 / 49.9 / 61.6 / 79.0 / 93.7 ms on the module path (oneDNN).
+# A bfloat16 model's linears take AMX tiles 32 rows at a time, each piece a pass over the weights,
+# so past this many rows the module path (oneDNN) is faster (docs/decisions.md).
 BF16_MAX_ROWS = 256
+
 
 def one_call_step_enabled() -> bool:
     """Not switched off by HYBRIDSERVE_ONE_CALL_STEP=0, and the C kernels are available."""
@@ -68,9 +54,7 @@ class OneCallStep:
 
     def __init__(self, model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> None:
         """Point the C structs at the model's weights and the context's storage (check
-        `one_call_step_supported` first). The pointers stay valid while both live: packed weights and
-        the pools are allocated once and never replaced, and the step belongs to the runner that
-        owns the model and the storage."""
+        `one_call_step_supported` first); both are allocated once and outlive the step."""
         library = native._library()
         if library is None:
             raise RuntimeError("OneCallStep: the C kernels are unavailable (check one_call_step_supported() first)")
@@ -79,18 +63,19 @@ class OneCallStep:
         self.num_gdn_layers = len(config.gdn_layer_ids)
         self._float_copies: list[torch.Tensor] = []  # a bfloat16 model's small GDN weights, in float32
         self._buffers = _StepBuffers(self.num_gdn_layers, ctx)
-        self._layers = (DecodeLayer * len(text.layers))(*[self._layer_struct(layer) for layer in text.layers])
+        layers = _decoder_layers(model)
+        self._layers = (DecodeLayer * len(layers))(*[self._layer_struct(layer) for layer in layers])
         self.max_rows = _max_rows(model, ctx)
-        attention = next((layer.self_attn for layer in text.layers if layer.is_attention), None)
+        attention = next((layer.self_attn for layer in layers if layer.is_attention), None)
         if model.head is None or text.norm.scale is None:
             raise ValueError("OneCallStep: the model needs an LM head and a final norm scale")
         self.model = DecodeModel(
             num_layers=len(text.layers), hidden=config.hidden_size, intermediate=config.intermediate_size,
-            vocab=model.head.weight.shape[0], bf16_storage=int(ctx.kv_cache.keys.dtype == torch.bfloat16),
+            vocab=_packed(model.head).weight.shape[0], bf16_storage=int(ctx.kv_cache.keys.dtype == torch.bfloat16),
             rms_eps=text.norm.eps, gdn_norm_eps=_gdn_norm_eps(model),
-            l2_eps=L2_NORM_EPS, embed=text.embed_tokens.weight.data_ptr(), final_norm=text.norm.scale.data_ptr(),
-            head=_linear_struct(model.head), cos_table=text.rotary.cos_table.data_ptr(),
-            sin_table=text.rotary.sin_table.data_ptr(), max_positions=text.rotary.cos_table.shape[0],
+            l2_eps=L2_NORM_EPS, embed=text.embed_tokens.weight.data_ptr(), final_norm=_pointer(text.norm.scale),
+            head=_linear_struct(model.head), cos_table=_pointer(text.rotary.cos_table),
+            sin_table=_pointer(text.rotary.sin_table), max_positions=_tensor(text.rotary.cos_table).shape[0],
             rot=text.rotary.rotary_dim, num_k_heads=config.linear_num_key_heads,
             num_v_heads=config.linear_num_value_heads, head_k=config.linear_key_head_dim,
             head_v=config.linear_value_head_dim, conv_kernel=config.linear_conv_kernel_dim,
@@ -107,34 +92,34 @@ class OneCallStep:
             self._float_copies.append(tensor)
         return tensor.data_ptr()
 
-    def _layer_struct(self, layer: torch.nn.Module) -> DecodeLayer:
+    def _layer_struct(self, layer: DecoderLayer) -> DecodeLayer:
         mlp = layer.mlp
-        struct = DecodeLayer(is_attention=int(layer.is_attention), input_norm=layer.input_layernorm.scale.data_ptr(),
-                             post_norm=layer.post_attention_layernorm.scale.data_ptr(),
+        struct = DecodeLayer(is_attention=int(layer.is_attention), input_norm=_pointer(layer.input_layernorm.scale),
+                             post_norm=_pointer(layer.post_attention_layernorm.scale),
                              gate_up=_linear_struct(mlp.gate_up), down=_linear_struct(mlp.down))
         if layer.is_attention:
             attention = layer.self_attn
             struct.mixer_index = attention.kv_layer
-            struct.mixer_in, struct.mixer_in_features = _linear_struct(attention.qkv), attention.qkv.weight.shape[0]
+            qkv = _packed(attention.qkv)
+            struct.mixer_in, struct.mixer_in_features = _linear_struct(qkv), qkv.weight.shape[0]
             struct.mixer_out = _linear_struct(attention.out)
-            struct.q_norm, struct.k_norm = attention.q_norm.scale.data_ptr(), attention.k_norm.scale.data_ptr()
+            struct.q_norm, struct.k_norm = _pointer(attention.q_norm.scale), _pointer(attention.k_norm.scale)
         else:
             gdn = layer.linear_attn
             struct.mixer_index = gdn.state_layer
-            struct.mixer_in, struct.mixer_in_features = _linear_struct(gdn.in_proj), gdn.in_proj.weight.shape[0]
+            in_proj = _packed(gdn.in_proj)
+            struct.mixer_in, struct.mixer_in_features = _linear_struct(in_proj), in_proj.weight.shape[0]
             struct.mixer_out = _linear_struct(gdn.out)
             struct.conv_weight = self._float32(gdn.conv1d.weight)
-            struct.dt_bias, struct.neg_decay_rate = self._float32(gdn.dt_bias), gdn.neg_decay_rate.data_ptr()
+            struct.dt_bias, struct.neg_decay_rate = self._float32(gdn.dt_bias), _pointer(gdn.neg_decay_rate)
             struct.gdn_norm = self._float32(gdn.norm.weight)
-            struct.b_offset = gdn.in_proj.widths[0] + gdn.in_proj.widths[1]
+            struct.b_offset = in_proj.widths[0] + in_proj.widths[1]
         return struct
 
     @staticmethod
     def takes(batch: ForwardBatch) -> bool:
-        """A step of 1..MAX_ROWS rows whose logits rows are sequence ends (no prompt logits): decode
-        rows, and prompt chunks (with their block tables) whose snapshot captures, if any, fall
-        after the chunk's first token (the step copies the state at a capture inside a chunk out
-        as it passes; the one at a chunk's end is the live state it leaves). `fits` then checks
+        """A step of 1..MAX_ROWS rows with logits at sequence ends only: decode rows, and prompt
+        chunks (with block tables) whose captures fall after their first token. `fits` then checks
         the rows this model's step takes."""
         rows = int(batch.input_ids.shape[0])
         if not 0 < rows <= MAX_ROWS or not batch.logits_only_last_layer:
@@ -149,11 +134,9 @@ class OneCallStep:
         return int(batch.input_ids.shape[0]) <= self.max_rows
 
     def run(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
-        """Logits [len(logits_rows), vocab] of the step (check `takes` and `fits` first);
-        live GDN state is updated in place, each sequence's undo record appended to ctx.state_undo,
-        captures written to the snapshot sink. A prompt chunk's rows are consecutive tokens of one
-        sequence: the C step writes every row's KV before attending, so each row sees the rows
-        before it, and steps the rows' GDN state in order."""
+        """Logits [len(logits_rows), vocab] of the step (check `takes` and `fits` first); live GDN
+        state is updated in place, undo records appended to ctx.state_undo, captures written to the
+        snapshot sink. A chunk's rows write their KV before attending, so each sees those before it."""
         rows = int(batch.input_ids.shape[0])
         tokens, positions = batch.input_ids.contiguous(), batch.positions.contiguous()
         write_slots, logit_rows = batch.kv_write_slots.contiguous(), batch.logits_rows.contiguous()
@@ -190,9 +173,10 @@ class OneCallStep:
         sink, layers = ctx.snapshot_sink, range(self.num_gdn_layers)
         if sink is None or (inner and captures is None):
             raise ValueError("one-call step: captures need a snapshot sink and the records the step filled")
-        for index, (_, snapshot_slot) in enumerate(inner):
-            for layer in layers:
-                sink.write(layer, snapshot_slot, captures.conv[layer][index], captures.recurrent[layer][index])
+        if captures is not None:
+            for index, (_, snapshot_slot) in enumerate(inner):
+                for layer in layers:
+                    sink.write(layer, snapshot_slot, captures.conv[layer][index], captures.recurrent[layer][index])
         group = batch.decode
         ends = [(int(group.state_slots[row]), snapshot) for row, snapshot in group.captures] if group else []
         ends += [(chunk.state_slot, snapshot) for chunk in batch.prefills for boundary, snapshot in chunk.captures
@@ -245,17 +229,14 @@ class StateRecords(NamedTuple):
 
     conv: list[torch.Tensor]
     recurrent: list[torch.Tensor]
-    conv_pointers: ctypes.Array
-    recurrent_pointers: ctypes.Array
+    conv_pointers: ctypes.Array[ctypes.c_void_p]
+    recurrent_pointers: ctypes.Array[ctypes.c_void_p]
 
 
 class _StepBuffers:
     """The C step's workspace and per-GDN-layer state records, kept from step to step (up to
-    KEPT_BYTES; larger ones are the step's own) and grown when a step needs more: allocating them
-    for each step (2 MB of undo record per layer at 16 sequences of the built-in model) cost page
-    faults on every step. Steps run one at a time, and a step's undo record is used, if at all,
-    before the step returns (`ModelRunner.execute_plan`); captured states are copied into the
-    snapshot store before it returns."""
+    KEPT_BYTES) so that a step does not page-fault in fresh buffers. Safe because steps run one at a
+    time and a step's undo records and captures are consumed before the next (`ModelRunner.execute_plan`)."""
 
     KEPT_BYTES = 64 << 20
 
@@ -308,26 +289,25 @@ def one_call_step_supported(model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> b
     one tensor-parallel rank, one norm epsilon."""
     if not one_call_step_enabled() or model.head is None:
         return False
-    text = model.model
-    storage = [text.embed_tokens.weight, text.rotary.cos_table, text.rotary.sin_table, ctx.kv_cache.keys,
-               ctx.kv_cache.values, ctx.live_states.conv]
-    dtype = storage[0].dtype
-    if dtype not in (torch.float32, torch.bfloat16) or any(t.dtype != dtype for t in storage):
+    text, layers = model.model, _decoder_layers(model)
+    if any(layer.all_reduce is not None for layer in layers):
         return False
+    gdns = [layer.linear_attn for layer in layers if not layer.is_attention]
     norms = [module for module in model.modules() if isinstance(module, ZeroCenteredRMSNorm)]
-    float32 = [ctx.live_states.recurrent, *(norm.scale for norm in norms)]
-    model_dtype = list(storage)
-    for layer in text.layers:
-        if layer.all_reduce is not None:
-            return False
-        mixer = layer.self_attn if layer.is_attention else layer.linear_attn
-        if not layer.is_attention:
-            float32.append(mixer.neg_decay_rate)
-            model_dtype += [mixer.conv1d.weight, mixer.dt_bias, mixer.norm.weight]
-    tensors = [*float32, *model_dtype]
-    if any(t is None or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+    storage = _all_tensors([text.embed_tokens.weight, text.rotary.cos_table, text.rotary.sin_table,
+                            ctx.kv_cache.keys, ctx.kv_cache.values, ctx.live_states.conv])
+    float32 = _all_tensors([ctx.live_states.recurrent, *(norm.scale for norm in norms),
+                            *(gdn.neg_decay_rate for gdn in gdns)])
+    model_dtype = _all_tensors([t for gdn in gdns for t in (gdn.conv1d.weight, gdn.dt_bias, gdn.norm.weight)])
+    if storage is None or float32 is None or model_dtype is None:
         return False
-    if any(t.dtype != torch.float32 for t in float32) or any(t.dtype != dtype for t in model_dtype):
+    dtype = storage[0].dtype
+    model_dtype += storage
+    if dtype not in (torch.float32, torch.bfloat16) or any(t.dtype != dtype for t in model_dtype):
+        return False
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in [*float32, *model_dtype]):
+        return False
+    if any(t.dtype != torch.float32 for t in float32):
         return False
     if any(not _plain_linear(linear, dtype) for linear in _linears(model)):
         return False
@@ -336,21 +316,25 @@ def one_call_step_supported(model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> b
     return len({norm.eps for norm in norms}) == 1
 
 
+def _all_tensors(values: list[object]) -> list[torch.Tensor] | None:
+    """`values` when every one is a tensor (None when one is unset)."""
+    tensors = [value for value in values if isinstance(value, torch.Tensor)]
+    return tensors if len(tensors) == len(values) else None
+
+
 def _linears(model: Qwen3_5ForCausalLM) -> list[PackedLinear | None]:
     """Every linear the step runs: the LM head, then each layer's mixer in/out and MLP."""
     linears = [model.head]
-    for layer in model.model.layers:
-        mixer = layer.self_attn if layer.is_attention else layer.linear_attn
-        linears += [mixer.qkv if layer.is_attention else mixer.in_proj, mixer.out, layer.mlp.gate_up, layer.mlp.down]
+    for layer in _decoder_layers(model):
+        mixer = layer.self_attn.qkv if layer.is_attention else layer.linear_attn.in_proj
+        out = layer.self_attn.out if layer.is_attention else layer.linear_attn.out
+        linears += [mixer, out, layer.mlp.gate_up, layer.mlp.down]
     return linears
 
 
 def _max_rows(model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> int:
-    """The rows a step of this model takes: up to MAX_ROWS where a chunk of them runs fast (a head
-    size the chunk attention takes; float32 or int8 linears on the tile GEMM, bfloat16 ones on AMX
-    tiles 32 rows at a time), else GEMV_DECODE_ROWS: there a chunk's rows would attend one by one,
-    or its linears run on the GEMV. With int8 linears a warm 64-token suffix took 26.4 ms against
-    52.6 ms on the module path, whose int8 GEMM also rounds activations to bfloat16."""
+    """The rows a step of this model takes: up to MAX_ROWS (BF16_MAX_ROWS) where a chunk runs fast (a
+    head size the chunk attention takes, linears on the tile GEMM or AMX), else GEMV_DECODE_ROWS."""
     config = model.config
     bf16 = ctx.kv_cache.keys.dtype == torch.bfloat16
     if (config.head_dim % 64 != 0 or config.head_dim > 256 or native.prefill_attention_max_tokens() < PIECE_ROWS
@@ -373,11 +357,35 @@ def _plain_linear(linear: PackedLinear | None, model_dtype: torch.dtype) -> bool
             and linear.scales.is_contiguous())
 
 
-def _linear_struct(linear: PackedLinear) -> Linear:
+def _tensor(value: object) -> torch.Tensor:
+    """A model tensor the step points at (`ValueError` when it is unset, e.g. before packing)."""
+    if not isinstance(value, torch.Tensor):
+        raise ValueError("OneCallStep: a weight, norm scale or table of the model is not set (pack it first)")
+    return value
+
+
+def _pointer(value: object) -> int:
+    return _tensor(value).data_ptr()
+
+
+def _packed(linear: PackedLinear | None) -> PackedLinear:
+    """A packed linear of the model (`ValueError` before packing)."""
+    if linear is None:
+        raise ValueError("OneCallStep: a linear of the model is not packed")
+    return linear
+
+
+def _linear_struct(linear: PackedLinear | None) -> Linear:
+    linear = _packed(linear)
     scales = linear.scales.data_ptr() if linear.scales is not None else None
     return Linear(linear.weight.data_ptr(), scales, WEIGHT_FORMATS[linear.weight.dtype])
 
 
 def _gdn_norm_eps(model: Qwen3_5ForCausalLM) -> float:
-    gdn = next((layer.linear_attn for layer in model.model.layers if not layer.is_attention), None)
+    gdn = next((layer.linear_attn for layer in _decoder_layers(model) if not layer.is_attention), None)
     return gdn.norm.eps if gdn is not None else 0.0
+
+
+def _decoder_layers(model: Qwen3_5ForCausalLM) -> list[DecoderLayer]:
+    """The model's decoder layers, typed (an `nn.ModuleList` yields plain modules)."""
+    return cast("list[DecoderLayer]", list(model.model.layers))
