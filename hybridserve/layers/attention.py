@@ -1,10 +1,6 @@
-"""Paged KV storage for the full-attention layers and the attention kernels over it.
-
-Keys and values of every attention layer live in one tensor per kind, shaped
-[layers, num_blocks * block_size, kv_heads, head_dim]: token slot `block_id * block_size + offset`
-holds one token. Which block belongs to which request is decided elsewhere (the block pool);
-this module only reads and writes slots.
-"""
+"""Paged KV storage for the full-attention layers ([layers, num_blocks * block_size, kv_heads,
+head_dim] per keys and values; slot `block_id * block_size + offset` holds one token) and the
+attention kernels over it."""
 
 from __future__ import annotations
 
@@ -52,13 +48,10 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       scale: float) -> torch.Tensor:
     """Causal attention of T new queries over `num_prefix` earlier tokens plus themselves.
 
-    q: [T, H, D]; keys/values: [num_prefix + T, KvH, D]. Query i sits at position num_prefix + i.
-    SDPA reads each KV head for its query group (`enable_gqa`), so the KV is never copied per
-    head. Behind a prefix, the causal mask is aligned lower-right (`causal_lower_right`): CUDA's
-    fused kernels take it as it is, and CPU materializes one [T, num_prefix + T] mask where a
-    per-group mask was 4x that (a 2048-row chunk over 30k tokens: 323 instead of 1268 MiB at the
-    peak, 779 instead of 1044 ms). A single query sees every key and needs no mask: the G query
-    heads of each KV group then run as G rows against it.
+    q: [T, H, D]; keys/values: [num_prefix + T, KvH, D]; query i sits at position num_prefix + i.
+    SDPA reads each KV head for its query group (`enable_gqa`), and behind a prefix the causal mask
+    is aligned lower-right (`causal_lower_right`: one [T, num_prefix + T] mask on CPU, not one per
+    group). A single query needs no mask: each KV group's G query heads run as G rows against it.
     """
     num_new, num_heads, head_dim = q.shape
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, keys, values))
@@ -77,11 +70,8 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """One query per sequence over its padded context; the G query heads of a KV group are
-    attended as G rows against the unexpanded KV head.
-
-    q: [B, H, D]; keys/values: [B, L, KvH, D]; valid: [B, L] bool (False = padding).
-    """
+    """One query per sequence over its padded context, each KV group's G query heads as G rows
+    against the unexpanded KV head. q: [B, H, D]; keys/values: [B, L, KvH, D]; valid: [B, L] bool."""
     batch, num_heads, head_dim = q.shape
     num_kv = keys.shape[2]
     out = F.scaled_dot_product_attention(

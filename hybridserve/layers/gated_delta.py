@@ -1,14 +1,8 @@
-"""Gated delta rule (chunked for prefill, recurrent for decode) and the depthwise causal conv.
+"""Gated delta rule (chunked for prefill, recurrent for decode) and the depthwise causal conv: the
+PyTorch forms, used on CUDA, in bfloat16 and as the reference for the C kernels in `native.py`.
 
-These are the PyTorch forms, used on CUDA, in bfloat16 and as the reference; on CPU in float32 the
-model runs both prefill and decode through the C kernels in `native.py`, which compute the same
-recurrence token by token.
-
-State per GDN layer and sequence: a recurrent matrix S [Hv, Dk, Dv] (kept in float32) and a conv
-window of the last (kernel - 1) conv inputs [C, kernel - 1]. The chunked form processes a prompt
-chunk by chunk with batched matrix products; it aligns its chunks to absolute positions, so the
-recurrent state at every absolute multiple of the chunk size is available from the one forward
-(this is what prefix-cache snapshots capture).
+The chunked form aligns its chunks to absolute positions and returns the state at any requested
+boundary of the one forward (what prefix-cache snapshots capture).
 """
 
 from __future__ import annotations
@@ -34,7 +28,8 @@ def l2_normalize(x: torch.Tensor, eps: float = L2_NORM_EPS, scale: float = 1.0) 
     """scale * x / sqrt(sum(x^2) + eps) over the last dim (the reference kernels' convention),
     as one fused rms_norm: rms_norm(x, eps / d) = sqrt(d) * x / sqrt(sum(x^2) + eps)."""
     dim = x.shape[-1]
-    return F.rms_norm(x, (dim,), None, eps / dim) * (scale / dim ** 0.5)
+    root: float = dim ** 0.5  # typeshed types int ** float as Any
+    return F.rms_norm(x, (dim,), None, eps / dim) * (scale / root)
 
 
 def causal_conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
@@ -76,13 +71,11 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                         start_position: int, capture_at: list[int] | tuple[int, ...] = ()) -> ChunkedResult:
     """Gated delta rule over one sequence's chunk of T tokens, from `initial_state`.
 
-    q, k: [T, Hk, Dk] (not yet normalised); v: [T, Hv, Dv]; g: [T, Hv] log-decay (<= 0);
-    beta: [T, Hv]; initial_state: [Hv, Dk, Dv]. Tokens occupy absolute positions
-    [start_position, start_position + T). Chunks are aligned to absolute multiples of
-    `chunk_size` by zero-padding the front (a padded token has k = v = 0, beta = 0, g = 0 and
-    leaves the state unchanged). `capture_at` lists absolute boundaries b in
-    (start, start + T] whose state — after token b - 1 — is returned; a boundary inside a chunk
-    costs one small extra product (the chunk's first t updates applied to its initial state).
+    q, k: [T, Hk, Dk] (not yet normalised); v: [T, Hv, Dv]; g: [T, Hv] log-decay (<= 0); beta:
+    [T, Hv]; initial_state: [Hv, Dk, Dv]; tokens at absolute positions [start_position, +T). Chunks
+    align to absolute multiples of `chunk_size` by zero-padding the front (a padded token leaves the
+    state unchanged). Returns the state after each of the absolute boundaries `capture_at` in
+    (start, start + T]; one inside a chunk costs one small extra product.
     """
     num_tokens, num_v_heads, head_v = v.shape
     num_k_heads, head_k = q.shape[1], q.shape[2]
@@ -171,13 +164,10 @@ def _state_inside_chunk(state: torch.Tensor, k: torch.Tensor, v_new: torch.Tenso
 
 def recurrent_gated_delta_step(qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                                state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step for a batch: qk [B, 2*Hk, Dk] (the query heads, then the key heads, not
-    yet normalised); v [B, Hv, Dv]; g, beta [B, Hv] float32; state [B, Hv, Dk, Dv] (float32).
-    Returns (output [B, Hv, Dv] float32, new state).
-
-    Value heads are handled as [Hk, G] groups so q and k are never repeated per value head, and
-    q and k are normalised by one call: a decode step is dominated by per-op dispatch, not FLOPs.
-    """
+    """One decode step for a batch: qk [B, 2*Hk, Dk] (query heads, then key heads, not yet
+    normalised); v [B, Hv, Dv]; g, beta [B, Hv] float32; state [B, Hv, Dk, Dv] float32. Returns
+    (output [B, Hv, Dv] float32, new state). Value heads run as [Hk, G] groups, so q and k are never
+    repeated, and q and k are normalised in one call: decode is bound by per-op dispatch."""
     batch, num_v_heads, head_v = v.shape
     num_k_heads, head_k = qk.shape[1] // 2, qk.shape[2]
     group = num_v_heads // num_k_heads

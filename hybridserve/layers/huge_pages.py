@@ -1,15 +1,9 @@
-"""CPU weights in transparent huge pages (Linux).
+"""CPU weights in transparent huge pages (Linux): a decode step streams every weight, and on 4 KiB
+pages that is a page walk every 4 KiB.
 
-A batch-1 decode step reads every weight once. On 4 KiB pages that stream crosses a page, and
-needs a fresh TLB entry, every 4 KiB: ~28,000 page walks a step for the built-in model's 111 MiB,
-which the GEMV's prefetches wait on. In 2 MiB pages the same weights take 56 entries. The GEMV
-over the built-in model's linears at one input row took 5.21 ms with the weights as torch
-allocates them and 4.64 ms in huge pages, alternated in one process (docs/benchmarks.md).
-
-Distributions usually set transparent huge pages to `madvise`: memory gets them only when asked.
-`move_to_huge_pages` asks: it maps one anonymous region, advises MADV_HUGEPAGE before anything
-touches it, and copies the large weight storages into it, one at a time (so at most one storage is
-held twice during the move). Elsewhere (not Linux, THP `never`, not CPU) nothing moves.
+THP is usually in `madvise` mode, so `move_to_huge_pages` maps one anonymous region, advises
+MADV_HUGEPAGE before anything touches it, and copies the large weight storages into it one at a time
+(at most one storage held twice). Elsewhere (not Linux, THP `never`, not CPU) nothing moves.
 """
 
 from __future__ import annotations

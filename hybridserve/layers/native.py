@@ -1,35 +1,11 @@
-"""Small fused CPU kernels in C, compiled on first use and called through ctypes.
+"""Fused CPU kernels in C (csrc/), compiled on first use into the user's cache directory and called
+through ctypes; docs/cpu-kernels.md says which kernel runs where and how the build is keyed.
 
-A batch-1 decode step on CPU is bound by per-op dispatch, and a batch-16 one by passes over the GDN
-state: the eager GDN decode runs ~25 ATen ops per layer and reads and writes each sequence's
-recurrent state five times. `gdn_decode_f32` (csrc/gdn_decode.c) does the whole step of one layer,
-output norm included, in one call and one pass; `rms_norm_f32` (csrc/rms_norm.c) replaces the six
-ops of torch's CPU rms_norm for decode-sized inputs, and csrc/elementwise.c does the attention's
-q/k norm + rotary and, on short chunks, the GDN output norm with its SiLU gate and the MLP's
-silu(gate) * up. `gdn_prefill_f32` (csrc/gdn_prefill.c) runs a prefill chunk through a GDN layer
-token by token: on CPU that beats the chunked form's matrix products at every length measured
-(see the source's header). csrc/delta_rule.h holds the delta-rule step both GDN kernels share,
-csrc/vector_math.h an exp that GCC vectorises and the denormal flush the kernels using it set.
-`gemv` (csrc/gemv.c) is the linear (float32, bfloat16 or int8 weights, float32 rows) for up to
-16 rows, written to stream each weight as fast as a plain read (see linear.py), and `gemm_rows`
-(csrc/gemm_rows.c) the one for 6 to 128 rows on AVX-512 (float32 weights; int8 up to 32 rows),
-which comes first where it applies; where the CPU has AMX tiles, bfloat16 weights take them from
-6 to 32 rows and int8 ones from 8 (csrc/gemm_amx.c; `HYBRIDSERVE_AMX=0` turns that off);
-`prefill_attention` (csrc/prefill_attention.c) attends a short chunk over the paged KV in place;
-csrc/decode_step.c runs a whole step as one call (see engine/one_call_step.py). The sources are compiled
-with the system C compiler, warnings as errors, into the user's cache directory (keyed by sources,
-flags, compiler and CPU, so a home shared by different CPUs is safe): no build step at install, a
-few seconds at the first start, nothing after. The kernels' parallel work runs on their own task
-pool (csrc/task_pool.c), whose caller never waits for a worker that has not started; the one
-OpenMP loop left (logits.c) binds to the `libgomp.so.1` torch already loaded.
-
-Every exported function and shared struct is declared once, in csrc/hybridserve_kernels.h;
-kernel_abi.py binds the functions from it (types and exact arity) and checks the struct mirrors
-against the compiled layout at load. Each wrapper here checks the dtype, device, layout and shape
-of its tensors itself and raises TypeError (dtype) or ValueError (the rest) before any pointer
-reaches C. Without a compiler, with an interface that does not match, on other devices or
-dtypes, or with `HYBRIDSERVE_NATIVE_KERNELS=0`, callers fall back to the eager PyTorch ops (see
-`native_kernels_enabled`).
+Every exported function and shared struct is declared once, in csrc/hybridserve_kernels.h, from
+which kernel_abi.py binds them. Each wrapper here checks its tensors' dtype, device, layout and
+shape itself and raises TypeError (dtype) or ValueError (the rest) before any pointer reaches C.
+Without a compiler, with an interface that does not match, on other devices or dtypes, or with
+`HYBRIDSERVE_NATIVE_KERNELS=0`, callers use the eager PyTorch ops (`native_kernels_enabled`).
 """
 
 from __future__ import annotations
@@ -55,28 +31,23 @@ from hybridserve.layers.kernel_abi import WEIGHT_FORMATS, KernelAbiError, Kernel
 logger = logging.getLogger(__name__)
 
 NATIVE_KERNELS_ENV = envs.NATIVE_KERNELS.name
-AMX_ENV = envs.AMX.name  # 0: bf16 and int8 rows keep the GEMV / float32 tile where the CPU has AMX
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
-# elements the single-threaded elementwise kernels (norms, gates) take: decode rows and short chunks
-# (the fused MLP output of a 64-token chunk of the built-in model: 64 x 3072). There each of torch's
-# ops is a parallel region that waits for a sleeping OpenMP worker; a longer chunk is worth them.
+# elements the single-threaded elementwise kernels (norms, gates) take: decode rows and short chunks,
+# where each of torch's ops is a parallel region that waits for a sleeping OpenMP worker
 CHUNK_MAX_ELEMENTS = 1 << 18
 HEADERS = sorted((Path(__file__).with_name("csrc")).glob("*.h"))
 # -fno-trapping-math lets GCC vectorise the branches of vector_math.h's exp; like -fno-math-errno it
 # changes no result (no -ffast-math: sums keep their order)
 OPTIMIZE_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
-# Warnings are errors. -Wmissing-prototypes makes every exported function need its declaration in
-# hybridserve_kernels.h (which every source includes, so a definition that differs from it does not
-# compile either). -Wno-psabi: GCC notes that static helpers returning AVX vectors have another ABI
-# when built without AVX; they are never called across that boundary.
+# -Wmissing-prototypes: every exported function needs its declaration in hybridserve_kernels.h (which
+# every source includes). -Wno-psabi: static helpers returning AVX vectors never cross that ABI boundary.
 WARNING_FLAGS = ["-Wall", "-Wextra", "-Wshadow", "-Wstrict-prototypes", "-Wmissing-prototypes", "-Wno-psabi",
                  "-Werror"]
 CFLAGS = OPTIMIZE_FLAGS + WARNING_FLAGS
 
 GEMV_MAX_INPUT_ROWS = 32  # as in csrc/gemv.c
 GEMV_DECODE_ROWS = 16  # the rows `gemv_applies` admits unless told otherwise (see gemv_preferred_rows)
-# int8 weights take the tile GEMM up to here, where it replaced the GEMV (built-in model's linears at
-# 8, 16 and 32 rows: 0.77x, 0.70x and 0.63x the GEMV's time); more rows keep PyTorch's int8 GEMM.
+# int8 weights take the tile GEMM (faster than the GEMV there) up to here; more rows keep PyTorch's int8 GEMM
 GEMM_ROWS_INT8_MAX_ROWS = GEMV_MAX_INPUT_ROWS
 _GEMM_DTYPES = (torch.float32, torch.int8)  # gemm_rows' weights (bfloat16 ones: AMX tiles only, via gemv)
 _GEMV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
@@ -85,25 +56,23 @@ _INT64 = (torch.int64,)
 
 
 def native_kernels_enabled() -> bool:
-    """Whether the C kernels may be used: not disabled by the environment and compiled (once per
-    process; a failed build or an interface mismatch is logged once and the eager path is used)."""
+    """Whether the C kernels may be used: not disabled by the environment, and compiled (a failed
+    build or an interface mismatch is logged once per process)."""
     if not envs.native_kernels():
         return False
     return _library() is not None
 
 
 def amx_available() -> bool:
-    """Whether bfloat16 linears of 6 to 32 float32 rows and int8 ones of 8 to 32 run on AMX tiles
-    (csrc/gemm_amx.c): the kernels are built for a CPU with AMX, the OS permits the tiles, and they
-    are switched on (`HYBRIDSERVE_AMX`, or `set_amx`)."""
+    """Whether bf16 and int8 linears of a few to 32 rows run on AMX tiles (csrc/gemm_amx.c): built
+    for a CPU with AMX, permitted by the OS, and switched on (`HYBRIDSERVE_AMX`, or `set_amx`)."""
     library = _library() if native_kernels_enabled() else None
     return library is not None and bool(library.gemm_amx_available())
 
 
 def set_amx(enabled: bool) -> bool:
-    """Switches the AMX GEMMs on or off for this process (the decode step, `gemv`, `gemm_rows`);
-    returns whether they were on. Off, those rows take the GEMV or the float32 tile (for
-    comparisons and tests)."""
+    """Switch the AMX GEMMs on or off for this process (for comparisons and tests); returns whether
+    they were on."""
     library = _library()
     return bool(library.gemm_amx_set_enabled(int(enabled))) if library is not None else False
 

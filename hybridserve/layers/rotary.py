@@ -10,6 +10,9 @@ class PartialRotaryEmbedding(nn.Module):
     """Precomputed cos/sin table indexed by absolute position; rotates the first `rotary_dim`
     channels of each head in the rotate-half layout and passes the rest through."""
 
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+
     def __init__(self, head_dim: int, rotary_dim: int, theta: float, max_positions: int) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -25,8 +28,8 @@ class PartialRotaryEmbedding(nn.Module):
         return (self.cos_table[positions].to(dtype).unsqueeze(1),
                 self.sin_table[positions].to(dtype).unsqueeze(1))
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x ([T, heads, head_dim])."""
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x ([T, heads, head_dim]) (not `apply`, which would shadow `nn.Module.apply`)."""
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
         half = self.rotary_dim // 2
         rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)

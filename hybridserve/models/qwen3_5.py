@@ -1,14 +1,10 @@
 """Qwen3.5 hybrid text decoder: Gated DeltaNet layers interleaved with gated full attention.
 
-Module and parameter names equal the Hugging Face `Qwen3_5ForCausalLM` names, so checkpoints load
-by name. The forward runs a flat `ForwardBatch` (decodes + prefill chunks of many requests) over
-paged KV and slot-indexed GDN state. The eager and chunked GDN paths leave live state untouched:
-new states are returned as `StateWrite`s and committed by the runner only after the whole forward
-succeeded (schedule -> forward -> apply | revert). The per-layer C decode kernels update live
-slots in place instead and return the states they replaced as undo records, which the runner
-writes back if the forward fails. Snapshot captures go to a `SnapshotSink`. The model does not
-choose a backend: the runner decides whether a step runs here or as the one-call C step
-(`engine/one_call_step.py`).
+Names equal the Hugging Face `Qwen3_5ForCausalLM` ones, so checkpoints load by name. The forward runs
+a flat `ForwardBatch` (decodes + prefill chunks) over paged KV and slot-indexed GDN state. New GDN
+states are returned as `StateWrite`s for the runner to commit after the forward succeeds; the C
+decode kernels update live slots in place and return undo records instead. The runner, not the
+model, chooses between this forward and the one-call C step (`engine/one_call_step.py`).
 """
 
 from __future__ import annotations
@@ -76,9 +72,8 @@ class MLP(nn.Module):
         self.down: PackedLinear | None = None
 
     def pack(self, quantization: str | None = None) -> None:
-        """Repack the weights for inference (after loading): gate and up fused into one linear
-        (see `PackedLinear.silu_mul`). The Hugging Face-named linears are dropped: the packed
-        ones own the only copy."""
+        """Repack the loaded weights: gate and up fused (`PackedLinear.silu_mul`); the Hugging
+        Face-named linears are dropped."""
         if self.gate_up is not None:
             return
         self.gate_up = PackedLinear([self.gate_proj, self.up_proj], quantization=quantization)
@@ -146,7 +141,7 @@ class GatedAttention(nn.Module):
         short chunks."""
         if norm.scale is not None and norm_rope_applies(x, norm.scale) and cos_sin[0].dtype == torch.float32:
             return rms_norm_rope_f32(x, norm.scale, norm.eps, *cos_sin)
-        return self.rotary.apply(norm(x), *cos_sin)
+        return self.rotary.rotate(norm(x), *cos_sin)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext,
                 last_rows_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +224,7 @@ class GatedDeltaNet(nn.Module):
 
     def _split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = mixed.shape[0]
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         return (q.reshape(n, self.num_k_heads, self.head_k_dim), k.reshape(n, self.num_k_heads, self.head_k_dim),
                 v.reshape(n, self.num_v_heads, self.head_v_dim))
 
@@ -246,7 +241,7 @@ class GatedDeltaNet(nn.Module):
             out = self._decode_native(projection, weight, batch.decode, ctx, gated_norm=True)
             out = out.reshape(num_tokens, self.value_dim)
             return self.out(out if rows is None else out.index_select(0, rows))
-        mixed, z, b, a = projection.split(self.in_proj.widths, dim=-1)
+        mixed, z, b, a = torch.split(projection, self.in_proj.widths, dim=-1)
         if not batch.prefills:  # decode only: the step's output is the whole core, no scatter
             core = self._decode(projection, weight, batch, ctx)
         else:
@@ -293,7 +288,7 @@ class GatedDeltaNet(nn.Module):
                       ctx: ForwardContext, gated_norm: bool) -> torch.Tensor:
         """The C kernel: one pass over each state, updated in its live slot; the state it replaced
         becomes the step's undo record. With `gated_norm` the output has the output norm applied."""
-        assert self.neg_decay_rate is not None
+        assert self.neg_decay_rate is not None and self.in_proj is not None
         layer, b_offset = self.state_layer, self.in_proj.widths[0] + self.in_proj.widths[1]
         conv_live, recurrent_live = ctx.live_states.conv[layer], ctx.live_states.recurrent[layer]
         core, old_conv, old_state = gdn_decode_f32(
@@ -311,11 +306,12 @@ class GatedDeltaNet(nn.Module):
                       conv_live: torch.Tensor, recurrent_live: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """PyTorch ops (any device and dtype): (output, new conv windows, new states); live state is only read."""
+        assert self.in_proj is not None
         rows = projection.shape[0]
-        mixed, _, b, a = projection.split(self.in_proj.widths, dim=-1)
+        mixed, _, b, a = torch.split(projection, self.in_proj.widths, dim=-1)
         beta, g = self._beta_and_decay(a, b)
         conv_out, new_conv = causal_conv_decode(mixed, conv_live.index_select(0, slots), weight)
-        qk, v = conv_out.split([2 * self.key_dim, self.value_dim], dim=-1)
+        qk, v = torch.split(conv_out, [2 * self.key_dim, self.value_dim], dim=-1)
         core, new_state = recurrent_gated_delta_step(
             qk.view(rows, 2 * self.num_k_heads, self.head_k_dim), v.view(rows, self.num_v_heads, self.head_v_dim),
             g, beta, recurrent_live.index_select(0, slots))
@@ -330,9 +326,8 @@ class GatedDeltaNet(nn.Module):
                 and weight.is_contiguous() and native_kernels_enabled())
 
     def _native_prefill_applies(self, mixed: torch.Tensor, weight: torch.Tensor) -> bool:
-        """The C prefill kernel takes float32 CPU inputs; a bfloat16 model's are widened for it (on
-        the 2-core AVX2 host its 6 GDN layers took 43 ms of a 4096+64-token warm request in the
-        chunked form, 8 ms in C)."""
+        """The C prefill kernel takes float32 CPU inputs; a bfloat16 model's are widened for it (faster
+        than the chunked form)."""
         dtypes = (torch.float32, torch.bfloat16)
         return (mixed.device.type == "cpu" and mixed.dtype in dtypes and weight.dtype in dtypes
                 and native_kernels_enabled())
@@ -435,18 +430,15 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.head: PackedLinear | None = None
 
     def pack(self, quantization: str | None = None) -> None:
-        """Repack loaded weights for inference: fused projections in the backend's fastest GEMM
-        layout, or int8 with `quantization="int8"` (see `layers.linear`; the LM head and the
-        embeddings stay in the model dtype). Call once after loading. The Hugging Face-named linear and
-        norm parameters are dropped as they are packed, so every weight is held once; tied
-        embeddings keep one plain matrix for both the lookup and the head."""
+        """Repack the loaded weights once: fused projections, int8 with `quantization="int8"` (the LM
+        head and embeddings keep the model dtype), Hugging Face-named linears and norm weights
+        dropped so every weight is held once (tied embeddings: one matrix for lookup and head)."""
         if self.head is not None:
             return
-        for layer in self.model.layers:
-            (layer.self_attn if layer.is_attention else layer.linear_attn).pack(quantization)
-            layer.mlp.pack(quantization)
-        for module in self.modules():
-            if isinstance(module, ZeroCenteredRMSNorm):
+        for module in list(self.modules()):
+            if isinstance(module, (GatedAttention, GatedDeltaNet, MLP)):
+                module.pack(quantization)
+            elif isinstance(module, ZeroCenteredRMSNorm):
                 module.pack()
         if self.config.tie_word_embeddings:
             self.head = PackedLinear([self.model.embed_tokens], allow_repack=False)

@@ -203,7 +203,7 @@ def test_norm_rope_matches_the_eager_ops(tokens: int, layout: str) -> None:
         x = fused[:, 6 * 64:8 * 64].reshape(tokens, 2, 64)
     cos, sin = rotary.cos_sin(torch.randint(0, 128, (tokens,), generator=gen), torch.float32)
     assert norm.scale is not None and native.norm_rope_applies(x, norm.scale)
-    expected = rotary.apply(F.rms_norm(x, (64,), norm.scale, norm.eps), cos, sin)
+    expected = rotary.rotate(F.rms_norm(x, (64,), norm.scale, norm.eps), cos, sin)
     torch.testing.assert_close(native.rms_norm_rope_f32(x, norm.scale, norm.eps, cos, sin), expected)
 
 
