@@ -1,25 +1,25 @@
-"""Asyncio front end of the synchronous `LLMEngine`, in this process: an `EngineClient`
+"""Asyncio front end of the synchronous `LLMEngine` on a thread of this process: an `EngineClient`
 (`hybridserve.engine.protocol`), as `EngineCoreClient` is for an engine core process.
 
-The sync engine is not thread-safe, so exactly one dedicated thread ever touches it. That
-thread drains a command queue (add, abort, arbitrary calls such as `stats()`) between
-scheduling steps, runs `step()` while there is work, and sleeps on a condition variable when
-idle. Outputs are handed to each request's `asyncio.Queue` with `loop.call_soon_threadsafe`,
-so coroutines on any event loop can await them. Requests submitted concurrently are batched
-by the engine's own scheduler simply because they sit in the engine together.
+The engine is not thread-safe, so one dedicated thread owns it: between steps it drains a command
+queue (add, abort, calls), steps while there is work and sleeps on a condition when idle. Outputs
+reach each request's `asyncio.Queue` through `loop.call_soon_threadsafe`.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, TypeVar
 
+from hybridserve.engine.protocol import RequestOutputStream
 from hybridserve.errors import (
     EngineDeadError,
     EngineOverloadedError,
@@ -36,6 +36,7 @@ from hybridserve.sampling_params import (
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+OutputItem = RequestOutput | BaseException  # what a request's queue carries: an output, or its failure
 
 
 class SyncEngine(Protocol):
@@ -57,7 +58,7 @@ class _Sink:
     """Event-loop side of one request: where the engine thread delivers its outputs."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: asyncio.Queue[OutputItem]
     last: RequestOutput | None = None
     final_only: bool = False  # deliver only the finished output (RequestOutputKind.FINAL_ONLY)
     stream_interval: int = 1  # deliver the first output, then one per this many new tokens (and the last)
@@ -90,7 +91,7 @@ class _Add:
     params: SamplingParams
     cache_salt: str | None
     sink: _Sink
-    ack: concurrent.futures.Future
+    ack: concurrent.futures.Future[None]
 
 
 @dataclasses.dataclass
@@ -101,17 +102,14 @@ class _Abort:
 @dataclasses.dataclass
 class _Call:
     fn: Callable[[Any], Any]
-    result: concurrent.futures.Future
+    result: concurrent.futures.Future[Any]
 
 
 class RequestStream:
-    """Async iterator over one request's cumulative `RequestOutput`s, ending with the finished one.
+    """One request's cumulative `RequestOutput`s, ending with the finished one; a slow consumer
+    skips intermediate ones (the newest carries everything); an engine failure is raised."""
 
-    When the consumer falls behind, intermediate outputs are skipped (they are cumulative, so
-    the newest one carries everything). An engine failure is raised from `__anext__`.
-    """
-
-    def __init__(self, request_id: str, queue: asyncio.Queue) -> None:
+    def __init__(self, request_id: str, queue: asyncio.Queue[OutputItem]) -> None:
         self.request_id = request_id
         self._queue = queue
         self.finished = False
@@ -132,25 +130,46 @@ class RequestStream:
         return item
 
 
-async def generate_outputs(engine: Any, request_id: str, prompt: str | list[int], params: SamplingParams,
-                           cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-    """Submit to `engine` (an `AsyncLLMEngine` or an `EngineCoreClient`) and yield cumulative
-    outputs until the request finishes; leaving early aborts it."""
-    stream = await engine.add_request(request_id, prompt, params, cache_salt)
-    try:
-        async for output in stream:
-            yield output
-    finally:
-        if not stream.finished:
-            engine.abort(request_id)
+class EngineClientBase(abc.ABC):
+    """What both front ends (`EngineClient`s) build on their own `add_request`, `abort` and `call`."""
+
+    @abc.abstractmethod
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          cache_salt: str | None = None) -> RequestOutputStream:
+        """Submit a request once the engine accepted it."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Abort a request (any thread; unknown or finished ids are a no-op)."""
+
+    @abc.abstractmethod
+    async def call(self, method: str, *args: Any) -> Any:
+        """Call the engine's public method `method(*args)` between steps."""
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs until the request finishes; leaving early aborts it."""
+        stream = await self.add_request(request_id, prompt, params, cache_salt)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    async def stats(self) -> dict[str, float]:
+        """The engine's `stats()` dict, read between steps."""
+        stats: dict[str, float] = await self.call("stats")
+        return stats
+
+    async def check_integrity(self) -> None:
+        """Run the engine's pool integrity checks (raises AssertionError on a violation)."""
+        await self.call("check_integrity")
 
 
-class AsyncLLMEngine:
-    """Runs a synchronous engine on its own thread and exposes it to asyncio code.
-
-    `max_waiting_requests` bounds requests that are queued but not yet running; beyond it
-    `add_request` raises `EngineOverloadedError` (the server answers 503 with Retry-After).
-    """
+class AsyncLLMEngine(EngineClientBase):
+    """Runs a synchronous engine on its own thread for asyncio code; beyond `max_waiting_requests`
+    queued requests, `add_request` raises `EngineOverloadedError` (503 with Retry-After)."""
 
     def __init__(self, engine: SyncEngine, *, max_waiting_requests: int | None = None) -> None:
         self.engine = engine
@@ -213,15 +232,12 @@ class AsyncLLMEngine:
     # ----------------------------------------------------------------- public API
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           cache_salt: str | None = None) -> RequestStream:
-        """Submit a request and wait until the engine accepted it.
-
-        Raises the engine's `ValueError` for bad input, `EngineOverloadedError` when the
-        waiting queue is full, `EngineDeadError` when the loop is not running.
-        """
+        """Submit a request and wait until the engine accepted it (`ValueError` for bad input,
+        `EngineOverloadedError` when the queue is full, `EngineDeadError` when not running)."""
         self.start()
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        ack: concurrent.futures.Future = concurrent.futures.Future()
+        queue: asyncio.Queue[OutputItem] = asyncio.Queue()
+        ack: concurrent.futures.Future[None] = concurrent.futures.Future()
         sink = _Sink(loop, queue, final_only=params.output_kind == RequestOutputKind.FINAL_ONLY,
                      stream_interval=params.stream_interval)
         self._submit(_Add(request_id, prompt, params, cache_salt, sink, ack), is_add=True)
@@ -231,11 +247,6 @@ class AsyncLLMEngine:
             self.abort(request_id)
             raise
         return RequestStream(request_id, queue)
-
-    def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs until the request finishes; leaving early aborts it."""
-        return generate_outputs(self, request_id, prompt, params, cache_salt)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (safe from any thread; unknown or finished ids are a no-op)."""
@@ -249,22 +260,10 @@ class AsyncLLMEngine:
         (or read its public attribute of that name), as `EngineCoreClient.call` does; in this
         process `method` may also be any function, called as `method(engine)`."""
         self.start()
-        if isinstance(method, str):
-            name, arguments = method, list(args)
-            fn: Callable[[Any], Any] = lambda engine: call_engine(engine, name, arguments)
-        else:
-            fn = method
-        result: concurrent.futures.Future = concurrent.futures.Future()
+        fn = method if not isinstance(method, str) else functools.partial(call_engine, method=method, args=list(args))
+        result: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._submit(_Call(fn, result))
         return await asyncio.wrap_future(result)
-
-    async def stats(self) -> dict[str, float]:
-        """The engine's `stats()` dict, read on the engine thread."""
-        return await self.call("stats")
-
-    async def check_integrity(self) -> None:
-        """Run the engine's pool integrity checks (raises AssertionError on a violation)."""
-        await self.call("check_integrity")
 
     @property
     def num_waiting_estimate(self) -> int:
@@ -374,7 +373,7 @@ class AsyncLLMEngine:
         """Hand a step's outputs over with one wake-up per event loop, not one per request.
         `LLMEngine.step` builds fresh output objects (own lists) each step, so they are handed
         over as they are: the engine never mutates them afterwards."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[OutputItem], RequestOutput]]] = {}
         for output in outputs:
             sink = self._sinks.get(output.request_id)
             if sink is None:
@@ -415,7 +414,7 @@ class AsyncLLMEngine:
         self._fail_all(error)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _put_all(items: list[tuple[asyncio.Queue[OutputItem], RequestOutput]]) -> None:
     for queue, output in items:
         queue.put_nowait(output)
 

@@ -1,16 +1,10 @@
 """The engine core process: `LLMEngine`'s busy loop, alone in its own process.
 
-`run_engine_core` is the process entry point (started by `EngineCoreClient` with the 'spawn'
-context). It builds the `LLMEngine` from the `EngineConfig` it receives — so whatever the engine
-starts internally (threads, worker processes) lives under this process — then loops: drain the
-input socket (add / abort / utility calls), run one step while there is work, push that step's
-*incremental* outputs. It never waits on the API process: HTTP, JSON and SSE happen there, on
-the other side of a ZMQ PULL socket (inputs) and a Unix socket of length-prefixed frames
-(outputs, written from this loop's thread: no I/O thread is woken per step).
-
-The process is deliberately not daemonic (a daemonic process may not start children, and
-tensor-parallel workers hang off this one). Instead it exits when its parent goes away: it
-checks the parent pid at least once a second.
+`run_engine_core` (spawned by `EngineCoreClient`) builds the engine, so whatever it starts (threads,
+tensor-parallel workers) lives under this process, then loops: drain the input socket (add, abort,
+utility calls), step while there is work, push that step's incremental outputs. HTTP, JSON and SSE
+stay in the API process. Not daemonic (tensor-parallel workers hang off it): it exits when its
+parent pid changes, checked at least once a second.
 """
 
 from __future__ import annotations
@@ -53,12 +47,10 @@ from hybridserve.sampling_params import RequestOutputKind
 logger = logging.getLogger(__name__)
 
 PARENT_CHECK_S = 1.0
-# A burst of concurrent clients reaches the core over a few milliseconds (gaps of up to ~2.3 ms
-# between requests measured from the API process of 16 streaming clients on the 2-core host). When
-# an idle core receives two or more requests at once, it keeps gathering while each next one
-# follows within BURST_GAP_S (BURST_WINDOW_S at most) before the first step, so the burst is
-# prefilled in one step instead of as a first step plus latecomers that wait for it to finish. A
-# request that arrives alone is not delayed.
+# A burst of concurrent clients reaches the core over a few milliseconds. When an idle core receives
+# two or more requests at once, it keeps gathering while each next one follows within BURST_GAP_S
+# (BURST_WINDOW_S at most), so the burst is prefilled in one step instead of a first step plus
+# latecomers that wait for it. A request that arrives alone is not delayed.
 BURST_GAP_S = 0.003
 BURST_WINDOW_S = 0.03
 BURST_POLL_MS = 1
@@ -143,7 +135,7 @@ class EngineCore:
     """The busy loop around one `LLMEngine`, fed through a ZMQ socket; its typed output messages
     go to a `MessageSink`."""
 
-    def __init__(self, engine: Any, inputs: zmq.Socket, outputs: MessageSink, parent_pid: int) -> None:
+    def __init__(self, engine: Any, inputs: zmq.Socket[bytes], outputs: MessageSink, parent_pid: int) -> None:
         self.engine = engine
         self.inputs = inputs
         self.outputs = outputs

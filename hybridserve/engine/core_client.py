@@ -1,20 +1,11 @@
-"""`EngineCoreClient`: the API process's handle on an engine core process.
+"""`EngineCoreClient`: the API process's `EngineClient` of an engine core process.
 
-It has `AsyncLLMEngine`'s interface (add_request -> stream of cumulative `RequestOutput`s,
-abort, call/stats, start/shutdown, is_running, tokenizer, max_model_len, ...), so the HTTP app
-does not know which one it serves (both are `hybridserve.engine.protocol.EngineClient`s).
-Requests go out as typed msgspec messages (`core_messages`) over a ZMQ PUSH socket (queued by ZMQ's I/O
-thread, so a long prompt never blocks the event loop while the core is busy). The core's per-step
-incremental outputs come back as typed messages in frames on a Unix socket (`engine/frames.py`).
-A reader thread receives them (blocking, without the GIL) and hands each step to every event loop that has
-requests in it with *one* `call_soon_threadsafe`; once the server's loop runs, `read_on_loop`
-moves the reading onto that loop, so a step wakes one thread of this process instead of the
-three a ZMQ socket and a reader thread woke. On the event loop the deltas are appended to each
-request's accumulator; a stream builds its cumulative `RequestOutput` only when its consumer
-reads, so a slow consumer coalesces steps.
-
-If the core process dies, every in-flight request fails with `EngineDeadError`, `is_running`
-turns False (/health answers 503) and new requests are refused.
+Requests go out as typed messages (`core_messages`) over a ZMQ PUSH socket, so a long prompt never
+blocks the event loop. Per-step deltas come back in frames on a Unix socket (`frames`), read by a
+thread until `read_on_loop` moves the reading onto the server's loop (one thread woken per step);
+each step reaches every loop with requests in it in one `call_soon_threadsafe`. A stream builds its
+cumulative `RequestOutput` only when read, so a slow consumer coalesces steps. If the core dies,
+in-flight requests fail with `EngineDeadError` and new ones are refused.
 """
 
 from __future__ import annotations
@@ -31,12 +22,12 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
-from hybridserve.engine.async_engine import generate_outputs
+from hybridserve.engine.async_engine import EngineClientBase
 from hybridserve.engine.core import SOCKET_DIR_PREFIX, run_engine_core
 from hybridserve.engine.core_messages import (
     AbortRequests,
@@ -143,9 +134,7 @@ class ProcessRequestStream:
 
     def _detokenize(self, comp: _Completion, part: CompletionDelta) -> None:
         """The completion's new tokens and their text: one detokenizer update per delta (with
-        `stream_interval` a delta has several tokens; the text comes out as from the engine's
-        update per token: 3,000 random id sequences with byte pieces, chunks of 2-6, all equal),
-        a flush once it finished."""
+        `stream_interval`, several tokens; the text equals per-token updates), a flush at the end."""
         assert self._detokenizers is not None
         detokenizer = self._detokenizers[comp.index]
         comp.token_ids += part.token_ids
@@ -194,12 +183,11 @@ class ProcessRequestStream:
                              num_cached_tokens=self._cached, metrics=dict(self._metrics))
 
 
-class EngineCoreClient:
+class EngineCoreClient(EngineClientBase):
     """Starts an engine core process for an `EngineConfig` and serves it to asyncio code.
 
-    `start()` spawns the process and blocks until the engine is built; a build failure is
-    raised here (`InvalidRequestError`, a `ValueError`, or `OSError`, as the engine raised them). `max_waiting_requests`
-    bounds requests queued but not yet running (beyond it, `EngineOverloadedError`).
+    `start()` spawns the process and blocks until the engine is built, raising a build failure
+    as the engine raised it; beyond `max_waiting_requests` queued requests, `EngineOverloadedError`.
     """
 
     def __init__(self, config: Any, *, max_waiting_requests: int | None = None,
@@ -214,8 +202,8 @@ class EngineCoreClient:
         self.startup_stats: dict[str, float] = {}
         self._lock = threading.Lock()  # guards the input socket and the tables below
         self._streams: dict[str, ProcessRequestStream] = {}
-        self._adds: dict[str, concurrent.futures.Future] = {}
-        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._adds: dict[str, concurrent.futures.Future[None]] = {}
+        self._calls: dict[int, concurrent.futures.Future[Any]] = {}
         self._call_ids = itertools.count()
         self._engine_waiting = 0
         self._pending_adds = 0
@@ -228,7 +216,7 @@ class EngineCoreClient:
         self._backlog: list[CoreOutput] = []  # messages read with the start-up message
         self._dead_reason: str | None = None
         self._stopping = False
-        self._context: zmq.Context | None = None
+        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self._encoder = input_encoder()
 
     @classmethod
@@ -395,7 +383,7 @@ class EngineCoreClient:
         self._resume_reader_thread()
         loop = asyncio.get_running_loop()
         stream = ProcessRequestStream(request_id, prompt, params, loop, _now(), self.tokenizer)
-        ack: concurrent.futures.Future = concurrent.futures.Future()
+        ack: concurrent.futures.Future[None] = concurrent.futures.Future()
         message = AddRequest(request_id, prompt if isinstance(prompt, str) else list(prompt),
                              params_to_wire(params), cache_salt)
         with self._lock:
@@ -416,11 +404,6 @@ class EngineCoreClient:
             raise
         return stream
 
-    def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs until the request finishes; leaving early aborts it."""
-        return generate_outputs(self, request_id, prompt, params, cache_salt)
-
     def abort(self, request_id: str) -> None:
         """Abort a request (any thread; unknown or finished ids are a no-op)."""
         with self._lock:
@@ -439,7 +422,7 @@ class EngineCoreClient:
         msgpack: plain values only (a result that cannot is an error)."""
         self.start()
         self._resume_reader_thread()
-        result: concurrent.futures.Future = concurrent.futures.Future()
+        result: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             self._check_alive()
             call_id = next(self._call_ids)
@@ -447,14 +430,6 @@ class EngineCoreClient:
             self._calls[call_id] = result
             self._inputs.send(payload)
         return await asyncio.wrap_future(result)
-
-    async def stats(self) -> dict[str, float]:
-        """The engine's `stats()` dict."""
-        return await self.call("stats")
-
-    async def check_integrity(self) -> None:
-        """Run the engine's pool integrity checks (raises AssertionError on a violation)."""
-        await self.call("check_integrity")
 
     @property
     def num_waiting_estimate(self) -> int:

@@ -1,14 +1,10 @@
-"""Messages between the API process (`EngineCoreClient`) and the engine core process (`EngineCore`).
+"""Messages between the API process (`EngineCoreClient`) and the engine core (`EngineCore`).
 
 msgpack-encoded `msgspec` structs, one tagged union per direction, typed end to end: sampling
-parameters travel as `SamplingParamsWire` (converted at the boundary with `params_to_wire` /
-`params_from_wire`, and validated again on arrival), utility calls as a method name with plain
-arguments, errors as a kind from `hybridserve.errors.WIRE_KINDS`. Nothing the API process sends
-is pickled, so the core never unpickles input. The one pickled payload is the tokenizer in the
-core's start-up `Ready` message (a third-party object, sent once, from the core to its parent).
-
-The hot path is `StepOutputs`: per step, only what is new for each request that advanced (new
-token ids, the text appended, new logprob rows, finish reasons), never the cumulative output.
+parameters as `SamplingParamsWire` (validated again on arrival), utility calls as a method name with
+plain arguments, errors as a kind from `hybridserve.errors.WIRE_KINDS`. Nothing the API process
+sends is pickled; the one pickled payload is the tokenizer in the core's start-up `Ready`. Per step
+only what is new travels (`StepOutputs`), never the cumulative output.
 """
 
 from __future__ import annotations
@@ -210,11 +206,11 @@ def input_encoder() -> msgspec.msgpack.Encoder:
     return msgspec.msgpack.Encoder()
 
 
-def input_decoder() -> msgspec.msgpack.Decoder:
+def input_decoder() -> msgspec.msgpack.Decoder[CoreInput]:
     """Decoder of API -> core messages."""
     return msgspec.msgpack.Decoder(CoreInput)
 
 
-def output_decoder() -> msgspec.msgpack.Decoder:
+def output_decoder() -> msgspec.msgpack.Decoder[CoreOutput]:
     """Decoder of core -> API messages."""
     return msgspec.msgpack.Decoder(CoreOutput)

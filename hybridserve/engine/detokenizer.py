@@ -18,11 +18,10 @@ class IncrementalDetokenizer:
 
     New characters are appended once they no longer end in an incomplete UTF-8 sequence (U+FFFD),
     so streamed text never has to be taken back. Each new token goes through the tokenizer's own
-    `DecodeStream` (one call into Rust per token: 0.8-0.9 us against 3 us for the two window
-    decodes it replaced, which were a fifth of the API process's work per streamed token). Should
-    the stream refuse a token (its decoder rewrote text already emitted), this request carries on
-    with the window decodes: the text since the last emitted boundary, decoded with and without
-    the new tokens. `finish` flushes what was held (an incomplete sequence becomes U+FFFD).
+    `DecodeStream` (one call into Rust per token, cheaper than two window decodes). Should the stream
+    refuse a token (its decoder rewrote emitted text), the request carries on with window decodes:
+    the text since the last emitted boundary, decoded with and without the new tokens. `finish`
+    flushes what was held (an incomplete sequence becomes U+FFFD).
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:

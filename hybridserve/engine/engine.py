@@ -11,23 +11,23 @@ from typing import NamedTuple
 
 import torch
 
-from hybridserve.cache.policy import CachePolicy, PrefixCost, make_policy
 from hybridserve.cache.manager import JointCacheManager
+from hybridserve.cache.policy import CachePolicy, PrefixCost, make_policy
 from hybridserve.config import EngineConfig, ModelConfig
-from hybridserve.engine.detokenizer import IncrementalDetokenizer
-from hybridserve.engine.memory import allocator_free_bytes
-from hybridserve.engine.request import Request, RequestGroup, RequestStatus
-from hybridserve.engine.threads import apply_process_settings
-from hybridserve.engine.runner import ModelRunner
 from hybridserve.distributed.executor import TensorParallelExecutor
 from hybridserve.distributed.launch import tensor_parallel_specs
+from hybridserve.engine.detokenizer import IncrementalDetokenizer
 from hybridserve.engine.executor import Executor, InProcessExecutor, StepFailedError, WorkerDiedError
+from hybridserve.engine.memory import allocator_free_bytes
+from hybridserve.engine.request import Request, RequestGroup, RequestStatus
+from hybridserve.engine.runner import ModelRunner
 from hybridserve.engine.sampling import SampledToken, SamplingSpec, SequenceKey, sampling_spec
-from hybridserve.engine.step_plan import ordered_requests, plan_step
-from hybridserve.engine.worker import WorkerSpec
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput, blocks_for
-from hybridserve.errors import EngineDeadError, QueueFullError
+from hybridserve.engine.step_plan import ordered_requests, plan_step
 from hybridserve.engine.structured_output import GrammarCompiler, TokenMasker
+from hybridserve.engine.threads import apply_process_settings
+from hybridserve.engine.worker import WorkerSpec
+from hybridserve.errors import EngineDeadError, QueueFullError
 from hybridserve.layers.attention import PagedKVCache
 from hybridserve.models.builtin import BUILTIN_MODEL_CONFIG, builtin_tokenizer
 from hybridserve.models.loader import read_model_config
@@ -71,7 +71,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto`: float32 on CPU (bf16 matmul is ~100x slower there), bfloat16 on accelerators."""
+    """`auto`: float32 on CPU (where bf16 matmul is far slower), bfloat16 on accelerators."""
     if name == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     dtype: torch.dtype = getattr(torch, name)
@@ -202,7 +202,7 @@ class LLMEngine:
 
     @property
     def grammars(self) -> GrammarCompiler:
-        """The structured-output grammar compiler (built on first use: ~0.1 s for the tokenizer)."""
+        """The structured-output grammar compiler (built on first use: it indexes the vocabulary)."""
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
             self._masker = TokenMasker(self.model_config.vocab_size)
@@ -293,8 +293,7 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one scheduling step; returns outputs of requests that got a new token or finished,
-        or with `final_only` of those that finished (vLLM's FINAL_ONLY output kind: `LLM.generate`
-        has no use for the others, and at 16 sequences building them took ~0.1 ms a step)."""
+        or with `final_only` only of those that finished (`LLM.generate` needs no others)."""
         groups = self.step_groups()
         return [self.output(group) for group in groups if not final_only or group.is_finished]
 

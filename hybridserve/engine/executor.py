@@ -1,9 +1,7 @@
-"""What the engine asks of the workers, whatever the tensor-parallel size.
-
-`Executor` is the one interface: run a `StepPlan` (token ids and requested logprobs come back,
-never logits), save a live state into a snapshot slot, copy a parent's state to a forked child,
-shut down. `InProcessExecutor` holds the TP=1 `Worker` in the engine's process;
-`distributed.executor.TensorParallelExecutor` drives one `Worker` process per rank.
+"""What the engine asks of the workers, whatever the tensor-parallel size: `Executor` runs a
+`StepPlan` (token ids and logprobs come back, never logits), saves or forks states and shuts down.
+`InProcessExecutor` holds the TP=1 `Worker`; `distributed.executor.TensorParallelExecutor` drives
+one `Worker` process per rank.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""Length-prefixed frames of msgspec messages over a local stream socket: the engine core's output
-channel.
+"""Length-prefixed msgpack frames over a local stream socket: the engine core's output channel.
 
-Each frame is a 4-byte little-endian length and that many bytes: one msgpack-encoded message of
-the typed union `core_messages.CoreOutput`. The core writes a step's outputs with one `sendall`
-from its own loop (`FrameSender.send_message` encodes straight into a reused buffer behind the
-header); the API process reads them on its event loop (or, until that loop runs, on a reader
-thread) and decodes each frame in place with the typed decoder (`FrameReceiver.receive_messages`).
-Unlike a ZMQ socket, neither end has a background I/O thread, so a step's outputs wake one thread
-of the API process and none of the core's (see `EngineCoreClient.read_on_loop`).
+Each frame is a 4-byte little-endian length and one `core_messages.CoreOutput` message. Unlike a
+ZMQ socket neither end has a background I/O thread, so a step's outputs wake one thread of the API
+process and none of the core's (`EngineCoreClient.read_on_loop`).
 """
 
 from __future__ import annotations
@@ -65,12 +60,11 @@ class FrameReceiver:
     """Reads whole frames from a connected stream socket, keeping a partial one for later."""
 
     def __init__(self, sock: socket.socket, read_bytes: int = 1 << 20,
-                 decoder: msgspec.msgpack.Decoder | None = None) -> None:
+                 decoder: msgspec.msgpack.Decoder[Any] | None = None) -> None:
         self.sock = sock
         self.decoder = decoder
         self._pending = bytearray()
-        # One buffer for every read: `recv(n)` allocates n bytes per call, and at 1 MiB that
-        # allocation (an mmap and munmap each time) cost more than the read itself.
+        # One buffer for every read: `recv(n)` would allocate (mmap and munmap) n bytes per call.
         self._buffer = bytearray(read_bytes)
         self._view = memoryview(self._buffer)
         self._timeout: float | None = sock.gettimeout()
@@ -88,16 +82,18 @@ class FrameReceiver:
     def receive_messages(self, timeout: float | None) -> list[Any] | None:
         """As `receive`, but each frame decoded by the typed decoder given at construction; a
         frame that does not decode is logged and skipped (the stream stays in step)."""
-        assert self.decoder is not None, "receive_messages needs a decoder"
-        return self._receive(timeout, self._decode)
+        decoder = self.decoder
+        if decoder is None:
+            raise ValueError("receive_messages needs the FrameReceiver built with a decoder")
 
-    def _decode(self, frame: memoryview) -> Any:
-        assert self.decoder is not None
-        try:
-            return self.decoder.decode(frame)
-        except msgspec.DecodeError:
-            logger.exception("frame receiver: a frame of %d bytes does not decode; skipped", len(frame))
-            return None
+        def decode(frame: memoryview) -> Any:
+            try:
+                return decoder.decode(frame)
+            except msgspec.DecodeError:
+                logger.exception("frame receiver: a frame of %d bytes does not decode; skipped", len(frame))
+                return None
+
+        return self._receive(timeout, decode)
 
     def _receive(self, timeout: float | None, convert: Callable[[memoryview], T]) -> list[T] | None:
         if timeout != self._timeout:

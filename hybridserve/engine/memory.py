@@ -34,12 +34,8 @@ def _libc() -> ctypes.CDLL | None:
 
 def allocator_free_bytes() -> int:
     """Bytes freed by this process but kept by glibc's allocator for reuse (`mallinfo2().fordblks`,
-    every arena); 0 where glibc or `mallinfo2` (glibc 2.33+) is absent.
-
-    `retain_freed_activation_memory` makes the heap keep freed activations, so a CPU engine's
-    resident size climbs to the high-water mark of its largest steps and stays there; a leak check
-    (`hybridserve bench soak`) counts resident memory net of this.
-    """
+    every arena; 0 without glibc 2.33+): what a leak check (`benchmarks/soak.py`) subtracts from the
+    resident size, which `retain_freed_activation_memory` keeps at its high-water mark."""
     libc = _libc()
     mallinfo2 = getattr(libc, "mallinfo2", None)
     if mallinfo2 is None:
@@ -51,16 +47,16 @@ def allocator_free_bytes() -> int:
 def retain_freed_activation_memory() -> bool:
     """Keep large freed buffers in the process heap instead of returning them to the OS.
 
-    glibc serves allocations above its mmap threshold (at most 32 MiB) with fresh mappings and
-    unmaps them on free, so every prefill page-faults its large activations back in; measured
-    here that is ~10% of a 4k-token CPU prefill. Raising the mmap and trim thresholds lets freed
-    activation buffers be reused. Returns False (and changes nothing) where glibc is absent.
+    glibc serves allocations above its mmap threshold with fresh mappings and unmaps them on free,
+    so every prefill page-faults its large activations back in; raising the mmap and trim
+    thresholds lets freed buffers be reused. Returns False (and changes nothing) without glibc.
     """
     libc = _libc()
     if libc is None:
         return False
     try:
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, _RETAIN_BYTES) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _RETAIN_BYTES) == 1
+        ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, _RETAIN_BYTES) == 1
+                  and libc.mallopt(_M_TRIM_THRESHOLD, _RETAIN_BYTES) == 1)
     except (OSError, AttributeError):
         return False
     if not ok:
@@ -69,14 +65,10 @@ def retain_freed_activation_memory() -> bool:
 
 
 def freeze_startup_heap() -> int:
-    """Collect once, then move every object alive now (the imported modules, the model and the
-    engine: ~320,000 objects in an engine process) to the collector's permanent generation, as
-    vLLM's processes do once started. The cyclic collector then walks only what serving allocates:
-    a full collection of the startup heap took 117-176 ms, a stall for every request in the
-    process, and the young collections that did run while serving took up to 1.4 ms (generation 0)
-    and 5.4 ms (generation 1) against 0.16 ms frozen (1,200 requests offline). Objects created
-    later are collected as before. Call it in a process that serves, once it is built (never from
-    a library constructor: it would pin the caller's garbage too). Returns the objects frozen."""
+    """Collect once, then move every object alive now (modules, model, engine) to the collector's
+    permanent generation, as vLLM's processes do once started, so that collections while serving
+    walk only what serving allocates. Call it in a serving process once it is built (never from a
+    library constructor: it would pin the caller's garbage too). Returns the objects frozen."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

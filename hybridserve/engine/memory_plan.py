@@ -1,30 +1,22 @@
 """Start-up memory planning: how many bytes the KV pool and the GDN snapshot pool get.
 
-Like vLLM's `--gpu-memory-utilization`, the engine may be told a fraction of the device's memory
-(`memory_fraction`); it then loads the weights, profiles one forward of `max_num_batched_tokens`
-tokens on the actual device to measure the activation peak, and gives what remains of the
-fraction to the caches, split between KV and snapshots by `snapshot_memory_share`. An explicit
-total (`kv_cache_memory_bytes`) or explicit per-pool sizes (`kv_cache_mib`, `prefix_cache_mib`)
-skip the profile. Every plan is checked against the memory actually free before anything is
-allocated, so a model that cannot fit fails at start-up with the numbers, never mid-serving.
-
-Measurements: on CUDA `torch.cuda.mem_get_info` (free/total) and the allocator's peak; on CPU
-`MemAvailable` of /proc/meminfo and the process's peak resident set (VmHWM, reset before the
-profiled forward through /proc/self/clear_refs).
+Explicit per-pool sizes or an explicit total skip profiling; with a `memory_fraction` (as vLLM's
+`--gpu-memory-utilization`) the engine loads the weights, profiles one forward of
+`max_num_batched_tokens` tokens and gives what the fraction leaves to the caches, split by
+`snapshot_memory_share` (docs/prefix-cache.md). Every plan is checked against free memory before
+anything is allocated, so a model that cannot fit fails at start-up with the numbers.
 """
 
 from __future__ import annotations
 
 import functools
-
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from hybridserve.config import (  # noqa: F401 - parse_size and the defaults are re-exported
-    DEFAULT_CPU_KV_CACHE_MIB, DEFAULT_CPU_PREFIX_CACHE_MIB, MIB, CacheConfig, parse_size)
+from hybridserve.config import DEFAULT_CPU_KV_CACHE_MIB, DEFAULT_CPU_PREFIX_CACHE_MIB, MIB, CacheConfig, parse_size  # noqa: F401 - parse_size and the defaults are re-exported
 
 if TYPE_CHECKING:
     from hybridserve.models.qwen3_5 import Qwen3_5ForCausalLM

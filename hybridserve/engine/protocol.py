@@ -1,9 +1,7 @@
 """The engine client interface: what the HTTP server (and any asyncio caller) needs from an engine.
 
-Two implementations exist and the server does not know which one it talks to:
-`hybridserve.engine.core_client.EngineCoreClient` runs the engine in an engine core process and
-speaks typed messages to it; `hybridserve.engine.async_engine.AsyncLLMEngine` runs it on a thread
-of this process. Both raise the errors of `hybridserve.errors`.
+Implemented by `core_client.EngineCoreClient` (an engine core process) and `async_engine.AsyncLLMEngine`
+(a thread of this process); both raise the errors of `hybridserve.errors`.
 """
 
 from __future__ import annotations

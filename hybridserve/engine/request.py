@@ -24,13 +24,9 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """One generation request (one sequence of a `RequestGroup`).
-
-    Progress is `num_computed_tokens` of `token_ids` (prompt + generated). A step computes
-    tokens [num_computed_tokens, num_computed_tokens + n); when it reaches the end, the next token
-    is sampled and appended. After preemption the request recomputes from the start (or from the
-    prefix cache), over the prompt and everything generated so far.
-    """
+    """One generation request (one sequence of a `RequestGroup`): `num_computed_tokens` of
+    `token_ids` (prompt + generated) are computed; reaching the end samples the next token. After
+    preemption it recomputes (or restores from the prefix cache) everything so far."""
 
     request_id: str
     prompt: str | None

@@ -1,15 +1,10 @@
 """Model runner: owns the physical tensors (KV pages, live GDN slots, snapshot slots) and runs steps.
 
-It turns a `StepPlan` into a `ForwardBatch`, performs admissions' state restores, chooses the
-backend of the forward, runs it, and commits the new GDN state only when the whole forward
-succeeded. Backends, in the order they are tried:
-
-* the one-call CPU step (`one_call_step.OneCallStep`): a step of up to 512 rows — decode rows,
-  prompt chunks beside them, a warm request's suffix — as one C call, where the model, storage and
-  batch allow it (`HYBRIDSERVE_ONE_CALL_STEP=0` turns it off);
-* the model's modules (`Qwen3_5ForCausalLM.forward`), whose layers take the per-op C kernels on
-  CPU rows they apply to and PyTorch ops otherwise (CUDA, tensor parallelism, long prefills,
-  prompt logprobs). A CUDA-graph backend would be a third entry here.
+It turns a `StepPlan` into a `ForwardBatch`, restores admissions' states, chooses the backend and
+commits the new GDN state only when the whole forward succeeded. Backends, in the order tried: the
+one-call CPU step (`one_call_step.OneCallStep`, up to 512 rows as one C call where model, storage
+and batch allow), then the model's modules (per-op C kernels on CPU where they apply, PyTorch ops
+otherwise). A CUDA-graph backend would be a third entry here.
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
 """Token sampling where the logits are: grammar masks, logit bias, greedy, temperature / top-k /
-top-p / min-p, penalties, per-sequence seeds, logprobs — with failures isolated per row.
-
-The engine describes each draw with a picklable `SamplingSpec` (built from the request when the
-step is planned); the worker that holds the logits samples every spec of the step with its
-`Sampler`, which keeps the sequences' random generators, and returns token ids and the requested
-logprobs only.
+top-p / min-p, penalties, per-sequence seeds, logprobs, with failures isolated per row. The engine
+plans each draw as a picklable `SamplingSpec`; the worker holding the logits samples them with its
+`Sampler` (which keeps the sequences' generators) and returns token ids and logprobs only.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 import torch

@@ -136,13 +136,10 @@ class Scheduler:
             prefill_budget -= length
 
     def _prefill_budget(self, budget: int) -> int:
-        """Prefill tokens allowed this step. While requests decode and at least as many as are
-        owed prompt tokens (running partial prefills and waiting requests that fit the batch),
-        each of those may add `max_prefill_tokens_during_decode`: one long prompt cannot stall
-        everyone's next token for a whole long step. When the requests owed prompt tokens
-        outnumber the decoding ones (a burst arriving just after the first of it started), the
-        step takes them whole: a long step then delays fewer streams than it starts, and slicing
-        the burst would make every one of its requests wait through many mixed steps."""
+        """Prefill tokens allowed this step. While at least as many requests decode as are owed
+        prompt tokens, each owed one may add `max_prefill_tokens_during_decode`, so one long prompt
+        cannot stall everyone's next token. When the owed ones outnumber the decoding ones (a
+        burst), the step takes them whole: it then delays fewer streams than it starts."""
         cap = self.config.max_prefill_tokens_during_decode
         prefilling = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
         admissible = min(len(self.waiting), self.config.max_num_seqs - len(self.running))

@@ -1,14 +1,11 @@
-"""The tensor-free, picklable description of one step that every model rank executes.
-
-The controller turns a `SchedulerOutput` (which refers to `Request` objects) into a `StepPlan`:
-the tokens, positions, block ids, state slots, snapshot captures and restores of the step and
-nothing else. Every rank receives the same plan, so their KV pages, live slots and snapshot slots
-stay in step with the one logical cache the controller owns.
-"""
+"""The tensor-free, picklable description of one step that every model rank executes: tokens,
+positions, block ids, state slots, snapshot captures and restores of a `SchedulerOutput`, so every
+rank's pages and slots stay in step with the one logical cache the controller owns."""
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 from hybridserve.engine.request import Request
 from hybridserve.engine.sampling import SamplingSpec, SequenceKey

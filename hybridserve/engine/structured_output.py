@@ -1,13 +1,10 @@
 """Structured outputs: grammars compiled by llguidance, applied as a batched token mask.
 
-`GrammarCompiler` turns a `StructuredOutputsParams` (JSON schema, JSON object, regex, choice,
-Lark grammar) into an llguidance `LLMatcher`; compiled matchers are cached per constraint (an
-LRU keyed by the canonical constraint text) and every request gets a cheap `deep_copy`.
-`TokenMasker` fills one bitmask row per constrained request and sets the logits of disallowed
-tokens to -inf, all rows of a batch at once. The work is kept off parallel thread pools: rows are
-filled on the calling thread (a row takes ~0.1 ms) and the bits are unpacked by numpy, because on
-a busy CPU a tiny op that torch or llguidance splits across threads waits on descheduled
-threads for far longer than the op itself.
+`GrammarCompiler` turns a `StructuredOutputsParams` into an llguidance `LLMatcher` (compiled ones
+cached, LRU by canonical constraint text; each request gets a `deep_copy`). `TokenMasker` fills one
+bitmask row per constrained request and sets disallowed logits to -inf for the whole batch. Rows are
+filled on the calling thread and unpacked by numpy, not on thread pools: on a busy CPU a tiny op
+split across threads waits on descheduled ones.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Process settings of an engine: CPU threads, the heap allocator, oneDNN's kernel caches, and the
-OpenMP environment of the processes hybridserve starts itself.
+OpenMP environment of the processes hybridserve starts itself (docs/cpu-kernels.md explains each).
 
-Nothing here runs at import: `import hybridserve` changes no environment variable and no setting
-of the process. `apply_process_settings` runs when an engine starts (`LLMEngine`, a tensor-parallel
-worker) and sets what can still be set in a running process:
-  - torch's intra-op thread count, which the C kernels also take as their own: every available core
-    unless told otherwise. It does not depend on whether torch was imported before hybridserve.
-  - glibc's mmap and trim thresholds (`engine.memory.retain_freed_activation_memory`, CPU only).
-  - oneDNN's kernel cache capacities (`ONEDNN_ENVIRONMENT`), set only where the user has not set
-    them. oneDNN reads them when it builds its first kernel, which an engine start precedes.
-
-The OpenMP runtime (libgomp) reads `OMP_WAIT_POLICY` and `GOMP_SPINCOUNT` once, when it loads with
-torch, so no running process can change them. Processes hybridserve starts itself get
-`OPENMP_ENVIRONMENT` before torch loads: the `hybridserve` command (`prepare_command_process`) and,
-through inheritance or `child_process_environment`, its engine-core and tensor-parallel children.
-In a user's process the user's environment decides. The decode step does not depend on it: it runs
-in the C kernels, whose own task pool (`layers/csrc/task_pool.c`) parallelises it, and it opens no
-torch parallel region, so idle OpenMP workers have nothing to spin against there.
+Nothing runs at import. `apply_process_settings` runs when an engine starts and sets what a running
+process still can: torch's thread count (also the C kernels'), glibc's heap thresholds (CPU) and
+oneDNN's cache capacities unless the user set them. libgomp reads `OPENMP_ENVIRONMENT` only when it
+loads, so it is given to the processes hybridserve starts (`prepare_command_process`,
+`child_process_environment`); in a user's process the user's environment decides.
 """
 
 from __future__ import annotations

@@ -1,19 +1,18 @@
 """The model worker: one class for every tensor-parallel size.
 
-A worker builds its rank's model (the whole model at TP=1, a shard of `sharding.local_config`
-otherwise), loads or initialises its weights, plans its memory, owns its `ModelRunner` (KV pages,
-live GDN slots, snapshot slots) and executes `StepPlan`s: restore, forward, commit state, then —
-on rank 0, where the full logits are — sample every draw of the plan and return token ids and
-the requested logprobs only. At TP=1 it runs in the engine's process (`InProcessExecutor`); at
-TP=N each rank runs one in its own process (`distributed/worker.py`). What differs between the two
-is only the `RankGroup` that combines the ranks' answers.
+A worker builds its rank's model (whole at TP=1, a shard otherwise), loads its weights, plans its
+memory, owns its `ModelRunner` and executes `StepPlan`s; rank 0, which holds the full logits,
+samples and returns token ids and requested logprobs only. At TP=1 it runs in the engine's process
+(`InProcessExecutor`), at TP=N one per rank process (`distributed/worker.py`); only the `RankGroup`
+differs.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, NamedTuple, Protocol
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
