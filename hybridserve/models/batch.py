@@ -1,9 +1,5 @@
-"""What one model forward computes: a flat batch of tokens plus per-sequence layout.
-
-The scheduler decides which tokens run; the model runner turns that into a `ForwardBatch`.
-Tokens are flat: the decode group's tokens first (one per sequence), then each prefill
-chunk's tokens contiguously, in `prefills` order.
-"""
+"""What one model forward computes: flat tokens (the decode group's first, one per sequence, then each
+prefill chunk's in `prefills` order) plus per-sequence layout, built by the runner."""
 
 from __future__ import annotations
 
@@ -34,11 +30,8 @@ class PrefillChunk:
 
 @dataclass
 class DecodeGroup:
-    """All decoding sequences of this forward (one token each, rows [0, B) of the batch).
-
-    Sequence b's context is positions [0, lengths[b]), its KV at slot
-    `block_tables[b, p // block_size] * block_size + p % block_size`; the flat slot matrix the
-    module path's attention gathers is derived from the tables on first use."""
+    """All decoding sequences of this forward (one token each, rows [0, B) of the batch); the flat KV
+    slot matrix of their contexts is derived from `block_tables` on first use."""
 
     state_slots: torch.Tensor         # [B] live GDN state slots
     block_tables: torch.Tensor        # [B, W] KV block ids of each sequence, padded with 0
@@ -76,6 +69,7 @@ class ForwardBatch:
 
     @property
     def num_decode(self) -> int:
+        """Rows of the decode group."""
         return 0 if self.decode is None else int(self.decode.state_slots.shape[0])
 
 

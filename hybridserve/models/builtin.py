@@ -1,8 +1,7 @@
 """The built-in default model: a small random Qwen3.5 hybrid used when no model dir is given.
 
-Everything here is deterministic and needs no download: the config, the byte-level tokenizer
-and the weights (seeded per tensor name, so the values do not depend on parameter order).
-`save_checkpoint` writes a Hugging Face style dir that `Qwen3_5ForCausalLM.from_pretrained` loads.
+Deterministic and download-free: the config, the byte-level tokenizer and the weights (seeded per
+tensor name, independent of parameter order); `save_checkpoint` writes a Hugging Face style dir.
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ RARE_ROW_SCALE = 0.05  # embedding rows of ids that should rarely be sampled (sp
 
 
 def builtin_tokenizer() -> Tokenizer:
-    """A fresh instance of the built-in byte-level tokenizer (4096 ids; builds in ~20 ms)."""
+    """A fresh instance of the built-in byte-level tokenizer."""
     return Tokenizer.byte_level(BUILTIN_MODEL_CONFIG.vocab_size)
 
 
@@ -94,7 +93,7 @@ def _attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
     # q_proj also produces the per-head output gate, hence twice the query width.
     out = {"q_proj": (2 * q_out, h), "k_proj": (kv_out, h), "v_proj": (kv_out, h), "o_proj": (h, q_out)}
-    shapes = {f"self_attn.{name}.weight": shape for name, shape in out.items()}
+    shapes: dict[str, tuple[int, ...]] = {f"self_attn.{name}.weight": shape for name, shape in out.items()}
     if config.attention_bias:
         shapes.update({f"self_attn.{name}.bias": (shape[0],) for name, shape in out.items()})
     shapes["self_attn.q_norm.weight"] = (d,)
@@ -105,12 +104,8 @@ def _attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def builtin_init_tensor(
     name: str, shape: tuple[int, ...], seed: int = 0, *, rare_ids: list[int] | None = None
 ) -> torch.Tensor:
-    """Deterministic float32 CPU initial value of parameter `name` (seeded by seed and name).
-
-    Embedding rows of `rare_ids` (special tokens and bytes that alone decode to no visible
-    character) are scaled down so that the tied output head rarely picks them and sampled text
-    reads as text.
-    """
+    """Deterministic float32 CPU initial value of parameter `name` (seeded by seed and name); embedding
+    rows of `rare_ids` are scaled down so the tied head rarely samples them and output reads as text."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     if name.endswith("linear_attn.norm.weight"):  # gated norm multiplies by w directly
         return torch.ones(shape)
@@ -133,9 +128,8 @@ def builtin_init_tensor(
 
 
 def rare_token_ids() -> list[int]:
-    """Built-in ids that should rarely be sampled: the special tokens and the bytes that decode
-    to no visible character on their own (control bytes other than newline, and 0x7F-0xFF,
-    which are only parts of multi-byte characters)."""
+    """Built-in ids that should rarely be sampled: the special tokens, and bytes that alone decode to no
+    visible character (control bytes but newline, and 0x7F-0xFF: parts of multi-byte characters)."""
     control = [b for b in range(0x20) if b != ord("\n")]
     return [*control, *range(0x7F, 0x100), ENDOFTEXT_ID, IM_START_ID, IM_END_ID]
 

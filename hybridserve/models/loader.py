@@ -1,9 +1,8 @@
 """Read a Hugging Face Qwen3.5 model directory: `config.json` and `*.safetensors` weights.
 
-Both the text-only layout (`Qwen3_5ForCausalLM`: `model.*`, `lm_head.weight`) and the
-multimodal layout (`Qwen3_5ForConditionalGeneration`: `model.language_model.*`, `model.visual.*`,
-`lm_head.weight`, plus `mtp.*` in released checkpoints) are accepted; only the text decoder is
-loaded. Every tensor is checked (name and shape) before anything is copied into the model.
+Text-only (`Qwen3_5ForCausalLM`) and multimodal (`Qwen3_5ForConditionalGeneration`:
+`model.language_model.*`, `model.visual.*`, `mtp.*`) layouts load their text decoder; every tensor's
+name and shape is checked before anything is copied.
 """
 
 from __future__ import annotations
@@ -59,11 +58,9 @@ def load_weights(
     model: torch.nn.Module, model_dir: str | Path, config: ModelConfig, *, show_progress: bool = True,
     rank: int = 0, world_size: int = 1,
 ) -> None:
-    """Copy the checkpoint tensors of `model_dir` into `model` (converted to each target's
-    dtype and device). Raises `ValueError` naming every missing, unexpected, duplicated or
-    mis-shaped tensor; nothing is copied unless the whole checkpoint matches. With
-    `world_size > 1`, `model` is rank `rank`'s shard (`distributed.sharding`) and only that
-    part of each tensor is read from the file."""
+    """Copy the checkpoint tensors of `model_dir` into `model` (in each target's dtype and device);
+    `ValueError` names every missing, unexpected, duplicated or mis-shaped tensor before anything is
+    copied. With `world_size > 1` only rank `rank`'s shard of each tensor is read."""
     files = checkpoint_files(model_dir)
     targets = _load_targets(model)
     entries = _plan(files, targets, config, rank, world_size)

@@ -29,17 +29,9 @@ IM_END_ID = 258
 # built-in vocabulary, so they survive decoding with skip_special_tokens.
 TEXT_MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-# The built-in model's template, in the Qwen3.5 layout: tools listed in the system turn, calls in
-# `<tool_call><function=...><parameter=...>` markup, tool results as `<tool_response>` user
-# turns, and a thinking block the generation prompt opens (closed empty when
-# `enable_thinking` is false).
+# The built-in model's template in the Qwen3.5 layout: tools in the system turn, calls as
+# `<tool_call><function=...><parameter=...>`, results as `<tool_response>` user turns, and a thinking
+# block the generation prompt opens (closed empty when `enable_thinking` is false).
 QWEN3_5_STYLE_TEMPLATE = """\
 {%- set first_system = messages and messages[0].role == 'system' -%}
 {%- if tools -%}
@@ -173,7 +165,8 @@ def _token_content(value: Any) -> str | None:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        return data
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read {path}: {exc}") from exc
 
@@ -212,10 +205,8 @@ class Tokenizer:
         self._compiled_template: jinja2.Template | None = None
         self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
 
-    # -- construction ---------------------------------------------------------------------
-
     @classmethod
-    def from_model_dir(cls, path: str | Path) -> "Tokenizer":
+    def from_model_dir(cls, path: str | Path) -> Tokenizer:
         """Load `tokenizer.json` plus the optional `tokenizer_config.json`, `chat_template.jinja`
         and `generation_config.json` (its eos ids are merged in) of a Hugging Face model dir."""
         model_dir = Path(path)
@@ -228,9 +219,12 @@ class Tokenizer:
         _add_declared_tokens(backend, config.get("added_tokens_decoder") or {})
 
         eos_token = _token_content(config.get("eos_token"))
-        eos_ids = [backend.token_to_id(eos_token)] if eos_token is not None else []
-        if eos_ids == [None]:
-            raise ValueError(f"eos_token {eos_token!r} of {config_file} is not in the vocabulary")
+        eos_ids: list[int] = []
+        if eos_token is not None:
+            eos_id = backend.token_to_id(eos_token)
+            if eos_id is None:
+                raise ValueError(f"eos_token {eos_token!r} of {config_file} is not in the vocabulary")
+            eos_ids.append(eos_id)
         generation_file = model_dir / "generation_config.json"
         if generation_file.is_file():
             eos_ids += _as_id_list(_read_json(generation_file).get("eos_token_id"))
@@ -243,15 +237,12 @@ class Tokenizer:
                    bos_token=_token_content(config.get("bos_token")), chat_template=template)
 
     @classmethod
-    def byte_level(cls, vocab_size: int, *, training_text: str = _TRAINING_TEXT) -> "Tokenizer":
-        """Deterministic byte-level BPE tokenizer of exactly `vocab_size` ids (built-in model).
+    def byte_level(cls, vocab_size: int, *, training_text: str = _TRAINING_TEXT) -> Tokenizer:
+        """Deterministic byte-level BPE tokenizer of exactly `vocab_size` ids (the built-in model's).
 
-        Ids 0-255 are the bytes, 256-258 `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, then the
-        merges learned from `training_text` (as many as it yields and fit), then syllable pieces
-        (" bra", "stoo", ...), then the `TEXT_MARKERS` (`<think>`, `<tool_call>`, ...) as the last
-        ids, so every id decodes to visible text. The syllable pieces are plain vocabulary
-        entries: decoding them works, encoding text never yields them. The chat template is
-        Qwen3.5-style (tools, tool calls, thinking).
+        Ids 0-255 are the bytes, 256-258 the special tokens, then the merges learned from
+        `training_text`, then syllable pieces (" bra", "stoo": decodable, never produced by encoding),
+        then the `TEXT_MARKERS` as the last ids, so every id decodes to visible text.
         """
         first_merge_id = 256 + len(BYTE_LEVEL_SPECIAL_TOKENS)
         if vocab_size < first_merge_id:
@@ -281,13 +272,11 @@ class Tokenizer:
         return cls(backend, eos_token_ids=(ENDOFTEXT_ID, IM_END_ID), eos_token=IM_END,
                    chat_template=QWEN3_5_STYLE_TEMPLATE)
 
-    def with_extra_eos_token_ids(self, ids: Iterable[int]) -> "Tokenizer":
+    def with_extra_eos_token_ids(self, ids: Iterable[int]) -> Tokenizer:
         """A copy whose eos ids are this tokenizer's plus `ids` (e.g. the model config's)."""
         return Tokenizer(self._backend, eos_token_ids=(*self._eos_token_ids, *ids),
                          eos_token=self._eos_token, bos_token=self._bos_token,
                          chat_template=self._chat_template)
-
-    # -- encoding / decoding --------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; no BOS/EOS is added (special-token strings in it are matched)."""
@@ -318,8 +307,6 @@ class Tokenizer:
             eos_token=self._eos_token or "", bos_token=self._bos_token or "", **kwargs,
         )
 
-    # -- properties -----------------------------------------------------------------------
-
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """Ids that end generation (tokenizer eos, generation config and merged extra ids)."""
@@ -344,8 +331,6 @@ class Tokenizer:
     def backend(self) -> BackendTokenizer:
         """The wrapped `tokenizers.Tokenizer`."""
         return self._backend
-
-    # -- saving ---------------------------------------------------------------------------
 
     def save(self, out_dir: str | Path) -> None:
         """Write `tokenizer.json` and a `tokenizer_config.json` that transformers can read."""
@@ -392,7 +377,8 @@ def _train_merges(text: str, vocab_size: int) -> list[tuple[str, str]]:
     scratch.train_from_iterator([text], trainer=trainer)
     merges = json.loads(scratch.to_str())["model"]["merges"]
     # Older tokenizers versions serialize a merge as "left right", newer ones as [left, right].
-    return [tuple(m.split(" ", 1)) if isinstance(m, str) else (m[0], m[1]) for m in merges]
+    pairs = [m.split(" ", 1) if isinstance(m, str) else m for m in merges]
+    return [(left, right) for left, right in pairs]
 
 
 def _add_declared_tokens(backend: BackendTokenizer, declared: Mapping[str, Any]) -> None:
