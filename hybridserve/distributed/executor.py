@@ -1,12 +1,9 @@
 """The controller's side of tensor parallelism: start the rank processes, send them step plans.
 
-`TensorParallelExecutor` implements the engine's `Executor` interface (`execute` a step plan,
-`save_state`, `fork`), so the scheduler and the joint cache manager stay in the engine. Each
-call becomes one command, pickled once and written to every local rank's pipe (under torchrun, to
-rank 0, which broadcasts it); rank 0 answers. While waiting for
-the answer the controller also watches every local worker process: a worker that dies raises
-`WorkerDiedError` within a poll interval, and the executor kills the others (no orphans, no hang
-in a collective).
+`TensorParallelExecutor` is the engine's `Executor` (`execute`, `save_state`, `fork`): each call is
+one command, pickled once and written to every local rank's pipe (under torchrun to rank 0, which
+broadcasts it); rank 0 answers. A worker that dies meanwhile raises `WorkerDiedError` and the
+others are killed (no orphans, no hang in a collective).
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ import time
 import weakref
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from hybridserve.cache.manager import Fork
 from hybridserve.distributed.worker import worker_main
@@ -65,7 +62,7 @@ class TensorParallelExecutor:
         self.conns: list[Connection] = []
         self.dead_reason: str | None = None
         self.steps, self.forward_seconds, self.comm_seconds = 0, 0.0, 0.0
-        self._inbox: dict[int, tuple] = {}  # a message that arrived while waiting on another rank
+        self._inbox: dict[int, tuple[Any, ...]] = {}  # a message that arrived while waiting on another rank
         self._exit_hook = functools.partial(_shutdown_at_exit, weakref.ref(self))
         atexit.register(self._exit_hook)
         for spec in specs:
@@ -84,7 +81,6 @@ class TensorParallelExecutor:
             raise
         self.capacity: RankCapacity = capacities[0]
 
-    # -- the runner interface ---------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> PlanResult:
         """Run a step on every rank; rank 0's sampled tokens. StepFailedError when the ranks agreed
         that the step failed (revert it), WorkerDiedError when a rank is gone or out of step."""
@@ -117,8 +113,7 @@ class TensorParallelExecutor:
         """Process ids of the local workers."""
         return [p.pid for p in self.processes]
 
-    # -- transport ----------------------------------------------------------------------------------
-    def _call(self, command: tuple) -> Any:
+    def _call(self, command: tuple[Any, ...]) -> Any:
         """Send a command to every rank (rank 0 only when it broadcasts), return rank 0's answer."""
         if self.dead_reason is not None:
             raise WorkerDiedError(self.dead_reason)
@@ -155,14 +150,15 @@ class TensorParallelExecutor:
                     process.join(STOP_GRACE_SECONDS)  # reap it, so its exit code is known
                     self._die(f"tensor-parallel worker {process.name} (pid {process.pid}) exited with code "
                               f"{process.exitcode}")
-                message = self._recv(item)  # another rank: its start-up report or error
+                message = self._recv(cast(Connection, item))  # another rank: its start-up report or error
                 if message[0] == "error":
                     self._die(str(message[1]))
                 self._inbox[id(item)] = message
 
-    def _recv(self, conn: Connection) -> tuple:
+    def _recv(self, conn: Connection) -> tuple[Any, ...]:
         try:
-            return conn.recv()
+            message: tuple[Any, ...] = conn.recv()
+            return message
         except (EOFError, OSError):
             index = self.conns.index(conn)
             process = self.processes[index]

@@ -1,12 +1,9 @@
-"""Tensor-parallel layout of a Qwen3.5 hybrid model (the layout vLLM and SGLang use).
+"""Tensor-parallel layout of a Qwen3.5 hybrid model (as vLLM and SGLang split it).
 
-Full attention: q (with its gate), k, v column-parallel by heads (KV heads replicated when the
-world is larger than their count), o_proj row-parallel. GDN: the fused q|k|v input projection and
-the conv channels split by key heads with their value heads (value head j belongs to key head
-j // G, so contiguous key-head ranges carry their value heads), z, b, a, dt_bias and A_log by value
-heads, out_proj row-parallel. MLP gate/up column-parallel, down row-parallel. Embedding, norms and
-the LM head are replicated. Each rank's model is an ordinary model built from `local_config`;
-`shard_spec` says which part of each full tensor it reads.
+Attention q/k/v and GDN's input projections and conv are column-parallel by heads (a key head with
+its value heads; KV heads replicated when fewer than ranks), MLP gate/up column-parallel, the output
+projections and MLP down row-parallel; embedding, norms and LM head replicated. Each rank builds an
+ordinary model of `local_config`; `shard_spec` says which part of each full tensor it reads.
 """
 
 from __future__ import annotations

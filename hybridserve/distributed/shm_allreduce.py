@@ -1,20 +1,11 @@
-"""All-reduce through shared memory for the tensor-parallel ranks of one host (CPU).
+"""All-reduce through shared memory for the tensor-parallel CPU ranks of one host, as vLLM's and
+SGLang's CPU backends do: gloo over loopback TCP pays a thread wake-up per message.
 
-gloo's all-reduce over loopback TCP costs a thread wake-up per message: on a 2-core machine a
-[64, 512] float32 all-reduce between two idle processes took a median 748 us (p90 4.3 ms), and a
-TP=2 step makes 16 of them. vLLM's CPU backend (its C++ shm all-reduce behind `CpuCommunicator`)
-and SGLang's CPU tensor parallelism (sgl-kernel's shm all-reduce) instead reduce activations
-through memory every rank of the host maps, and keep torch.distributed (gloo) as the process group
-for everything else. `ShmAllReduce` does the same: rank 0 creates a file under /dev/shm, every
-rank maps it, and after a gloo barrier rank 0 unlinks it, so nothing is left behind even if the
-processes are killed. The protocol (double-buffered per-rank slots, sequence and "done" counters,
-sums in rank order so every rank gets the same bits) is in `layers/csrc/shm_allreduce.c`.
-
-Used only when every rank runs on CPU on the same host (hostname and boot id compared), the C
-library compiled (`layers/native.py`), /dev/shm is writable and `HYBRIDSERVE_SHM_ALLREDUCE` is
-not "0" on any rank; otherwise the callers keep gloo. Supported:
-SUM of float32, bfloat16 and int32 tensors, MIN and MAX of int32 ones; any other dtype or op
-goes through gloo on the group the caller names.
+Rank 0 creates a file under /dev/shm, every rank maps it, and after a gloo barrier rank 0 unlinks it
+(nothing is left behind if the processes are killed); the protocol is in layers/csrc/shm_allreduce.c.
+Used when every rank is a CPU process of this host, the C library is built, /dev/shm is writable and
+`HYBRIDSERVE_SHM_ALLREDUCE` is not "0"; SUM of float32, bfloat16 and int32 and MIN/MAX of int32 go
+through it, any other dtype or op through gloo on the caller's group.
 """
 
 from __future__ import annotations
@@ -56,9 +47,7 @@ class ShmAllReduceError(RuntimeError):
 
 
 def _functions() -> tuple[Any, Any, Any] | None:
-    """(shm_allreduce, shm_allreduce_region_bytes, shm_allreduce_abort) from the kernels library,
-    bound with their signatures in layers/csrc/hybridserve_kernels.h, or None when the library is
-    unavailable."""
+    """(shm_allreduce, shm_allreduce_region_bytes, shm_allreduce_abort) of the kernels library, or None."""
     library = native._library()
     if library is None:
         return None
@@ -66,9 +55,8 @@ def _functions() -> tuple[Any, Any, Any] | None:
 
 
 def host_identity() -> tuple[str, str]:
-    """What ranks on the same host have in common: hostname and kernel boot id (a rank that
-    cannot map the region anyway, e.g. in a container with its own /dev/shm, is caught by
-    `setup`'s token check)."""
+    """What ranks on the same host share: hostname and kernel boot id (a container with its own
+    /dev/shm is caught by `setup`'s token check)."""
     try:
         boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
@@ -163,9 +151,8 @@ class ShmAllReduce:
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, tag: int = FORWARD,
                    group: Any = None) -> torch.Tensor:
-        """Reduce `tensor` over the ranks in place and return it. Every rank must make the same
-        calls in the same order. Dtypes and ops the C side lacks go through gloo on `group`.
-        Raises ShmAllReduceError when the ranks are out of step (and on every call after that)."""
+        """Reduce `tensor` over the ranks in place and return it (every rank makes the same calls in
+        the same order); ShmAllReduceError once the ranks are out of step, and on every later call."""
         dtype, code = tensor.dtype, _OPS.get(op)
         if code is None or (code != 0 and dtype != torch.int32) or dtype not in _DTYPES or not tensor.is_cpu:
             dist.all_reduce(tensor, op=op, group=group)
@@ -184,8 +171,7 @@ class ShmAllReduce:
         return tensor
 
     def close(self) -> None:
-        """Unmap the region, first marking the channel aborted so that a peer still waiting in it
-        fails at once instead of after its timeout."""
+        """Unmap the region, first marking it aborted so a peer still waiting fails at once."""
         if self._map.closed:
             return
         self._abort(self._base)
@@ -195,9 +181,8 @@ class ShmAllReduce:
 
 
 def _create_region(world: int, slot_bytes: int) -> tuple[str, int | None]:
-    """Rank 0: create and size the region, write its header; (path, token), or (error, None).
-    The space is allocated up front (posix_fallocate), so a full /dev/shm fails here rather
-    than with SIGBUS at the first write."""
+    """Rank 0: create the region and write its header; (path, token), or (error, None). The space is
+    allocated up front, so a full /dev/shm fails here rather than with SIGBUS at the first write."""
     functions = _functions()
     if functions is None:
         return "rank 0: the C kernels library is unavailable", None

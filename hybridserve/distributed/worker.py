@@ -1,14 +1,9 @@
 """A tensor-parallel rank's process: join the group, build the same `Worker` as TP=1, serve commands.
 
-Each rank builds the model shape of `sharding.local_config`, reads only its part of every weight,
-sizes its own KV pages, live slots and snapshot slots, and then agrees with the other ranks on the
-smallest capacity (the logical cache the controller owns must fit on every rank). Every rank
-receives the same commands (spawned locally: each over its own pipe from the controller; under
-torchrun: rank 0 over its pipe, broadcast to the others), so every rank executes the same step
-plan; the forwards all-reduce the row-parallel outputs (through shared memory when every rank
-is a CPU process on this host, `shm_allreduce.py`; else gloo or NCCL). `TorchRankGroup` combines
-per-rank success of restores and snapshot saves, so that a snapshot counts only when every rank
-holds it; rank 0 samples and answers.
+Every rank runs the same commands; the forwards all-reduce the row-parallel outputs (shared memory
+between CPU ranks of one host, else gloo or NCCL), and `TorchRankGroup` combines the ranks'
+agreements (capacity, restores, snapshot saves), so a snapshot counts only when every rank holds
+it. Rank 0 samples and answers.
 """
 
 from __future__ import annotations
@@ -18,6 +13,7 @@ import os
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
@@ -64,14 +60,12 @@ class TorchRankGroup:
         self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         self.shm = ShmAllReduce.setup(self.control, device, COMPUTE_TIMEOUT.total_seconds())
         self.timer = CommTimer(None, self.shm)
+        self.model_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = self.timer
         self.all_reduce_name = "shm" if self.shm is not None else dist.get_backend()
 
     @property
-    def model_all_reduce(self) -> CommTimer:
-        return self.timer
-
-    @property
     def comm_seconds(self) -> float:
+        """Time spent in the model's all-reduces (reset per step by the worker)."""
         return self.timer.seconds
 
     @comm_seconds.setter
