@@ -1,22 +1,11 @@
-"""The C kernels' interface, read from its one header (csrc/hybridserve_kernels.h).
+"""The C kernels' interface, generated from its one header (csrc/hybridserve_kernels.h).
 
-The header declares every function the kernels library exports and every struct it shares with
-Python; each C file includes it, and the build's -Wmissing-prototypes -Werror rejects an exported
-function the header does not declare as compiled. This module parses that header and, from it
-alone,
-
-* binds each declared function with ctypes argument and return types and an exact argument count
-  (`KernelLibrary`): a call with an argument too many or too few raises TypeError instead of
-  shifting the rest, and a changed parameter type changes the conversion with it;
-* defines the ctypes mirrors of the shared structs (`Linear`, `DecodeLayer`, `DecodeModel`),
-  field by field, and the header's integer constants (`WEIGHT_FORMATS`);
-* checks at load that the library exports every declared function and that each mirror's size and
-  field offsets are the compiled ones (csrc/abi_layout.c reports those), so a mismatch is a
-  `KernelAbiError` (the caller then keeps the PyTorch ops) rather than memory corruption.
-
-Pointers of every type are passed as addresses (`tensor.data_ptr()`, a ctypes array, `byref`),
-as ctypes' c_void_p takes them. The parser knows the plain subset of C the header's own comment
-describes and rejects anything else with the statement it could not read.
+From the header alone this module binds every declared function with its ctypes types and exact
+arity (`KernelLibrary`: a wrong argument count raises TypeError instead of shifting the rest),
+defines the shared structs' ctypes mirrors and the integer constants, and checks at load that the
+library exports every function and that each mirror's size and field offsets are the compiled ones
+(csrc/abi_layout.c), so a mismatch is a `KernelAbiError`, not memory corruption. Pointers pass as
+addresses; the parser reads the plain C subset the header's comment describes and rejects the rest.
 """
 
 from __future__ import annotations
@@ -53,8 +42,7 @@ class KernelAbiError(RuntimeError):
 
 @dataclass(frozen=True)
 class Declaration:
-    """One declared name with its C type: `base` (the scalar or struct name, const dropped) and
-    `pointers` (how many `*`)."""
+    """One declared name with its C type: `base` (scalar or struct name, no const) and `pointers`."""
 
     base: str
     pointers: int
@@ -88,8 +76,7 @@ class HeaderAbi:
 
 
 def _statements(text: str) -> list[str]:
-    """The header's top-level statements (up to each `;` outside braces), comments and `#` lines
-    removed, whitespace collapsed."""
+    """The header's top-level statements (up to each `;` outside braces), without comments and `#` lines."""
     text = re.sub(r"/\*.*?\*/", " ", text, flags=re.DOTALL)
     text = re.sub(r"//[^\n]*", " ", text)
     text = re.sub(r"^[ \t]*#(?:[^\n]*\\\n)*[^\n]*", " ", text, flags=re.MULTILINE)
@@ -179,23 +166,20 @@ def _argument_type(declaration: Declaration) -> Any:
     return _SCALARS[declaration.base]
 
 
-# A prototype's call convention flags. ctypes lets a call to a cdecl function pass more arguments
-# than its argtypes name (for C varargs); without the flag it checks the count exactly. On
-# x86-64 and AArch64 there is one calling convention, so the flag changes nothing else.
+# ctypes lets a call to a cdecl-flagged function pass extra arguments (C varargs); without the flag it
+# checks the count exactly (x86-64 and AArch64 have one calling convention, so nothing else changes).
 _EXACT_ARITY_FLAGS = 0 if sys.platform != "win32" else ctypes._FUNCFLAG_CDECL  # type: ignore[attr-defined]
 
 
 def function_type(prototype: Prototype) -> Any:
-    """A ctypes function type with this prototype's argument and result types and exact arity;
-    instantiate it with `(name, cdll)` to bind the exported function."""
+    """A ctypes function type of this prototype's types and exact arity (bind with `(name, cdll)`)."""
     namespace = {"_argtypes_": tuple(_argument_type(param) for param in prototype.params),
                  "_restype_": _argument_type(prototype.result), "_flags_": _EXACT_ARITY_FLAGS}
     return type(f"{prototype.name}_function", (ctypes._CFuncPtr,), namespace)  # type: ignore[attr-defined]
 
 
 def bind(cdll: ctypes.CDLL, name: str, abi: HeaderAbi | None = None) -> Any:
-    """The function `name` of `cdll` with the header's signature (for a library built from some of
-    the sources, as the tests build one per instruction set)."""
+    """The function `name` of `cdll` with the header's signature (also for test builds of some sources)."""
     abi = abi or header_abi()
     if name not in abi.functions:
         raise KernelAbiError(f"{HEADER.name} declares no function {name}")
@@ -206,9 +190,8 @@ def bind(cdll: ctypes.CDLL, name: str, abi: HeaderAbi | None = None) -> Any:
 
 
 def _field_type(declaration: Declaration, mirrors: dict[str, type[ctypes.Structure]]) -> Any:
-    """The ctypes type of a struct field: a pointer to a shared struct as a typed pointer (so a
-    ctypes array of it can be assigned), other pointers as addresses, structs by value as their
-    mirror."""
+    """The ctypes type of a struct field: a typed pointer to a shared struct (so a ctypes array can be
+    assigned), other pointers as addresses, structs by value as their mirror."""
     if declaration.pointers == 1 and declaration.base in mirrors:
         return ctypes.POINTER(mirrors[declaration.base])
     if declaration.pointers:
@@ -258,9 +241,8 @@ WEIGHT_FORMATS: dict[torch.dtype, int] = {torch.float32: header_abi().constants[
 
 def layout_problems(library: KernelLibrary, abi: HeaderAbi | None = None,
                     mirrors: dict[str, type[ctypes.Structure]] | None = None) -> list[str]:
-    """How the ctypes mirrors differ from the compiled structs (struct sizes, field offsets and
-    sizes), and the structs or fields the header declares without a mirror or without a row in
-    csrc/abi_layout.c; empty when they all agree."""
+    """How the ctypes mirrors differ from the compiled structs (sizes, field offsets), and declared
+    structs or fields with no mirror or no row in csrc/abi_layout.c; empty when they agree."""
     abi, mirrors = abi or header_abi(), MIRRORS if mirrors is None else mirrors
     problems = [f"struct {name} is declared in {HEADER.name} but has no ctypes mirror"
                 for name in abi.structs if name not in mirrors]
@@ -292,12 +274,11 @@ def _field_problems(library: KernelLibrary, struct: str, field: str, mirrored: A
 
 
 class KernelLibrary:
-    """The compiled kernels library with every function the header declares bound as an attribute
-    of the same name (exact arity, the header's types)."""
+    """The compiled kernels library with every declared function bound as an attribute of its name.
+    Loading raises KernelAbiError when one is missing or a struct's layout differs (OSError when
+    the file cannot load)."""
 
     def __init__(self, path: Path, abi: HeaderAbi | None = None) -> None:
-        """Load `path` and bind the header's functions; raises KernelAbiError when one is missing
-        or the shared structs' layout differs from their mirrors (OSError when it cannot load)."""
         abi = abi or header_abi()
         self.path = path
         self.cdll = ctypes.CDLL(str(path))
