@@ -8,9 +8,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from hybridserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from hybridserve.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
 from hybridserve.engine.engine import LLMEngine, PrefixCacheReport
-from hybridserve.engine.memory_plan import parse_size
 from hybridserve.models.tokenizer import Tokenizer
 from hybridserve.sampling_params import RequestOutput, SamplingParams
 from hybridserve.server.chat import ChatRenderer
@@ -30,7 +29,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, device: str = "auto", dtype: str = "auto", seed: int = 0,
                  block_size: int = 16, kv_cache_mib: float | None = None, prefix_cache_mib: float | None = None,
-                 snapshot_interval: int = 256, cache_policy: str = "hybridserve", max_num_seqs: int = 32, max_num_batched_tokens: int = 8192,
+                 snapshot_interval: int = 256, cache_policy: str = "hybridserve", max_num_seqs: int = 32,
+                 max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None,
                  max_prefill_tokens_during_decode: int = SchedulerConfig.max_prefill_tokens_during_decode,
                  memory_fraction: float | None = None, kv_cache_memory: int | str | None = None,
@@ -51,7 +51,7 @@ class LLM:
                                             scheduler=scheduler)))
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLM":
+    def from_config(cls, config: EngineConfig) -> LLM:
         """An `LLM` on an engine built from a full `EngineConfig` (e.g. from command-line flags)."""
         llm = cls.__new__(cls)
         llm._attach(LLMEngine(config))

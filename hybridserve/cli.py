@@ -16,7 +16,7 @@ from hybridserve.engine.threads import prepare_command_process
 from hybridserve.engine_args import add_engine_arguments
 
 
-def _add_generate(subparsers: argparse._SubParsersAction) -> None:
+def _add_generate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("generate", help="complete one prompt and print it with its timing",
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_arguments(parser)
@@ -61,7 +61,7 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from hybridserve.server.cli import add_serve_arguments, run_server
 
     parser = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
@@ -70,7 +70,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run_server)
 
 
-def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+def _add_bench(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from hybridserve.bench.cli import add_bench_arguments
 
     parser = subparsers.add_parser("bench", help="benchmarks (figures in docs/benchmarks.md)",
@@ -78,7 +78,7 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     add_bench_arguments(parser)
 
 
-def _add_sim(subparsers: argparse._SubParsersAction) -> None:
+def _add_sim(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from hybridserve.sim.cli import add_sim_arguments
 
     parser = subparsers.add_parser("sim", help="replay a request trace through the cache policies (no model)",

@@ -123,13 +123,13 @@ class ModelConfig:
         model_type = raw.get("model_type")
         _require(model_type in SUPPORTED_MODEL_TYPES,
                  f"unsupported model_type {model_type!r}; expected one of {SUPPORTED_MODEL_TYPES}")
-        text = dict(raw.get("text_config") or raw) if model_type == "qwen3_5" else dict(raw)
+        text: dict[str, Any] = dict(raw.get("text_config") or raw) if model_type == "qwen3_5" else dict(raw)
         num_layers = int(text["num_hidden_layers"])
         layer_types = text.get("layer_types")
         if layer_types is None:
             interval = int(text.get("full_attention_interval", 4))
             layer_types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(num_layers)]
-        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        rope: dict[str, Any] = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         _require(rope_type == "default", f"rope_type {rope_type!r} is not supported (only 'default')")
         eos = text.get("eos_token_id", raw.get("eos_token_id"))
@@ -185,7 +185,8 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
-        _require(self.kv_cache_mib is None or self.kv_cache_mib > 0, f"kv_cache_mib must be > 0, got {self.kv_cache_mib}")
+        _require(self.kv_cache_mib is None or self.kv_cache_mib > 0,
+                 f"kv_cache_mib must be > 0, got {self.kv_cache_mib}")
         _require(self.prefix_cache_mib is None or self.prefix_cache_mib >= 0,
                  f"prefix_cache_mib must be >= 0, got {self.prefix_cache_mib}")
         _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,

@@ -74,7 +74,8 @@ def model_from_args(args: argparse.Namespace) -> str | None:
     positional = getattr(args, "model_positional", None)
     if positional is not None and args.model is not None and positional != args.model:
         raise ValueError(f"two different models given: {positional!r} and --model {args.model!r}")
-    return positional if positional is not None else args.model
+    model: str | None = positional if positional is not None else args.model
+    return model
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

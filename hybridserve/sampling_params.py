@@ -130,7 +130,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)  # type: ignore[arg-type]
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         self.validate()
 
     @classmethod
@@ -181,8 +181,8 @@ class SamplingParams:
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
             (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
-            (all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            (all(isinstance(s, str) and s for s in self.stop or ()), "stop must be a list of non-empty strings"),
+            (all(_is_int(t) and t >= 0 for t in self.stop_token_ids or ()),
              "stop_token_ids must be non-negative integers"),
             (0 <= self.min_tokens <= (max_tokens if max_tokens is not None else self.min_tokens),
              f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}"),
@@ -216,7 +216,7 @@ class SamplingParams:
 def _reject_unknown_fields(cls: type) -> None:
     """Make unknown keyword arguments a ValueError (the API's error for bad input) rather than
     the TypeError a dataclass constructor raises."""
-    dataclass_init = cls.__init__
+    dataclass_init = getattr(cls, "__init__")  # mypy rejects `cls.__init__` on a class object
     known = {f.name for f in fields(cls)}
 
     @functools.wraps(dataclass_init)
@@ -226,7 +226,7 @@ def _reject_unknown_fields(cls: type) -> None:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         dataclass_init(self, *args, **kwargs)
 
-    cls.__init__ = __init__  # type: ignore[method-assign]
+    setattr(cls, "__init__", __init__)
 
 
 _reject_unknown_fields(SamplingParams)

@@ -45,7 +45,8 @@ def run_chat_bench(engine_config: EngineConfig, cfg: ChatBenchConfig) -> dict[st
     vocab = engines["on"].model_config.vocab_size
 
     def fresh(seed: int, count: int) -> list[int]:
-        return pseudo_random_tokens(seed, count, vocab).tolist()
+        tokens: list[int] = pseudo_random_tokens(seed, count, vocab).tolist()
+        return tokens
 
     histories = [fresh(cfg.seed * 1000 + c, cfg.system_tokens) for c in range(cfg.conversations)]
     rows = []

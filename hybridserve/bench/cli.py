@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 from hybridserve.bench import configs
 from hybridserve.engine_args import add_engine_arguments
@@ -52,10 +52,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     all_parser.add_argument("--plot", metavar="PATH", default=None, help="save the ttft bar chart (needs matplotlib)")
 
 
-def _subparser(subparsers: argparse._SubParsersAction, name: str, help_text: str, handler: Handler,
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # not subscriptable at run time
+
+
+def _subparser(subparsers: Subparsers, name: str, help_text: str, handler: Handler,
                config_cls: type | None = None) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(name, help=help_text, description=help_text,
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser: argparse.ArgumentParser = subparsers.add_parser(name, help=help_text, description=help_text,
+                                                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_arguments(parser)
     if config_cls is not None:
         configs.add_config_arguments(parser, config_cls)
@@ -64,7 +67,7 @@ def _subparser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     return parser
 
 
-def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+def _add_serve(subparsers: Subparsers) -> None:
     parser = _subparser(subparsers, "serve", "load test of a live OpenAI-compatible server: TTFT, ITL, throughput, "
                         "cache share, mixed load", run_serve, configs.ServeBenchConfig)
     parser.add_argument("--url", default=None, help="benchmark this running server (engine flags then unused)")

@@ -34,7 +34,7 @@ def seed_option(what: str = "the random prompts") -> Any:
     return option(0, f"seed of {what}", flag=SEED_FLAG)
 
 
-def _flag_fields(config_cls: type) -> list[tuple[dataclasses.Field, Any, str]]:
+def _flag_fields(config_cls: type) -> list[tuple[dataclasses.Field[Any], Any, str]]:
     """(field, resolved type, destination) of every field declared with `option`."""
     hints = typing.get_type_hints(config_cls)
     rows = []
@@ -62,7 +62,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type) -> N
             kind, nargs = typing.get_args(kind)[0], "+"
         elif typing.get_origin(kind) in (typing.Union, types.UnionType):
             kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
-        default = list(field.default) if nargs else field.default
+        default: Any = field.default
+        if nargs:
+            default = list(default)
         parser.add_argument(meta["flag"] or "--" + field.name.replace("_", "-"), dest=dest, type=kind, nargs=nargs,
                             default=default, choices=meta["choices"], help=meta["help"])
 

@@ -14,14 +14,22 @@ and whole-sequence matches).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict
 import time
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
-from hybridserve.bench.common import EngineDriver, common_prefix_length, format_table, greedy, machine_line, \
-    median, random_token_ids, synchronize
+from hybridserve.bench.common import (
+    EngineDriver,
+    common_prefix_length,
+    format_table,
+    greedy,
+    machine_line,
+    median,
+    random_token_ids,
+    synchronize,
+)
 from hybridserve.bench.configs import DecodeBenchConfig
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
@@ -154,7 +162,8 @@ def run_decode_bench(base: EngineConfig, cfg: DecodeBenchConfig) -> dict[str, An
 def format_decode_report(result: dict[str, Any]) -> str:
     """Speed table (ms/token vs floor) and quality table (against float32)."""
     speed_rows = [[name, f"{s['weight_mib']:.1f}", f"{s['weight_read_ms']:.2f}", f"{s['linears_ms']:.2f}",
-                   f"{s['decode_ms_per_token']:.2f}", f"{s['linears_over_floor']:.2f}x", f"{s['decode_over_floor']:.2f}x"]
+                   f"{s['decode_ms_per_token']:.2f}", f"{s['linears_over_floor']:.2f}x",
+                   f"{s['decode_over_floor']:.2f}x"]
                   for name, s in result["speed"].items()]
     lines = [result["machine"], "batch-1 decode (offline engine), medians of alternating rounds:",
              format_table(["weights", "MiB", "read once ms", "linears ms", "decode ms/token", "linears / read",

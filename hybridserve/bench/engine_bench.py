@@ -21,8 +21,18 @@ from typing import Any
 
 import torch
 
-from hybridserve.bench.common import EngineDriver, common_prefix_length, format_table, goal_mark, greedy, \
-    machine_line, matmul_gflops, median, random_token_ids, synchronize
+from hybridserve.bench.common import (
+    EngineDriver,
+    common_prefix_length,
+    format_table,
+    goal_mark,
+    greedy,
+    machine_line,
+    matmul_gflops,
+    median,
+    random_token_ids,
+    synchronize,
+)
 from hybridserve.bench.configs import EngineBenchConfig
 from hybridserve.config import LINEAR_ATTENTION, EngineConfig, ModelConfig
 from hybridserve.engine.engine import GDN_CHUNK_SIZE, LLMEngine
@@ -77,9 +87,15 @@ def load_reference_model(model_dir: Path, device: torch.device | str = "cpu",
     from transformers import Qwen3_5ForCausalLM
     from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    return Qwen3_5ForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]  # transformers declares no types here
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    model: torch.nn.Module = Qwen3_5ForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    return model.to(device).eval()
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    """The device of a model's weights."""
+    return next(model.parameters()).device
 
 
 def _output_cache(output: Any) -> Any:
@@ -91,18 +107,18 @@ def _output_cache(output: Any) -> Any:
 @torch.inference_mode()
 def reference_prefill_s(model: torch.nn.Module, ids: list[int]) -> float:
     """Seconds for one transformers forward over `ids` (last logits only, no cache)."""
-    x = torch.tensor([ids], device=model.device)
-    synchronize(model.device)
+    x = torch.tensor([ids], device=_device(model))
+    synchronize(_device(model))
     start = time.perf_counter()
     model(input_ids=x, use_cache=False, logits_to_keep=1)
-    synchronize(model.device)
+    synchronize(_device(model))
     return time.perf_counter() - start
 
 
 @torch.inference_mode()
 def reference_decode(model: torch.nn.Module, ids: list[int], num_tokens: int) -> tuple[list[float], list[int]]:
     """Greedy decode with transformers' own cache; per-step seconds after the prefill, and tokens."""
-    out = model(input_ids=torch.tensor([ids], device=model.device), use_cache=True, logits_to_keep=1)
+    out = model(input_ids=torch.tensor([ids], device=_device(model)), use_cache=True, logits_to_keep=1)
     cache, token = _output_cache(out), out.logits[0, -1].argmax()
     tokens, steps = [int(token)], []
     for _ in range(num_tokens - 1):

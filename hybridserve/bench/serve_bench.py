@@ -33,8 +33,14 @@ from typing import Any
 
 from hybridserve.bench.common import format_table, goal_mark
 from hybridserve.bench.configs import ServeBenchConfig
-from hybridserve.bench.serve_client import CompletionClient, PromptSource, RequestRecord, ServerProcess, \
-    model_name, percentile
+from hybridserve.bench.serve_client import (
+    CompletionClient,
+    PromptSource,
+    RequestRecord,
+    ServerProcess,
+    model_name,
+    percentile,
+)
 
 MIXED_ITL_GOAL = 3.0         # background ITL p99 under injection / their baseline ITL p50
 POLL_S = 0.005               # controller polling period of the mixed case
@@ -112,7 +118,7 @@ async def _wait_for(condition: Callable[[], bool], deadline: float, what: str) -
         await asyncio.sleep(POLL_S)
 
 
-def _background_ready(records: Sequence[RequestRecord], tasks: Sequence[asyncio.Task], need: int) -> bool:
+def _background_ready(records: Sequence[RequestRecord], tasks: Sequence[asyncio.Task[Any]], need: int) -> bool:
     if any(task.done() for task in tasks):
         raise RuntimeError("mixed case: a background request ended before the injection "
                            f"(error: {next((r.error for r in records if r.error), None)}); raise its max_tokens")

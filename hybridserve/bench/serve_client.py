@@ -76,7 +76,7 @@ class PromptSource:
 class CompletionClient:
     """Streams `/v1/completions` requests and records their timelines."""
 
-    def __init__(self, client: "httpx.AsyncClient", model: str | None, token_logprobs: bool = True) -> None:
+    def __init__(self, client: httpx.AsyncClient, model: str | None, token_logprobs: bool = True) -> None:
         self.client = client
         self.model = model
         self.token_logprobs = token_logprobs
@@ -191,7 +191,7 @@ def free_port() -> int:
     """A port that was free on 127.0.0.1 a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
 
 
 class ServerProcess:
@@ -207,7 +207,7 @@ class ServerProcess:
         self.argv = self.command(list(serve_args), threads)
         self.start_timeout_s = start_timeout_s
         self._log = tempfile.NamedTemporaryFile(prefix="hybridserve-bench-server-", suffix=".log", delete=False)
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
 
     def command(self, serve_args: list[str], threads: int | None) -> list[str]:
         """The server's command line (it listens on 127.0.0.1:`self.port`)."""
@@ -215,7 +215,7 @@ class ServerProcess:
                 "--port", str(self.port), "--log-level", "warning",
                 *(["--threads", str(threads)] if threads is not None else [])]
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT)
         try:
             self._wait_healthy()
@@ -261,7 +261,7 @@ class ServerProcess:
         self._log.close()
 
 
-async def model_name(client: "httpx.AsyncClient") -> str | None:
+async def model_name(client: httpx.AsyncClient) -> str | None:
     """The id of the first model the server lists (None when it lists none)."""
     resp = await client.get("/v1/models")
     data = resp.json().get("data") if resp.status_code == 200 else None
@@ -277,6 +277,7 @@ class ServerBackend:
             raise ValueError(f"unknown HTTP client {http_client!r}; choose from {', '.join(HTTP_CLIENTS)}")
         self.url = url
         self.http_client = http_client
+        self.client: Any = None  # an aiohttp.ClientSession or an httpx.AsyncClient, imported when used
         self.loop = asyncio.new_event_loop()
         self.api = self.loop.run_until_complete(self._connect(clients + 4, token_logprobs))
 
@@ -285,17 +286,19 @@ class ServerBackend:
             import aiohttp
 
             connector = aiohttp.TCPConnector(limit=connections, keepalive_timeout=KEEPALIVE_EXPIRY_S)
-            self.client = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300.0))
-            async with self.client.get(self.url + "/v1/models") as resp:
+            session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300.0))
+            self.client = session
+            async with session.get(self.url + "/v1/models") as resp:
                 model = (await resp.json())["data"][0]["id"]
             kind = AiohttpWholeCompletionClient if self.http_client == "aiohttp-whole" else AiohttpCompletionClient
-            return kind(self.client, self.url, model, token_logprobs)
+            return kind(session, self.url, model, token_logprobs)
         import httpx
 
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections,
                               keepalive_expiry=KEEPALIVE_EXPIRY_S)
-        self.client = httpx.AsyncClient(base_url=self.url, limits=limits, timeout=httpx.Timeout(300.0))
-        return CompletionClient(self.client, await model_name(self.client), token_logprobs)
+        client = httpx.AsyncClient(base_url=self.url, limits=limits, timeout=httpx.Timeout(300.0))
+        self.client = client
+        return CompletionClient(client, await model_name(client), token_logprobs)
 
     def request(self, prompt: list[int], max_tokens: int) -> RequestRecord:
         """One request's record (RuntimeError when it failed)."""

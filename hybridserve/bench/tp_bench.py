@@ -85,7 +85,9 @@ def format_tp_report(result: dict[str, Any]) -> str:
     base = result["rows"][1]
     body = []
     for row in result["rows"]:
-        share = (lambda key: f"{100 * row[key]:.1f}%" if key in row else "-")
+        def share(key: str, row: dict[str, Any] = row) -> str:
+            return f"{100 * row[key]:.1f}%" if key in row else "-"
+
         body.append([row["setup"], f"{1000 * row['prefill_ttft_s']:.0f} ms",
                      f"{base['prefill_ttft_s'] / row['prefill_ttft_s']:.2f}x", f"{row['decode_ms_per_token']:.1f} ms",
                      f"{base['decode_ms_per_token'] / row['decode_ms_per_token']:.2f}x",

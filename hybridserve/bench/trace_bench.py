@@ -156,7 +156,8 @@ def format_trace_report(result: dict[str, Any]) -> str:
                           "snapshots evicted"], rows)
     sim = ("not run (needs --max-concurrency 1)" if result["sim_matches_live"] is None else
            f"{result['sim_hit_tokens']} hit tokens, "
-           + ("identical to the live engine, request by request" if result["sim_matches_live"] else "DIFFERENT from live"))
+           + ("identical to the live engine, request by request" if result["sim_matches_live"]
+              else "DIFFERENT from live"))
     return "\n".join([
         f"SCALED replay of the first {result['num_requests']} requests of {cfg['trace_path']}: each 512-token "
         f"hash block -> {cfg['block_tokens']} pseudo-random tokens, output capped at {cfg['max_output_tokens']} "

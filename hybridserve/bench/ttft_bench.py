@@ -14,8 +14,16 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from hybridserve.bench.common import EngineDriver, format_table, goal_mark, greedy, machine_line, median, \
-    random_token_ids, with_prefix_cache
+from hybridserve.bench.common import (
+    EngineDriver,
+    format_table,
+    goal_mark,
+    greedy,
+    machine_line,
+    median,
+    random_token_ids,
+    with_prefix_cache,
+)
 from hybridserve.bench.configs import TTFTBenchConfig
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine

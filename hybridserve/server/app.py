@@ -38,7 +38,7 @@ __all__ = ["DEFAULT_MAX_BODY_BYTES", "build_app"]
 
 def _preload_stream_backend() -> None:
     """Import anyio's asyncio backend now: a streamed response runs in an anyio task group, and
-    the first one imports it lazily (~90 ms here), which would land in the first request's TTFT."""
+    the first one imports it lazily, which would land in the first request's TTFT."""
     try:
         importlib.import_module("anyio._backends._asyncio")
     except ImportError:  # a future anyio may move it; the lazy import still works then

@@ -81,11 +81,9 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening-ready socket bound to host:port (OSError when the port is taken).
-
-    The protocol is named (IPPROTO_TCP, not 0) because asyncio turns Nagle's algorithm off only on
-    connections whose socket says TCP: with proto 0 every response after the first on a keep-alive
-    connection waited ~40 ms for the client's delayed ACK."""
+    """A listening-ready socket bound to host:port (OSError when the port is taken). The protocol
+    is named (IPPROTO_TCP) because asyncio turns Nagle's algorithm off only on sockets that say TCP;
+    otherwise keep-alive responses wait for the client's delayed ACK."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

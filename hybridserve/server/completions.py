@@ -74,7 +74,8 @@ class CompletionServing(OpenAIServing):
         return CompletionResponse(id=job.request_id, model=job.model, choices=choices,
                                   usage=self._usage(job, list(finals)))
 
-    def _stream_completion(self, job: Job, streams: list[RequestOutputStream]) -> Callable[[SendEvent], Awaitable[None]]:
+    def _stream_completion(self, job: Job,
+                           streams: list[RequestOutputStream]) -> Callable[[SendEvent], Awaitable[None]]:
         text_only = TextChunkTemplate(lambda index, text: CompletionStreamResponse(
             id=job.request_id, model=job.model, created=job.created,
             choices=[CompletionChoice(index=index, text=text)]))

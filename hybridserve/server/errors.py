@@ -76,7 +76,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {"msg": "invalid request", "loc": (), "type": ""}
     if first.get("type") == "json_invalid":
-        detail = (first.get("ctx") or {}).get("error", "")
+        context = first.get("ctx")
+        detail = context.get("error", "") if isinstance(context, dict) else ""
         return APIError(400, f"malformed JSON body: {detail}".strip(), code="invalid_json")
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
@@ -110,9 +111,10 @@ def install_error_handlers(app: FastAPI) -> None:
         logger.exception("unhandled error", exc_info=exc)
         return APIError(500, "internal server error").response()
 
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(StarletteHTTPException, on_http)
+    # Starlette types every handler as taking `Exception` but calls each with its own class.
+    app.add_exception_handler(APIError, on_api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]
     app.add_exception_handler(HybridServeError, on_engine)
     app.add_exception_handler(Exception, on_unexpected)
 

@@ -80,7 +80,7 @@ async def merge_streams(streams: list[RequestOutputStream]) -> AsyncIterator[tup
         async for output in streams[0]:
             yield 0, output
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: RequestOutputStream) -> None:
         try:
@@ -330,8 +330,9 @@ class OpenAIServing:
             return last
 
         try:
-            return await _unless_disconnected(
+            finals: list[RequestOutput] = await _unless_disconnected(
                 asyncio.gather(*(final(s, t) for s, t in zip(streams, trackers))), request)
+            return finals
         except RequestAbortedError as exc:  # the client left: 499, as nginx logs it
             raise engine_error(exc) from None
         except (EngineStepError, EngineDeadError) as exc:
@@ -358,7 +359,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------- logprobs
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
 
     def _token_entries(self, output: CompletionOutput, start: int, k: int) -> list[TokenEntry]:
         """(token text, its logprob, top-k alternatives) for generated tokens from `start` on."""
@@ -419,5 +420,5 @@ class OpenAIServing:
         await send_event("data: [DONE]\n\n")
 
     def _holdback(self, job: Job) -> int:
-        return max((len(stop) for stop in job.params.stop), default=1) - 1
+        return max((len(stop) for stop in job.params.stop or ()), default=1) - 1
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from json.encoder import (
-    encode_basestring,  # json.dumps(text, ensure_ascii=False) without the 0.6 us of set-up
+    encode_basestring,  # json.dumps(text, ensure_ascii=False) without its per-call set-up
 )
 from typing import Any
 

@@ -85,15 +85,15 @@ def parse_block(body: str, types: Mapping[str, Mapping[str, Any]]) -> ParsedTool
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
-    arguments = call.get("arguments", call.get("parameters", {}))
-    if isinstance(arguments, str):
+    given = call.get("arguments", call.get("parameters", {}))
+    if isinstance(given, str):
         try:
-            arguments = json.loads(arguments)
+            given = json.loads(given)
         except json.JSONDecodeError:
             return None
-    if not isinstance(arguments, dict):
+    if not isinstance(given, dict):
         return None
-    return ParsedToolCall(call["name"], json.dumps(arguments, ensure_ascii=False))
+    return ParsedToolCall(call["name"], json.dumps(given, ensure_ascii=False))
 
 
 def _partial_suffix(text: str, marker: str) -> int:
