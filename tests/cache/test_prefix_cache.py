@@ -166,8 +166,8 @@ def test_forward_failure_reverts_the_step(text_checkpoint: Path, monkeypatch: py
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
     reference = cache_llm(text_checkpoint, prefix_cache_mib=0).generate(prompts, params)
     engine = llm.llm_engine
-    model = engine.runner.model
-    original = type(model).forward
+    runner = engine.runner  # its forward runs whichever backend takes the batch (one-call step or modules)
+    original = type(runner).forward
     calls = {"n": 0}
 
     def flaky(self, batch, ctx):
@@ -177,7 +177,7 @@ def test_forward_failure_reverts_the_step(text_checkpoint: Path, monkeypatch: py
             raise RuntimeError("injected forward failure")
         return original(self, batch, ctx)
 
-    monkeypatch.setattr(type(model), "forward", flaky)
+    monkeypatch.setattr(type(runner), "forward", flaky)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
     finished = {}
@@ -195,12 +195,12 @@ def test_forward_failure_reverts_the_step(text_checkpoint: Path, monkeypatch: py
 def test_persistent_forward_failure_finishes_requests_with_error(text_checkpoint: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     llm = cache_llm(text_checkpoint)
-    model = llm.llm_engine.runner.model
+    runner = llm.llm_engine.runner
 
     def broken(self, batch, ctx):
         raise RuntimeError("injected permanent failure")
 
-    monkeypatch.setattr(type(model), "forward", broken)
+    monkeypatch.setattr(type(runner), "forward", broken)
     out = llm.generate([[1, 2, 3]], GREEDY)[0].outputs[0]
     assert out.finished() and out.finish_reason == "error"
     assert_idle(llm)
