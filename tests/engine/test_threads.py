@@ -1,4 +1,4 @@
-"""The thread default and `--threads` (no timing here: `hybridserve bench threads` measures)."""
+"""The thread default and `--threads` (no timing here: `python -m benchmarks.threads` measures)."""
 
 from __future__ import annotations
 
