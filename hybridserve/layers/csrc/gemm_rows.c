@@ -1,48 +1,22 @@
 /* y = x @ W.T for 6 to 128 float32 rows of x on the plain row-major weight, float32 or int8 with a
  * float32 scale per output row (AVX-512 only).
  *
- * A warm request's suffix (64 tokens), a chunk next to decode rows, or a decode batch over 16 rows
- * is too many rows for the GEMV (csrc/gemv.c), which dots each weight row with 8 input rows at a
- * time, and too few for a GEMM library: at 64 rows MKL's sgemm spends most of its time packing the
- * weight (`sgemm_scopy`) and synchronising the K split between its threads (`sched_yield`), and
- * each call waits for a worker that has gone to sleep since the last parallel region (~50 us on
- * the 2-core KVM guest, dozens of times a forward).
+ * These rows (a warm request's suffix, a chunk beside decode rows, a large decode batch) are too many
+ * for the GEMV (csrc/gemv.c) and too few for a GEMM library, which spends them packing the weight,
+ * synchronising its K split and waking sleeping workers.
  *
- * Here each task is a block of TILE_BLOCK output features. Inside it, TILE_W weight rows at a time
- * are dotted with TILE_X input rows at a time: 24 accumulators stay in registers and each
- * k-step loads TILE_W + TILE_X vectors for TILE_W * TILE_X FMAs (the GEMV's pairs load 10 for 16).
- * The TILE_W rows stay in L1 while every group of input rows passes over them, and the next
- * TILE_W rows are prefetched into L2 meanwhile. The blocks run on the task pool (task_pool.h): the
- * calling thread starts at once and a worker that wakes late takes fewer blocks. No packing: the
- * weight is the same matrix the GEMV streams. int8 weights are widened to float32 as they are
- * loaded and each sum is scaled once, as the GEMV does: the built-in model's int8 linears (cold,
- * alternated with the GEMV in one process) take 0.77x, 0.70x and 0.63x the GEMV's time at 8, 16
- * and 32 rows. (bfloat16 weights, widened the same way, measured 1.08x at 8 rows and 0.90x at 16,
- * and keep the GEMV.)
+ * Each task is a block of TILE_BLOCK output features. Inside it, TILE_W weight rows at a time are
+ * dotted with TILE_X input rows at a time: 24 accumulators stay in registers and each k-step loads
+ * TILE_W + TILE_X vectors for TILE_W * TILE_X FMAs. The TILE_W rows stay in L1 while every group of
+ * input rows passes over them. The blocks run on the task pool (task_pool.h): the caller starts at
+ * once and a worker that wakes late takes fewer blocks. No packing: the weight is the matrix the GEMV
+ * streams. int8 weights are widened as they are loaded and each sum is scaled once; bfloat16 ones
+ * keep the GEMV, which was as fast for them.
  *
- * On the AVX-512 host, 2 threads, the built-in model's 32 linears back to back (ms, in one process,
- * against F.linear on MKL and the GEMV): 17 rows 6.7 (MKL 11.0, GEMV 7.1), 32 rows 9.8 (12.8, 12.0),
- * 64 rows 14.3-14.8 (16.9-17.2), 128 rows 30.4 (29.9). Within a forward the gap is wider, since MKL
- * waits for its sleeping worker: the 64-token cold floor 27.0 -> 24.5-25.2 ms.
- *
- * The next weight rows were first prefetched in one burst of 128 lines before each group. Issued
- * instead as one line of each next row per k-step of the group's first tile, the same linears
- * (cold, alternated with the burst build in one process) took 16 rows from 5.6-5.9 to 4.9-5.1 ms
- * and 64 rows from 15.0-15.5 to 13.8-14.0 ms (two groups ahead was slower). With that the tile
- * beats the GEMV from 6 rows (6: 2.5 vs 2.9 ms, as fast as one row streams the weights; 8: 3.0 vs
- * 3.2; 16: 4.6 vs 5.3), not below (5: 3.1 vs 2.8), hence TILE_MIN_ROWS. With 4 or more tiles of
- * input rows (from 19 rows) the first tile's share is too short a burst: there every tile fetches
- * its share of the next rows' bytes in address order, which the hardware prefetcher then runs
- * ahead of (against the first-tile lines, in turns on a busy host: 24 rows 0.94x, 64 rows 0.91x,
- * 128 rows 0.92x the time). With fewer tiles the first-tile lines stay: there the address-order
- * share measured 1.11x (6 rows) and 1.03x (16 rows), the per-row lines spread over the tiles 1.03x.
- *
- * A task was 32 features. With 128 (the MLP variant still computes 32 at a time, so its scratch
- * stays small) each thread streams longer runs of the weight and claims a quarter as many tasks:
- * the model's linears on two threads (C harness, in turns) took 0.88x the time at 6 rows, 0.89-0.97x
- * at 16, 0.92-0.94x at 32-64 and 0.99-1.00x at 8, 24 and 128; the batch-16 engine step 0.92x
- * (medians of 12: 8.05 against 8.73 ms). One thread: no change. 64 features measured between 32
- * and 128, 256 as 128.
+ * The next weight rows are prefetched as one line of each next row per k-step of the group's first
+ * tile; from 4 tiles of input rows (19 rows) every tile instead fetches its share of the next rows'
+ * bytes in address order, which the hardware prefetcher runs ahead of. With this the tile beats the
+ * GEMV from TILE_MIN_ROWS rows. docs/decisions.md lists the variants measured and not kept.
  */
 #include <stdint.h>
 #if defined(__AVX512F__)

@@ -1,25 +1,15 @@
 /* y = x @ W.T for up to 32 float32 rows of x (CPU decode), W float32, int8 or bfloat16.
  *
- * A batch-1 decode step is a stream of every weight, so the GEMV must read memory as fast as the
- * machine allows. Measured on the 2-core AVX2 host over a 105 MB matrix with 2 threads: a plain sum
- * reads it in 6.5-6.9 ms; a loop reading one weight row at a time in 6.9-7.0 ms; the same loop
- * reading four rows at once (four interleaved streams, the usual register blocking) in 8.4-8.5 ms.
- * So each thread reads one weight row after the other, a single sequential stream, and gets its
+ * A batch-1 decode step is a stream of every weight, so the GEMV must read memory as fast as a plain
+ * sum does, and interleaved streams (the usual register blocking over weight rows) read slower. So
+ * each thread reads one weight row after the other, a single sequential stream, and gets its
  * instruction parallelism along the row (four accumulators for one input row, one per input row
  * otherwise). Each weight row is read from memory once and, while it sits in L1, dotted with every
- * input row in groups of GEMV_GROUP, so 8 rows cost well under 8x one row. Blocks of
- * GEMV_BLOCK_ROWS output features run on the task pool (task_pool.h), so a worker that wakes late
- * takes fewer blocks instead of holding up the call.
- * On the built-in model's linears against torch's split `bmm` (linear.py), same process, 2 threads:
- * 0.83-0.88x the time at 1 row, 0.56-0.67x at 8, 0.70-0.91x at 16, 1.16x at 32 (so 16 is the bound).
- * On a 2-core AVX-512 host (Intel), 2 threads, a 109 MB matrix: 1 row as fast as a plain sum (2.3 vs
- * 2.2 ms), 8 rows 2.9 ms, 16 rows 6.9 ms, with 16-lane vectors (7.9 ms with 8 lanes at 16 rows);
- * pairing weight rows for whole groups of 8 input rows (dot_rows_pair, AVX-512 only: with AVX2's
- * 16 registers the 16 accumulators spill, which measured slower on the AVX2 host) took 16 rows to
- * 5.3 ms, and the model's linears at 16 rows from 7.0 to 6.0 ms. Summing a pair's 16 accumulators
- * in one shuffle tree (lane_sums16) instead of one by one took them (cold, in the model's order,
- * alternated with the previous build) 4-6% less time, with bit-identical results; prefetching the
- * pair's weights into L2 rather than L1, 3% less again.
+ * input row in groups of GEMV_GROUP, so 8 rows cost well under 8x one row. Blocks of GEMV_BLOCK_ROWS
+ * output features run on the task pool (task_pool.h), so a worker that wakes late takes fewer blocks.
+ * With AVX-512's 32 registers, weight rows are paired for whole groups of 8 input rows
+ * (dot_rows_pair; with AVX2's 16 registers its accumulators would spill), and a pair's 16 sums are
+ * reduced in one shuffle tree (lane_sums16, bit-identical to summing one by one).
  */
 #include <stdint.h>
 #if defined(__AVX2__)
@@ -126,11 +116,8 @@ static inline float lane_sum(vecf v) {
 
 /* out[r * ld_out] = dot(w, x + r * ld_x) (times `scale` for int8) for r < rows (<= GEMV_GROUP);
  * `rows` and `format` are constants at each call site, so the loops over r unroll and the
- * accumulators live in registers. The weight stream gets a software prefetch, a plain one (into
- * L1) once per cache line: on the AVX-512 host a non-temporal one every vector made 2 rows 3.4x and
- * 16 rows 3.1x slower than none, and with one row (the model's many 1-6 MB matrices, each a fresh
- * stream for the hardware prefetcher) the plain one took bench decode from 1.76-1.78x to 1.66x the
- * weight read in float32 and from 2.45-2.64x to 2.19-2.36x in bfloat16, side by side. */
+ * accumulators live in registers. The weight stream gets a plain software prefetch (into L1) once
+ * per cache line: each of the model's many matrices is a fresh stream for the hardware prefetcher. */
 static inline __attribute__((always_inline)) void dot_rows(const void *w, int format, float scale, int64_t in,
                                                            const float *x, int64_t ld_x, int rows, float *out,
                                                            int64_t ld_out) {
@@ -190,8 +177,7 @@ static inline vecf lane_sums16(const vecf v[16]) {
 
 /* dot_rows for two weight rows and exactly GEMV_GROUP input rows: with AVX-512's 32 registers the
  * 16 accumulators stay in registers and each input vector loaded feeds two FMAs. Here the weights
- * are prefetched into L2 only, which measured 3% faster than into L1 (with 8 input rows per weight
- * line there is time to bring it from L2). The sums of input row r land at out[r * ld_out] and
+ * are prefetched into L2 only (with 8 input rows per weight line there is time to bring it from L2). The sums of input row r land at out[r * ld_out] and
  * out[r * ld_out + 1]. */
 static inline __attribute__((always_inline)) void dot_rows_pair(const void *w0, const void *w1, int format,
                                                                 float scale0, float scale1, int64_t in,
@@ -293,9 +279,7 @@ static void gemv_range_bf16(const void *weight, int64_t in, const float *x, int6
 }
 
 /* The most rows for which this build's GEMV beats PyTorch's GEMMs on the same plain weight: 32 where
- * it pairs weight rows (AVX-512: the built-in model's linears, cold, 2 threads, 7.2 vs 11.4 ms for
- * oneDNN at 17 rows, 9.1 vs 12.2 at 24, 12.8 vs 14.1 at 32, even at 40), else 16 (on the AVX2 host
- * 32 rows took 1.16x the split bmm's time). */
+ * it pairs weight rows (AVX-512), else 16. */
 int gemv_preferred_rows(void) {
     return GEMV_LANES == 16 ? GEMV_MAX_INPUT_ROWS : 16;
 }
