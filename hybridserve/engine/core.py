@@ -1,10 +1,11 @@
-"""The engine core process: `LLMEngine`'s busy loop, alone in its own process.
+"""The engine core: `LLMEngine`'s busy loop (`EngineCore`), in its own process or on a thread.
 
 `run_engine_core` (spawned by `EngineCoreClient`) builds the engine, so whatever it starts (threads,
-tensor-parallel workers) lives under this process, then loops: drain the input socket (add, abort,
+tensor-parallel workers) lives under that process, then loops: drain the inputs (add, abort,
 utility calls), step while there is work, push that step's incremental outputs. HTTP, JSON and SSE
 stay in the API process. Not daemonic (tensor-parallel workers hang off it): it exits when its
-parent pid changes, checked at least once a second.
+parent pid changes, checked at least once a second. `AsyncLLMEngine` runs the same loop on a
+thread, fed by an in-process queue.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from typing import Any, Protocol
 
 import zmq
 
-from hybridserve.engine.async_engine import call_engine, max_request_tokens
 from hybridserve.engine.core_messages import (
     AbortRequests,
     AddRequest,
     AddResult,
     CompletionDelta,
+    CoreInput,
     CoreOutput,
     EngineDead,
     Ready,
@@ -41,7 +42,7 @@ from hybridserve.engine.core_messages import (
 )
 from hybridserve.engine.frames import FrameSender
 from hybridserve.engine.memory import freeze_startup_heap
-from hybridserve.errors import error_kind
+from hybridserve.errors import InvalidRequestError, error_kind
 from hybridserve.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
@@ -131,17 +132,48 @@ class MessageSink(Protocol):
     def send_message(self, message: CoreOutput) -> None: ...
 
 
-class EngineCore:
-    """The busy loop around one `LLMEngine`, fed through a ZMQ socket; its typed output messages
-    go to a `MessageSink`."""
+class CoreInputs(Protocol):
+    """Where the core's input messages come from (`SocketInputs` in the core process)."""
 
-    def __init__(self, engine: Any, inputs: zmq.Socket[bytes], outputs: MessageSink, parent_pid: int) -> None:
+    def poll(self, timeout_ms: int) -> int:
+        """Wait up to `timeout_ms` for a message; nonzero when one is waiting."""
+        ...
+
+    def receive(self) -> CoreInput | None:
+        """The next waiting message, without waiting (None: none is)."""
+        ...
+
+
+class SocketInputs:
+    """The core process's inputs: msgpack messages on a ZMQ PULL socket."""
+
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+        self.sock = sock
+        self._decoder = input_decoder()
+
+    def poll(self, timeout_ms: int) -> int:
+        """Wait up to `timeout_ms` for a message."""
+        return self.sock.poll(timeout_ms)
+
+    def receive(self) -> CoreInput | None:
+        """The next waiting message, decoded (None: none is waiting)."""
+        try:
+            frame = self.sock.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        return self._decoder.decode(frame.buffer)
+
+
+class EngineCore:
+    """The busy loop around one `LLMEngine`, fed by `CoreInputs`; its typed output messages go to
+    a `MessageSink`. With a `parent_pid`, it stops when that process is no longer its parent."""
+
+    def __init__(self, engine: Any, inputs: CoreInputs, outputs: MessageSink, parent_pid: int | None) -> None:
         self.engine = engine
         self.inputs = inputs
         self.outputs = outputs
         self.parent_pid = parent_pid
         self.tracker = DeltaTracker()
-        self._decoder = input_decoder()
         self._live: set[str] = set()
         self._final_only: set[str] = set()  # requests that want only their final output
         self._intervals: dict[str, int] = {}  # requests sent one output per this many new tokens
@@ -188,11 +220,9 @@ class EngineCore:
         """Handle the messages already queued; returns how many were new requests."""
         added = 0
         while not self._stopping:
-            try:
-                frame = self.inputs.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            message = self.inputs.receive()
+            if message is None:
                 return added
-            message = self._decoder.decode(frame.buffer)
             added += isinstance(message, AddRequest)
             self._handle(message)
         return added
@@ -298,11 +328,38 @@ class EngineCore:
             self.send(StepFailed(failed, message))
 
     def _parent_gone(self) -> bool:
+        if self.parent_pid is None:
+            return False
         now = time.monotonic()
         if now < self._next_parent_check:
             return False
         self._next_parent_check = now + PARENT_CHECK_S
         return os.getppid() != self.parent_pid
+
+
+def call_engine(engine: Any, method: str, args: list[Any]) -> Any:
+    """A utility call: the engine's public method `method` called with `args`, or the value of
+    its public attribute of that name when that is not callable (and no arguments are given)."""
+    if not method or method.startswith("_"):
+        raise InvalidRequestError(f"utility call {method!r}: only public engine methods and attributes "
+                                  "can be called")
+    target = getattr(engine, method)  # AttributeError, reported to the caller as such
+    if callable(target):
+        return target(*args)
+    if args:
+        raise InvalidRequestError(f"utility call {method!r}: an attribute takes no arguments")
+    return target
+
+
+def max_request_tokens(engine: Any) -> int:
+    """Most tokens (prompt + completion) one request can hold: the context length, further
+    capped by the KV pool when the engine exposes its size."""
+    blocks = getattr(engine, "num_kv_blocks", None)
+    block_size = getattr(getattr(getattr(engine, "config", None), "cache", None), "block_size", None)
+    limit = int(engine.max_model_len)
+    if isinstance(blocks, int) and isinstance(block_size, int):
+        limit = min(limit, blocks * block_size)
+    return limit
 
 
 def ready_message(engine: Any) -> Ready:
@@ -338,7 +395,7 @@ def run_engine_core(config: Any, input_address: str, output_address: str, parent
             return
         outputs.send_message(ready)
         try:
-            EngineCore(engine, inputs, outputs, parent_pid).run()
+            EngineCore(engine, SocketInputs(inputs), outputs, parent_pid).run()
         finally:
             engine.shutdown()  # stops tensor-parallel workers, if any
     finally:

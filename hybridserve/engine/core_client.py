@@ -1,4 +1,6 @@
-"""`EngineCoreClient`: the API process's `EngineClient` of an engine core process.
+"""The API process's side of an engine core: `CoreClient`, the request bookkeeping both front ends
+share (streams, deltas, aborts, errors, utility calls), and `EngineCoreClient`, its client of an
+engine core process (`AsyncLLMEngine` runs the core on a thread instead).
 
 Requests go out as typed messages (`core_messages`) over a ZMQ PUSH socket, so a long prompt never
 blocks the event loop. Per-step deltas come back in frames on a Unix socket (`frames`), read by a
@@ -10,6 +12,7 @@ in-flight requests fail with `EngineDeadError` and new ones are refused.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
 import itertools
@@ -22,18 +25,18 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import zmq
 
-from hybridserve.engine.async_engine import EngineClientBase
 from hybridserve.engine.core import SOCKET_DIR_PREFIX, run_engine_core
 from hybridserve.engine.core_messages import (
     AbortRequests,
     AddRequest,
     AddResult,
     CompletionDelta,
+    CoreInput,
     CoreOutput,
     EngineDead,
     Ready,
@@ -85,9 +88,10 @@ class _Completion:
                                 finish_reason=self.finish_reason, stop_reason=self.stop_reason)
 
 
-class ProcessRequestStream:
-    """Async iterator over one request's cumulative `RequestOutput`s (same contract as
-    `RequestStream`: ends with the finished output; an engine failure is raised)."""
+class RequestStream:
+    """Async iterator over one request's cumulative `RequestOutput`s (`protocol.RequestOutputStream`):
+    built from the core's deltas when read, so a slow consumer coalesces steps; ends with the
+    finished output; an engine failure is raised."""
 
     def __init__(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                  loop: asyncio.AbstractEventLoop, arrival: float, tokenizer: Any = None) -> None:
@@ -164,7 +168,7 @@ class ProcessRequestStream:
         self._fresh = True
         self._wakeup.set()
 
-    def __aiter__(self) -> ProcessRequestStream:
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -183,7 +187,209 @@ class ProcessRequestStream:
                              num_cached_tokens=self._cached, metrics=dict(self._metrics))
 
 
-class EngineCoreClient(EngineClientBase):
+class CoreClient(abc.ABC):
+    """What both front ends (`EngineClient`s) share: the request, stream and utility-call tables,
+    admission, aborts, and the dispatch of the core's output messages into streams and futures.
+    A subclass carries the messages to its core (`_send`) and hands back what it sends
+    (`_dispatch`, on any thread)."""
+
+    tokenizer: Any
+    model_config: Any
+    max_model_len: int
+    max_request_tokens: int
+
+    def __init__(self, max_waiting_requests: int | None) -> None:
+        self.max_waiting_requests = max_waiting_requests
+        self._lock = threading.Lock()  # guards sending to the core and the tables below
+        self._streams: dict[str, RequestStream] = {}
+        self._adds: dict[str, concurrent.futures.Future[None]] = {}
+        self._calls: dict[int, concurrent.futures.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._engine_waiting = 0
+        self._pending_adds = 0
+        self._dead_reason: str | None = None
+        self._stopping = False
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Start the core (idempotent)."""
+
+    @abc.abstractmethod
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the core; requests in flight fail with `EngineDeadError`."""
+
+    @abc.abstractmethod
+    def _is_open(self) -> bool:
+        """Whether messages can be sent to the core."""
+
+    @abc.abstractmethod
+    def _send(self, message: CoreInput, block: bool = True) -> None:
+        """Send one message to the core (under `_lock`); unless `block`, a full or closed
+        channel drops it."""
+
+    # ------------------------------------------------------------------ public API
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          cache_salt: str | None = None) -> RequestStream:
+        """Submit a request and wait until the core accepted it (the engine's `ValueError` for
+        bad input, `EngineOverloadedError` when the queue is full, `EngineDeadError` when down)."""
+        self.start()
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, prompt, params, loop, time.monotonic(), self.tokenizer)
+        ack: concurrent.futures.Future[None] = concurrent.futures.Future()
+        message = AddRequest(request_id, prompt if isinstance(prompt, str) else list(prompt),
+                             params_to_wire(params), cache_salt)
+        with self._lock:
+            self._check_alive()
+            if request_id in self._streams or request_id in self._adds:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            limit = self.max_waiting_requests
+            if limit is not None and self._pending_adds + self._engine_waiting >= limit:
+                raise EngineOverloadedError(f"too many waiting requests (limit {limit}); retry later")
+            self._send(message)  # the lock holds the answer back until the tables know the request
+            self._pending_adds += 1
+            self._adds[request_id] = ack
+            self._streams[request_id] = stream
+        try:
+            await asyncio.wrap_future(ack)
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (any thread; unknown or finished ids are a no-op)."""
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+            if stream is None or not self._is_open() or self._dead_reason is not None:
+                return
+            self._send(AbortRequests([request_id]), block=False)
+        _call_in(stream.loop, stream.abort)
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """Call the engine's public method `method(*args)` in the core between steps (or read its
+        public attribute of that name) and return the result. To a core process, arguments and
+        result travel as msgpack: plain values only (a result that cannot is an error)."""
+        self.start()
+        result: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            self._check_alive()
+            call_id = next(self._call_ids)
+            self._send(UtilityCall(call_id, method, list(args)))  # TypeError: not sent
+            self._calls[call_id] = result
+        return await asyncio.wrap_future(result)
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs until the request finishes; leaving early aborts it."""
+        stream = await self.add_request(request_id, prompt, params, cache_salt)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    async def stats(self) -> dict[str, float]:
+        """The engine's `stats()` dict, read between steps."""
+        stats: dict[str, float] = await self.call("stats")
+        return stats
+
+    async def check_integrity(self) -> None:
+        """Run the engine's pool integrity checks (raises AssertionError on a violation)."""
+        await self.call("check_integrity")
+
+    @property
+    def num_waiting_estimate(self) -> int:
+        """Requests queued for admission plus those waiting inside the engine (approximate)."""
+        return self._pending_adds + self._engine_waiting
+
+    def _check_alive(self) -> None:
+        if self._stopping or not self._is_open():
+            raise EngineDeadError("engine is not running")
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+
+    # ------------------------------------------------------------------ the core's messages
+    def _dispatch_guarded(self, messages: list[CoreOutput]) -> None:
+        try:
+            self._dispatch(messages)
+        except Exception:
+            logger.exception("engine core client: dispatch failed")
+
+    def _dispatch(self, messages: list[Any]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+        with self._lock:
+            for message in messages:
+                if isinstance(message, StepOutputs):
+                    self._engine_waiting = message.num_waiting
+                    for delta in message.deltas:
+                        stream = (self._streams.pop(delta.request_id, None) if delta.finished
+                                  else self._streams.get(delta.request_id))
+                        if stream is not None:
+                            by_loop.setdefault(stream.loop, []).append((stream, delta))
+                elif isinstance(message, AddResult):
+                    self._on_added(message)
+                elif isinstance(message, UtilityResult):
+                    self._on_result(message)
+                elif isinstance(message, EngineDead):
+                    self._dead_reason = message.reason
+                elif isinstance(message, StepFailed):  # at shutdown the core fails what is left
+                    error = (EngineDeadError("engine has been shut down") if self._stopping
+                             else EngineStepError(message.message))
+                    for request_id in message.request_ids:
+                        stream = self._streams.pop(request_id, None)
+                        if stream is not None:
+                            by_loop.setdefault(stream.loop, []).append((stream, error))
+        for loop, items in by_loop.items():
+            if _running_loop() is loop:  # read on that loop (`read_on_loop`)
+                _apply_all(items)
+            else:
+                _call_in(loop, _apply_all, items)
+
+    def _on_added(self, message: AddResult) -> None:
+        self._pending_adds -= 1
+        ack = self._adds.pop(message.request_id, None)
+        if ack is None or ack.done():  # cancelled while waiting: abort() already cleaned up
+            return
+        if message.error_kind is None:
+            ack.set_result(None)
+            return
+        self._streams.pop(message.request_id, None)
+        ack.set_exception(error_from_kind(message.error_kind, message.message))
+
+    def _on_result(self, message: UtilityResult) -> None:
+        future = self._calls.pop(message.call_id, None)
+        if future is None or future.done():
+            return
+        if message.error_kind is None:
+            future.set_result(message.value)
+        else:
+            future.set_exception(error_from_kind(message.error_kind, message.message))
+
+    def _mark_dead(self, reason: str) -> None:
+        """The core is gone: refuse new requests and fail everything in flight."""
+        reason = self._dead_reason or reason
+        logger.error("%s; failing in-flight requests", reason)
+        self._dead_reason = reason
+        self._fail_everything(EngineDeadError(reason))
+
+    def _fail_everything(self, error: EngineDeadError) -> None:
+        with self._lock:
+            streams, self._streams = self._streams, {}
+            adds, self._adds = self._adds, {}
+            calls, self._calls = self._calls, {}
+            self._pending_adds = 0
+        for future in [*adds.values(), *calls.values()]:
+            if not future.done():
+                future.set_exception(error)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+        for stream in streams.values():
+            by_loop.setdefault(stream.loop, []).append((stream, error))
+        for loop, items in by_loop.items():
+            _call_in(loop, _apply_all, items)
+
+
+class EngineCoreClient(CoreClient):
     """Starts an engine core process for an `EngineConfig` and serves it to asyncio code.
 
     `start()` spawns the process and blocks until the engine is built, raising a build failure
@@ -192,21 +398,14 @@ class EngineCoreClient(EngineClientBase):
 
     def __init__(self, config: Any, *, max_waiting_requests: int | None = None,
                  start_timeout_s: float = 600.0) -> None:
+        super().__init__(max_waiting_requests)
         self.config = config
-        self.max_waiting_requests = max_waiting_requests
         self.start_timeout_s = start_timeout_s
         self.tokenizer: Any = None
         self.model_config: Any = None
         self.max_model_len = 0
         self.max_request_tokens = 0
         self.startup_stats: dict[str, float] = {}
-        self._lock = threading.Lock()  # guards the input socket and the tables below
-        self._streams: dict[str, ProcessRequestStream] = {}
-        self._adds: dict[str, concurrent.futures.Future[None]] = {}
-        self._calls: dict[int, concurrent.futures.Future[Any]] = {}
-        self._call_ids = itertools.count()
-        self._engine_waiting = 0
-        self._pending_adds = 0
         self._process: multiprocessing.process.BaseProcess | None = None
         self._reader: threading.Thread | None = None
         self._listener: socket.socket | None = None
@@ -214,8 +413,6 @@ class EngineCoreClient(EngineClientBase):
         self._home: asyncio.AbstractEventLoop | None = None  # the loop asked to read the outputs
         self._home_reading = False  # True once that loop reads them (the reader thread has ended)
         self._backlog: list[CoreOutput] = []  # messages read with the start-up message
-        self._dead_reason: str | None = None
-        self._stopping = False
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self._encoder = input_encoder()
 
@@ -243,10 +440,12 @@ class EngineCoreClient(EngineClientBase):
         return None if self._process is None else self._process.pid
 
     def start(self) -> None:
-        """Spawn the core and wait until its engine is built (idempotent)."""
+        """Spawn the core and wait until its engine is built (idempotent; reading on a thread
+        again when the loop given to `read_on_loop` has been closed)."""
         if self._stopping:
             raise EngineDeadError("engine has been shut down")
         if self._process is not None:
+            self._resume_reader_thread()
             return
         self._ipc_dir = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)
         input_address = f"ipc://{self._ipc_dir}/input"
@@ -277,7 +476,6 @@ class EngineCoreClient(EngineClientBase):
         self._reader.start()
 
     def _resume_reader_thread(self) -> None:
-        """Read on a thread again when the loop given to `read_on_loop` has been closed."""
         home = self._home
         if not self._home_reading or home is None or not home.is_closed():
             return
@@ -338,16 +536,26 @@ class EngineCoreClient(EngineClientBase):
         self._stopping = True
         if self._process is None:
             return
-        try:
-            with self._lock:
-                self._inputs.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+        with self._lock:
+            self._send(Shutdown(), block=False)
         self._stop_process(graceful=True, timeout=timeout)
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout)
         self._fail_everything(EngineDeadError("engine has been shut down"))
         self._close_sockets()
+
+    def _is_open(self) -> bool:
+        return self._context is not None
+
+    def _send(self, message: CoreInput, block: bool = True) -> None:
+        payload = self._encoder.encode(message)
+        if block:
+            self._inputs.send(payload)
+            return
+        try:
+            self._inputs.send(payload, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
 
     def _stop_process(self, graceful: bool, timeout: float = 10.0) -> None:
         process = self._process
@@ -373,74 +581,6 @@ class EngineCoreClient(EngineClientBase):
                     self._context.term()
                     self._context = None
         shutil.rmtree(getattr(self, "_ipc_dir", ""), ignore_errors=True)
-
-    # ------------------------------------------------------------------ public API
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          cache_salt: str | None = None) -> ProcessRequestStream:
-        """Submit a request and wait until the core accepted it (the engine's `ValueError` for
-        bad input, `EngineOverloadedError` when the queue is full, `EngineDeadError` when down)."""
-        self.start()
-        self._resume_reader_thread()
-        loop = asyncio.get_running_loop()
-        stream = ProcessRequestStream(request_id, prompt, params, loop, _now(), self.tokenizer)
-        ack: concurrent.futures.Future[None] = concurrent.futures.Future()
-        message = AddRequest(request_id, prompt if isinstance(prompt, str) else list(prompt),
-                             params_to_wire(params), cache_salt)
-        with self._lock:
-            self._check_alive()
-            if request_id in self._streams or request_id in self._adds:
-                raise ValueError(f"duplicate request id {request_id!r}")
-            limit = self.max_waiting_requests
-            if limit is not None and self._pending_adds + self._engine_waiting >= limit:
-                raise EngineOverloadedError(f"too many waiting requests (limit {limit}); retry later")
-            self._pending_adds += 1
-            self._adds[request_id] = ack
-            self._streams[request_id] = stream
-            self._inputs.send(self._encoder.encode(message))
-        try:
-            await asyncio.wrap_future(ack)
-        except asyncio.CancelledError:
-            self.abort(request_id)
-            raise
-        return stream
-
-    def abort(self, request_id: str) -> None:
-        """Abort a request (any thread; unknown or finished ids are a no-op)."""
-        with self._lock:
-            stream = self._streams.pop(request_id, None)
-            if stream is None or self._context is None or self._dead_reason is not None:
-                return
-            try:
-                self._inputs.send(self._encoder.encode(AbortRequests([request_id])), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-        _call_in(stream.loop, stream.abort)
-
-    async def call(self, method: str, *args: Any) -> Any:
-        """Call the engine's public method `method(*args)` in the core between steps (or read its
-        public attribute of that name) and return the result. Arguments and result travel as
-        msgpack: plain values only (a result that cannot is an error)."""
-        self.start()
-        self._resume_reader_thread()
-        result: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        with self._lock:
-            self._check_alive()
-            call_id = next(self._call_ids)
-            payload = self._encoder.encode(UtilityCall(call_id, method, list(args)))  # TypeError: not queued
-            self._calls[call_id] = result
-            self._inputs.send(payload)
-        return await asyncio.wrap_future(result)
-
-    @property
-    def num_waiting_estimate(self) -> int:
-        """Requests queued for admission plus those waiting inside the engine (approximate)."""
-        return self._pending_adds + self._engine_waiting
-
-    def _check_alive(self) -> None:
-        if self._stopping or self._context is None:
-            raise EngineDeadError("engine is not running")
-        if self._dead_reason is not None:
-            raise EngineDeadError(self._dead_reason)
 
     # ------------------------------------------------------------------ output readers
     def _read_loop(self) -> None:
@@ -520,87 +660,12 @@ class EngineCoreClient(EngineClientBase):
         loop.remove_reader(outputs.fileno())
         outputs.close()
 
-    def _dispatch_guarded(self, messages: list[CoreOutput]) -> None:
-        try:
-            self._dispatch(messages)
-        except Exception:
-            logger.exception("engine core client: dispatch failed")
-
-    def _dispatch(self, messages: list[Any]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[ProcessRequestStream, Any]]] = {}
-        with self._lock:
-            for message in messages:
-                if isinstance(message, StepOutputs):
-                    self._engine_waiting = message.num_waiting
-                    for delta in message.deltas:
-                        stream = (self._streams.pop(delta.request_id, None) if delta.finished
-                                  else self._streams.get(delta.request_id))
-                        if stream is not None:
-                            by_loop.setdefault(stream.loop, []).append((stream, delta))
-                elif isinstance(message, AddResult):
-                    self._on_added(message)
-                elif isinstance(message, UtilityResult):
-                    self._on_result(message)
-                elif isinstance(message, EngineDead):
-                    self._dead_reason = message.reason
-                elif isinstance(message, StepFailed):  # at shutdown the core fails what is left
-                    error = (EngineDeadError("engine has been shut down") if self._stopping
-                             else EngineStepError(message.message))
-                    for request_id in message.request_ids:
-                        stream = self._streams.pop(request_id, None)
-                        if stream is not None:
-                            by_loop.setdefault(stream.loop, []).append((stream, error))
-        for loop, items in by_loop.items():
-            if _running_loop() is loop:  # read on that loop (`read_on_loop`)
-                _apply_all(items)
-            else:
-                _call_in(loop, _apply_all, items)
-
-    def _on_added(self, message: AddResult) -> None:
-        self._pending_adds -= 1
-        ack = self._adds.pop(message.request_id, None)
-        if ack is None or ack.done():  # cancelled while waiting: abort() already cleaned up
-            return
-        if message.error_kind is None:
-            ack.set_result(None)
-            return
-        self._streams.pop(message.request_id, None)
-        ack.set_exception(error_from_kind(message.error_kind, message.message))
-
-    def _on_result(self, message: UtilityResult) -> None:
-        future = self._calls.pop(message.call_id, None)
-        if future is None or future.done():
-            return
-        if message.error_kind is None:
-            future.set_result(message.value)
-        else:
-            future.set_exception(error_from_kind(message.error_kind, message.message))
-
     def _core_died(self) -> None:
         code = self._process.exitcode if self._process is not None else None
         detail = "" if code is None else f" (exit code {code})"
-        reason = self._dead_reason or f"engine core process died{detail}"
-        logger.error("%s; failing in-flight requests", reason)
-        self._dead_reason = reason
-        self._fail_everything(EngineDeadError(reason))
+        self._mark_dead(f"engine core process died{detail}")
 
-    def _fail_everything(self, error: EngineDeadError) -> None:
-        with self._lock:
-            streams, self._streams = self._streams, {}
-            adds, self._adds = self._adds, {}
-            calls, self._calls = self._calls, {}
-            self._pending_adds = 0
-        for future in [*adds.values(), *calls.values()]:
-            if not future.done():
-                future.set_exception(error)
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[ProcessRequestStream, Any]]] = {}
-        for stream in streams.values():
-            by_loop.setdefault(stream.loop, []).append((stream, error))
-        for loop, items in by_loop.items():
-            _call_in(loop, _apply_all, items)
-
-
-def _apply_all(items: list[tuple[ProcessRequestStream, Any]]) -> None:
+def _apply_all(items: list[tuple[RequestStream, Any]]) -> None:
     """On an event loop: fold a step's deltas (or errors) into their streams."""
     for stream, item in items:
         if isinstance(item, BaseException):
@@ -623,8 +688,3 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
     except RuntimeError:
         return None
 
-
-def _now() -> float:
-    import time
-
-    return time.monotonic()

@@ -103,7 +103,7 @@ class LLMEngine:
         self._released: list[SequenceKey] = []  # sequences ended since the last plan (their generators go)
         # False in the engine core process: only requests with stop strings (checked on the text)
         # are detokenized here; the API process turns the others' token ids into text, off the
-        # step loop (core_client.ProcessRequestStream)
+        # step loop (core_client.RequestStream)
         self.detokenize_all_requests = True
         logger.info("hybridserve engine: %s", self.describe())
 

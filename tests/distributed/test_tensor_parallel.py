@@ -21,7 +21,7 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.distributed import launch, shm_allreduce
 from hybridserve.distributed import worker as worker_process
 from hybridserve.distributed.executor import TensorParallelExecutor
-from hybridserve.engine.engine import EngineDeadError
+from hybridserve.engine.engine import EngineDeadError, LLMEngine
 from hybridserve.engine.executor import InProcessExecutor
 from hybridserve.engine.worker import PlanResult, Worker
 from tests.helpers.targets import CPU
@@ -244,35 +244,17 @@ def test_multimodal_checkpoint_greedy_tokens_match(multimodal_checkpoint: Path) 
         two.llm_engine.shutdown()
 
 
-class _DyingEngine:
-    """A sync engine whose first step reports a dead worker (as `LLMEngine` does after one)."""
+def _dying_engine() -> LLMEngine:
+    """A TP=1 engine whose first step finds a worker dead (as a tensor-parallel step would)."""
+    from hybridserve.engine.executor import WorkerDiedError
 
-    def __init__(self) -> None:
-        from hybridserve.models.builtin import builtin_tokenizer
+    engine = LLM(None, kv_cache_mib=16, prefix_cache_mib=0, **CPU.engine_kwargs()).llm_engine
 
-        self.tokenizer, self.max_model_len, self.dead_reason = builtin_tokenizer(), 64, None
-        self.pending: list[str] = []
+    def dead_worker(plan: object) -> PlanResult:
+        raise WorkerDiedError("worker hybridserve-tp1 exited with code -9")
 
-    def add_request(self, request_id, prompt, params, cache_salt=None) -> None:
-        self.pending.append(request_id)
-
-    def step(self):
-        from hybridserve.sampling_params import CompletionOutput, RequestOutput
-
-        self.dead_reason = "tensor-parallel worker failure: worker hybridserve-tp1 exited with code -9"
-        done, self.pending = self.pending, []
-        return [RequestOutput(request_id=r, prompt=None, prompt_token_ids=[1], finished=True,
-                              outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="error")])
-                for r in done]
-
-    def abort_request(self, request_id) -> None:
-        pass
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.pending)
-
-    def stats(self) -> dict[str, float]:
-        return {}
+    engine.executor.execute = dead_worker  # type: ignore[method-assign]
+    return engine
 
 
 def test_server_answers_503_after_a_worker_died() -> None:
@@ -284,7 +266,7 @@ def test_server_answers_503_after_a_worker_died() -> None:
     from hybridserve.server.app import build_app
 
     async def scenario() -> None:
-        engine = AsyncLLMEngine(_DyingEngine())
+        engine = AsyncLLMEngine(_dying_engine())
         app = build_app(engine, model_name="m")
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
             outputs = [o async for o in engine.generate("r1", [1, 2], GREEDY)]

@@ -23,7 +23,14 @@ import zmq
 
 from hybridserve.api import LLM
 from hybridserve.engine import core as core_module
-from hybridserve.engine.core import BURST_GAP_S, BURST_POLL_MS, PARENT_CHECK_S, SOCKET_DIR_PREFIX, EngineCore
+from hybridserve.engine.core import (
+    BURST_GAP_S,
+    BURST_POLL_MS,
+    PARENT_CHECK_S,
+    SOCKET_DIR_PREFIX,
+    EngineCore,
+    SocketInputs,
+)
 from hybridserve.engine.core_client import EngineCoreClient
 from hybridserve.engine.core_messages import (
     AbortRequests,
@@ -363,6 +370,7 @@ class _ScriptedInputs:
 
     def __init__(self, sock: zmq.Socket, clock: _VirtualClock) -> None:
         self.sock, self.clock = sock, clock
+        self.socket_inputs = SocketInputs(sock)
         self.waits: list[int] = []
         self.during_wait: dict[int, Callable[[], None]] = {}  # wait number (from 1) -> what arrives
 
@@ -376,8 +384,8 @@ class _ScriptedInputs:
             self.clock.now += timeout_ms / 1000
         return ready
 
-    def recv(self, *args: Any, **kwargs: Any) -> Any:
-        return self.sock.recv(*args, **kwargs)
+    def receive(self) -> Any:
+        return self.socket_inputs.receive()
 
 
 def _core_with_sockets(clock: _VirtualClock) -> tuple[EngineCore, _RecordingEngine, _ScriptedInputs,

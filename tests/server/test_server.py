@@ -369,7 +369,7 @@ def test_bad_requests_do_not_disturb_a_good_one(http: httpx.Client, client: open
     worker.join(60)
     assert result["out"].usage.completion_tokens == 8
     wait_until(lambda: is_idle(engine))
-    asyncio.run(engine.call(lambda e: e.check_integrity()))
+    asyncio.run(engine.check_integrity())
 
 
 # --------------------------------------------------------------------------- auth and limits
@@ -422,18 +422,18 @@ def test_full_waiting_queue_answers_503() -> None:
 def test_step_failure_fails_requests_and_keeps_serving(http: httpx.Client, engine: AsyncLLMEngine) -> None:
     wait_until(lambda: is_idle(engine))
     sync_engine = engine.engine
-    original = sync_engine.step
+    original = sync_engine.step_groups
 
     def broken_step() -> list:
-        sync_engine.step = original
+        sync_engine.step_groups = original
         raise RuntimeError("injected step failure")
 
-    sync_engine.step = broken_step
+    sync_engine.step_groups = broken_step
     body = {"model": MODEL, "prompt": "fail once", "max_tokens": 2}
     check_error(http.post("/v1/completions", json=body), 500)
     assert http.post("/v1/completions", json=body).status_code == 200
 
-    sync_engine.step = broken_step  # mid-stream: an error event, then [DONE]
+    sync_engine.step_groups = broken_step  # mid-stream: an error event, then [DONE]
     with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
         assert response.status_code == 200
         lines = [line for line in response.iter_lines() if line]
@@ -443,14 +443,14 @@ def test_step_failure_fails_requests_and_keeps_serving(http: httpx.Client, engin
 
 def test_concurrent_requests_share_batches(client: openai.OpenAI, engine: AsyncLLMEngine) -> None:
     sync_engine = engine.engine
-    original = sync_engine.step
+    original = sync_engine.step_groups
     seen: list[int] = []
 
     def recording_step() -> list:
         seen.append(sync_engine.num_running_requests)
         return original()
 
-    sync_engine.step = recording_step
+    sync_engine.step_groups = recording_step
     try:
         def one(i: int) -> None:
             client.completions.create(model=MODEL, prompt=f"batch {i}", max_tokens=12, temperature=0,
@@ -462,7 +462,7 @@ def test_concurrent_requests_share_batches(client: openai.OpenAI, engine: AsyncL
         for worker in workers:
             worker.join(60)
     finally:
-        sync_engine.step = original
+        sync_engine.step_groups = original
     assert max(seen) >= 2
 
 
