@@ -1,10 +1,8 @@
 """`hybridserve bench chat`: interleaved multi-turn conversations, cache on vs off.
 
-Each conversation starts from its own system prompt; every turn appends a new user message (random
-tokens) to the history, the model generates a greedy reply, and the reply joins the history for
-the next turn — the token stream a chat template produces. Conversations take turns round-robin,
-one request in the engine at a time, so TTFT is the time to prefill the new turn. The two engines
-(cache on, cache off) serve each turn back to back, alternating which goes first.
+Each turn appends a random-token user message and the greedy reply to its conversation's history;
+conversations take turns round-robin, one request in the engine at a time, so TTFT is the time to
+prefill the new turn. The two engines serve each turn back to back, alternating which goes first.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """`hybridserve bench ...`: subcommands that print a table and optionally write JSON.
 
-Each subcommand's flags are the engine flags (`engine_args`) plus the fields of its settings
-dataclass (`bench.configs`); building the parser imports no torch, the handlers import the
-benchmark they run. Developer harnesses live outside the package: `python -m benchmarks.peer|soak|threads`.
+Flags are the engine flags plus the fields of each subcommand's settings dataclass (`bench.configs`);
+building the parser imports no torch. Developer harnesses live in `benchmarks/`.
 """
 
 from __future__ import annotations

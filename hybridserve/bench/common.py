@@ -1,7 +1,7 @@
 """Helpers shared by the benchmarks: prompts, engine driving, timing statistics, tables, JSON.
 
-Timing rule for every benchmark: measure the things being compared side by side in one process,
-alternate between them, discard warm-ups and report medians (the machines this runs on are noisy).
+Every benchmark measures its contenders side by side in one process, alternating, discarding
+warm-ups and reporting medians (the machines are noisy).
 """
 
 from __future__ import annotations

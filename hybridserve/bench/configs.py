@@ -1,10 +1,8 @@
 """The settings of every `hybridserve bench` command, and the flags generated from them.
 
-A field declared with `option(default, help)` is also a command-line flag: `--field-name` (or the
-`flag` given) of the field's type with the field's default; a tuple field takes several values;
-a bool field is a switch (`--name` when it defaults to False, `--no-name` when it defaults to
-True). Fields declared without `option` keep their default. This module imports no torch, so
-`hybridserve bench --help` stays fast.
+A field declared with `option(default, help)` is also a flag `--field-name` (or the `flag` given):
+a tuple takes several values, a bool is a switch (`--no-name` when it defaults to True). Imports no
+torch, so `hybridserve bench --help` stays fast.
 """
 
 from __future__ import annotations

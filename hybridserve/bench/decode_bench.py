@@ -1,14 +1,9 @@
 """`bench decode`: batch-1 decode against the memory-bandwidth floor, and what lower precision costs.
 
-For each weight format (float32, bfloat16, int8 weight-only) one engine is built on the same
-checkpoint; the rounds alternate between them. Speed: the median ms per decoded token of a
-batch-1 request, next to the floor, the time to read that engine's weight bytes once (a torch
-sum over a buffer of that size, larger than the caches for float32), and the time of the
-model's linears alone on one row (what the GEMV kernels cost without anything around them). Quality, against float32 on
-the same prompts: the largest and mean absolute logit error over every prompt position, top-1
-agreement over those positions (next to float32's median gap between its best two logits, which
-says how easily a top-1 flips), and greedy agreement (positions until the first differing token,
-and whole-sequence matches).
+One engine per weight format (float32, bfloat16, int8), rounds alternating. Speed: median ms per
+decoded token next to the time to read the engine's weight bytes once and the time of its linears
+alone on one row. Quality against float32 on the same prompts: logit errors and top-1 agreement
+at every prompt position, and greedy agreement.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """`hybridserve bench engine`: hybridserve vs transformers on the same weights, in one process.
 
-(a) cold prefill: hybridserve TTFT of a fresh (never cached) prompt vs one transformers forward of
-    the same ids (inference mode, the engine's device and dtype, `logits_to_keep=1`, no cache);
-(b) batch-1 decode: hybridserve steady-state ms/token vs transformers with its own cache;
-(c) aggregate decode tokens/s at batch B vs batch 1 (hybridserve);
-(d) model FLOP rate of the prefill as a fraction of the device's matmul rate in the engine's dtype.
-
-Measurements alternate between the contenders every iteration; warm-ups are discarded; medians.
+(a) cold prefill TTFT against one transformers forward, (b) batch-1 decode ms/token, (c) decode
+tokens/s at batch B over batch 1, (d) prefill FLOP rate against the device's matmul rate.
+Contenders alternate every iteration; warm-ups are discarded; medians.
 """
 
 from __future__ import annotations

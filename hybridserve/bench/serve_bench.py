@@ -1,24 +1,10 @@
 """`hybridserve bench serve`: load test of a live OpenAI-compatible server over HTTP.
 
-By default a `hybridserve serve` subprocess is started on a free 127.0.0.1 port with the bench's
-engine flags, awaited on `/health` and stopped (SIGTERM) at the end; `--url` targets a running
-server instead. Every request is a streamed `POST /v1/completions` with token-id prompts,
-greedy sampling, `ignore_eos` and a fixed `max_tokens`, plus `stream_options.include_usage` so
-the final chunk reports prompt, completion and cached tokens.
-
-Workloads, each run at every concurrency level (clients issue requests back to back until the
-level's request budget is spent):
-  * shared-prefix: one common prefix (warmed once beforehand) + a unique suffix per request;
-  * no-reuse: unique random prompts of the same total length.
-Per level: TTFT p50/p99 (send -> first chunk with a choice), ITL p50/p99 (gaps between chunks
-with a choice; every such chunk carries a new token, and with `logprobs: 0` requested, the
-default, every token gets its own chunk), requests/s, output tokens/s,
-cached-token share (sum cached_tokens / sum prompt_tokens).
-
-Mixed load: N background requests decode long outputs; once each is past its first token and
-has streamed a baseline, one long request is injected whose prefix was sent once beforehand
-(warm) plus a fresh suffix. The background ITL p99 during the injection window (send of the
-injected request -> its last chunk) is compared with their baseline ITL p50 before it.
+Starts a `hybridserve serve` subprocess (or targets `--url`) and drives streamed, greedy
+`/v1/completions` with token-id prompts at each concurrency level, for a shared-prefix and a
+no-reuse workload: TTFT (send -> first chunk with a choice), ITL (gaps between such chunks),
+requests/s, output tokens/s and the cached-token share. The mixed-load run injects a long warm
+request into decoding background streams and compares their ITL p99 during it with their p50 before.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""HTTP pieces shared by the server benchmarks: a `hybridserve serve` subprocess, streamed
-`/v1/completions` clients (httpx and aiohttp) that record each request's timeline, and a
-synchronous backend over them.
-
-Every request has token-id prompts, greedy sampling, `ignore_eos`, a fixed `max_tokens`, and
-`stream_options.include_usage`, so that the final chunk reports prompt, completion and cached
-tokens.
+"""HTTP pieces shared by the server benchmarks: a `hybridserve serve` subprocess, `/v1/completions`
+clients (httpx and aiohttp) that record each request's timeline, and a synchronous backend over them.
+Requests are greedy with token-id prompts, `ignore_eos`, a fixed `max_tokens` and
+`stream_options.include_usage`.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """`hybridserve bench serve --compare-offline`: the server against `LLM.generate`, in one run.
 
-Requests of the same shapes (random token-id prompts, greedy, EOS ignored) go through
-`LLM.generate` in this process and through a `hybridserve serve` subprocess for each
-`--engine-process` mode asked for (streamed `/v1/completions`, no logprobs), each server once per
-HTTP client library: aiohttp (what vLLM's and SGLang's serving benchmarks use) and httpx. The
-client runs on the server's cores, and its CPU per token slows the engine; a lighter client
-leaves more of the machine to the server. The backends take turns run by run (the machine's
-other load falls on all alike). Each figure is the median of
-`repeats` measured runs after `warmup` discarded ones:
-
-  * decode ms/token at batch 1: (wall of a 1 + D token request - wall of a 1-token request) / D,
-    so per-request costs cancel and only the per-token cost remains;
-  * warm TTFT: a 4096-token prefix is sent once, then prefix + a fresh 64-token suffix is timed
-    to its first token (offline: `generate` of one token);
-  * 16 concurrent streams: output tokens / wall of 16 requests sent at once (offline: one
-    `generate` call with the 16 prompts).
-
-Ratios to offline are printed next to the goals: decode <= 1.05x, TTFT <= offline + 5 ms,
-throughput >= 0.9x.
+The same requests go through `LLM.generate` in this process and through a `hybridserve serve`
+subprocess per `--engine-process` mode and HTTP client library, the backends taking turns: batch-1
+decode ms/token (a 1 + D token request minus a 1-token one, over D), warm TTFT of a long prefix
+plus a fresh suffix, and output tokens/s of concurrent streams; medians of `repeats` runs, with
+their ratios to offline next to the goals.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """`hybridserve bench structured`: decode cost of a JSON-schema constraint.
 
-Two identical engines decode the same prompts, one unconstrained and one with a JSON schema
-active (llguidance mask per row, applied in the sampler). Their steps alternate (A, B, A, B...)
-so that both see the same machine load; each adjacent pair of steady decode steps (every request
-of the batch decoding) gives one ratio. Reported per batch size: the median step time of each
-mode and the median of the paired ratios, the median time the token mask itself took per
-constrained step (fill + apply, timed around the engine's `TokenMasker.apply`), the grammar
-compile time and the compile cache's hits. Every request gets the same seed in both modes.
+Two identical engines decode the same prompts with the same seeds, one under a JSON schema; their
+steps alternate and each adjacent pair of steady decode steps gives a ratio. Reported per batch
+size: median step times, the median paired ratio, the token mask's own time, the grammar compile
+time and the compile cache's hits.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""`hybridserve bench tp`: prefill and decode at TP=1 vs TP=2 on this machine, with the share of
-a TP step spent in all-reduces (rank 0's time inside the forward's all-reduces: shared memory for
-same-host CPU ranks unless HYBRIDSERVE_SHM_ALLREDUCE=0, else gloo; the row names which) and in
-the controller's transport (a step's wall time beyond rank 0's forward: plan pickling, pipe,
-broadcast, logits back).
+"""`hybridserve bench tp`: prefill and decode at TP=1 vs TP=2 on this machine.
 
-Engines run side by side in one process and alternate per iteration; figures are medians.
+Also the share of a TP step spent in rank 0's all-reduces (shared memory or gloo; the row says
+which) and in the controller's transport. Engines alternate per iteration in one process; medians.
 """
 
 from __future__ import annotations

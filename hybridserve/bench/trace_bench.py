@@ -1,14 +1,10 @@
 """`hybridserve bench trace`: a scaled replay of the Mooncake conversation trace, cache on vs off,
 checked against the simulator.
 
-Tokens come from `hybridserve.sim.trace`: every 512-token hash block becomes `block_tokens`
-pseudo-random tokens (lengths scaled alike, outputs capped), and a request that continues an
-earlier one (its next chat turn) starts with that request's prompt and the tokens the model
-actually generated for it. Requests are replayed in trace order (timestamps ignored), at most
-`max_concurrency` at a time, through an engine with the prefix cache on and one with it off;
-the two engines are stepped alternately and each one's time is the sum of its own steps. The
-same tokens are then replayed by `hybridserve sim` with the engine's pool sizes and policy: the
-hit tokens must agree request by request.
+Each 512-token hash block of the trace becomes `block_tokens` tokens and a continued conversation
+starts with the tokens its earlier turn actually produced; the requests are replayed in order
+through a cache-on and a cache-off engine stepped alternately, then through `hybridserve sim` with
+the engine's pool sizes and policy, whose hits must agree request by request.
 """
 
 from __future__ import annotations

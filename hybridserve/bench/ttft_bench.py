@@ -1,12 +1,8 @@
 """`hybridserve bench ttft`: time to first token with the joint prefix cache off vs on.
 
-Two engines live in one process: "off" (`prefix_cache_mib=0`) and "on" (the configured cache).
-For each N in the cached sizes, a prompt is N random tokens (fixed per N) plus a fresh suffix
-(different every iteration). The "on" engine first sees the prefix once (a seeding run that
-publishes its KV blocks and GDN snapshots), so every measured warm run restores N tokens and
-computes only the suffix. Per iteration, cold (off), warm (on) and the floor (a cold prompt of
-just the suffix length) are measured back to back, in alternating order, to cancel drift.
-A no-reuse throughput run (distinct random prompts) compares on vs off in ABBA order.
+For each cached size N, a prompt is N fixed random tokens plus a fresh suffix; the cache-on engine
+has seen the prefix once, so each warm run restores N tokens. Cold, warm and the floor (a cold
+prompt of just the suffix) alternate per iteration; a no-reuse throughput run compares on vs off.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """The OpenAI-compatible HTTP app: `build_app(engine, ...)` returns a ready FastAPI instance.
 
-Routes: `POST /v1/completions` (`server.completions`), `POST /v1/chat/completions`
-(`server.chat_completions`), `GET /v1/models`, `GET /v1/models/{id}`, `POST /tokenize`,
-`POST /detokenize`, `GET /version`, `GET /health`, `GET /metrics` (`server.admin`), and the
-OpenAPI schema at `GET /openapi.json` (interactive page `GET /docs`). Every error, including
-unknown routes, answers with the OpenAI envelope `{"error": {"message", "type", "param", "code"}}`
-(`server.errors`). Two pure-ASGI middlewares guard the app: bearer-key auth on `/v1/*`
-(`server.auth`) and a body-size cap (`server.middleware`). A request whose client disconnects is
-aborted in the engine, streaming or not. The engine is any `EngineClient`
-(`hybridserve.engine.protocol`): in this process or in an engine core process.
+The routes are docs/serving.md's table; every error, unknown routes included, answers with the
+OpenAI envelope (`server.errors`); bearer-key auth on `/v1/*` and a body-size cap guard the app;
+a client that disconnects aborts its request. The engine is any `EngineClient`.
 """
 
 from __future__ import annotations

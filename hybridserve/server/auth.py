@@ -1,10 +1,8 @@
 """API keys and tenant isolation of the prefix cache.
 
-With keys configured, every `/v1/*` request must carry `Authorization: Bearer KEY` for one of
-them. Each key is a tenant: its requests' cache salt is derived from the key's identity (a hash,
-never the key itself) and combined with any client `cache_salt`, so requests of different keys
-never share KV blocks or GDN snapshots — and so cannot learn through response timing whether
-another tenant sent a prompt (the prefix-cache timing side channel).
+With keys configured, `/v1/*` requests need `Authorization: Bearer KEY`. Each key is a tenant whose
+cache salt derives from the key's hash (combined with any client `cache_salt`), so different keys
+never share cache entries nor time each other through them (docs/serving.md, security notes).
 """
 
 from __future__ import annotations

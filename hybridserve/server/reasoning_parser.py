@@ -1,10 +1,8 @@
 """`--reasoning-parser qwen3`: the thinking text of Qwen3/Qwen3.5 outputs -> `reasoning_content`.
 
-The model thinks inside `<think> ... </think>`; Qwen3.5 chat templates already open the block in
-the prompt (the generation prompt ends with `<think>\\n`), so the output often holds only the
-closing tag. Text before `</think>` is reasoning, text after it is content. Without a closing
-tag the output is all reasoning when the prompt left a block open (thinking was cut short), and
-all content otherwise.
+Text before `</think>` is reasoning, after it content (Qwen3.5 templates open `<think>` in the
+prompt, so the output often holds only the closing tag). Without a closing tag the output is all
+reasoning when the prompt left a block open, all content otherwise.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Server-sent events of a streamed response: the response that sends them, and a fast path for
-chunks that only carry text.
+text-only chunks.
 
-Most chunks of a stream carry one token's text and nothing else. Building two or three pydantic
-models per chunk and dumping them was the largest part of the API process's work per streamed
-token that this code controls. `TextChunkTemplate` dumps such a chunk once through its pydantic
-model with placeholder values, keeps the JSON around the two values that change (the choice index
-and the text), and afterwards writes only those, escaped as pydantic escapes them (the C string
-encoder behind `json.dumps(..., ensure_ascii=False)` writes the same bytes; tests/server/test_sse.py
-checks it). Every other chunk (logprobs, a finish reason, a role, tool calls, usage) still goes
-through its model.
+Most chunks carry one token's text and nothing else, and building their pydantic models dominated
+the API process's work per token: `TextChunkTemplate` dumps such a chunk once and afterwards writes
+only the choice index and the escaped text (byte-identical to pydantic's JSON; tests/server/test_sse.py
+checks it). Every other chunk goes through its model.
 """
 
 from __future__ import annotations
@@ -70,13 +66,9 @@ async def _no_body() -> AsyncIterator[bytes]:
 
 
 class EventStreamResponse(StreamingResponse):
-    """A `text/event-stream` response whose events `write_events(send_event)` sends one by one.
-
-    Starlette's `StreamingResponse` pulls every event out of an async generator, which put two
-    generator hops between the engine's output and the socket for each streamed token; here the
-    producer awaits each send itself. Disconnect handling (the producer is cancelled when the
-    client leaves) and the background task are `StreamingResponse`'s own.
-    """
+    """A `text/event-stream` response whose events `write_events(send_event)` sends one by one: the
+    producer awaits each send itself instead of two async-generator hops per token. Disconnect
+    handling and the background task are `StreamingResponse`'s own."""
 
     def __init__(self, write_events: Callable[[SendEvent], Awaitable[None]],
                  background: BackgroundTask | None = None) -> None:

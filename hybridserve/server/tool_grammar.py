@@ -1,13 +1,10 @@
 """Grammars that force tool calls (`tool_choice="required"` or a named function).
 
-The grammar (llguidance's Lark dialect) admits exactly the Qwen3.5 call markup that
-`tool_parser` reads back: one call (or several, for `required` with parallel calls) of the
-allowed functions, each parameter in the declared order, required ones always present. String
-values are raw text without `<` or newlines, at most `maxLength` characters (64 when the schema
-sets none) so that even a weak model finishes them; enums are literal alternatives; other types
-are JSON constrained by their schema (`%json`). When the tokenizer has `<tool_call>` and
-`</tool_call>` as single (added) tokens, as Qwen's do, the grammar names those tokens (`<tool_call>`
-in llguidance's Lark) instead of spelling the text, since llguidance treats added tokens as special.
+The grammar (llguidance's Lark dialect) admits exactly the Qwen3.5 call markup `tool_parser` reads:
+calls of the allowed functions with their parameters in declared order, required ones present.
+Strings are raw text without `<` or newlines, capped at `maxLength` (64 when unset, so a weak model
+finishes them); enums are literals; other types are schema-constrained JSON. `<tool_call>` markers
+that are added tokens are named as tokens, since llguidance treats added tokens as special.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Qwen3.5 tool-call markup -> OpenAI `tool_calls`.
 
-Qwen3.5 models write a call as::
-
-    <tool_call>
-    <function=get_weather>
-    <parameter=city>
-    Paris
-    </parameter>
-    </function>
-    </tool_call>
-
-Parameter values are raw text for string parameters and JSON for the others (per the tool's
-JSON schema). The older Qwen (Hermes) form `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-is accepted too. A block that is not closed or does not parse stays in the content as plain text:
-parsing never raises. `parse_tool_calls` reads a whole text; `ToolCallStream` turns cumulative
-streamed text into content deltas and complete tool calls.
+A call is `<tool_call><function=NAME><parameter=K>V</parameter>...</function></tool_call>`,
+V raw text for string parameters and JSON otherwise (per the tool's schema); the older
+Hermes form `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` is accepted too. A block that
+does not close or parse stays content: parsing never raises. `parse_tool_calls` reads a whole text;
+`ToolCallStream` turns cumulative streamed text into content deltas and complete calls.
 """
 
 from __future__ import annotations
