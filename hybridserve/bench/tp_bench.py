@@ -20,8 +20,8 @@ SETUPS = (("TP=1, 1 thread", 1, 1), ("TP=1, 2 threads", 1, 2), ("TP=2, 1 thread 
 
 
 def _comm(engine: LLMEngine) -> CommStats | None:
-    runner = engine.runner
-    return runner.comm_stats() if isinstance(runner, TensorParallelExecutor) else None
+    executor = engine.executor
+    return executor.comm_stats() if isinstance(executor, TensorParallelExecutor) else None
 
 
 def _delta(after: CommStats | None, before: CommStats | None) -> tuple[float, float]:
@@ -59,7 +59,7 @@ def run_tp_bench(engine_config: EngineConfig, cfg: TPBenchConfig) -> dict[str, A
             out["decode_comm"].append(comm)
             out["decode_fwd"].append(forward)
             out["decode_wall"].append(decode.total_s)
-    transports = [engine.runner.capacity.all_reduce if isinstance(engine.runner, TensorParallelExecutor) else None
+    transports = [engine.executor.capacity.all_reduce if isinstance(engine.executor, TensorParallelExecutor) else None
                   for engine in engines]
     for engine in engines:
         engine.check_integrity()

@@ -142,6 +142,16 @@ def test_decode_bench_smoke() -> None:
     assert "decode / read" in format_decode_report(result)
 
 
+def test_tp_bench_smoke() -> None:
+    """TP=1 and TP=2 side by side: the TP=2 row reads its communication shares from the executor."""
+    from hybridserve.bench.tp_bench import TPBenchConfig, run_tp_bench
+
+    result = run_tp_bench(small_engine_config(), TPBenchConfig(prompt_tokens=48, decode_tokens=3, iterations=1))
+    rows = {row["tensor_parallel_size"]: row for row in result["rows"]}
+    assert rows[1]["decode_ms_per_token"] > 0 and rows[2]["decode_ms_per_token"] > 0
+    assert 0 <= rows[2]["prefill_comm_share"] <= 1 and 0 <= rows[2]["decode_comm_share"] <= 1
+
+
 def test_bench_flags_come_from_the_settings_dataclasses() -> None:
     from hybridserve.bench import configs
     from hybridserve.bench.cli import ENGINE_BENCHES
