@@ -175,10 +175,9 @@ class JointCacheManager:
 
     def forget(self, seq: CacheSequence) -> None:
         """Drop the record of a sequence that holds nothing and will not return."""
-        entry = self._sequences.pop(id(seq), None)
-        if entry is not None and (entry.block_ids or entry.state_slot is not None):
-            self._sequences[id(seq)] = entry
+        if self.holds_resources(seq):
             raise RuntimeError("forget() on a sequence that still holds cache resources")
+        self._sequences.pop(id(seq), None)
 
     # -- keys ---------------------------------------------------------------------------------
     def _extra_keys(self, seq: CacheSequence) -> tuple[object, ...]:

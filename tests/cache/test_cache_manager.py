@@ -215,3 +215,15 @@ def test_request_carries_no_cache_bookkeeping() -> None:
     names = {field.name for field in dataclasses.fields(Request)}
     assert not names & {"block_ids", "state_slot", "num_registered_blocks", "branch_point", "snapshot_depth",
                         "snapshot_key", "prefix_lookup_counted", "block_size", "block_hash"}
+
+
+def test_forget_refuses_a_sequence_that_holds_resources() -> None:
+    manager = _manager(policy="interval")
+    scheduler = Scheduler(SchedulerConfig(), manager)
+    request = _request("a", list(range(40)))
+    scheduler.add(request)
+    scheduler.apply(scheduler.schedule(), set())
+    with pytest.raises(RuntimeError, match="holds cache resources"):
+        manager.forget(request)
+    scheduler.finish(request, "abort")
+    scheduler.check_integrity()
