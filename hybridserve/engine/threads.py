@@ -18,7 +18,7 @@ from dataclasses import dataclass
 # Idle OpenMP workers first spin briefly (GOMP_SPINCOUNT, libgomp's count of pause loops), then
 # sleep instead of spinning on: spinning workers stall every parallel region when another process
 # holds a core, and waking a sleeping one costs tens of microseconds per region
-# (`hybridserve bench threads`). An explicit OMP_WAIT_POLICY in the environment wins, with its own
+# (`python -m benchmarks.threads`). An explicit OMP_WAIT_POLICY in the environment wins, with its own
 # spin count.
 OPENMP_SPIN_COUNT = "1000"
 OPENMP_ENVIRONMENT: dict[str, str] = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": OPENMP_SPIN_COUNT}
