@@ -1,16 +1,19 @@
-# The CPU wheel of torch lies on this machine's disk; pinning it here keeps pip
-# from pulling the multi-GB CUDA build that a bare `torch` requirement would.
+# PyTorch's CPU wheel index comes first (its +cpu builds outrank PyPI's CUDA build of the same
+# version), PyPI and local wheel folders after it, so no machine pulls the multi-GB CUDA build that a
+# bare `torch` requirement would; an unreachable index costs a few retries, then the fallback.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: setup run generate lint test test-all bench bench-peer clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --retries 1 \
+		--extra-index-url "$(TORCH_INDEX)" "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test,bench]"
 	touch $@
 
