@@ -1,8 +1,4 @@
-"""Content-addressed paged KV blocks: reference counts, chained block hashes and an LRU free list.
-
-Tensor-free, so the cache can be unit-tested and replayed on traces; docs/prefix-cache.md
-describes the keys.
-"""
+"""Content-addressed paged KV blocks (tensor-free): chained block hashes, refcounts, an LRU free list."""
 
 from __future__ import annotations
 
@@ -11,7 +7,7 @@ import struct
 import sys
 from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple, Protocol
 
 import xxhash
@@ -76,32 +72,29 @@ def _encode_tokens(token_ids: Sequence[int]) -> bytes:
     return struct.pack("<Q", len(arr)) + arr.tobytes()
 
 
+def _digest(prefix: bytes, token_ids: Sequence[int], extra_keys: tuple[object, ...], algorithm: str) -> BlockHash:
+    hasher = HASH_FUNCTIONS[algorithm][0](prefix)
+    hasher.update(_encode_tokens(token_ids))
+    hasher.update(encode_extra_keys(extra_keys))
+    return hasher.digest()
+
+
 def hash_block(
     parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple[object, ...] = (), algorithm: str = "xxh3_128"
 ) -> BlockHash:
     """Chained hash of one block given its parent block's hash (``None`` for the first block); any
     difference in parent, tokens or extra keys (the cache salt) gives a different hash."""
-    new, size = HASH_FUNCTIONS[algorithm]
-    h = new()
-    if parent is None:
-        h.update(_ROOT_TAG)
-    else:
-        if len(parent) != size:
-            raise ValueError(f"parent hash must be {size} bytes, got {len(parent)}")
-        h.update(_PARENT_TAG + parent)
-    h.update(_encode_tokens(token_ids))
-    h.update(encode_extra_keys(extra_keys))
-    return h.digest()
+    size = HASH_FUNCTIONS[algorithm][1]
+    if parent is not None and len(parent) != size:
+        raise ValueError(f"parent hash must be {size} bytes, got {len(parent)}")
+    return _digest(_ROOT_TAG if parent is None else _PARENT_TAG + parent, token_ids, extra_keys, algorithm)
 
 
 def hash_tail(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple[object, ...] = (),
               algorithm: str = "xxh3_128") -> BlockHash:
     """Hash of a *partial* block after `parent`: names a prefix that ends inside a block (a request
     end), tagged apart from full-block hashes so it never matches a full one."""
-    h = HASH_FUNCTIONS[algorithm][0](_TAIL_TAG + (parent or b""))
-    h.update(_encode_tokens(token_ids))
-    h.update(encode_extra_keys(extra_keys))
-    return h.digest()
+    return _digest(_TAIL_TAG + (parent or b""), token_ids, extra_keys, algorithm)
 
 
 def block_hashes_for(
@@ -143,6 +136,18 @@ def block_hashes_for(
 
 
 _NO_TAILS: dict[BlockHash, int] = {}
+
+
+def check_index(index: int, size: int, what: str) -> int:
+    """``index`` if it lies in [0, size), else ``IndexError`` naming ``what``."""
+    if not 0 <= index < size:
+        raise IndexError(f"{what} {index} out of range [0, {size})")
+    return index
+
+
+def check_free_list(free: Iterable[int], is_free: Iterable[bool], what: str) -> None:
+    """Integrity check: ``free`` lists each id whose ``is_free`` flag is set, once, and no other."""
+    assert sorted(free) == [index for index, flag in enumerate(is_free) if flag], f"{what} free list out of step"
 
 
 class BlockPoolStats(NamedTuple):
@@ -262,11 +267,8 @@ class BlockPool:
         judges worth little). Dropping a reference that does not exist raises ``ValueError``.
         """
         counts = Counter(block_ids) if len(set(block_ids)) != len(block_ids) else dict.fromkeys(block_ids, 1)
-        refs, total = self._ref_count, self._num_blocks
         for block_id, count in counts.items():
-            if not 0 <= block_id < total:
-                raise IndexError(f"block id {block_id} out of range [0, {total})")
-            if refs[block_id] < count:
+            if self._ref_count[self._check_id(block_id)] < count:
                 raise ValueError(f"double free of block {block_id}")
         for block_id in (reversed(block_ids) if evict_first else block_ids):
             self._ref_count[block_id] -= 1
@@ -355,36 +357,20 @@ class BlockPool:
 
     def check_integrity(self) -> None:
         """Verify every invariant; raises ``AssertionError`` on any inconsistency."""
-        assert len(self._ref_count) == self._num_blocks
-        assert len(self._block_hash) == self._num_blocks
-        cached_free = 0
-        hashed = 0
-        for block_id in range(self._num_blocks):
-            ref = self._ref_count[block_id]
-            in_free = block_id in self._free
-            assert ref >= 0, f"block {block_id} has negative ref_count {ref}"
-            assert in_free == (ref == 0), f"block {block_id}: ref_count {ref} but in_free_list={in_free}"
-            block_hash = self._block_hash[block_id]
-            if block_hash is not None:
-                hashed += 1
-                assert self._index.get(block_hash) == block_id, f"block {block_id}: index maps its hash elsewhere"
-                cached_free += in_free
-        for block_hash, block_id in self._index.items():
-            assert 0 <= block_id < self._num_blocks, f"index maps to bad id {block_id}"
-            assert self._block_hash[block_id] == block_hash, f"index entry of block {block_id} disagrees"
-        assert hashed == len(self._index), "hash index size != hashed blocks"
-        assert all(0 <= b < self._num_blocks for b in self._free), "bad id in free list"
+        assert min(self._ref_count) >= 0, "negative ref_count"
+        check_free_list(self._free, [ref == 0 for ref in self._ref_count], "block")
+        hashed = [(block_id, h) for block_id, h in enumerate(self._block_hash) if h is not None]
+        assert all(self._index.get(h) == block_id for block_id, h in hashed), "the index maps a hash elsewhere"
+        assert len(hashed) == len(self._index), "hash index size != hashed blocks"
+        cached_free = sum(block_id in self._free for block_id, _ in hashed)
         assert cached_free == self._num_cached_free, f"cached-free count {self._num_cached_free} != {cached_free}"
         for tail_hash, (parent_key, num_tokens) in self._tail_of.items():
             assert tail_hash in self._index, "tail index lists a hash no block holds"
             assert self._tails[parent_key][tail_hash] == num_tokens, "tail index out of step"
         assert sum(map(len, self._tails.values())) == len(self._tail_of), "stale tail entries"
-        assert self.num_used_blocks + self.num_free_blocks == self._num_blocks
 
     def _check_id(self, block_id: int) -> int:
-        if not 0 <= block_id < self._num_blocks:
-            raise IndexError(f"block id {block_id} out of range [0, {self._num_blocks})")
-        return block_id
+        return check_index(block_id, self._num_blocks, "block id")
 
     def _drop_hash(self, block_id: int) -> None:
         block_hash = self._block_hash[block_id]

@@ -1,26 +1,9 @@
-"""The joint cache manager: the scheduler's only door to cache state.
-
-It owns the logical pools (KV blocks, live GDN state slots, snapshot slots), the joint lookup and
-the policy, and keeps every sequence's cache bookkeeping so that `Request` carries none. It is
-tensor-free: the engine and the trace simulator drive the same object, and the runner receives
-plain block ids and slot numbers.
-
-The verbs, in a sequence's life:
-
-* `admit`: joint lookup (the deepest boundary whose KV *and* snapshot exist), attach the hit
-  blocks, allocate the rest, take a live slot and pin the snapshot to restore -> `Restore`;
-* `grow`: blocks for the tokens a running sequence computes next;
-* `reserve_captures`: snapshot slots for the boundaries the policy wants from a chunk's forward;
-* `commit_restore` / `commit_chunk`: after a successful forward, unpin, publish, register blocks;
-  `revert_restore` / `revert_chunk`: after a failed one, give back exactly what the step took;
-* `fork`: a sibling sequence shares a running parent's full blocks and copies its state;
-* `finish`: a normally ended sequence's final state becomes an `EndCapture` (reserve -> copy ->
-  `complete_end_capture`), then `release` frees its blocks and slot;
-* `release`: preemption or the end: blocks back tail-first (hashes kept for reuse), slot freed.
-
-A second tier (host, disk, remote) plugs in here without touching the scheduler: it demotes at
-the evictions (`_on_block_evicted`, the policy's snapshot victims), extends `_lookup`, and adds a
-source to `Restore`.
+"""`JointCacheManager`, the scheduler's only door to cache state (tensor-free: the engine and the
+trace simulator drive the same object). It owns the pools, the joint lookup and the policy, and
+keeps each sequence's cache bookkeeping; docs/prefix-cache.md walks through its verbs. A second
+tier (host, disk, remote) plugs in here without touching the scheduler: it demotes at the evictions
+(`_on_block_evicted`, the policy's snapshot victims), extends `_lookup`, and adds a source to
+`Restore`.
 """
 
 from __future__ import annotations
@@ -31,7 +14,7 @@ from typing import NamedTuple, Protocol
 
 from hybridserve.cache.block_pool import BlockHash, BlockPool, block_hashes_for, hash_tail
 from hybridserve.cache.policy import CachePolicy, RequestView
-from hybridserve.cache.prefix_cache import PrefixCache, PrefixCacheStats, PrefixLookup
+from hybridserve.cache.prefix_cache import PrefixCache, PrefixCacheStats, PrefixHit, PrefixLookup
 from hybridserve.cache.snapshots import Reservation, ReserveStatus, SnapshotPool, SnapshotPoolStats
 from hybridserve.cache.state_slots import StateSlotPool
 
@@ -115,8 +98,8 @@ class _SequenceCache:
 
 
 class JointCacheManager:
-    """Owns the pools, the joint lookup and the policy (verbs in the module docstring).
-    `snapshots is None` disables the prefix cache; blocks and live slots are still managed."""
+    """Owns the pools, the joint lookup and the policy. `snapshots is None` disables the prefix
+    cache; blocks and live slots are still managed."""
 
     def __init__(self, block_size: int, block_pool: BlockPool, state_slots: StateSlotPool,
                  snapshots: SnapshotPool | None, policy: CachePolicy | None = None,
@@ -149,7 +132,6 @@ class JointCacheManager:
         """Whether prefixes are cached (lookups and captures happen)."""
         return self.prefix_cache is not None
 
-    # -- per-sequence records -------------------------------------------------------------------
     def _entry(self, seq: CacheSequence) -> _SequenceCache:
         entry = self._sequences.get(id(seq))
         if entry is None:
@@ -179,7 +161,6 @@ class JointCacheManager:
             raise RuntimeError("forget() on a sequence that still holds cache resources")
         self._sequences.pop(id(seq), None)
 
-    # -- keys ---------------------------------------------------------------------------------
     def _extra_keys(self, seq: CacheSequence) -> tuple[object, ...]:
         """Hash extra keys: sequences with different salts share no cache entry."""
         return () if seq.cache_salt is None else (seq.cache_salt,)
@@ -207,7 +188,6 @@ class JointCacheManager:
         return hash_tail(parent, seq.token_ids[full * self.block_size:num_tokens], self._extra_keys(seq),
                          self.block_hash)
 
-    # -- admission ------------------------------------------------------------------------------
     def admit(self, seq: CacheSequence) -> Restore | None:
         """Joint lookup, then attach and allocate what the sequence needs to run from the hit; None
         (nothing taken) when a live slot or the blocks are not free now. All or nothing."""
@@ -215,35 +195,32 @@ class JointCacheManager:
             return None
         entry = self._entry(seq)  # a waiting sequence's record keeps its hashes across retries
         lookup = self._lookup(seq)
-        hit = lookup.hit if lookup is not None else None
-        hit_blocks = hit.block_ids if hit is not None else []
-        held = hit_blocks + ([hit.tail_block] if hit is not None and hit.tail_block is not None else [])
-        new_needed = blocks_for(seq.num_tokens, self.block_size) - len(hit_blocks)
+        hit = lookup.hit if lookup is not None else PrefixHit(0, [], None)
+        num_hit_blocks = len(hit.block_ids)
+        held = hit.block_ids + ([hit.tail_block] if hit.tail_block is not None else [])
+        new_needed = blocks_for(seq.num_tokens, self.block_size) - num_hit_blocks
         revived = sum(1 for b in held if self.block_pool.ref_count(b) == 0)
         if new_needed + revived > self.block_pool.num_free_blocks:
             return None
-        snapshot_slot = hit.snapshot_slot if hit is not None else None
         self.block_pool.touch(held)
-        entry.block_ids = list(hit_blocks)
+        entry.block_ids = list(hit.block_ids)
         try:
             entry.block_ids += self.block_pool.allocate(new_needed)
             entry.state_slot = self.state_slots.allocate()
-            if snapshot_slot is not None:
-                self._snapshot_pool().pin(snapshot_slot)
+            if hit.snapshot_slot is not None:
+                self._snapshot_pool().pin(hit.snapshot_slot)
         except Exception:
             self.release(seq)
-            if len(held) > len(hit_blocks):
-                self.block_pool.free(held[len(hit_blocks):])
+            self.block_pool.free(held[num_hit_blocks:])
             raise
-        entry.num_registered_blocks = len(hit_blocks)
+        entry.num_registered_blocks = num_hit_blocks
         kv_copy = None
-        if lookup is not None and hit is not None:
+        if lookup is not None:
             entry.branch_point = lookup.kv_match_tokens if lookup.kv_match_tokens > hit.num_tokens else 0
             entry.snapshot_depth, entry.snapshot_key = hit.num_tokens, lookup.key
             if hit.tail_block is not None:
-                kv_copy = (hit.tail_block, entry.block_ids[len(hit_blocks)])
-        num_tokens = hit.num_tokens if hit is not None else 0
-        return Restore(seq, entry.state_slot, snapshot_slot, num_tokens, kv_copy, lookup)
+                kv_copy = (hit.tail_block, entry.block_ids[num_hit_blocks])
+        return Restore(seq, entry.state_slot, hit.snapshot_slot, hit.num_tokens, kv_copy, lookup)
 
     def _lookup(self, seq: CacheSequence) -> PrefixLookup | None:
         if self.prefix_cache is None:
@@ -271,7 +248,6 @@ class JointCacheManager:
         entry.block_ids.extend(new_blocks)
         return new_blocks
 
-    # -- captures -------------------------------------------------------------------------------
     def reserve_captures(self, seq: CacheSequence, start: int, length: int, captures: list[Reservation]) -> None:
         """Reserve snapshot slots for the boundaries the policy wants from the forward of tokens
         [start, start + length), appended to `captures` as taken (so `revert_chunk` finds each)."""
@@ -303,7 +279,6 @@ class JointCacheManager:
         if self.snapshots is not None:
             self.snapshots.evict(block_hash)
 
-    # -- transaction end ------------------------------------------------------------------------
     def commit_restore(self, restore: Restore) -> None:
         """The step that restored this admission succeeded: drop its holds, count its lookup."""
         self.drop_restore_holds(restore)
@@ -360,7 +335,6 @@ class JointCacheManager:
             self.block_pool.register(entry.block_ids[index], hashes[index])
         entry.num_registered_blocks = num_full
 
-    # -- forks ----------------------------------------------------------------------------------
     def fork(self, parent: CacheSequence, child: CacheSequence) -> Fork | None:
         """Place `child` (same tokens as a fully computed `parent`) on the parent's state: full
         blocks shared, the partial last one copied. None (nothing taken) when no slot or block is free."""
@@ -381,7 +355,6 @@ class JointCacheManager:
         return Fork(source.state_slot, entry.state_slot, source.block_ids[num_full] if partial else None,
                     copied[0] if partial else None)
 
-    # -- the end ----------------------------------------------------------------------------------
     def finish(self, seq: CacheSequence, keep_end_state: bool) -> EndCapture | None:
         """A running sequence ended: with `keep_end_state`, reserve a snapshot of its final state if
         the policy keeps request ends (the capture owns the live slot), then release (even on error)."""
@@ -449,7 +422,6 @@ class JointCacheManager:
         if finished:
             self._sequences.pop(id(seq), None)
 
-    # -- introspection ------------------------------------------------------------------------
     def _snapshot_pool(self) -> SnapshotPool:
         if self.snapshots is None:
             raise RuntimeError("the prefix cache is disabled")

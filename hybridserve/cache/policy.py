@@ -67,9 +67,10 @@ class CachePolicy:
     name = "base"
     capture_at_end = False
 
-    def __init__(self, block_size: int, cost: PrefixCost) -> None:
+    def __init__(self, block_size: int, cost: PrefixCost, interval: int) -> None:
         self.block_size = block_size
         self.cost = cost
+        self.interval = interval  # tokens between interval marks (policies that take them)
         self.block_pool: BlockPool | None = None
 
     def bind(self, block_pool: BlockPool, snapshots: SnapshotPool) -> None:
@@ -98,6 +99,10 @@ class CachePolicy:
         """Whether the KV block that ends at a snapshot's boundary is still cached."""
         return self.block_pool is None or self.block_pool.lookup(key) is not None
 
+    def _prompt_mark(self, view: RequestView) -> int:
+        """The last block boundary a repeat of this prompt can restore (<= prompt length - 1)."""
+        return ((view.num_prompt_tokens - 1) // self.block_size) * self.block_size
+
 
 def _within(boundaries: list[int], start: int, length: int) -> list[int]:
     return sorted({b for b in boundaries if start < b <= start + length})
@@ -107,10 +112,6 @@ class IntervalPolicy(CachePolicy):
     """Every `interval` tokens crossed, in prefill and decode; LRU eviction (the original policy)."""
 
     name = "interval"
-
-    def __init__(self, block_size: int, cost: PrefixCost, interval: int) -> None:
-        super().__init__(block_size, cost)
-        self.interval = interval
 
     def captures(self, view: RequestView, start: int, length: int) -> list[int]:
         first = (start // self.interval + 1) * self.interval
@@ -123,8 +124,7 @@ class LastBlockPolicy(CachePolicy):
     name = "last-block"
 
     def captures(self, view: RequestView, start: int, length: int) -> list[int]:
-        boundary = ((view.num_prompt_tokens - 1) // self.block_size) * self.block_size
-        return _within([boundary], start, length) if boundary > 0 else []
+        return _within([self._prompt_mark(view)], start, length)
 
 
 class MarconiPolicy(CachePolicy):
@@ -134,13 +134,10 @@ class MarconiPolicy(CachePolicy):
 
     name = "marconi"
     capture_at_end = True
-
-    def __init__(self, block_size: int, cost: PrefixCost, alpha: float = 1.0) -> None:
-        super().__init__(block_size, cost)
-        self.alpha = alpha
+    alpha = 1.0
 
     def captures(self, view: RequestView, start: int, length: int) -> list[int]:
-        return _within([view.branch_point], start, length) if view.branch_point else []
+        return _within([view.branch_point], start, length)
 
     def choose_victim(self, pool: SnapshotPool) -> int | None:
         candidates = []
@@ -170,14 +167,7 @@ class HybridServePolicy(IntervalPolicy):
 
     def captures(self, view: RequestView, start: int, length: int) -> list[int]:
         boundaries = super().captures(view, start, length) if self.interval else []
-        boundaries.append(self._prompt_mark(view))
-        if view.branch_point:
-            boundaries.append(view.branch_point)
-        return _within([b for b in boundaries if b > 0], start, length)
-
-    def _prompt_mark(self, view: RequestView) -> int:
-        """The last block boundary a repeat of this prompt can restore (<= prompt length - 1)."""
-        return ((view.num_prompt_tokens - 1) // self.block_size) * self.block_size
+        return _within([*boundaries, self._prompt_mark(view), view.branch_point], start, length)
 
     def is_opportunistic(self, view: RequestView, boundary: int) -> bool:
         """Interval marks are insurance: they never push out a snapshot that still serves."""
@@ -209,14 +199,12 @@ def _normalised(values: list[float]) -> list[float]:
     return [0.0 if high == low else (v - low) / (high - low) for v in values]
 
 
+_POLICIES: dict[str, type[CachePolicy]] = {
+    policy.name: policy for policy in (IntervalPolicy, LastBlockPolicy, MarconiPolicy, HybridServePolicy)}
+
+
 def make_policy(name: str, block_size: int, cost: PrefixCost, interval: int) -> CachePolicy:
     """The policy called `name` (one of POLICY_NAMES); ValueError otherwise."""
-    if name == "interval":
-        return IntervalPolicy(block_size, cost, interval)
-    if name == "last-block":
-        return LastBlockPolicy(block_size, cost)
-    if name == "marconi":
-        return MarconiPolicy(block_size, cost)
-    if name == "hybridserve":
-        return HybridServePolicy(block_size, cost, interval)
-    raise ValueError(f"unknown cache policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    if name not in _POLICIES:
+        raise ValueError(f"unknown cache policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    return _POLICIES[name](block_size, cost, interval)

@@ -1,19 +1,16 @@
-"""GDN state snapshot slots: bookkeeping only (the tensors live in the runner).
-
-A published slot holds every GDN layer's state at one token boundary, keyed by the boundary's
-block (or tail) hash. Protocol: `reserve` -> the caller copies the state -> `publish` or `abort`;
-a slot being restored is pinned and never evicted.
-"""
+"""GDN state snapshot slots, keyed by their boundary's block (or tail) hash; bookkeeping only (the
+tensors live in the runner). `reserve` -> the caller copies the state -> `publish` or `abort`; a
+slot being restored is pinned and never evicted."""
 
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from itertools import islice
 from typing import NamedTuple
 
-from hybridserve.cache.block_pool import BlockHash
+from hybridserve.cache.block_pool import BlockHash, check_free_list, check_index
 
 EvictCallback = Callable[[BlockHash, int], None]
 """Called as ``on_evict(key, slot)`` when :meth:`SnapshotPool.reserve` evicts a slot."""
@@ -40,17 +37,6 @@ class Reservation(NamedTuple):
     num_tokens: int
     evicted_key: BlockHash | None = None
     ticket: int = 0
-
-
-class SnapshotInfo(NamedTuple):
-    """What an eviction policy may weigh about one published slot."""
-
-    key: BlockHash
-    num_tokens: int
-    last_use: int          # pool clock at its publish or last hit
-    hits: int              # restores from it
-    parent: BlockHash | None  # the next shallower snapshot on the same request path, if known
-    children: int          # paths continuing past it: child snapshots; at least 2 at a branch point
 
 
 VictimChooser = Callable[["SnapshotPool"], "int | None"]
@@ -193,11 +179,11 @@ class SnapshotPool:
             parent_tokens = num_tokens[parent_slot] if parent_slot is not None else 0
             yield slot, key, num_tokens[slot], last_use[slot], hits[slot], paths, parent_tokens  # type: ignore[misc]
 
-    def info(self, slot: int) -> SnapshotInfo:
-        """Key, position, use counters and path links of a published slot."""
-        key = self.key_of(slot)
-        return SnapshotInfo(key, self._num_tokens[slot], self._last_use[slot], self._hits[slot],
-                            self._parent[slot], self._paths(slot))
+    def paths(self, slot: int) -> int:
+        """Paths continuing past a held slot: its child snapshots; at least two at a branch point (the
+        older cached path and the request that left it)."""
+        self._check_held(slot)
+        return self._paths(slot)
 
     def key_of(self, slot: int) -> BlockHash:
         """Key of a reserved or published slot (raises for a free slot)."""
@@ -347,45 +333,27 @@ class SnapshotPool:
 
     def check_integrity(self) -> None:
         """Verify every invariant; raises ``AssertionError`` on any inconsistency."""
-        counts = {state: 0 for state in _State}
-        pinned = 0
-        for slot in range(self._num_slots):
-            state = self._state[slot]
-            counts[state] += 1
-            key = self._key[slot]
-            assert (slot in self._free) == (state is _State.FREE), f"slot {slot} free list"
-            assert self._pins[slot] >= 0, f"slot {slot} has negative pins"
-            if self._pins[slot]:
-                assert state is _State.PUBLISHED, f"pin on non-published slot {slot}"
-                pinned += 1
+        check_free_list(self._free, [state is _State.FREE for state in self._state], "snapshot slot")
+        for slot, (state, key, pins) in enumerate(zip(self._state, self._key, self._pins)):
+            assert pins == 0 or (pins > 0 and state is _State.PUBLISHED), f"slot {slot}: {pins} pins, {state.name}"
             if state is _State.FREE:
                 assert key is None, f"free slot {slot} holds a key"
-                continue
-            assert key is not None, f"held slot {slot} has no key"
-            index = self._reserved if state is _State.RESERVED else self._published
-            assert index.get(key) == slot, f"slot {slot} missing from its key index"
-            in_lru = slot in self._lru
-            evictable = state is _State.PUBLISHED and self._pins[slot] == 0
-            assert in_lru == evictable, f"slot {slot}: in_lru={in_lru}, evictable={evictable}"
-        assert counts[_State.FREE] == len(self._free)
-        assert counts[_State.RESERVED] == len(self._reserved)
-        assert counts[_State.PUBLISHED] == len(self._published)
+            else:
+                index = self._reserved if state is _State.RESERVED else self._published
+                assert key is not None and index.get(key) == slot, f"slot {slot} missing from its key index"
+        held = self._num_slots - len(self._free)
+        assert len(self._reserved) + len(self._published) == held, "stray key index entries"
         assert not (self._reserved.keys() & self._published.keys()), "key both reserved and published"
-        assert len(self._lru) == len(self._published) - pinned
-        children: dict[BlockHash, int] = {}
-        for slot in self._published.values():
-            parent = self._parent[slot]
-            if parent is not None:
-                children[parent] = children.get(parent, 0) + 1
-        assert children == self._children, "children counts out of step"
+        unpinned = {slot for slot in self._published.values() if not self._pins[slot]}
+        assert set(self._lru) == unpinned, "LRU list != published, unpinned slots"
+        assert self._num_pinned == len(self._published) - len(unpinned), "pinned counter out of step"
+        parents = (self._parent[slot] for slot in self._published.values())
+        assert self._children == Counter(parent for parent in parents if parent is not None), "children out of step"
         covered = {slot for slot in range(self._num_slots) if self._is_covered(slot)}
         assert covered == set(self._covered), "covered list out of step"
-        assert pinned == self._num_pinned, f"pinned counter {self._num_pinned} != {pinned}"
-        assert sum(counts.values()) == self._num_slots
 
     def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self._num_slots:
-            raise IndexError(f"slot {slot} out of range [0, {self._num_slots})")
+        check_index(slot, self._num_slots, "slot")
 
     def _check_held(self, slot: int) -> None:
         self._check_slot(slot)
@@ -420,8 +388,6 @@ class SnapshotPool:
                 and key is not None and self._paths(slot) == 1)
 
     def _paths(self, slot: int) -> int:
-        """Paths continuing past a slot: its child snapshots; at least two at a branch point (the
-        older cached path and the request that left it)."""
         children = self._children.get(self._key[slot], 0)  # type: ignore[arg-type]
         return max(2, children + 1) if self._branch[slot] else children
 

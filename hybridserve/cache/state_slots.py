@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from hybridserve.cache.block_pool import check_free_list
+
 
 class StateSlotPool:
     """Free list of live-state slot indices; O(1) allocate and free."""
@@ -38,6 +40,4 @@ class StateSlotPool:
 
     def check_integrity(self) -> None:
         """Every slot is exactly once either free or in use."""
-        assert len(self._free) == len(set(self._free)), "duplicate free state slot"
-        assert not (set(self._free) & self._in_use), "state slot both free and in use"
-        assert len(self._free) + len(self._in_use) == self._num_slots, "state slot leaked"
+        check_free_list(self._free, [slot not in self._in_use for slot in range(self._num_slots)], "state slot")

@@ -72,7 +72,7 @@ def test_branch_flag_counts_the_older_path() -> None:
     pool.publish(pool.reserve(b"b" * 16, 512, parent=b"a" * 16))
     assert list(pool.covered()) == [pool.lookup(b"a" * 16)]
     assert pool.reserve(b"a" * 16, 256, branch=True).status is ReserveStatus.DUPLICATE
-    assert list(pool.covered()) == [] and pool.info(pool.lookup(b"a" * 16)).children == 2
+    assert list(pool.covered()) == [] and pool.paths(pool.lookup(b"a" * 16)) == 2
     pool.check_integrity()
 
 
