@@ -1,9 +1,6 @@
-"""The controller's side of tensor parallelism: start the rank processes, send them step plans.
-
-`TensorParallelExecutor` is the engine's `Executor` (`execute`, `save_state`, `fork`): each call is
-one command, pickled once and written to every local rank's pipe (under torchrun to rank 0, which
-broadcasts it); rank 0 answers. A worker that dies meanwhile raises `WorkerDiedError` and the
-others are killed (no orphans, no hang in a collective).
+"""The controller's side of tensor parallelism: `TensorParallelExecutor` starts the rank processes
+and writes each command, pickled once, to every local rank's pipe (under torchrun to rank 0, which
+broadcasts it); rank 0 answers. A worker that dies raises `WorkerDiedError` and the others are killed.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ import time
 import weakref
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, NoReturn, cast
 
 from hybridserve.cache.manager import Fork
 from hybridserve.distributed.worker import worker_main
@@ -53,8 +50,8 @@ class TensorParallelExecutor:
     every step together; answers come from rank 0."""
 
     def __init__(self, specs: list[WorkerSpec]) -> None:
-        """Start a process for each spec (rank 0 first in `specs`); blocks until every local rank
-        loaded its shard. Raises RuntimeError with the failing rank's message otherwise."""
+        """Start a process for each spec (rank 0 first) and wait until every local rank loaded its
+        shard (WorkerDiedError with the failing rank's message otherwise)."""
         context = multiprocessing.get_context("spawn")
         self.world_size = specs[0].world_size
         self.broadcast_commands = specs[0].broadcast_commands
@@ -82,8 +79,7 @@ class TensorParallelExecutor:
         self.capacity: RankCapacity = capacities[0]
 
     def execute(self, plan: StepPlan) -> PlanResult:
-        """Run a step on every rank; rank 0's sampled tokens. StepFailedError when the ranks agreed
-        that the step failed (revert it), WorkerDiedError when a rank is gone or out of step."""
+        """Run a step on every rank; rank 0's sampled tokens (StepFailedError, WorkerDiedError)."""
         reply: StepReply = self._call(("execute", plan))
         self.steps += 1
         self.forward_seconds += reply.forward_seconds
@@ -127,8 +123,7 @@ class TensorParallelExecutor:
         return self._receive(self.conns[0], "ok", None)
 
     def _receive(self, conn: Connection, kind: str, timeout: float | None) -> Any:
-        """The next message of `conn`, watching every local worker: one that exits, or a start-up
-        error from any rank, stops the engine."""
+        """The next message of `conn`; a worker that exits, or a start-up error of any rank, stops all."""
         deadline = None if timeout is None else time.monotonic() + timeout
         sentinels = {p.sentinel: p for p in self.processes}
         early = self._inbox.pop(id(conn), None)
@@ -165,9 +160,8 @@ class TensorParallelExecutor:
             process.join(STOP_GRACE_SECONDS)
             self._die(f"tensor-parallel worker {process.name} (pid {process.pid}) closed its pipe "
                       f"(exit code {process.exitcode})")
-        raise AssertionError("unreachable")
 
-    def _die(self, reason: str) -> None:
+    def _die(self, reason: str) -> NoReturn:
         self.dead_reason = reason
         logger.error("%s; stopping every worker", reason)
         self.shutdown()
@@ -204,9 +198,9 @@ class TensorParallelExecutor:
 
 
 def _shutdown_at_exit(executor: weakref.ref[TensorParallelExecutor]) -> None:
-    """Stop the workers of an executor nobody shut down when the interpreter exits: they are not
-    daemons, so multiprocessing's own exit handler (registered earlier, run later) would wait for
-    them forever while they wait for the next command."""
+    """Stop the workers of an executor nobody shut down at exit: they are not daemons, so
+    multiprocessing's exit handler (run later) would wait for them forever."""
+
     alive = executor()
     if alive is not None:
         alive.shutdown()

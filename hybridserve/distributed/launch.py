@@ -1,10 +1,7 @@
-"""Where the tensor-parallel ranks run: checked plans and one `WorkerSpec` per local rank.
-
-Single machine (the default): the engine spawns every rank itself and they meet on a free local
-port. Multi-node: every process of a `torchrun` launch (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
-`MASTER_PORT`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE` in the environment) runs the same command; the
-process of `RANK` 0 becomes the controller and spawns rank 0's worker, every other process
-becomes its rank's worker (`run_env_worker`) and never returns to the command.
+"""Where the tensor-parallel ranks run: checked plans and one `WorkerSpec` per local rank. On one
+machine the engine spawns every rank, meeting on a free local port; under `torchrun` (multi-node)
+every process runs the same command, `RANK` 0 becomes the controller and spawns rank 0's worker,
+every other process becomes its rank's worker and never returns to the command.
 """
 
 from __future__ import annotations
@@ -15,8 +12,9 @@ import torch
 
 from hybridserve.config import EngineConfig, ModelConfig
 from hybridserve.distributed.sharding import validate_tensor_parallel
-from hybridserve.distributed.worker import WorkerSpec, worker_main
+from hybridserve.distributed.worker import worker_main
 from hybridserve.engine.threads import available_cores
+from hybridserve.engine.worker import WorkerSpec
 
 
 def distributed_env() -> tuple[int, int, int, int] | None:
@@ -33,7 +31,7 @@ def tensor_parallel_specs(config: EngineConfig, model_config: ModelConfig, max_m
                           device: torch.device, dtype: torch.dtype, num_threads: int, chunk_size: int
                           ) -> list[WorkerSpec]:
     """Validate the plan (ValueError saying why, before any process starts) and return the specs of
-    the ranks this process spawns. Under torchrun, a process of rank > 0 runs its worker here and exits."""
+    the ranks this process spawns; under torchrun a process of rank > 0 serves as its rank and exits."""
     world = config.tensor_parallel_size
     env = distributed_env()
     if env is not None and env[1] != world:
@@ -58,11 +56,7 @@ def tensor_parallel_specs(config: EngineConfig, model_config: ModelConfig, max_m
         return [spec(rank, rank, init_method) for rank in range(world)]
     rank, _, local_rank, _ = env
     if rank != 0:
-        run_env_worker(spec(rank, local_rank, "env://"))
+        worker_main(spec(rank, local_rank, "env://"), None)
+        raise SystemExit(0)
     return [spec(0, local_rank, "env://")]
 
-
-def run_env_worker(spec: WorkerSpec) -> None:
-    """Serve as one rank of a torchrun launch until the controller stops; then exit the process."""
-    worker_main(spec, None)
-    raise SystemExit(0)

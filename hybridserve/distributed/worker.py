@@ -1,9 +1,7 @@
 """A tensor-parallel rank's process: join the group, build the same `Worker` as TP=1, serve commands.
-
-Every rank runs the same commands; the forwards all-reduce the row-parallel outputs (shared memory
-between CPU ranks of one host, else gloo or NCCL), and `TorchRankGroup` combines the ranks'
-agreements (capacity, restores, snapshot saves), so a snapshot counts only when every rank holds
-it. Rank 0 samples and answers.
+The forwards all-reduce row-parallel outputs (shared memory between CPU ranks of one host, else gloo
+or NCCL); `TorchRankGroup` combines the ranks' agreements, so a snapshot counts only when every rank
+holds it. Rank 0 samples and answers.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
@@ -23,9 +20,7 @@ import torch.distributed as dist
 
 from hybridserve.distributed.shm_allreduce import CONTROL, ShmAllReduce
 from hybridserve.engine.threads import apply_process_settings
-from hybridserve.engine.worker import RankCapacity, StepReply, Worker, WorkerSpec, init_builtin_shard
-
-__all__ = ["RankCapacity", "StepReply", "TorchRankGroup", "WorkerSpec", "init_builtin_shard", "worker_main"]
+from hybridserve.engine.worker import RankGroup, Worker, WorkerSpec
 
 logger = logging.getLogger(__name__)
 COMPUTE_TIMEOUT = timedelta(seconds=120)   # a collective inside a step: ranks are never far apart
@@ -33,60 +28,39 @@ CONTROL_TIMEOUT = timedelta(days=7)        # waiting for the next command: the e
 PARENT_POLL_SECONDS = 1.0
 
 
-class CommTimer:
-    """The all-reduce of row-parallel outputs (shared memory when set up, else torch.distributed on
-    `group`), timing how long it takes (communication share)."""
-
-    def __init__(self, group: Any, shm: ShmAllReduce | None = None) -> None:
-        self.group = group
-        self.shm = shm
-        self.seconds = 0.0
-
-    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        start = time.perf_counter()
-        if self.shm is not None:
-            tensor = self.shm.all_reduce(tensor, group=self.group)
-        else:
-            dist.all_reduce(tensor, group=self.group)
-        self.seconds += time.perf_counter() - start
-        return tensor
-
-
-class TorchRankGroup:
+class TorchRankGroup(RankGroup):
     """The `RankGroup` of a tensor-parallel rank: agreements on the gloo control group (or the
     shared-memory all-reduce in the forward's sequence), the model's all-reduce timed."""
 
     def __init__(self, device: torch.device) -> None:
         self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         self.shm = ShmAllReduce.setup(self.control, device, COMPUTE_TIMEOUT.total_seconds())
-        self.timer = CommTimer(None, self.shm)
-        self.model_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = self.timer
+        self.model_all_reduce = self._timed_all_reduce
         self.all_reduce_name = "shm" if self.shm is not None else dist.get_backend()
 
-    @property
-    def comm_seconds(self) -> float:
-        """Time spent in the model's all-reduces (reset per step by the worker)."""
-        return self.timer.seconds
-
-    @comm_seconds.setter
-    def comm_seconds(self, value: float) -> None:
-        self.timer.seconds = value
+    def _timed_all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The forward's all-reduce of row-parallel outputs (shared memory when set up), timed."""
+        start = time.perf_counter()
+        if self.shm is not None:
+            tensor = self.shm.all_reduce(tensor)
+        else:
+            dist.all_reduce(tensor)
+        self.comm_seconds += time.perf_counter() - start
+        return tensor
 
     def all_agree(self, ok: bool) -> bool:
-        """True only when `ok` holds on every rank."""
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
         self._control_all_reduce(flag, dist.ReduceOp.MIN)
         return bool(flag.item())
 
     def any_set(self, flags: list[bool]) -> list[bool]:
-        """Each flag OR-ed over the ranks (one MAX all-reduce)."""
         values = torch.tensor(flags, dtype=torch.int32)
         self._control_all_reduce(values, dist.ReduceOp.MAX)
         return [bool(v) for v in values.tolist()]
 
     def min_and_sum(self, smallest: list[int], summed: list[int]) -> tuple[list[int], list[int]]:
-        """`smallest` reduced by MIN and `summed` by SUM over the ranks."""
         low, total = torch.tensor(smallest), torch.tensor(summed)
+
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.control)
         dist.all_reduce(total, group=self.control)
         return [int(v) for v in low.tolist()], [int(v) for v in total.tolist()]

@@ -64,7 +64,15 @@ class PrefixCacheReport(NamedTuple):
     kv_cached_free_bytes: int = 0    # free KV blocks that still hold a cached prefix
 
 
+# `LLMEngine.stats()` names of the `PrefixCacheReport` fields it renames
+_STAT_NAMES = {"queries": "prefix_cache_queries", "query_tokens": "prefix_cache_query_tokens",
+               "hits": "prefix_cache_hits", "hit_tokens": "prefix_cache_hit_tokens",
+               "resident_snapshots": "snapshot_slots_used", "resident_snapshot_bytes": "snapshot_bytes",
+               "snapshot_slots": "snapshot_slots_total"}
+
+
 def resolve_device(name: str) -> torch.device:
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
@@ -87,8 +95,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.num_threads = apply_process_settings(config.num_threads, self.device.type).num_threads
         self.model_config, self.tokenizer = self._load_model_config_and_tokenizer()
-        model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
-        self.max_model_len = model_len
+        self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.tensor_parallel_size = config.tensor_parallel_size
         self.dead_reason: str | None = None
         self.executor = self._start_executor()
@@ -101,16 +108,14 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None
         self._masker: TokenMasker | None = None
         self._released: list[SequenceKey] = []  # sequences ended since the last plan (their generators go)
-        # False in the engine core process: only requests with stop strings (checked on the text)
-        # are detokenized here; the API process turns the others' token ids into text, off the
-        # step loop (core_client.RequestStream)
+        # False in the engine core process: only requests with stop strings are detokenized here,
+        # the API process detokenizes the others off the step loop (core_client.RequestStream)
         self.detokenize_all_requests = True
         logger.info("hybridserve engine: %s", self.describe())
 
     # -- construction -------------------------------------------------------------------------
     def _start_executor(self) -> Executor:
-        """Start the workers (in this process at TP=1; one process per rank otherwise, after the
-        plan is checked) and take the capacity they agreed on; sizes are summed over the ranks."""
+        """Start the workers (in this process at TP=1, else one process per rank) and take their capacity."""
         executor: Executor
         if self.tensor_parallel_size == 1:
             dtype_name = str(self.dtype).removeprefix("torch.")
@@ -171,8 +176,7 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      cache_salt: str | None = None) -> RequestGroup:
-        """Validate and tokenize without queueing anything (raises ValueError on bad input).
-        Returns the request's group of `params.n` sequences."""
+        """Validate and tokenize (ValueError on bad input) into a group of `params.n` sequences, unqueued."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         if request_id in self.requests:
@@ -210,8 +214,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     cache_salt: str | None = None) -> None:
-        """Validate and queue a request. ValueError on bad input; QueueFullError when saturated;
-        EngineDeadError after a worker died."""
+        """Validate and queue a request (ValueError, QueueFullError, or EngineDeadError after a worker died)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting_requests:
@@ -298,14 +301,8 @@ class LLMEngine:
         return [self.output(group) for group in groups if not final_only or group.is_finished]
 
     def step_groups(self) -> list[RequestGroup]:
-        """Run one scheduling step; returns the groups that got a new token or finished (their
-        sequences hold the cumulative state; no output objects are built).
-
-        Fault isolation: a failed forward is reverted (requests in three failed steps in a row
-        end with "error"); a failure while committing ends the step's requests with "error";
-        non-finite logits, a sampler error or a detokenizer error end only the request they
-        belong to. `schedule` gives back what it took before raising; that error propagates.
-        """
+        """Run one scheduling step; the groups that got a new token or finished (no output objects
+        built). Failures stay in the step's transaction (docs/prefix-cache.md, Transactions)."""
         self._finished_groups.clear()
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -343,9 +340,8 @@ class LLMEngine:
         return self._groups(sequences)
 
     def _draws(self, request: Request) -> tuple[SamplingSpec, ...]:
-        """The sampling specs of a request's next token: its own, and when its prompt completes
-        this step, those of the group's sequences still to be forked from it (they sample from
-        the same logits row)."""
+        """The sampling specs of a request's next token: its own, then those of the sequences to
+        be forked from it when its prompt completes (they sample from the same logits row)."""
         specs = [self._spec(request)]
         group = self.requests.get(request.request_id)
         if group is not None and group.unforked and request.index == 0 and not request.num_output_tokens:
@@ -362,9 +358,8 @@ class LLMEngine:
             return sampling_spec(request, error=f"grammar mask failed: {exc}")
 
     def _fork_children(self, parent: Request, count: int) -> list[Request | None]:
-        """Fork the first `count` unforked sequences of `parent`'s group from it (a parent that
-        just completed its prompt). A child that cannot be placed now is queued to prefill on its
-        own (None in its place: its draw is discarded, and its generator released)."""
+        """Fork `count` unforked sequences from `parent`, which just completed its prompt; one that
+        cannot be placed now is queued to prefill on its own (None in its place: its draw is discarded)."""
         group = self.requests.get(parent.request_id)
         if count <= 0 or group is None:
             return []
@@ -382,35 +377,27 @@ class LLMEngine:
         return children
 
     def _take_draw(self, request: Request, draw: SampledToken | str, now: float) -> None:
-        """Accept a sampled token, or end the request with "error" when its draw failed."""
+        """Append a sampled token (and its logprobs) and apply the stop rules, or end the request
+        with "error" when its draw failed or accepting it raised."""
         if isinstance(draw, str):
             logger.error("request %s failed: %s", request.request_id, draw)
             self._finish(request, "error", flush=False)
             return
         try:
-            self._accept(request, draw, now)
+            request.append_token(draw.token_id)
+            if request.logprobs is not None and draw.logprobs is not None:
+                request.logprobs.append(draw.logprobs)
+                request.cumulative_logprob += draw.logprobs[draw.token_id]
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self._check_stop(request)
         except Exception:  # noqa: BLE001 - e.g. the detokenizer: only this request fails
             logger.exception("request %s failed after sampling", request.request_id)
             if not request.is_finished:
                 self._finish(request, "error", flush=False)
 
-    def _accept(self, request: Request, sampled: SampledToken, now: float) -> None:
-        """Append a sampled token (and its logprobs), then apply the stop rules."""
-        request.append_token(sampled.token_id)
-        if request.logprobs is not None and sampled.logprobs is not None:
-            request.logprobs.append(sampled.logprobs)
-            request.cumulative_logprob += sampled.logprobs[sampled.token_id]
-        if request.first_token_time is None:
-            request.first_token_time = now
-        self._check_stop(request)
-
-    def _group_of(self, request: Request) -> RequestGroup | None:
-        """The group a sequence belongs to, still running or finished during this step."""
-        return self.requests.get(request.request_id) or self._finished_groups.get(request.request_id)
-
     def _fail_requests(self, requests: list[Request]) -> list[RequestGroup]:
-        """End each unfinished request with finish_reason "error" (freeing what it holds); their
-        groups."""
+        """End each unfinished request with "error" (freeing what it holds); their groups."""
         for request in requests:
             if not request.is_finished:
                 self._finish(request, "error", flush=False)
@@ -418,12 +405,12 @@ class LLMEngine:
 
     def _groups(self, requests: list[Request]) -> list[RequestGroup]:
         """The groups these sequences belong to (running or finished this step), once each."""
-        groups = {r.request_id: group for r in requests if (group := self._group_of(r)) is not None}
+        groups = {r.request_id: group for r in requests
+                  if (group := self.requests.get(r.request_id) or self._finished_groups.get(r.request_id))}
         return list(groups.values())
 
     def _after_worker_death(self, scheduled: SchedulerOutput, reason: str) -> list[RequestGroup]:
-        """A worker died: revert the step, end every request with an error (freeing its blocks and
-        slots, so the pools stay consistent), and mark the engine dead."""
+        """A worker died: revert the step, end every request with "error" and mark the engine dead."""
         logger.error("tensor-parallel worker failure: %s; failing %d request(s)", reason, len(self.requests))
         self.dead_reason = f"tensor-parallel worker failure: {reason}"
         self.scheduler.revert(scheduled)
@@ -510,9 +497,8 @@ class LLMEngine:
             metrics=metrics)
 
     def prompt_logits(self, prompt: str | list[int], cache_salt: str | None = None) -> torch.Tensor:
-        """Logits at every computed prompt position ([n, vocab], float32) through the normal paged,
-        chunked path (for parity checks and scoring); runs the engine until done. On a prefix
-        cache hit of b tokens only positions [b, prompt_len) are computed, so n = prompt_len - b."""
+        """Logits [n, vocab] at every computed prompt position through the normal paged, chunked path
+        (parity checks, scoring); runs the engine until done. A prefix hit of b tokens gives n = len - b."""
         group = self.make_request(f"prompt-logits-{id(prompt)}-{time.monotonic_ns()}", prompt,
                                   SamplingParams(max_tokens=1, temperature=0.0), cache_salt)
         request = group.first
@@ -537,25 +523,16 @@ class LLMEngine:
             kv_cached_free_bytes=usage.kv_blocks_cached_free * self.kv_bytes_per_block)
 
     def stats(self) -> dict[str, float]:
-        """Flat gauges and counters for metrics endpoints."""
+        """Flat gauges and counters for metrics endpoints: every `PrefixCacheReport` field (some
+        renamed, `_STAT_NAMES`) and the pools' usage."""
         usage = self.cache.usage()
-        report = self.prefix_cache_stats()
+        report = {_STAT_NAMES.get(name, name): value for name, value in self.prefix_cache_stats()._asdict().items()}
         return {
-            "kv_blocks_total": usage.kv_blocks, "kv_blocks_used": usage.kv_blocks_used,
+            **report, "kv_blocks_total": usage.kv_blocks, "kv_blocks_used": usage.kv_blocks_used,
             "kv_blocks_cached_free": usage.kv_blocks_cached_free, "kv_blocks_free": usage.kv_blocks_free,
             "state_slots_total": usage.state_slots, "state_slots_free": usage.state_slots_free,
-            "snapshot_slots_total": report.snapshot_slots, "snapshot_slots_used": report.resident_snapshots,
-            "snapshot_bytes": report.resident_snapshot_bytes, "bytes_per_snapshot": report.bytes_per_snapshot,
-            "prefix_cache_queries": report.queries, "prefix_cache_hits": report.hits,
-            "prefix_cache_hit_tokens": report.hit_tokens, "prefix_cache_query_tokens": report.query_tokens,
-            "kv_only_misses": report.kv_only_misses, "snapshot_only_misses": report.snapshot_only_misses,
-            "snapshots_published": report.snapshots_published, "snapshots_evicted": report.snapshots_evicted,
-            "snapshots_skipped": report.snapshots_skipped, "snapshots_aborted": report.snapshots_aborted,
             "num_running": self.num_running_requests, "num_waiting": self.num_waiting_requests,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "kv_pool_bytes": report.kv_pool_bytes, "kv_used_bytes": report.kv_used_bytes,
-            "kv_cached_free_bytes": report.kv_cached_free_bytes, "snapshot_pool_bytes": report.snapshot_pool_bytes,
-            "weight_bytes": self.weight_bytes,
+            "num_preemptions": self.scheduler.num_preemptions, "weight_bytes": self.weight_bytes,
             "heap_free_bytes": allocator_free_bytes() if self.device.type == "cpu" else 0,
             "snapshots_reserved": usage.snapshots_reserved, "snapshots_pinned": usage.snapshots_pinned,
         }

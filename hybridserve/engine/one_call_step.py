@@ -1,16 +1,7 @@
-"""The one-call CPU step: a whole forward of up to 512 rows as one C call (`csrc/decode_step.c`).
-
-Embeddings, every layer, the final norm and the LM head of decode rows and of the prompt chunks
-taken in the same step run in C, calling the module path's kernels in its order, so the per-op
-dispatch of the module path goes (docs/cpu-kernels.md: which models, row counts and kernels).
-Float32 models get the module path's math, except that a chunk's GDN state is stepped token by
-token (the same recurrence as the chunked kernel, summed in another order); a bfloat16 model keeps
-bf16 storage and computes in float32. Larger steps, steps that want prompt logprobs, CUDA, tensor
-parallelism and `HYBRIDSERVE_ONE_CALL_STEP=0` keep the module path.
-
-Transactional like the module path: GDN layers update their live slots in place and hand the
-replaced state to `ForwardContext.state_undo`; a snapshot inside a chunk is copied out as the rows
-pass it, one at a chunk's end is read from the live slot.
+"""The one-call CPU step: a whole forward of up to 512 rows as one C call (`csrc/decode_step.c`),
+the module path's kernels in its order without its per-op dispatch (docs/cpu-kernels.md: which
+models, row counts and kernels). Transactional like the module path: live GDN slots are updated in
+place and the replaced state goes to `ForwardContext.state_undo`.
 """
 
 from __future__ import annotations
@@ -39,9 +30,7 @@ if TYPE_CHECKING:
 ONE_CALL_STEP_ENV = envs.ONE_CALL_STEP.name
 MAX_ROWS = 512  # DECODE_STEP_MAX_ROWS in decode_step.c
 PIECE_ROWS = 128  # GEMM_PIECE_ROWS and CHUNK_PIECE_ROWS there: the rows its kernels take at once
-# A bfloat16 model's linears take AMX tiles 32 rows at a time, each piece a pass over the weights,
-# so past this many rows the module path (oneDNN) is faster (docs/decisions.md).
-BF16_MAX_ROWS = 256
+BF16_MAX_ROWS = 256  # past this many rows a bfloat16 model's module path (oneDNN) is faster (docs/decisions.md)
 
 
 def one_call_step_enabled() -> bool:
@@ -54,7 +43,7 @@ class OneCallStep:
 
     def __init__(self, model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> None:
         """Point the C structs at the model's weights and the context's storage (check
-        `one_call_step_supported` first); both are allocated once and outlive the step."""
+        `one_call_step_supported` first)."""
         library = native._library()
         if library is None:
             raise RuntimeError("OneCallStep: the C kernels are unavailable (check one_call_step_supported() first)")
@@ -67,12 +56,13 @@ class OneCallStep:
         self._layers = (DecodeLayer * len(layers))(*[self._layer_struct(layer) for layer in layers])
         self.max_rows = _max_rows(model, ctx)
         attention = next((layer.self_attn for layer in layers if layer.is_attention), None)
+        gdns = [layer.linear_attn for layer in layers if not layer.is_attention]
         if model.head is None or text.norm.scale is None:
             raise ValueError("OneCallStep: the model needs an LM head and a final norm scale")
         self.model = DecodeModel(
             num_layers=len(text.layers), hidden=config.hidden_size, intermediate=config.intermediate_size,
             vocab=_packed(model.head).weight.shape[0], bf16_storage=int(ctx.kv_cache.keys.dtype == torch.bfloat16),
-            rms_eps=text.norm.eps, gdn_norm_eps=_gdn_norm_eps(model),
+            rms_eps=text.norm.eps, gdn_norm_eps=gdns[0].norm.eps if gdns else 0.0,
             l2_eps=L2_NORM_EPS, embed=text.embed_tokens.weight.data_ptr(), final_norm=_pointer(text.norm.scale),
             head=_linear_struct(model.head), cos_table=_pointer(text.rotary.cos_table),
             sin_table=_pointer(text.rotary.sin_table), max_positions=_tensor(text.rotary.cos_table).shape[0],
@@ -119,8 +109,7 @@ class OneCallStep:
     @staticmethod
     def takes(batch: ForwardBatch) -> bool:
         """A step of 1..MAX_ROWS rows with logits at sequence ends only: decode rows, and prompt
-        chunks (with block tables) whose captures fall after their first token. `fits` then checks
-        the rows this model's step takes."""
+        chunks (with block tables) whose captures fall after their first token."""
         rows = int(batch.input_ids.shape[0])
         if not 0 < rows <= MAX_ROWS or not batch.logits_only_last_layer:
             return False
@@ -135,8 +124,7 @@ class OneCallStep:
 
     def run(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         """Logits [len(logits_rows), vocab] of the step (check `takes` and `fits` first); live GDN
-        state is updated in place, undo records appended to ctx.state_undo, captures written to the
-        snapshot sink. A chunk's rows write their KV before attending, so each sees those before it."""
+        state is updated in place, undo records go to ctx.state_undo, captures to the snapshot sink."""
         rows = int(batch.input_ids.shape[0])
         tokens, positions = batch.input_ids.contiguous(), batch.positions.contiguous()
         write_slots, logit_rows = batch.kv_write_slots.contiguous(), batch.logits_rows.contiguous()
@@ -145,8 +133,8 @@ class OneCallStep:
         buffers = self._buffers
         workspace = buffers.workspace(library.decode_step_workspace_floats(model, rows, step.slots.data_ptr(),
                                                                            step.max_context, threads))
-        undo = buffers.undo(int(step.sequences.shape[0]))  # one record per sequence and layer, as on the module path
-        captures = buffers.captures(len(step.inner)) if step.inner else None
+        undo = buffers.records("undo", int(step.sequences.shape[0]))  # one per sequence and layer
+        captures = buffers.records("captures", len(step.inner)) if step.inner else None
         capture_rows = torch.tensor([row for row, _ in step.inner], dtype=torch.long) if step.inner else None
         native.check_index_tensors("decode_step_f32", tokens=tokens, positions=positions, state_slots=step.slots,
                                    kv_write_slots=write_slots, block_tables=step.tables, logit_rows=logit_rows)
@@ -168,8 +156,8 @@ class OneCallStep:
 
     def _write_captures(self, batch: ForwardBatch, ctx: ForwardContext, inner: list[tuple[int, int]],
                         captures: StateRecords | None) -> None:
-        """Snapshots into the sink: those inside chunks from the records the C step filled, those at a
-        chunk's end or after a decode row from the live slots the step left."""
+        """Snapshots into the sink: inside chunks from the records the C step filled, at a chunk's end
+        or after a decode row from the live slots."""
         sink, layers = ctx.snapshot_sink, range(self.num_gdn_layers)
         if sink is None or (inner and captures is None):
             raise ValueError("one-call step: captures need a snapshot sink and the records the step filled")
@@ -235,8 +223,7 @@ class StateRecords(NamedTuple):
 
 class _StepBuffers:
     """The C step's workspace and per-GDN-layer state records, kept from step to step (up to
-    KEPT_BYTES) so that a step does not page-fault in fresh buffers. Safe because steps run one at a
-    time and a step's undo records and captures are consumed before the next (`ModelRunner.execute_plan`)."""
+    KEPT_BYTES) against page faults: steps run one at a time and consume their records at once."""
 
     KEPT_BYTES = 64 << 20
 
@@ -256,16 +243,8 @@ class _StepBuffers:
             self._workspace = workspace
         return workspace
 
-    def undo(self, sequences: int) -> StateRecords:
-        """Undo records for `sequences` sequences."""
-        return self._records("undo", sequences)
-
-    def captures(self, count: int) -> StateRecords:
-        """Records for `count` states captured inside chunks."""
-        return self._records("captures", count)
-
-    def _records(self, kind: str, count: int) -> StateRecords:
-        """Records for `count` sequences (the kept ones' leading rows where they are large enough)."""
+    def records(self, kind: str, count: int) -> StateRecords:
+        """`kind` ("undo" or "captures") records for `count` sequences (kept ones where large enough)."""
         kept = self._kept.get(kind)
         if kept is not None and kept[0] >= count:
             records = kept[1]
@@ -303,17 +282,12 @@ def one_call_step_supported(model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> b
         return False
     dtype = storage[0].dtype
     model_dtype += storage
-    if dtype not in (torch.float32, torch.bfloat16) or any(t.dtype != dtype for t in model_dtype):
-        return False
-    if any(t.device.type != "cpu" or not t.is_contiguous() for t in [*float32, *model_dtype]):
-        return False
-    if any(t.dtype != torch.float32 for t in float32):
-        return False
-    if any(not _plain_linear(linear, dtype) for linear in _linears(model)):
-        return False
-    if text.embed_tokens.weight.shape[0] != model.head.weight.shape[0]:
-        return False
-    return len({norm.eps for norm in norms}) == 1
+    return (dtype in (torch.float32, torch.bfloat16) and all(t.dtype == dtype for t in model_dtype)
+            and all(t.device.type == "cpu" and t.is_contiguous() for t in [*float32, *model_dtype])
+            and all(t.dtype == torch.float32 for t in float32)
+            and all(_plain_linear(linear, dtype) for linear in _linears(model))
+            and text.embed_tokens.weight.shape[0] == model.head.weight.shape[0]
+            and len({norm.eps for norm in norms}) == 1)
 
 
 def _all_tensors(values: list[object]) -> list[torch.Tensor] | None:
@@ -381,9 +355,6 @@ def _linear_struct(linear: PackedLinear | None) -> Linear:
     return Linear(linear.weight.data_ptr(), scales, WEIGHT_FORMATS[linear.weight.dtype])
 
 
-def _gdn_norm_eps(model: Qwen3_5ForCausalLM) -> float:
-    gdn = next((layer.linear_attn for layer in _decoder_layers(model) if not layer.is_attention), None)
-    return gdn.norm.eps if gdn is not None else 0.0
 
 
 def _decoder_layers(model: Qwen3_5ForCausalLM) -> list[DecoderLayer]:

@@ -1,10 +1,7 @@
-"""The model worker: one class for every tensor-parallel size.
-
-A worker builds its rank's model (whole at TP=1, a shard otherwise), loads its weights, plans its
-memory, owns its `ModelRunner` and executes `StepPlan`s; rank 0, which holds the full logits,
-samples and returns token ids and requested logprobs only. At TP=1 it runs in the engine's process
-(`InProcessExecutor`), at TP=N one per rank process (`distributed/worker.py`); only the `RankGroup`
-differs.
+"""The model worker of every tensor-parallel size: builds its rank's model (whole at TP=1, else a
+shard), plans its memory, owns its `ModelRunner` and executes `StepPlan`s; rank 0 samples. At TP=1
+it runs in the engine's process, at TP=N one per rank process (`distributed/worker.py`); only the
+`RankGroup` differs.
 """
 
 from __future__ import annotations
@@ -12,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 
@@ -61,9 +58,8 @@ class RankCapacity(NamedTuple):
 
 
 class PlanResult(NamedTuple):
-    """What a step produced (picklable; indices are plan chunk indices): each sampling chunk's
-    draws in the order of its specs (a token, or the error message of a failed draw), the snapshot
-    slots whose copies failed, and every position's logits where a chunk asked for them."""
+    """What a step produced (indices are plan chunk indices): each sampling chunk's draws (a token,
+    or a failed draw's error message), failed snapshot slots, and prompt logits where asked."""
 
     draws: list[tuple[int, list[SampledToken | str]]]
     failed_snapshot_slots: set[int]
@@ -79,34 +75,24 @@ class StepReply(NamedTuple):
     forward_seconds: float
 
 
-class RankGroup(Protocol):
-    """How a worker's answers combine with the other ranks' (all no-ops for a single rank)."""
-
-    all_reduce_name: str
-    model_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None
-    comm_seconds: float
-
-    def all_agree(self, ok: bool) -> bool: ...
-
-    def any_set(self, flags: list[bool]) -> list[bool]: ...
-
-    def min_and_sum(self, smallest: list[int], summed: list[int]) -> tuple[list[int], list[int]]: ...
-
-
-class SingleRank:
-    """The `RankGroup` of TP=1: this worker's answers are the answers."""
+class RankGroup:
+    """How a worker's answers combine with the other ranks'; this base is a single rank (TP=1), whose
+    answers are the answers (`distributed.worker.TorchRankGroup` combines them over the ranks)."""
 
     all_reduce_name: str = "none"
     model_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-    comm_seconds: float = 0.0
+    comm_seconds: float = 0.0  # time in the model's all-reduces, reset per step by the worker
 
     def all_agree(self, ok: bool) -> bool:
+        """True only when `ok` holds on every rank."""
         return ok
 
     def any_set(self, flags: list[bool]) -> list[bool]:
+        """Each flag OR-ed over the ranks."""
         return flags
 
     def min_and_sum(self, smallest: list[int], summed: list[int]) -> tuple[list[int], list[int]]:
+        """`smallest` reduced by MIN and `summed` by SUM over the ranks."""
         return smallest, summed
 
 
@@ -128,11 +114,10 @@ class Worker:
     def __init__(self, spec: WorkerSpec, group: RankGroup | None = None) -> None:
         self.spec = spec
         self.rank, self.world_size = spec.rank, spec.world_size
-        self.group: RankGroup = group or SingleRank()
+        self.group = group or RankGroup()
         self.device = torch.device(spec.device)
         self.dtype = getattr(torch, spec.dtype)
         self.local = local_config(spec.model_config, spec.world_size)
-        self.fail_snapshots = False
         memory_at_start = device_memory(self.device)
         self.model = Qwen3_5ForCausalLM(self.local, chunk_size=spec.chunk_size, max_positions=spec.max_model_len,
                                         all_reduce=self.group.model_all_reduce)
@@ -147,7 +132,6 @@ class Worker:
 
     # -- start-up ------------------------------------------------------------------------------
     def _load_weights(self) -> None:
-        """Place on the device in the serving dtype, fill this rank's weights, then pack them."""
         model, spec = self.model, self.spec
         model.to(device=self.device, dtype=self.dtype).eval()
         if spec.config.model is None:
@@ -177,8 +161,8 @@ class Worker:
 
     # -- commands -------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepReply:
-        """Restore (a hit only if every rank restored), forward, combine failed snapshot copies,
-        then sample on rank 0."""
+        """Restore (only if every rank can), forward, combine failed snapshot copies, sample on rank 0."""
+
         self.sampler.release(plan.released)
         error = None
         if plan.restores:
