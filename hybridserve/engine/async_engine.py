@@ -10,7 +10,7 @@ import threading
 from typing import Any
 
 from hybridserve.engine.core import EngineCore, max_request_tokens
-from hybridserve.engine.core_client import CoreClient
+from hybridserve.engine.core_client import CALL_TIMEOUT_S, CoreClient
 from hybridserve.engine.core_messages import CoreInput, CoreOutput, Shutdown
 from hybridserve.errors import EngineDeadError
 
@@ -48,8 +48,9 @@ class AsyncLLMEngine(CoreClient):
     asyncio code; beyond `max_waiting_requests` queued requests, `add_request` raises
     `EngineOverloadedError` (503 with Retry-After)."""
 
-    def __init__(self, engine: Any, *, max_waiting_requests: int | None = None) -> None:
-        super().__init__(max_waiting_requests)
+    def __init__(self, engine: Any, *, max_waiting_requests: int | None = None,
+                 call_timeout_s: float = CALL_TIMEOUT_S) -> None:
+        super().__init__(max_waiting_requests, call_timeout_s)
         self.engine = engine
         engine.detokenize_all_requests = False  # streams make the text, as for a core process
         self.tokenizer = engine.tokenizer
@@ -108,8 +109,8 @@ class AsyncLLMEngine(CoreClient):
     def _is_open(self) -> bool:
         return self._thread is not None
 
-    def _send(self, message: CoreInput, block: bool = True) -> None:
-        self._inputs.put(message)
+    def _send(self, encoded: Any, force: bool = False) -> None:
+        self._inputs.put(encoded)
 
     def _run(self) -> None:
         reason = "engine has been shut down"

@@ -1,11 +1,10 @@
 """The engine core: `LLMEngine`'s busy loop (`EngineCore`), in its own process or on a thread.
 
-`run_engine_core` (spawned by `EngineCoreClient`) builds the engine, so whatever it starts (threads,
-tensor-parallel workers) lives under that process, then loops: drain the inputs (add, abort,
-utility calls), step while there is work, push that step's incremental outputs. HTTP, JSON and SSE
-stay in the API process. Not daemonic (tensor-parallel workers hang off it): it exits when its
-parent pid changes, checked at least once a second. `AsyncLLMEngine` runs the same loop on a
-thread, fed by an in-process queue.
+`run_engine_core` (spawned by `EngineCoreClient`) builds the engine, so whatever it starts lives
+under that process, then loops: handle the inputs (add, abort, utility calls), step while there is
+work, send that step's incremental outputs. Inputs and outputs are frames on one Unix socket
+(`frames`). Not daemonic (tensor-parallel workers hang off it): it exits when the socket closes or
+its parent pid changes. `AsyncLLMEngine` runs the same loop on a thread, fed by an in-process queue.
 """
 
 from __future__ import annotations
@@ -17,9 +16,8 @@ import shutil
 import signal
 import socket
 import time
+from collections import deque
 from typing import Any, Protocol
-
-import zmq
 
 from hybridserve.engine.core_messages import (
     AbortRequests,
@@ -40,7 +38,7 @@ from hybridserve.engine.core_messages import (
     input_decoder,
     params_from_wire,
 )
-from hybridserve.engine.frames import FrameSender
+from hybridserve.engine.frames import FrameReceiver, FrameSender
 from hybridserve.engine.memory import freeze_startup_heap
 from hybridserve.errors import InvalidRequestError, error_kind
 from hybridserve.sampling_params import RequestOutputKind
@@ -145,23 +143,26 @@ class CoreInputs(Protocol):
 
 
 class SocketInputs:
-    """The core process's inputs: msgpack messages on a ZMQ PULL socket."""
+    """The core process's inputs: frames on its socket to the API process. When the API process
+    closes its end, a `Shutdown` is what comes next."""
 
-    def __init__(self, sock: zmq.Socket[bytes]) -> None:
-        self.sock = sock
-        self._decoder = input_decoder()
+    def __init__(self, sock: socket.socket) -> None:
+        self._receiver = FrameReceiver(sock, input_decoder())
+        self._waiting: deque[CoreInput] = deque()
 
     def poll(self, timeout_ms: int) -> int:
-        """Wait up to `timeout_ms` for a message."""
-        return self.sock.poll(timeout_ms)
+        """Wait up to `timeout_ms` for a message; how many are waiting."""
+        if not self._waiting:
+            try:
+                messages = self._receiver.receive_messages(timeout_ms / 1000)
+            except OSError:
+                messages = None
+            self._waiting.extend([Shutdown()] if messages is None else messages)
+        return len(self._waiting)
 
     def receive(self) -> CoreInput | None:
-        """The next waiting message, decoded (None: none is waiting)."""
-        try:
-            frame = self.sock.recv(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return None
-        return self._decoder.decode(frame.buffer)
+        """The next message, without waiting (None: none is waiting)."""
+        return self._waiting.popleft() if self.poll(0) else None
 
 
 class EngineCore:
@@ -368,20 +369,15 @@ def ready_message(engine: Any) -> Ready:
                  pickle.dumps(engine.tokenizer))
 
 
-def run_engine_core(config: Any, input_address: str, output_address: str, parent_pid: int,
-                    log_level: int = logging.WARNING) -> None:
-    """Process entry point: build the engine, report `Ready` (or `StartupFailed`), then loop.
-    `input_address` is the API process's ZMQ PUSH endpoint, `output_address` the path of its Unix
-    socket for outputs."""
+def run_engine_core(config: Any, address: str, parent_pid: int, log_level: int = logging.WARNING) -> None:
+    """Process entry point: connect to the API process's Unix socket at `address`, build the
+    engine, report `Ready` (or `StartupFailed`), then loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
     logging.getLogger().setLevel(log_level)
-    context = zmq.Context(1)
-    inputs = context.socket(zmq.PULL)
-    inputs.connect(input_address)
-    output_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    output_socket.connect(output_address)
-    outputs = FrameSender(output_socket)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(address)
+    outputs = FrameSender(sock)
     try:
         from hybridserve.engine.engine import LLMEngine
 
@@ -395,19 +391,17 @@ def run_engine_core(config: Any, input_address: str, output_address: str, parent
             return
         outputs.send_message(ready)
         try:
-            EngineCore(engine, SocketInputs(inputs), outputs, parent_pid).run()
+            EngineCore(engine, SocketInputs(sock), outputs, parent_pid).run()
         finally:
             engine.shutdown()  # stops tensor-parallel workers, if any
     finally:
-        inputs.close(linger=0)
-        outputs.close()
-        context.term()
-        _remove_orphaned_sockets(output_address, parent_pid)
+        sock.close()
+        _remove_orphaned_socket_dir(address, parent_pid)
 
 
-def _remove_orphaned_sockets(output_address: str, parent_pid: int) -> None:
+def _remove_orphaned_socket_dir(address: str, parent_pid: int) -> None:
     """When the API process died without its cleanup, remove the private directory it made for
-    the sockets (only one named as `EngineCoreClient` names them)."""
-    directory = os.path.dirname(output_address)
+    the socket (only one named as `EngineCoreClient` names it)."""
+    directory = os.path.dirname(address)
     if os.getppid() != parent_pid and os.path.basename(directory).startswith(SOCKET_DIR_PREFIX):
         shutil.rmtree(directory, ignore_errors=True)

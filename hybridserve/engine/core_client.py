@@ -2,12 +2,11 @@
 share (streams, deltas, aborts, errors, utility calls), and `EngineCoreClient`, its client of an
 engine core process (`AsyncLLMEngine` runs the core on a thread instead).
 
-Requests go out as typed messages (`core_messages`) over a ZMQ PUSH socket, so a long prompt never
-blocks the event loop. Per-step deltas come back in frames on a Unix socket (`frames`), read by a
-thread until `read_on_loop` moves the reading onto the server's loop (one thread woken per step);
-each step reaches every loop with requests in it in one `call_soon_threadsafe`. A stream builds its
-cumulative `RequestOutput` only when read, so a slow consumer coalesces steps. If the core dies,
-in-flight requests fail with `EngineDeadError` and new ones are refused.
+One Unix stream socket carries typed frames (`frames`) both ways. A message is encoded before any
+admission slot is taken, then queued in a bounded outbox that one sender thread writes, so the
+event loop never blocks on the socket. Outputs are read by a thread until `read_on_loop` moves the
+reading onto the server's loop; each step reaches every loop with requests in it in one
+`call_soon_threadsafe`. If the core dies, in-flight requests fail with `EngineDeadError`.
 """
 
 from __future__ import annotations
@@ -15,6 +14,8 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
+import contextlib
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -28,7 +29,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import zmq
+import msgspec
 
 from hybridserve.engine.core import SOCKET_DIR_PREFIX, run_engine_core
 from hybridserve.engine.core_messages import (
@@ -47,39 +48,39 @@ from hybridserve.engine.core_messages import (
     StepOutputs,
     UtilityCall,
     UtilityResult,
-    input_encoder,
     output_decoder,
     params_to_wire,
 )
 from hybridserve.engine.detokenizer import IncrementalDetokenizer
-from hybridserve.engine.frames import FrameReceiver
+from hybridserve.engine.frames import FrameOutbox, FrameReceiver, encode_frame
 from hybridserve.engine.threads import child_process_environment
 from hybridserve.errors import (
     EngineDeadError,
     EngineOverloadedError,
     EngineStepError,
+    InvalidRequestError,
     error_from_kind,
 )
 from hybridserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-POLL_MS = 200
+POLL_S = 0.2  # how often the reader thread and a starting client look up from the socket
+CALL_TIMEOUT_S = 60.0  # default wait for a utility call's answer
+MAX_OUTBOX_BYTES = 64 << 20  # default bound of the inputs queued for the core
 
 
+@dataclasses.dataclass(slots=True)
 class _Completion:
     """Accumulated state of one completion on the API side."""
 
-    __slots__ = ("cumulative_logprob", "finish_reason", "index", "logprobs", "stop_reason", "text", "token_ids")
-
-    def __init__(self, index: int, with_logprobs: bool) -> None:
-        self.index = index
-        self.token_ids: list[int] = []
-        self.text = ""
-        self.logprobs: list[dict[int, float]] | None = [] if with_logprobs else None
-        self.cumulative_logprob: float | None = None
-        self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
+    index: int
+    logprobs: list[dict[int, float]] | None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
 
     def output(self) -> CompletionOutput:
         return CompletionOutput(index=self.index, text=self.text, token_ids=list(self.token_ids),
@@ -100,8 +101,7 @@ class RequestStream:
         self.finished = False
         self._prompt = prompt if isinstance(prompt, str) else None
         self._prompt_ids: list[int] = [] if isinstance(prompt, str) else list(prompt)
-        with_logprobs = params.logprobs is not None
-        self._completions = [_Completion(i, with_logprobs) for i in range(params.n)]
+        self._completions = [_Completion(i, None if params.logprobs is None else []) for i in range(params.n)]
         # the core detokenizes only requests with stop strings: the others' text is made here
         self._detokenizers = None if tokenizer is None or params.stop else \
             [IncrementalDetokenizer(tokenizer, params.skip_special_tokens) for _ in range(params.n)]
@@ -190,16 +190,18 @@ class RequestStream:
 class CoreClient(abc.ABC):
     """What both front ends (`EngineClient`s) share: the request, stream and utility-call tables,
     admission, aborts, and the dispatch of the core's output messages into streams and futures.
-    A subclass carries the messages to its core (`_send`) and hands back what it sends
-    (`_dispatch`, on any thread)."""
+    A subclass carries the messages to its core (`_encode`, `_send`) and hands back what it sends
+    (`_dispatch`, on any thread). A utility call not answered within `call_timeout_s` raises
+    `TimeoutError`."""
 
     tokenizer: Any
     model_config: Any
     max_model_len: int
     max_request_tokens: int
 
-    def __init__(self, max_waiting_requests: int | None) -> None:
+    def __init__(self, max_waiting_requests: int | None, call_timeout_s: float = CALL_TIMEOUT_S) -> None:
         self.max_waiting_requests = max_waiting_requests
+        self.call_timeout_s = call_timeout_s
         self._lock = threading.Lock()  # guards sending to the core and the tables below
         self._streams: dict[str, RequestStream] = {}
         self._adds: dict[str, concurrent.futures.Future[None]] = {}
@@ -222,10 +224,14 @@ class CoreClient(abc.ABC):
     def _is_open(self) -> bool:
         """Whether messages can be sent to the core."""
 
+    def _encode(self, message: CoreInput) -> Any:
+        """The message as `_send` takes it (in this process: the message itself)."""
+        return message
+
     @abc.abstractmethod
-    def _send(self, message: CoreInput, block: bool = True) -> None:
-        """Send one message to the core (under `_lock`); unless `block`, a full or closed
-        channel drops it."""
+    def _send(self, encoded: Any, force: bool = False) -> None:
+        """Queue an encoded message for the core without blocking (under `_lock`): over the
+        client's bound `EngineOverloadedError`, unless `force`."""
 
     # ------------------------------------------------------------------ public API
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -233,11 +239,13 @@ class CoreClient(abc.ABC):
         """Submit a request and wait until the core accepted it (the engine's `ValueError` for
         bad input, `EngineOverloadedError` when the queue is full, `EngineDeadError` when down)."""
         self.start()
+        # Encoded before a slot is taken; the send is the last step that can fail, so a refusal
+        # anywhere leaves nothing behind.
+        encoded = self._encode(AddRequest(request_id, prompt if isinstance(prompt, str) else list(prompt),
+                                          params_to_wire(params), cache_salt))
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, prompt, params, loop, time.monotonic(), self.tokenizer)
         ack: concurrent.futures.Future[None] = concurrent.futures.Future()
-        message = AddRequest(request_id, prompt if isinstance(prompt, str) else list(prompt),
-                             params_to_wire(params), cache_salt)
         with self._lock:
             self._check_alive()
             if request_id in self._streams or request_id in self._adds:
@@ -245,7 +253,7 @@ class CoreClient(abc.ABC):
             limit = self.max_waiting_requests
             if limit is not None and self._pending_adds + self._engine_waiting >= limit:
                 raise EngineOverloadedError(f"too many waiting requests (limit {limit}); retry later")
-            self._send(message)  # the lock holds the answer back until the tables know the request
+            self._send(encoded)  # the lock holds the answer back until the tables know the request
             self._pending_adds += 1
             self._adds[request_id] = ack
             self._streams[request_id] = stream
@@ -257,12 +265,14 @@ class CoreClient(abc.ABC):
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (any thread; unknown or finished ids are a no-op)."""
+        """Abort a request (any thread; unknown or finished ids are a no-op); never refused for a
+        full queue."""
         with self._lock:
             stream = self._streams.pop(request_id, None)
             if stream is None or not self._is_open() or self._dead_reason is not None:
                 return
-            self._send(AbortRequests([request_id]), block=False)
+            with contextlib.suppress(EngineDeadError):  # the core is gone: nothing runs on
+                self._send(self._encode(AbortRequests([request_id])), force=True)
         _call_in(stream.loop, stream.abort)
 
     async def call(self, method: str, *args: Any) -> Any:
@@ -274,9 +284,15 @@ class CoreClient(abc.ABC):
         with self._lock:
             self._check_alive()
             call_id = next(self._call_ids)
-            self._send(UtilityCall(call_id, method, list(args)))  # TypeError: not sent
+            self._send(self._encode(UtilityCall(call_id, method, list(args))))
             self._calls[call_id] = result
-        return await asyncio.wrap_future(result)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(result), self.call_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"the engine did not answer {method!r} within {self.call_timeout_s:g} s") from None
+        finally:
+            with self._lock:
+                self._calls.pop(call_id, None)
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -393,28 +409,31 @@ class EngineCoreClient(CoreClient):
     """Starts an engine core process for an `EngineConfig` and serves it to asyncio code.
 
     `start()` spawns the process and blocks until the engine is built, raising a build failure
-    as the engine raised it; beyond `max_waiting_requests` queued requests, `EngineOverloadedError`.
+    as the engine raised it. Beyond `max_waiting_requests` queued requests, or `max_outbox_bytes`
+    of inputs the core has not read yet, `add_request` raises `EngineOverloadedError`.
     """
 
-    def __init__(self, config: Any, *, max_waiting_requests: int | None = None,
-                 start_timeout_s: float = 600.0) -> None:
-        super().__init__(max_waiting_requests)
+    def __init__(self, config: Any, *, max_waiting_requests: int | None = None, start_timeout_s: float = 600.0,
+                 max_outbox_bytes: int = MAX_OUTBOX_BYTES, call_timeout_s: float = CALL_TIMEOUT_S) -> None:
+        super().__init__(max_waiting_requests, call_timeout_s)
         self.config = config
         self.start_timeout_s = start_timeout_s
+        self.max_outbox_bytes = max_outbox_bytes
         self.tokenizer: Any = None
         self.model_config: Any = None
         self.max_model_len = 0
         self.max_request_tokens = 0
         self.startup_stats: dict[str, float] = {}
         self._process: multiprocessing.process.BaseProcess | None = None
+        self._socket_dir = ""
+        self._sock: socket.socket | None = None  # the one connection to the core, both ways
+        self._receiver: FrameReceiver | None = None
+        self._outbox: FrameOutbox | None = None
         self._reader: threading.Thread | None = None
-        self._listener: socket.socket | None = None
-        self._outputs: FrameReceiver | None = None
         self._home: asyncio.AbstractEventLoop | None = None  # the loop asked to read the outputs
         self._home_reading = False  # True once that loop reads them (the reader thread has ended)
         self._backlog: list[CoreOutput] = []  # messages read with the start-up message
-        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
-        self._encoder = input_encoder()
+        self._encoder = msgspec.msgpack.Encoder()
 
     @classmethod
     def from_config(cls, config: Any, **kwargs: Any) -> EngineCoreClient:
@@ -447,61 +466,47 @@ class EngineCoreClient(CoreClient):
         if self._process is not None:
             self._resume_reader_thread()
             return
-        self._ipc_dir = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)
-        input_address = f"ipc://{self._ipc_dir}/input"
-        output_address = os.path.join(self._ipc_dir, "output")
-        self._context = zmq.Context(1)
-        self._inputs = self._context.socket(zmq.PUSH)
-        self._inputs.setsockopt(zmq.LINGER, 0)
-        self._inputs.bind(input_address)
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(output_address)
-        self._listener.listen(1)
-        spawn = multiprocessing.get_context("spawn")
-        self._process = spawn.Process(target=run_engine_core, name="hybridserve-engine-core",
-                                      args=(self.config, input_address, output_address, os.getpid(),
-                                            logging.getLogger().getEffectiveLevel()))
+        self._socket_dir = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)
+        address = os.path.join(self._socket_dir, "core")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(address)
+        listener.listen(1)
+        self._process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, name="hybridserve-engine-core",
+            args=(self.config, address, os.getpid(), logging.getLogger().getEffectiveLevel()))
         with child_process_environment():  # OpenMP settings before torch loads in the child
             self._process.start()
+        deadline = time.monotonic() + self.start_timeout_s
         try:
-            self._await_ready()
+            self._accept(listener, deadline)
+            self._await_ready(deadline)
         except BaseException:
             self._stop_process(graceful=False)
-            self._close_sockets()
+            self._close_socket()
             raise
+        finally:
+            listener.close()  # one core, one connection
+        assert self._sock is not None
+        self._outbox = FrameOutbox(self._sock, self.max_outbox_bytes)
         self._start_reader_thread()
 
-    def _start_reader_thread(self) -> None:
-        self._reader = threading.Thread(target=self._read_loop, name="hybridserve-core-reader", daemon=True)
-        self._reader.start()
+    def _accept(self, listener: socket.socket, deadline: float) -> None:
+        listener.settimeout(POLL_S)
+        while self._sock is None:
+            self._check_starting(deadline, exited=False)
+            with contextlib.suppress(TimeoutError):
+                self._sock, _ = listener.accept()
+        self._sock.settimeout(None)  # writes block (on the sender thread); reads never do
+        self._receiver = FrameReceiver(self._sock, output_decoder())
 
-    def _resume_reader_thread(self) -> None:
-        home = self._home
-        if not self._home_reading or home is None or not home.is_closed():
-            return
-        with self._lock:
-            if self._home_reading and not self._stopping:
-                self._home, self._home_reading, self._backlog = None, False, []
-                self._start_reader_thread()
-
-    def _await_ready(self) -> None:
-        """Accept the core's output connection and read its first message (`Ready` or
-        `StartupFailed`); messages after it wait for the reader in `_backlog`."""
-        deadline = time.monotonic() + self.start_timeout_s
+    def _await_ready(self, deadline: float) -> None:
+        """Read the core's first message (`Ready` or `StartupFailed`); messages after it wait for
+        the reader in `_backlog`."""
+        assert self._receiver is not None
         messages: list[CoreOutput] | None = []
         while not messages:
             self._check_starting(deadline, exited=messages is None)
-            if self._outputs is None:
-                assert self._listener is not None
-                self._listener.settimeout(POLL_MS / 1000)
-                try:
-                    connection, _ = self._listener.accept()
-                except TimeoutError:
-                    continue
-                self._outputs = FrameReceiver(connection, decoder=output_decoder())
-                self._listener.close()  # one core, one connection
-            else:
-                messages = self._outputs.receive_messages(POLL_MS / 1000)
+            messages = self._receiver.receive_messages(POLL_S)
         message, self._backlog = messages[0], messages[1:]
         if isinstance(message, StartupFailed):
             raise error_from_kind(message.kind, message.message)
@@ -525,7 +530,7 @@ class EngineCoreClient(CoreClient):
     def read_on_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read the core's outputs on `loop` (the server's event loop, running or about to run)
         instead of on the reader thread, which hands the socket over at its next wake-up (within
-        POLL_MS). Streams of other loops still get their outputs. `loop` must keep running until
+        POLL_S). Streams of other loops still get their outputs. `loop` must keep running until
         `shutdown()`; once it is closed, the next request or call starts the reader thread again."""
         self._home = loop
 
@@ -536,26 +541,27 @@ class EngineCoreClient(CoreClient):
         self._stopping = True
         if self._process is None:
             return
-        with self._lock:
-            self._send(Shutdown(), block=False)
+        with self._lock, contextlib.suppress(EngineDeadError):
+            self._send(self._encode(Shutdown()), force=True)
         self._stop_process(graceful=True, timeout=timeout)
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout)
         self._fail_everything(EngineDeadError("engine has been shut down"))
-        self._close_sockets()
+        self._close_socket()
 
     def _is_open(self) -> bool:
-        return self._context is not None
+        return self._outbox is not None and not self._outbox.closed
 
-    def _send(self, message: CoreInput, block: bool = True) -> None:
-        payload = self._encoder.encode(message)
-        if block:
-            self._inputs.send(payload)
-            return
+    def _encode(self, message: CoreInput) -> bytes:
         try:
-            self._inputs.send(payload, zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+            return encode_frame(self._encoder, message)
+        except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
+            raise InvalidRequestError(f"cannot send {type(message).__name__} to the engine core: {exc}") from exc
+
+    def _send(self, encoded: Any, force: bool = False) -> None:
+        if self._outbox is None:
+            raise EngineDeadError("engine is not running")
+        self._outbox.put(encoded, force)
 
     def _stop_process(self, graceful: bool, timeout: float = 10.0) -> None:
         process = self._process
@@ -570,100 +576,93 @@ class EngineCoreClient(CoreClient):
             process.kill()
             process.join(5)
 
-    def _close_sockets(self) -> None:
-        with self._lock:
-            if self._listener is not None:
-                self._listener.close()
-            if self._context is not None:
-                self._inputs.close(linger=0)
-                if self._reader is None or not self._reader.is_alive():
-                    self._close_outputs()
-                    self._context.term()
-                    self._context = None
-        shutil.rmtree(getattr(self, "_ipc_dir", ""), ignore_errors=True)
+    def _close_socket(self) -> None:
+        """Stop the sender and close the socket: on the loop that reads it, when one does."""
+        if self._outbox is not None:
+            self._outbox.close()
+        sock, home = self._sock, self._home
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a sender blocked on a full socket
+            if home is None or not self._home_reading or home.is_closed():
+                sock.close()
+            elif _running_loop() is home:
+                _close_on_loop(home, sock)
+            else:
+                _call_in(home, _close_on_loop, home, sock)
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ output readers
+    def _start_reader_thread(self) -> None:
+        self._reader = threading.Thread(target=self._read_loop, name="hybridserve-core-reader", daemon=True)
+        self._reader.start()
+
+    def _resume_reader_thread(self) -> None:
+        home = self._home
+        if not self._home_reading or home is None or not home.is_closed():
+            return
+        with self._lock:
+            if self._home_reading and not self._stopping:
+                self._home, self._home_reading, self._backlog = None, False, []
+                self._start_reader_thread()
+
     def _read_loop(self) -> None:
-        """The reader thread: receive and dispatch messages until the core is gone, the client stops,
-        or `read_on_loop` hands the socket to an event loop."""
-        outputs = self._outputs
-        assert outputs is not None
-        messages: list[CoreOutput] | None = self._backlog
+        """The reader thread: dispatch the core's messages until it is gone, the client stops, or
+        the loop given to `read_on_loop` takes over."""
+        if self._backlog:
+            self._dispatch_guarded(self._backlog)
         while not self._stopping:
-            if messages is None:  # the core closed its end: it has exited or is exiting
-                self._on_core_closed(wait_s=5.0)
-                return
-            if messages:
-                self._dispatch_guarded(messages)
-            elif self._process is not None and not self._process.is_alive() and not self._stopping:
-                self._core_died()
-                return
-            if self._home is not None and self._hand_over(self._home):
-                return
-            try:
-                messages = outputs.receive_messages(POLL_MS / 1000)
-            except OSError:
+            home = self._home
+            if home is not None:
+                try:
+                    home.call_soon_threadsafe(self._read_on_home, home)
+                    return
+                except RuntimeError:  # that loop is closed
+                    self._home = None
+            if not self._receive(POLL_S):
                 return
 
-    def _hand_over(self, loop: asyncio.AbstractEventLoop) -> bool:
-        """From the reader thread: let `loop` read from now on (False: it is closed)."""
-        try:
-            loop.call_soon_threadsafe(self._start_reading_on_loop, loop)
-        except RuntimeError:
-            self._home = None
-            return False
-        return True
-
-    def _start_reading_on_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        outputs = self._outputs
-        if self._stopping or outputs is None:
+    def _read_on_home(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._stopping or self._receiver is None:
             return
         self._home_reading = True
-        loop.add_reader(outputs.fileno(), self._read_ready)
+        loop.add_reader(self._receiver.fileno(), self._read_ready, loop)
 
-    def _read_ready(self) -> None:
+    def _read_ready(self, loop: asyncio.AbstractEventLoop) -> None:
         """On the home loop: the socket is readable."""
-        outputs = self._outputs
-        assert outputs is not None and self._home is not None
+        if not self._receive(0) and self._receiver is not None:
+            loop.remove_reader(self._receiver.fileno())
+
+    def _receive(self, timeout: float) -> bool:
+        """Read (waiting up to `timeout`) and dispatch the core's messages; False once it is gone."""
+        assert self._receiver is not None
         try:
-            messages = outputs.receive_messages(0)
+            messages = self._receiver.receive_messages(timeout)
         except OSError:
             messages = None
-        if messages is None:
-            self._home.remove_reader(outputs.fileno())
-            self._on_core_closed(wait_s=0.0)  # the loop does not wait for the exit code
-        elif messages:
+        if messages:
             self._dispatch_guarded(messages)
-
-    def _on_core_closed(self, wait_s: float) -> None:
-        """The core closed the output socket, which it does only on its way out."""
-        if not self._stopping:
-            if self._process is not None and wait_s > 0:
-                self._process.join(wait_s)  # for the exit code in the error
+            return True
+        process = self._process
+        alive = process is not None and process.is_alive()
+        if messages is not None and alive:
+            return True
+        if not self._stopping:  # the core closes its end only on its way out
+            if process is not None and alive and timeout > 0:
+                process.join(5)  # for the exit code in the error
             self._core_died()
-
-    def _close_outputs(self) -> None:
-        """Close the output socket, on its loop when one reads it and is still open."""
-        outputs, home = self._outputs, self._home
-        if outputs is None:
-            return
-        if self._home_reading and home is not None and not home.is_closed():
-            try:
-                home.call_soon_threadsafe(self._close_outputs_on_loop, home, outputs)
-                return
-            except RuntimeError:  # closed meanwhile
-                pass
-        outputs.close()
-
-    @staticmethod
-    def _close_outputs_on_loop(loop: asyncio.AbstractEventLoop, outputs: FrameReceiver) -> None:
-        loop.remove_reader(outputs.fileno())
-        outputs.close()
+        return False
 
     def _core_died(self) -> None:
         code = self._process.exitcode if self._process is not None else None
         detail = "" if code is None else f" (exit code {code})"
         self._mark_dead(f"engine core process died{detail}")
+
+
+def _close_on_loop(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    loop.remove_reader(sock.fileno())
+    sock.close()
+
 
 def _apply_all(items: list[tuple[RequestStream, Any]]) -> None:
     """On an event loop: fold a step's deltas (or errors) into their streams."""
@@ -687,4 +686,3 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
-

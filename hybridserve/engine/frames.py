@@ -1,49 +1,50 @@
-"""Length-prefixed msgpack frames over a local stream socket: the engine core's output channel.
-
-Each frame is a 4-byte little-endian length and one `core_messages.CoreOutput` message. Unlike a
-ZMQ socket neither end has a background I/O thread, so a step's outputs wake one thread of the API
-process and none of the core's (`EngineCoreClient.read_on_loop`).
+"""Length-prefixed msgpack frames over one Unix stream socket: the only channel between the API
+process and the engine core, both ways. Each frame is a 4-byte little-endian length and one
+`core_messages` message. The socket stays in blocking mode for writes; reads never block (a poll,
+then `MSG_DONTWAIT`), so one side can read while another thread of it writes.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import select
 import socket
 import struct
-from collections.abc import Callable
-from typing import Any, TypeVar
+import threading
+from typing import Any
 
 import msgspec
 
+from hybridserve.errors import EngineDeadError, EngineOverloadedError
+
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 _HEADER = struct.Struct("<I")
 MAX_FRAME_BYTES = (1 << 32) - 1
-_SMALL_FRAME_BYTES = 1 << 16  # below this the header and payload go out in one write
+_SMALL_FRAME_BYTES = 1 << 16  # a reused encode buffer that grew past this is dropped after use
+
+
+def encode_frame(encoder: msgspec.msgpack.Encoder, message: Any) -> bytes:
+    """One whole frame for `message` (`TypeError`/`OverflowError` from msgspec for a value it
+    cannot encode, `ValueError` over 4 GiB)."""
+    buffer = bytearray(_HEADER.size)
+    encoder.encode_into(message, buffer, _HEADER.size)
+    _HEADER.pack_into(buffer, 0, _checked_size(len(buffer) - _HEADER.size))
+    return bytes(buffer)
 
 
 class FrameSender:
-    """Writes frames to a connected stream socket; a full socket buffer blocks until the reader
-    catches up."""
+    """Writes messages as frames from the calling thread; a full socket blocks until the peer reads."""
 
-    def __init__(self, sock: socket.socket, encoder: msgspec.msgpack.Encoder | None = None) -> None:
+    def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self._encoder = encoder or msgspec.msgpack.Encoder()
-        self._buffer = bytearray(_HEADER.size)  # reused by `send_message`: header, then the message
-
-    def send(self, payload: bytes) -> None:
-        """Write one frame (`OSError` when the peer is gone, `ValueError` over 4 GiB)."""
-        size = _checked_size(len(payload))
-        if size < _SMALL_FRAME_BYTES:
-            self.sock.sendall(_HEADER.pack(size) + payload)
-        else:  # no copy of a large payload (the start-up message carries the tokenizer)
-            self.sock.sendall(_HEADER.pack(size))
-            self.sock.sendall(payload)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._buffer = bytearray(_HEADER.size)  # reused: header, then the message
 
     def send_message(self, message: Any) -> None:
-        """Encode a msgspec message and write it as one frame (errors as for `send`; a value
-        msgspec cannot encode is a `TypeError`, and nothing is written then)."""
+        """Encode a message and write it as one frame (`OSError` when the peer is gone; a value
+        msgspec cannot encode raises, and nothing is written then)."""
         buffer = self._buffer
         self._encoder.encode_into(message, buffer, _HEADER.size)
         _HEADER.pack_into(buffer, 0, _checked_size(len(buffer) - _HEADER.size))
@@ -51,65 +52,95 @@ class FrameSender:
         if len(buffer) > _SMALL_FRAME_BYTES:  # do not keep a large start-up message's buffer
             self._buffer = bytearray(_HEADER.size)
 
+
+class FrameOutbox:
+    """Frames queued for a socket and written by one sender thread, so that no caller blocks on a
+    full socket. `put` refuses new frames with `EngineOverloadedError` while `max_bytes` or more
+    wait (the frame being written included), unless forced (aborts, shutdown)."""
+
+    def __init__(self, sock: socket.socket, max_bytes: int) -> None:
+        self.sock = sock
+        self.max_bytes = max_bytes
+        self.queued_bytes = 0
+        self.closed = False
+        self._frames: collections.deque[bytes] = collections.deque()
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="hybridserve-frame-sender", daemon=True)
+        self._thread.start()
+
+    def put(self, frame: bytes, force: bool = False) -> None:
+        """Queue one encoded frame (`encode_frame`) for the sender thread."""
+        with self._cond:
+            if self.closed:
+                raise EngineDeadError("the connection to the engine core is closed")
+            if not force and self.queued_bytes >= self.max_bytes:
+                raise EngineOverloadedError(f"the engine core's input queue holds {self.queued_bytes} bytes "
+                                            f"(limit {self.max_bytes}); retry later")
+            self._frames.append(frame)
+            self.queued_bytes += len(frame)
+            self._cond.notify()
+
     def close(self) -> None:
-        """Close the socket."""
-        self.sock.close()
+        """Stop the sender thread; frames not yet written are dropped."""
+        with self._cond:
+            self.closed = True
+            self._frames.clear()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._frames and not self.closed:
+                    self._cond.wait()
+                if self.closed:
+                    return
+                frames = list(self._frames)
+                self._frames.clear()
+            size = sum(len(frame) for frame in frames)
+            try:
+                self.sock.sendall(frames[0] if len(frames) == 1 else b"".join(frames))
+            except OSError:  # the core is gone: the reader sees the end of the stream
+                self.close()
+                return
+            with self._cond:
+                self.queued_bytes -= size
 
 
 class FrameReceiver:
-    """Reads whole frames from a connected stream socket, keeping a partial one for later."""
+    """Reads whole frames from a connected stream socket and decodes them, keeping a partial
+    frame for later; it never blocks beyond the timeout it is given."""
 
-    def __init__(self, sock: socket.socket, read_bytes: int = 1 << 20,
-                 decoder: msgspec.msgpack.Decoder[Any] | None = None) -> None:
+    def __init__(self, sock: socket.socket, decoder: msgspec.msgpack.Decoder[Any], read_bytes: int = 1 << 20) -> None:
         self.sock = sock
         self.decoder = decoder
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN)
         self._pending = bytearray()
         # One buffer for every read: `recv(n)` would allocate (mmap and munmap) n bytes per call.
         self._buffer = bytearray(read_bytes)
         self._view = memoryview(self._buffer)
-        self._timeout: float | None = sock.gettimeout()
 
     def fileno(self) -> int:
         """The socket's file descriptor (for an event loop's `add_reader`)."""
         return self.sock.fileno()
 
-    def receive(self, timeout: float | None) -> list[bytes] | None:
-        """The frames completed by one read, after waiting up to `timeout` seconds for data (0:
-        not at all; None: without limit). [] when nothing complete arrived; None once the peer
-        has closed its end and every frame it sent was returned."""
-        return self._receive(timeout, bytes)
-
     def receive_messages(self, timeout: float | None) -> list[Any] | None:
-        """As `receive`, but each frame decoded by the typed decoder given at construction; a
-        frame that does not decode is logged and skipped (the stream stays in step)."""
-        decoder = self.decoder
-        if decoder is None:
-            raise ValueError("receive_messages needs the FrameReceiver built with a decoder")
-
-        def decode(frame: memoryview) -> Any:
-            try:
-                return decoder.decode(frame)
-            except msgspec.DecodeError:
-                logger.exception("frame receiver: a frame of %d bytes does not decode; skipped", len(frame))
-                return None
-
-        return self._receive(timeout, decode)
-
-    def _receive(self, timeout: float | None, convert: Callable[[memoryview], T]) -> list[T] | None:
-        if timeout != self._timeout:
-            self.sock.settimeout(timeout)
-            self._timeout = timeout
+        """The messages completed by one read, after waiting up to `timeout` seconds for data (0:
+        not at all; None: without limit). [] when nothing complete arrived; None once the peer has
+        closed its end. A frame that does not decode is logged and skipped (the stream stays in step)."""
+        if timeout != 0 and not self._poller.poll(None if timeout is None else timeout * 1000):
+            return []
         try:
-            size = self.sock.recv_into(self._buffer)
-        except (TimeoutError, BlockingIOError):
+            size = self.sock.recv_into(self._buffer, 0, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
             return []
         if not size:
             return None
         self._pending += self._view[:size]
-        return [item for item in self._split(convert) if item is not None]
+        return [message for message in self._split() if message is not None]
 
-    def _split(self, convert: Callable[[memoryview], T]) -> list[T]:
-        items: list[T] = []
+    def _split(self) -> list[Any]:
+        messages: list[Any] = []
         pending, offset, end = self._pending, 0, len(self._pending)
         with memoryview(pending) as view:  # released before `pending` is resized below
             while end - offset >= _HEADER.size:
@@ -118,14 +149,17 @@ class FrameReceiver:
                 if end - start < size:
                     break
                 with view[start:start + size] as frame:
-                    items.append(convert(frame))
+                    messages.append(self._decode(frame))
                 offset = start + size
         del pending[:offset]
-        return items
+        return messages
 
-    def close(self) -> None:
-        """Close the socket."""
-        self.sock.close()
+    def _decode(self, frame: memoryview) -> Any:
+        try:
+            return self.decoder.decode(frame)
+        except msgspec.DecodeError:
+            logger.exception("frame receiver: a frame of %d bytes does not decode; skipped", len(frame))
+            return None
 
 
 def _checked_size(size: int) -> int:

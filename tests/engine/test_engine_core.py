@@ -11,7 +11,6 @@ import signal
 import socket
 import tempfile
 import threading
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,6 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-import zmq
 
 from hybridserve.api import LLM
 from hybridserve.engine import core as core_module
@@ -47,13 +45,14 @@ from hybridserve.engine.core_messages import (
     params_from_wire,
     params_to_wire,
 )
-from hybridserve.engine.frames import FrameReceiver, FrameSender
+from hybridserve.engine.frames import FrameOutbox, FrameReceiver, FrameSender, encode_frame
 from hybridserve.errors import (
     EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
 )
 from hybridserve.sampling_params import (
+    RequestOutput,
     RequestOutputKind,
     SamplingParams,
     StructuredOutputsParams,
@@ -340,14 +339,14 @@ class _RecordingEngine:
         self.added.append(request_id)
 
 
-class _ZmqSink:
-    """Hands the core's output messages to a ZMQ socket (instead of the frames of a real core)."""
+class _ListSink:
+    """Collects the core's output messages (instead of the frames of a real core)."""
 
-    def __init__(self, sock: zmq.Socket) -> None:
-        self.sock = sock
+    def __init__(self) -> None:
+        self.messages: list[Any] = []
 
     def send_message(self, message: Any) -> None:
-        self.sock.send(msgspec.msgpack.encode(message))
+        self.messages.append(message)
 
 
 class _VirtualClock:
@@ -368,8 +367,8 @@ class _ScriptedInputs:
     scheduled for a wait (sending a request that arrives during it), and advances the virtual
     clock by the wait's whole timeout when nothing arrived, by nothing when something did."""
 
-    def __init__(self, sock: zmq.Socket, clock: _VirtualClock) -> None:
-        self.sock, self.clock = sock, clock
+    def __init__(self, sock: socket.socket, clock: _VirtualClock) -> None:
+        self.clock = clock
         self.socket_inputs = SocketInputs(sock)
         self.waits: list[int] = []
         self.during_wait: dict[int, Callable[[], None]] = {}  # wait number (from 1) -> what arrives
@@ -379,7 +378,7 @@ class _ScriptedInputs:
         arrival = self.during_wait.pop(len(self.waits), None)
         if arrival is not None:
             arrival()
-        ready = self.sock.poll(timeout_ms if arrival is not None else 0)
+        ready = self.socket_inputs.poll(timeout_ms if arrival is not None else 0)
         if not ready:
             self.clock.now += timeout_ms / 1000
         return ready
@@ -388,34 +387,20 @@ class _ScriptedInputs:
         return self.socket_inputs.receive()
 
 
-def _core_with_sockets(clock: _VirtualClock) -> tuple[EngineCore, _RecordingEngine, _ScriptedInputs,
-                                                      list[zmq.Socket], zmq.Context]:
-    context = zmq.Context()
-    address = f"inproc://burst-{uuid.uuid4().hex}"
-    inputs, sender = context.socket(zmq.PULL), context.socket(zmq.PUSH)
-    outputs, sink = context.socket(zmq.PUSH), context.socket(zmq.PULL)
-    inputs.bind(address)
-    sender.connect(address)
-    sink.bind(address + "-out")
-    outputs.connect(address + "-out")
-    engine, scripted = _RecordingEngine(), _ScriptedInputs(inputs, clock)
-    core = EngineCore(engine, scripted, _ZmqSink(outputs), os.getppid())  # type: ignore[arg-type]
-    return core, engine, scripted, [sender, inputs, outputs, sink], context
-
-
 def test_an_idle_core_gathers_a_burst_but_not_a_lone_request(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two requests arriving together start a burst: the core keeps taking requests that follow
     within BURST_GAP_S before its first step; a lone request is handled without a further wait,
     and a busy core does not wait at all."""
     clock = _VirtualClock()
     monkeypatch.setattr(core_module, "time", clock)
-    core, engine, inputs, sockets, context = _core_with_sockets(clock)
-    sender = sockets[0]
+    api_end, core_end = socket.socketpair()
+    engine, inputs = _RecordingEngine(), _ScriptedInputs(core_end, clock)
+    core = EngineCore(engine, inputs, _ListSink(), os.getppid())
     encoder, params = input_encoder(), params_to_wire(SamplingParams(max_tokens=1))
     parent_check_ms = int(PARENT_CHECK_S * 1000)
 
-    def send(request_id: str) -> None:
-        sender.send(encoder.encode(AddRequest(request_id, [1, 2, 3], params, None)))
+    def send(request_id: str) -> None:  # a socket pair delivers at once
+        api_end.sendall(encode_frame(encoder, AddRequest(request_id, [1, 2, 3], params, None)))
 
     try:
         send("alone")
@@ -436,33 +421,11 @@ def test_an_idle_core_gathers_a_burst_but_not_a_lone_request(monkeypatch: pytest
 
         inputs.waits.clear()
         send("next")
-        assert sockets[1].poll(10_000)  # bounds the wait for the message to reach the core's socket
         core._drain_inputs(block=False)  # a busy core never waits
         assert engine.added[-1] == "next" and inputs.waits == []
     finally:
-        for socket in sockets:
-            socket.close(linger=0)
-        context.term()
-
-
-def test_frames_cross_read_boundaries_and_end_with_the_peer() -> None:
-    """Frames of any size arrive whole and in order however the reads cut them (7-byte reads here,
-    a frame over the 64 KiB one-write size); the peer's close reads as None."""
-    ours, theirs = socket.socketpair()
-    sender, receiver = FrameSender(ours), FrameReceiver(theirs, read_bytes=7)
-    payloads = [b"", b"x", b"hello world", bytes(range(256)) * 300]
-    for payload in payloads:
-        sender.send(payload)
-    received: list[bytes] = []
-    while len(received) < len(payloads):
-        frames = receiver.receive(5.0)
-        assert frames is not None
-        received += frames
-    assert received == payloads
-    assert receiver.receive(0) == [] and receiver.receive(0.01) == []
-    sender.close()
-    assert receiver.receive(5.0) is None
-    receiver.close()
+        api_end.close()
+        core_end.close()
 
 
 def test_outputs_move_to_a_loop_and_back_to_the_reader_thread() -> None:
@@ -498,14 +461,15 @@ def test_outputs_move_to_a_loop_and_back_to_the_reader_thread() -> None:
     assert not reader_thread_running()
 
 
-def test_frames_carry_typed_messages() -> None:
-    """`send_message` / `receive_messages` move typed messages whole, whatever the read size; a
-    frame that does not decode is skipped and the ones after it still arrive."""
+def test_frames_carry_typed_messages_across_read_boundaries() -> None:
+    """Messages arrive whole and in order however the reads cut them (5-byte reads here, a frame
+    over the 64 KiB the sender's reused buffer keeps); a frame that does not decode is skipped
+    and the ones after it still arrive; nothing waiting reads as []; the peer's close as None."""
     ours, theirs = socket.socketpair()
-    sender, receiver = FrameSender(ours), FrameReceiver(theirs, read_bytes=5, decoder=output_decoder())
-    messages = [StepOutputs([], 3), EngineDead("x" * 70_000), StepOutputs([], 0)]
+    sender, receiver = FrameSender(ours), FrameReceiver(theirs, output_decoder(), read_bytes=5)
+    messages = [StepOutputs([], 3), EngineDead("x" * 70_000), StepOutputs([], 0), EngineDead("")]
     sender.send_message(messages[0])
-    sender.send(b"\xc1not msgpack")
+    ours.sendall(len(b"\xc1not msgpack").to_bytes(4, "little") + b"\xc1not msgpack")
     for message in messages[1:]:
         sender.send_message(message)
     received: list[Any] = []
@@ -514,9 +478,10 @@ def test_frames_carry_typed_messages() -> None:
         assert batch is not None
         received += batch
     assert received == messages
-    sender.close()
+    assert receiver.receive_messages(0) == [] and receiver.receive_messages(0.01) == []
+    ours.close()
     assert receiver.receive_messages(5.0) is None
-    receiver.close()
+    theirs.close()
 
 
 def _every_sampling_field() -> SamplingParams:
@@ -607,3 +572,121 @@ def test_both_front_ends_are_engine_clients() -> None:
         for name in methods:
             expected = list(inspect.signature(getattr(EngineClient, name)).parameters)
             assert list(inspect.signature(getattr(type(client), name)).parameters) == expected, (client, name)
+
+
+def test_both_directions_share_one_socket_without_deadlock() -> None:
+    """Inputs and outputs cross one socket at once, each direction more than the socket holds:
+    queuing inputs never blocks the caller (the outbox's thread writes them), and reading outputs
+    does not wait on that thread, so a core that writes before it reads cannot deadlock."""
+    api_end, core_end = socket.socketpair()
+    count, filler = 20, "x" * 100_000
+    inputs = [UtilityCall(i, "method", [filler]) for i in range(count)]
+    outputs = [EngineDead(f"{i}{filler}") for i in range(count)]
+    received_inputs: list[Any] = []
+
+    def core_side() -> None:
+        core_inputs, sender = SocketInputs(core_end), FrameSender(core_end)
+        for message in outputs:  # each write blocks until the API side reads
+            sender.send_message(message)
+            while (received := core_inputs.receive()) is not None:
+                received_inputs.append(received)
+        while len(received_inputs) < count and core_inputs.poll(5_000):
+            received_inputs.append(core_inputs.receive())
+
+    core_thread = threading.Thread(target=core_side, daemon=True)
+    core_thread.start()
+    outbox = FrameOutbox(api_end, max_bytes=1 << 30)
+    encoder = input_encoder()
+    for message in inputs:
+        outbox.put(encode_frame(encoder, message))
+    receiver, received_outputs = FrameReceiver(api_end, output_decoder()), []
+    while len(received_outputs) < count:
+        batch = receiver.receive_messages(5.0)
+        assert batch is not None
+        received_outputs += batch
+    core_thread.join(30)
+    assert received_outputs == outputs and received_inputs == inputs and outbox.queued_bytes == 0
+    outbox.close()
+    api_end.close()
+    core_end.close()
+
+
+def test_an_unencodable_token_id_is_a_400_and_takes_no_waiting_slot(core: EngineCoreClient,
+                                                                    server: ServerThread) -> None:
+    """A token id msgpack cannot carry (2**64) is refused as bad input before a waiting slot is
+    taken: refusing more of them than the waiting limit leaves the count unchanged and later
+    requests admitted."""
+    limit = core.max_waiting_requests
+    assert limit is not None
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+
+    async def scenario() -> RequestOutput:
+        before = core.num_waiting_estimate
+        for index in range(limit + 1):
+            with pytest.raises(InvalidRequestError, match="cannot send AddRequest"):
+                await core.add_request(f"huge-{index}", [5, 2**64], params)
+            assert core.num_waiting_estimate == before
+        return [output async for output in core.generate("after-huge", [5, 6], params)][-1]
+
+    assert asyncio.run(scenario()).finished
+    response = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": [5, 2**64]})
+    assert response.status_code == 400
+    check_clean(core)
+
+
+def test_a_full_outbox_refuses_adds_but_not_aborts() -> None:
+    """With the core stopped (SIGSTOP) nothing drains the outbox: adds are queued without
+    blocking the loop until it is over its bound, then refused with `EngineOverloadedError`; an
+    abort sent then still reaches the core, so the aborted request does not run on."""
+    client = EngineCoreClient(tiny_config(), max_waiting_requests=1000, max_outbox_bytes=1 << 16)
+    client.start()
+    pid = client.pid
+    assert pid is not None
+    long, big_prompt = SamplingParams(max_tokens=5000, ignore_eos=True, temperature=0.0), "word " * 40_000
+
+    async def scenario() -> None:
+        await client.add_request("victim", [300] * 20, long)
+        fillers: list[asyncio.Task[Any]] = []
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            for index in range(1000):
+                task = asyncio.create_task(client.add_request(f"filler-{index}", big_prompt, long))
+                await asyncio.sleep(0)  # the task runs until it waits for the core's answer, or fails
+                if task.done():
+                    break
+                fillers.append(task)
+            assert fillers and isinstance(task.exception(), EngineOverloadedError)
+            for request_id in ["victim"] + [f"filler-{i}" for i in range(len(fillers))]:
+                client.abort(request_id)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await asyncio.gather(*fillers, return_exceptions=True)  # the core has read every add
+        assert await client.call("has_unfinished_requests") is False  # read after the aborts
+
+    try:
+        asyncio.run(scenario())
+        check_clean(client)
+    finally:
+        client.shutdown()
+
+
+def test_a_utility_call_times_out_and_leaves_nothing_pending() -> None:
+    """A call the engine does not answer within `call_timeout_s` raises `TimeoutError` and drops
+    its pending entry; its late answer is ignored and the next call is answered."""
+    from types import SimpleNamespace
+
+    from hybridserve.engine.async_engine import AsyncLLMEngine
+
+    release = threading.Event()
+    engine = SimpleNamespace(tokenizer=None, max_model_len=64, num_waiting_requests=0,
+                             has_unfinished_requests=lambda: False, wait_for_release=release.wait)
+    client = AsyncLLMEngine(engine, call_timeout_s=0.05)
+    try:
+        with pytest.raises(TimeoutError, match="wait_for_release"):
+            asyncio.run(client.call("wait_for_release"))
+        assert not client._calls
+        release.set()
+        client.call_timeout_s = 60.0
+        assert asyncio.run(client.call("max_model_len")) == 64
+    finally:
+        client.shutdown()
