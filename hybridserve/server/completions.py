@@ -3,16 +3,10 @@ with echo, logprobs and structured outputs."""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Awaitable, Callable
-
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel
 
-from hybridserve.engine.protocol import RequestOutputStream
 from hybridserve.sampling_params import CompletionOutput, RequestOutput
-from hybridserve.server.auth import request_tenant, tenant_cache_salt
 from hybridserve.server.errors import ERROR_RESPONSES
 from hybridserve.server.protocol import (
     CompletionChoice,
@@ -20,14 +14,14 @@ from hybridserve.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
-    UsageInfo,
 )
-from hybridserve.server.serving import ChoiceState, Job, OpenAIServing, json_response
-from hybridserve.server.sse import SendEvent, TextChunkTemplate
+from hybridserve.server.serving import ChoiceState, Job, OpenAIServing
 
 
 class CompletionServing(OpenAIServing):
     """The handler of `POST /v1/completions`."""
+
+    chunk_type = CompletionStreamResponse
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         """`POST /v1/completions` (one prompt or a batch of them)."""
@@ -41,15 +35,10 @@ class CompletionServing(OpenAIServing):
             echo = [p if isinstance(p, str) else self.tokenizer.decode(ids)
                     for p, ids in zip(body.prompt_inputs, prompts)]
         structured = self._constraint(body.structured_output_params)
-        job = self._job("cmpl", model, body, prompts, max_tokens, body.logprobs, echo, structured)
-        job.cache_salt = tenant_cache_salt(request_tenant(request.scope), job.cache_salt)
-        streams = await self._submit(job)
-        if body.stream:
-            return self._event_stream(self._stream_completion(job, streams), streams)
-        finals = await self._collect(job, streams, request)
-        return json_response(self._completion_response(job, finals))
+        job = self._job("cmpl", model, body, request, prompts, max_tokens, body.logprobs, echo, structured)
+        return await self._respond(job, body.stream, request)
 
-    def _completion_logprobs(self, output: CompletionOutput, start: int, k: int, offset: int) -> CompletionLogprobs:
+    def _logprobs(self, output: CompletionOutput, start: int, k: int, offset: int) -> CompletionLogprobs:
         result = CompletionLogprobs()
         for text, logprob, top in self._token_entries(output, start, k):
             result.tokens.append(text)
@@ -59,55 +48,37 @@ class CompletionServing(OpenAIServing):
             offset += len(text)
         return result
 
-
-    def _completion_response(self, job: Job, finals: list[RequestOutput]) -> CompletionResponse:
+    def _response(self, job: Job, finals: list[RequestOutput]) -> CompletionResponse:
         choices = []
         for prompt_index, final in enumerate(finals):
             echo = job.echo_texts[prompt_index]
             for out in final.outputs:
-                logprobs = None
-                if job.num_logprobs is not None:
-                    logprobs = self._completion_logprobs(out, 0, job.num_logprobs, len(echo))
+                logprobs = None if job.num_logprobs is None else self._logprobs(out, 0, job.num_logprobs, len(echo))
                 choices.append(CompletionChoice(index=job.choice_index(prompt_index, out.index), text=echo + out.text,
                                                 logprobs=logprobs, finish_reason=out.finish_reason,
                                                 stop_reason=out.stop_reason))
-        return CompletionResponse(id=job.request_id, model=job.model, choices=choices,
-                                  usage=self._usage(job, list(finals)))
+        return CompletionResponse(id=job.request_id, model=job.model, choices=choices, usage=self._usage(job, finals))
 
-    def _stream_completion(self, job: Job,
-                           streams: list[RequestOutputStream]) -> Callable[[SendEvent], Awaitable[None]]:
-        text_only = TextChunkTemplate(lambda index, text: CompletionStreamResponse(
-            id=job.request_id, model=job.model, created=job.created,
-            choices=[CompletionChoice(index=index, text=text)]))
+    def _text_choice(self, index: int, text: str) -> CompletionChoice:
+        return CompletionChoice(index=index, text=text)
 
-        def chunk(index: int, state: ChoiceState, out: CompletionOutput) -> BaseModel | str | None:
-            if state.started and job.num_logprobs is None and out.finish_reason is None:
-                text = state.text_delta(out)
-                state.sent_tokens = len(out.token_ids)
-                return text_only.event(index, text) if text else None
-            prefix = ""
-            if not state.started:
-                echo = job.echo_texts[index // job.params.n]
-                prefix, state.started, state.text_offset = echo, True, len(echo)
-            text = prefix + state.text_delta(out)
-            logprobs = None
-            if job.num_logprobs is not None:
-                logprobs = self._completion_logprobs(out, state.sent_tokens, job.num_logprobs, state.text_offset)
-                state.text_offset += sum(len(token) for token in logprobs.tokens)
-            state.sent_tokens = len(out.token_ids)
-            finished = out.finish_reason is not None
-            if not text and not finished and not (logprobs and logprobs.tokens):
-                return None
-            choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
-                                      stop_reason=out.stop_reason if finished else None)
-            return CompletionStreamResponse(id=job.request_id, model=job.model, created=job.created, choices=[choice])
-
-        def usage_chunk(usage: UsageInfo) -> BaseModel:
-            return CompletionStreamResponse(id=job.request_id, model=job.model, created=job.created, choices=[],
-                                            usage=usage)
-
-        return functools.partial(self._write_events, job, streams, chunk, usage_chunk,
-                                 lambda: ChoiceState(holdback=self._holdback(job)))
+    def _stream_choice(self, job: Job, index: int, state: ChoiceState,
+                       out: CompletionOutput) -> CompletionChoice | None:
+        prefix = ""
+        if not state.started:
+            echo = job.echo_texts[index // job.params.n]
+            prefix, state.started, state.text_offset = echo, True, len(echo)
+        text = prefix + state.text_delta(out)
+        logprobs = None
+        if job.num_logprobs is not None:
+            logprobs = self._logprobs(out, state.sent_tokens, job.num_logprobs, state.text_offset)
+            state.text_offset += sum(len(token) for token in logprobs.tokens)
+        state.sent_tokens = len(out.token_ids)
+        finished = out.finish_reason is not None
+        if not text and not finished and not (logprobs and logprobs.tokens):
+            return None
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
+                                stop_reason=out.stop_reason if finished else None)
 
 
 def install_completion_routes(app: FastAPI, serving: CompletionServing) -> None:
@@ -116,4 +87,3 @@ def install_completion_routes(app: FastAPI, serving: CompletionServing) -> None:
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **ERROR_RESPONSES})
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         return await serving.completion(body, request)
-

@@ -1,14 +1,14 @@
 """What the OpenAI endpoints share: `ServingContext` (the engine, served names, tokenizer, chat
 renderer, metrics) and `OpenAIServing`, the base of the completion, chat and admin handlers:
-request preparation (model check, prompt encoding, `max_tokens`, sampling parameters), submission
-of one engine request per prompt, collection of final outputs (a client that disconnects aborts
-its requests), streamed responses as server-sent events, usage and logprob rows.
+request preparation, one engine request per prompt, a JSON response once the outputs are final
+(a client that disconnects aborts its requests) or server-sent events, usage and logprob rows.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -32,20 +32,23 @@ from hybridserve.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
+from hybridserve.server.auth import request_tenant, tenant_cache_salt
 from hybridserve.server.chat import ChatRenderer, ChatTemplateError
 from hybridserve.server.errors import APIError, engine_error, request_failed
 from hybridserve.server.metrics import RequestTracker, ServerMetrics
 from hybridserve.server.protocol import (
     ChatCompletionRequest,
+    ChatCompletionStreamResponse,
     ChatMessage,
     CompletionRequest,
+    CompletionStreamResponse,
     LenientModel,
     PromptTokensDetails,
     UsageInfo,
     now,
 )
 from hybridserve.server.reasoning_parser import REASONING_PARSERS, ReasoningStream
-from hybridserve.server.sse import EventStreamResponse, SendEvent, sse_event
+from hybridserve.server.sse import EventStreamResponse, SendEvent, TextChunkTemplate, sse_event
 from hybridserve.server.tool_parser import ToolCallStream
 
 logger = logging.getLogger(__name__)
@@ -76,10 +79,6 @@ async def _unless_disconnected(work: Awaitable[Any], request: Request) -> Any:
 
 async def merge_streams(streams: list[RequestOutputStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several request streams as `(choice index, output)` pairs."""
-    if len(streams) == 1:
-        async for output in streams[0]:
-            yield 0, output
-        return
     queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: RequestOutputStream) -> None:
@@ -120,7 +119,6 @@ class ChatOptions:
     thinking_open: bool                     # the prompt ends inside an open <think> block
 
 
-
 @dataclasses.dataclass
 class Job:
     """One HTTP request's engine work: one engine request (with `n` completions) per prompt."""
@@ -150,15 +148,24 @@ class Job:
 class ChoiceState:
     """What has been streamed so far for one choice."""
 
+    holdback: int = 0
     sent_text: str = ""
     sent_tokens: int = 0
     text_offset: int = 0
     started: bool = False
-    holdback: int = 0
     done: bool = False
     reasoning: ReasoningStream | None = None
     tools: ToolCallStream | None = None
-    sent_content: str = ""
+
+    @classmethod
+    def for_job(cls, job: Job) -> ChoiceState:
+        """A fresh state; the last characters stay back while they may start a stop string."""
+        state = cls(holdback=max((len(stop) for stop in job.params.stop or ()), default=1) - 1)
+        if job.chat is not None and job.chat.split_reasoning:
+            state.reasoning = ReasoningStream(job.chat.thinking_open)
+        if job.chat is not None and job.chat.tools:
+            state.tools = ToolCallStream(job.chat.tools)
+        return state
 
     def visible_text(self, output: CompletionOutput) -> str:
         """The text that may be sent: while unfinished, the last `holdback` characters stay back
@@ -168,14 +175,17 @@ class ChoiceState:
             text = text[:max(len(self.sent_text), len(text) - self.holdback)]
         return text
 
-    def text_delta(self, output: CompletionOutput) -> str:
-        """New text since the last chunk."""
-        text = self.visible_text(output)
+    def advance(self, text: str) -> str:
+        """What `text` adds to the text sent so far, now counted as sent."""
         if not text.startswith(self.sent_text):
             return ""
         delta = text[len(self.sent_text):]
         self.sent_text = text
         return delta
+
+    def text_delta(self, output: CompletionOutput) -> str:
+        """New visible text since the last chunk."""
+        return self.advance(self.visible_text(output))
 
 
 def json_response(model: BaseModel, status: int = 200) -> Response:
@@ -212,26 +222,36 @@ class ServingContext:
 
 class OpenAIServing:
     """Base of the endpoint handlers: turns protocol requests into engine requests and engine
-    outputs into responses."""
+    outputs into responses. A generating handler sets `chunk_type` and the three response hooks."""
+
+    chunk_type: type[CompletionStreamResponse] | type[ChatCompletionStreamResponse]
 
     def __init__(self, context: ServingContext) -> None:
         self.context = context
         self.engine = context.engine
-        self.stream_interval = context.stream_interval
         self.model_names = context.model_names
-        self.model_name = self.model_names[0]
-        self.reasoning_parser = context.reasoning_parser
         self.tokenizer = context.engine.tokenizer
         self.metrics = context.metrics
-        self.chat = context.chat
         model_config = getattr(context.engine, "model_config", None)
         self.vocab_size: int | None = getattr(model_config, "vocab_size", None)
+
+    def _response(self, job: Job, finals: list[RequestOutput]) -> BaseModel:
+        """The JSON body of a job whose outputs are final."""
+        raise NotImplementedError
+
+    def _stream_choice(self, job: Job, index: int, state: ChoiceState, out: CompletionOutput) -> BaseModel | None:
+        """The choice of a stream chunk for an output (None: nothing to send yet)."""
+        raise NotImplementedError
+
+    def _text_choice(self, index: int, text: str) -> BaseModel:
+        """The choice of a stream chunk that carries new text and nothing else."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------- request preparation
     def _check_model(self, model: str | None) -> str:
         """The served name a request uses (404 for an unknown one)."""
         if model is None:
-            return self.model_name
+            return self.model_names[0]
         if model not in self.model_names:
             raise APIError(404, f"the model `{model}` does not exist (serving {', '.join(self.model_names)})",
                            param="model", code="model_not_found")
@@ -246,8 +266,8 @@ class OpenAIServing:
     def _render_chat(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,
                      kwargs: dict[str, Any] | None, add_generation_prompt: bool) -> str:
         try:
-            return self.chat.render([m.to_template_dict() for m in messages],
-                                    add_generation_prompt=add_generation_prompt, extra=kwargs, tools=tools)
+            return self.context.chat.render([m.to_template_dict() for m in messages],
+                                            add_generation_prompt=add_generation_prompt, extra=kwargs, tools=tools)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages", code="chat_template_error") from exc
         except ValueError as exc:
@@ -284,15 +304,15 @@ class OpenAIServing:
         wanted = requested if requested is not None else default
         return room if wanted is None else min(wanted, room)
 
-    def _job(self, prefix: str, model: str, body: CompletionRequest | ChatCompletionRequest,
+    def _job(self, prefix: str, model: str, body: CompletionRequest | ChatCompletionRequest, request: Request,
              prompts: list[list[int]], max_tokens: int, num_logprobs: int | None, echo_texts: list[str],
-             structured: StructuredOutputsParams | None) -> Job:
+             structured: StructuredOutputsParams | None, chat: ChatOptions | None = None) -> Job:
         try:
             params = body.sampling_params(max_tokens, num_logprobs, structured)
             if not body.stream:  # the response is built from the final output alone
                 params.output_kind = RequestOutputKind.FINAL_ONLY
             else:
-                params.stream_interval = self.stream_interval
+                params.stream_interval = self.context.stream_interval
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         if self.vocab_size is not None and params.top_k > self.vocab_size:
@@ -300,10 +320,13 @@ class OpenAIServing:
         if self.vocab_size is not None and any(t >= self.vocab_size for t in params.logit_bias or {}):
             raise APIError(400, f"logit_bias names a token id outside the vocabulary [0, {self.vocab_size})",
                            param="logit_bias")
-        return Job(f"{prefix}-{uuid.uuid4().hex}", model, prompts, params, body.cache_salt,
-                   num_logprobs, body.include_usage, echo_texts)
+        cache_salt = tenant_cache_salt(request_tenant(request.scope), body.cache_salt)
+        return Job(f"{prefix}-{uuid.uuid4().hex}", model, prompts, params, cache_salt,
+                   num_logprobs, body.include_usage, echo_texts, chat)
 
-    async def _submit(self, job: Job) -> list[RequestOutputStream]:
+    # ------------------------------------------------------------- submission and collection
+    async def _respond(self, job: Job, streaming: bool | None, request: Request) -> Response:
+        """Submit `job` and answer: its chunks as server-sent events when it streams, else the JSON body."""
         streams: list[RequestOutputStream] = []
         try:
             for index, prompt_ids in enumerate(job.prompts):
@@ -315,9 +338,12 @@ class OpenAIServing:
             if isinstance(exc, Exception):
                 raise engine_error(exc) from exc
             raise
-        return streams
+        if streaming:
+            # The background task also covers a client gone before the events ever started.
+            return EventStreamResponse(functools.partial(self._write_events, job, streams),
+                                       background=BackgroundTask(self._abort_after_stream, streams))
+        return json_response(self._response(job, await self._collect(job, streams, request)))
 
-    # ------------------------------------------------------------- collection
     async def _collect(self, job: Job, streams: list[RequestOutputStream], request: Request) -> list[RequestOutput]:
         trackers = [self.metrics.tracker(job.arrival) for _ in streams]
 
@@ -350,7 +376,7 @@ class OpenAIServing:
         runs on the event loop; Starlette would hand a plain function to a worker thread."""
         self._abort_unfinished(streams)
 
-    def _usage(self, job: Job, finals: list[RequestOutput | None]) -> UsageInfo:
+    def _usage(self, job: Job, finals: Sequence[RequestOutput | None]) -> UsageInfo:
         completion = sum(len(o.token_ids) for f in finals if f is not None for o in f.outputs)
         cached = sum(f.num_cached_tokens for f in finals if f is not None)
         prompt = sum(len(ids) for ids in job.prompts)
@@ -374,15 +400,11 @@ class OpenAIServing:
         return entries
 
     # ------------------------------------------------------------- streamed responses
-    def _event_stream(self, write_events: Callable[[SendEvent], Awaitable[None]],
-                      streams: list[RequestOutputStream]) -> EventStreamResponse:
-        # The background task also covers a client gone before the events ever started.
-        return EventStreamResponse(write_events, background=BackgroundTask(self._abort_after_stream, streams))
+    def _chunk(self, job: Job, choices: list[Any], usage: UsageInfo | None = None) -> BaseModel:
+        return self.chunk_type(id=job.request_id, model=job.model, created=job.created, choices=choices, usage=usage)
 
-    async def _write_events(self, job: Job, streams: list[RequestOutputStream],
-                            chunk: Callable[[int, ChoiceState, CompletionOutput], BaseModel | str | None],
-                            usage_chunk: Callable[[UsageInfo], BaseModel],
-                            new_state: Callable[[], ChoiceState], send_event: SendEvent) -> None:
+    async def _write_events(self, job: Job, streams: list[RequestOutputStream], send_event: SendEvent) -> None:
+        text_only = TextChunkTemplate(lambda index, text: self._chunk(job, [self._text_choice(index, text)]))
         states: dict[int, ChoiceState] = {}
         trackers = [self.metrics.tracker(job.arrival) for _ in streams]
         lasts: list[RequestOutput | None] = [None] * len(streams)
@@ -390,17 +412,24 @@ class OpenAIServing:
         async def on_output(prompt_index: int, output: RequestOutput) -> None:
             trackers[prompt_index].observe(output)
             lasts[prompt_index] = output
-            for completion in output.outputs:
-                index = job.choice_index(prompt_index, completion.index)
+            for out in output.outputs:
+                index = job.choice_index(prompt_index, out.index)
                 state = states.get(index)
                 if state is None:
-                    state = states[index] = new_state()
+                    state = states[index] = ChoiceState.for_job(job)
                 if state.done:
                     continue
-                event = chunk(index, state, completion)
-                state.done = completion.finish_reason is not None
-                if event is not None:
-                    await send_event(event if isinstance(event, str) else sse_event(event))
+                state.done = out.finish_reason is not None
+                if (state.started and state.reasoning is None and state.tools is None and job.num_logprobs is None
+                        and not state.done):  # the common chunk: new text alone, without pydantic
+                    text = state.text_delta(out)
+                    state.sent_tokens = len(out.token_ids)
+                    if text:
+                        await send_event(text_only.event(index, text))
+                    continue
+                choice = self._stream_choice(job, index, state, out)
+                if choice is not None:
+                    await send_event(sse_event(self._chunk(job, [choice])))
             if output.finished and any(c.finish_reason == "error" for c in output.outputs):
                 await send_event(sse_event(json.loads(request_failed(output).envelope())))
 
@@ -412,13 +441,9 @@ class OpenAIServing:
                 async for prompt_index, output in merge_streams(streams):
                     await on_output(prompt_index, output)
             if job.include_usage:
-                await send_event(sse_event(usage_chunk(self._usage(job, lasts))))
+                await send_event(sse_event(self._chunk(job, [], self._usage(job, lasts))))
         except (EngineStepError, EngineDeadError) as exc:
             await send_event(sse_event(json.loads(engine_error(exc).envelope())))
         finally:
             self._abort_unfinished(streams)
         await send_event("data: [DONE]\n\n")
-
-    def _holdback(self, job: Job) -> int:
-        return max((len(stop) for stop in job.params.stop or ()), default=1) - 1
-
