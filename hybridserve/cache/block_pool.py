@@ -176,7 +176,7 @@ class BlockPool:
     def __init__(self, num_blocks: int, on_evict: Callable[[BlockHash], None] | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-        self._num_blocks = num_blocks
+        self.num_blocks = num_blocks
         self._ref_count: list[int] = [0] * num_blocks
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
         # LRU order: first = least recently freed (evicted first), last = MRU.
@@ -186,15 +186,10 @@ class BlockPool:
         self._tail_of: dict[BlockHash, tuple[BlockHash, int]] = {}
         self._tails: dict[BlockHash, dict[BlockHash, int]] = {}
         self.on_evict = on_evict
-        self._num_cached_free = 0
+        self.num_cached_free_blocks = 0  # free blocks that still hold a hash (matchable until reallocated)
         self.num_evictions = 0
         self.num_touched = 0
         self.num_registered = 0
-
-    @property
-    def num_blocks(self) -> int:
-        """Total number of blocks."""
-        return self._num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -202,14 +197,9 @@ class BlockPool:
         return len(self._free)
 
     @property
-    def num_cached_free_blocks(self) -> int:
-        """Free blocks that still hold a hash (matchable until reallocated)."""
-        return self._num_cached_free
-
-    @property
     def num_used_blocks(self) -> int:
         """Blocks with ``ref_count > 0``."""
-        return self._num_blocks - len(self._free)
+        return self.num_blocks - len(self._free)
 
     def ref_count(self, block_id: int) -> int:
         """Current reference count of ``block_id``."""
@@ -235,7 +225,7 @@ class BlockPool:
             block_id, _ = self._free.popitem(last=False)
             evicted = self._block_hash[block_id]
             if evicted is not None:
-                self._num_cached_free -= 1
+                self.num_cached_free_blocks -= 1
                 self._drop_hash(block_id)
                 self.num_evictions += 1
                 if self.on_evict is not None:
@@ -255,7 +245,7 @@ class BlockPool:
             if self._ref_count[block_id] == 0:
                 del self._free[block_id]
                 if self._block_hash[block_id] is not None:
-                    self._num_cached_free -= 1
+                    self.num_cached_free_blocks -= 1
             self._ref_count[block_id] += 1
             self.num_touched += 1
 
@@ -277,7 +267,7 @@ class BlockPool:
                 if evict_first:
                     self._free.move_to_end(block_id, last=False)
                 if self._block_hash[block_id] is not None:
-                    self._num_cached_free += 1
+                    self.num_cached_free_blocks += 1
 
     def register(self, block_id: int, block_hash: BlockHash) -> bool:
         """Make a full, computed, in-use block matchable under ``block_hash``; whether it now holds it.
@@ -341,7 +331,7 @@ class BlockPool:
             if self._block_hash[block_id] is not None:
                 self._drop_hash(block_id)
                 dropped += 1
-        self._num_cached_free = 0
+        self.num_cached_free_blocks = 0
         return dropped
 
     def reset_prefix_cache(self) -> int:
@@ -350,8 +340,8 @@ class BlockPool:
 
     def stats(self) -> BlockPoolStats:
         """Current occupancy and counters."""
-        return BlockPoolStats(total=self._num_blocks, used=self.num_used_blocks, free=self.num_free_blocks,
-                              cached_free=self._num_cached_free, evictions=self.num_evictions,
+        return BlockPoolStats(total=self.num_blocks, used=self.num_used_blocks, free=self.num_free_blocks,
+                              cached_free=self.num_cached_free_blocks, evictions=self.num_evictions,
                               hash_entries=len(self._index), touched=self.num_touched,
                               registered=self.num_registered)
 
@@ -363,14 +353,14 @@ class BlockPool:
         assert all(self._index.get(h) == block_id for block_id, h in hashed), "the index maps a hash elsewhere"
         assert len(hashed) == len(self._index), "hash index size != hashed blocks"
         cached_free = sum(block_id in self._free for block_id, _ in hashed)
-        assert cached_free == self._num_cached_free, f"cached-free count {self._num_cached_free} != {cached_free}"
+        assert cached_free == self.num_cached_free_blocks, f"cached-free count != {cached_free}"
         for tail_hash, (parent_key, num_tokens) in self._tail_of.items():
             assert tail_hash in self._index, "tail index lists a hash no block holds"
             assert self._tails[parent_key][tail_hash] == num_tokens, "tail index out of step"
         assert sum(map(len, self._tails.values())) == len(self._tail_of), "stale tail entries"
 
     def _check_id(self, block_id: int) -> int:
-        return check_index(block_id, self._num_blocks, "block id")
+        return check_index(block_id, self.num_blocks, "block id")
 
     def _drop_hash(self, block_id: int) -> None:
         block_hash = self._block_hash[block_id]

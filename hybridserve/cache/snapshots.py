@@ -78,7 +78,7 @@ class SnapshotPool:
         ``choose_victim`` replaces the default least-recently-used choice."""
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        self._num_slots = num_slots
+        self.num_slots = num_slots
         self._on_evict = on_evict
         self._state: list[_State] = [_State.FREE] * num_slots
         self._key: list[BlockHash | None] = [None] * num_slots
@@ -99,18 +99,13 @@ class SnapshotPool:
         self._published: dict[BlockHash, int] = {}
         # Published, unpinned slots: first = least recently used.
         self._lru: OrderedDict[int, None] = OrderedDict()
-        self._num_pinned = 0
+        self.num_pinned = 0  # published slots with at least one pin
         self._next_ticket = 1
         self.published_total = 0
         self.evicted_total = 0
         self.skipped_total = 0
         self.aborted_total = 0
         self.duplicate_total = 0
-
-    @property
-    def num_slots(self) -> int:
-        """Total number of slots."""
-        return self._num_slots
 
     @property
     def num_free_slots(self) -> int:
@@ -126,11 +121,6 @@ class SnapshotPool:
     def num_reserved(self) -> int:
         """Slots reserved and not yet published or aborted."""
         return len(self._reserved)
-
-    @property
-    def num_pinned(self) -> int:
-        """Published slots with at least one pin."""
-        return self._num_pinned
 
     def lookup(self, key: BlockHash) -> int | None:
         """Published slot for ``key``, else ``None`` (no LRU change)."""
@@ -210,7 +200,7 @@ class SnapshotPool:
         if self._pins[slot] == 0:
             del self._lru[slot]
             self._covered.pop(slot, None)
-            self._num_pinned += 1
+            self.num_pinned += 1
         self._pins[slot] += 1
 
     def unpin(self, slot: int) -> None:
@@ -221,7 +211,7 @@ class SnapshotPool:
         self._pins[slot] -= 1
         if self._pins[slot] == 0:
             self._lru[slot] = None
-            self._num_pinned -= 1
+            self.num_pinned -= 1
             self._update_covered(slot)
 
     def reserve(self, key: BlockHash, num_tokens: int, parent: BlockHash | None = None,
@@ -325,8 +315,8 @@ class SnapshotPool:
 
     def stats(self) -> SnapshotPoolStats:
         """Current occupancy and counters."""
-        return SnapshotPoolStats(slots=self._num_slots, published=len(self._published),
-                                 reserved=len(self._reserved), pinned=self._num_pinned,
+        return SnapshotPoolStats(slots=self.num_slots, published=len(self._published),
+                                 reserved=len(self._reserved), pinned=self.num_pinned,
                                  published_total=self.published_total, evicted_total=self.evicted_total,
                                  skipped_total=self.skipped_total, aborted_total=self.aborted_total,
                                  duplicate_total=self.duplicate_total)
@@ -341,19 +331,19 @@ class SnapshotPool:
             else:
                 index = self._reserved if state is _State.RESERVED else self._published
                 assert key is not None and index.get(key) == slot, f"slot {slot} missing from its key index"
-        held = self._num_slots - len(self._free)
+        held = self.num_slots - len(self._free)
         assert len(self._reserved) + len(self._published) == held, "stray key index entries"
         assert not (self._reserved.keys() & self._published.keys()), "key both reserved and published"
         unpinned = {slot for slot in self._published.values() if not self._pins[slot]}
         assert set(self._lru) == unpinned, "LRU list != published, unpinned slots"
-        assert self._num_pinned == len(self._published) - len(unpinned), "pinned counter out of step"
+        assert self.num_pinned == len(self._published) - len(unpinned), "pinned counter out of step"
         parents = (self._parent[slot] for slot in self._published.values())
         assert self._children == Counter(parent for parent in parents if parent is not None), "children out of step"
-        covered = {slot for slot in range(self._num_slots) if self._is_covered(slot)}
+        covered = {slot for slot in range(self.num_slots) if self._is_covered(slot)}
         assert covered == set(self._covered), "covered list out of step"
 
     def _check_slot(self, slot: int) -> None:
-        check_index(slot, self._num_slots, "slot")
+        check_index(slot, self.num_slots, "slot")
 
     def _check_held(self, slot: int) -> None:
         self._check_slot(slot)

@@ -11,13 +11,9 @@ class StateSlotPool:
     def __init__(self, num_slots: int) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        self._num_slots = num_slots
+        self.num_slots = num_slots
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._in_use: set[int] = set()
-
-    @property
-    def num_slots(self) -> int:
-        return self._num_slots
 
     @property
     def num_free_slots(self) -> int:
@@ -40,4 +36,4 @@ class StateSlotPool:
 
     def check_integrity(self) -> None:
         """Every slot is exactly once either free or in use."""
-        check_free_list(self._free, [slot not in self._in_use for slot in range(self._num_slots)], "state slot")
+        check_free_list(self._free, [slot not in self._in_use for slot in range(self.num_slots)], "state slot")

@@ -1,17 +1,10 @@
-"""A clairvoyant reference row for `hybridserve sim`: the same cache when it knows which states later
-requests restore.
-
-A first replay with a pool that never evicts records which requests restore each snapshot key; the
-second, under the budget, applies Belady's MIN: admit only states restored later, evict the one
-restored furthest ahead. A reference, not a bound (that is `bound.py`): it shows what knowledge of
-the future is worth at a budget.
-"""
+"""The clairvoyant reference row of `hybridserve sim --oracle` (Belady's MIN over snapshot restores;
+docs/prefix-cache.md, Simulator): a reference, not a bound (that is `bound.py`)."""
 
 from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections.abc import Iterable
 
 from hybridserve.cache.block_pool import BlockHash
 from hybridserve.cache.snapshots import Reservation, ReserveStatus, SnapshotPool
@@ -26,35 +19,34 @@ RestoreTimes = dict[BlockHash, list[int]]
 """Snapshot key -> the replay positions (ascending) of the requests that restored it."""
 
 
-class RestoreRecorder(SnapshotPool):
-    """A snapshot pool that notes which request restores each key (the learning replay)."""
+class _ReplayPool(SnapshotPool):
+    """A snapshot pool that knows which request of the replay is being served."""
 
-    def __init__(self, num_slots: int) -> None:
-        super().__init__(num_slots)
-        self.position = 0
-        self.restores: RestoreTimes = {}
+    position = 0
 
     def at_request(self, position: int) -> None:
         """The replay is about to serve its `position`-th request."""
         self.position = position
+
+
+class RestoreRecorder(_ReplayPool):
+    """A snapshot pool that notes which request restores each key (the learning replay)."""
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots)
+        self.restores: RestoreTimes = {}
 
     def record_hit(self, key: BlockHash) -> None:
         super().record_hit(key)
         self.restores.setdefault(key, []).append(self.position)
 
 
-class OracleSnapshotPool(SnapshotPool):
+class OracleSnapshotPool(_ReplayPool):
     """A snapshot pool that admits only states restored later and evicts the one restored last."""
 
     def __init__(self, num_slots: int, restores: RestoreTimes) -> None:
         super().__init__(num_slots)
-        self.position = 0
         self._restores = restores
-        self.choose_victim = self.furthest_next_restore
-
-    def at_request(self, position: int) -> None:
-        """The replay is about to serve its `position`-th request."""
-        self.position = position
 
     def next_restore(self, key: BlockHash) -> int | None:
         """Position of the next request after the current one that restores `key` (None: none)."""
@@ -92,43 +84,28 @@ class OracleSnapshotPool(SnapshotPool):
         return best_slot, best_time
 
 
-def _unbounded_slots(tokens: TraceTokens, order: list[int], interval: int) -> int:
-    """More slots than the learning replay can reserve: per request at most one per interval
-    crossed, plus its prompt mark, branch point and end."""
-    records = tokens.records
-    return sum((records[i].input_length + records[i].output_length) // interval + 3 for i in order) + 1
-
-
-def learn_restores(tokens: TraceTokens, shape: ModelShape, config: SimConfig,
-                   indices: Iterable[int] | None = None, progress: bool = False) -> RestoreTimes:
+def learn_restores(tokens: TraceTokens, shape: ModelShape, config: SimConfig, progress: bool = False) -> RestoreTimes:
     """Replay under `config`'s KV budget with `hybridserve`'s admission and a pool that never
     evicts a snapshot; which requests restored each key."""
-    order = list(range(len(tokens.records))) if indices is None else list(indices)
-    slots = _unbounded_slots(tokens, order, config.interval)
+    # More slots than the replay can reserve: per request at most one per interval crossed, plus
+    # its prompt mark, branch point and end.
+    slots = sum((r.input_length + r.output_length) // config.interval + 3 for r in tokens.records) + 1
     learning = config._replace(policy=LEARNING_POLICY, snapshot_bytes=slots * shape.cost.snapshot_bytes)
-    recorder: RestoreRecorder | None = None
-
-    def make_pool(num_slots: int) -> SnapshotPool:
-        nonlocal recorder
-        recorder = RestoreRecorder(num_slots)
-        return recorder
-
-    run = AccountingRun(learning, shape, snapshot_pool=make_pool)
-    assert recorder is not None
-    simulate(tokens, shape, learning, order, progress=progress, run=run, on_request=recorder.at_request)
+    run = AccountingRun(learning, shape, snapshot_pool=RestoreRecorder)
+    recorder = run.snapshots
+    assert isinstance(recorder, RestoreRecorder)
+    simulate(tokens, shape, learning, progress=progress, run=run, on_request=recorder.at_request)
     return recorder.restores
 
 
 def simulate_oracle(tokens: TraceTokens, shape: ModelShape, config: SimConfig, restores: RestoreTimes,
-                    indices: Iterable[int] | None = None, progress: bool = False,
-                    check: bool = False) -> SimResult:
+                    progress: bool = False, check: bool = False) -> SimResult:
     """Replay under `config`'s budgets with the oracle pool (`restores` from `learn_restores` on
     the same requests and KV budget); the result is labelled policy "oracle"."""
     admission = config._replace(policy=LEARNING_POLICY)
     run = AccountingRun(admission, shape, snapshot_pool=lambda num_slots: OracleSnapshotPool(num_slots, restores))
     pool = run.snapshots
     assert isinstance(pool, OracleSnapshotPool)
-    pool.choose_victim = pool.furthest_next_restore  # binding the policy installed its own chooser
-    result = simulate(tokens, shape, admission, indices, progress=progress, check=check, run=run,
-                      on_request=pool.at_request)
+    pool.choose_victim = pool.furthest_next_restore  # after the policy's binding, which set its own
+    result = simulate(tokens, shape, admission, progress=progress, check=check, run=run, on_request=pool.at_request)
     return result._replace(config=config._replace(policy=ORACLE))

@@ -1,12 +1,10 @@
 """Replay a trace through the real scheduler and joint cache manager with an accounting-only runner
-(no model, no tensors), one request at a time in trace order as `bench trace` replays it live; for
-the same tokens, policy and pool sizes the hits equal the engine's (tests/sim/test_sim.py).
-"""
+(no model, no tensors), one request at a time in trace order as `bench trace` replays it live."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import NamedTuple
 
 from tqdm import tqdm
@@ -94,15 +92,12 @@ class AccountingRun:
         scheduler = self.scheduler
         scheduler.add(request)
         self._step()
-        if stepwise:
-            for token in output[:-1]:
-                request.append_token(token)
+        for token in output[:-1]:
+            request.append_token(token)
+            if stepwise:
                 self._step()
-        else:
-            for token in output[:-1]:
-                request.append_token(token)
-            if len(output) > 1:
-                self._step()
+        if len(output) > 1 and not stepwise:
+            self._step()
         request.append_token(output[-1])
         capture = scheduler.finish(request, "length")
         if capture is not None:
@@ -115,14 +110,14 @@ class AccountingRun:
         self.scheduler.apply(output, set())
 
 
-def simulate(tokens: TraceTokens, shape: ModelShape, config: SimConfig, indices: Iterable[int] | None = None,
-             progress: bool = False, check: bool = False, stepwise: bool = False, run: AccountingRun | None = None,
+def simulate(tokens: TraceTokens, shape: ModelShape, config: SimConfig, progress: bool = False,
+             check: bool = False, stepwise: bool = False, run: AccountingRun | None = None,
              on_request: Callable[[int], None] | None = None) -> SimResult:
-    """Replay `tokens`' requests (all, or `indices`) under one cache configuration; `check`
-    verifies every pool's integrity at the end (O(pool size)). `run`: a prepared replay of
-    `config` (default: a fresh one); `on_request(n)` is called before the n-th replayed request."""
+    """Replay `tokens`' requests under one cache configuration; `check` verifies every pool's
+    integrity at the end. `run`: a prepared replay of `config` (default: a fresh one);
+    `on_request(n)` is called before the n-th replayed request."""
     run = run or AccountingRun(config, shape)
-    order = list(range(len(tokens.records))) if indices is None else list(indices)
+    order = range(len(tokens.records))
     start = time.perf_counter()
     prompt_tokens = hit_tokens = hit_requests = skipped = 0
     total_flops = saved_flops = 0.0
@@ -150,15 +145,14 @@ def simulate(tokens: TraceTokens, shape: ModelShape, config: SimConfig, indices:
                      run.blocks.num_evictions, snap.published_total, time.perf_counter() - start, tuple(hits))
 
 
-def ceiling_hit_tokens(tokens: TraceTokens, indices: Iterable[int] | None = None) -> tuple[int, int]:
+def ceiling_hit_tokens(tokens: TraceTokens) -> tuple[int, int]:
     """(hit tokens, prompt tokens) of an unbounded cache that keeps every computed state: per request
     the deepest prefix computed before (seen hash ids, or the turn it continues), at most prompt - 1.
     Builds prompts in order, so call it after or instead of a replay."""
     seen: set[tuple[int, ...]] = set()
     hit = total = 0
     size = tokens.block_tokens
-    order = list(range(len(tokens.records))) if indices is None else list(indices)
-    for index in order:
+    for index in range(len(tokens.records)):
         record = tokens.records[index]
         tokens.prompt(index)
         earlier = tokens.predecessor(index)
