@@ -1,11 +1,10 @@
 """Fused CPU kernels in C (csrc/), compiled on first use into the user's cache directory and called
-through ctypes; docs/cpu-kernels.md says which kernel runs where and how the build is keyed.
+through ctypes with the signatures kernel_abi.py reads from csrc/hybridserve_kernels.h.
 
-Every exported function and shared struct is declared once, in csrc/hybridserve_kernels.h, from
-which kernel_abi.py binds them. Each wrapper here checks its tensors' dtype, device, layout and
-shape itself and raises TypeError (dtype) or ValueError (the rest) before any pointer reaches C.
-Without a compiler, with an interface that does not match, on other devices or dtypes, or with
-`HYBRIDSERVE_NATIVE_KERNELS=0`, callers use the eager PyTorch ops (`native_kernels_enabled`).
+Each wrapper checks its tensors' dtype (TypeError), device, layout and shape (ValueError) before any
+pointer reaches C. Without the kernels (no compiler, an interface mismatch, another device or dtype,
+`HYBRIDSERVE_NATIVE_KERNELS=0`) callers use the eager PyTorch ops. docs/cpu-kernels.md says which
+kernel runs where and how the build is keyed and flagged.
 """
 
 from __future__ import annotations
@@ -32,35 +31,29 @@ logger = logging.getLogger(__name__)
 
 NATIVE_KERNELS_ENV = envs.NATIVE_KERNELS.name
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
-# elements the single-threaded elementwise kernels (norms, gates) take: decode rows and short chunks,
-# where each of torch's ops is a parallel region that waits for a sleeping OpenMP worker
-CHUNK_MAX_ELEMENTS = 1 << 18
 HEADERS = sorted((Path(__file__).with_name("csrc")).glob("*.h"))
-# -fno-trapping-math lets GCC vectorise the branches of vector_math.h's exp; like -fno-math-errno it
-# changes no result (no -ffast-math: sums keep their order)
+# elements the single-threaded elementwise kernels (norms, gates) take: decode rows and short chunks
+CHUNK_MAX_ELEMENTS = 1 << 18
 OPTIMIZE_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
-# -Wmissing-prototypes: every exported function needs its declaration in hybridserve_kernels.h (which
-# every source includes). -Wno-psabi: static helpers returning AVX vectors never cross that ABI boundary.
+# -Wno-psabi: static helpers returning AVX vectors never cross that ABI boundary
 WARNING_FLAGS = ["-Wall", "-Wextra", "-Wshadow", "-Wstrict-prototypes", "-Wmissing-prototypes", "-Wno-psabi",
                  "-Werror"]
 CFLAGS = OPTIMIZE_FLAGS + WARNING_FLAGS
 
 GEMV_MAX_INPUT_ROWS = 32  # as in csrc/gemv.c
 GEMV_DECODE_ROWS = 16  # the rows `gemv_applies` admits unless told otherwise (see gemv_preferred_rows)
-# int8 weights take the tile GEMM (faster than the GEMV there) up to here; more rows keep PyTorch's int8 GEMM
-GEMM_ROWS_INT8_MAX_ROWS = GEMV_MAX_INPUT_ROWS
+GEMM_ROWS_INT8_MAX_ROWS = GEMV_MAX_INPUT_ROWS  # beyond, int8 weights keep PyTorch's int8 GEMM
 _GEMM_DTYPES = (torch.float32, torch.int8)  # gemm_rows' weights (bfloat16 ones: AMX tiles only, via gemv)
 _GEMV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 _FLOAT32 = (torch.float32,)
 _INT64 = (torch.int64,)
+_Dims = int | tuple[int, ...] | None  # a tensor's number of dimensions, or its exact shape
 
 
 def native_kernels_enabled() -> bool:
     """Whether the C kernels may be used: not disabled by the environment, and compiled (a failed
     build or an interface mismatch is logged once per process)."""
-    if not envs.native_kernels():
-        return False
-    return _library() is not None
+    return envs.native_kernels() and _library() is not None
 
 
 def amx_available() -> bool:
@@ -71,8 +64,7 @@ def amx_available() -> bool:
 
 
 def set_amx(enabled: bool) -> bool:
-    """Switch the AMX GEMMs on or off for this process (for comparisons and tests); returns whether
-    they were on."""
+    """Switch the AMX GEMMs on or off for this process; returns whether they were on."""
     library = _library()
     return bool(library.gemm_amx_set_enabled(int(enabled))) if library is not None else False
 
@@ -149,20 +141,26 @@ def _library() -> KernelLibrary | None:
     return library
 
 
-def _require_library(kernel: str) -> KernelLibrary:
-    """The kernels library, or RuntimeError naming the wrapper called without it."""
+def _call(kernel: str, *args: object, function: str | None = None) -> int:
+    """Call the C function `function` (default: `kernel`), tensors passed as their data pointers;
+    RuntimeError naming the wrapper when the kernels are unavailable."""
     library = _library()
     if library is None:
         raise RuntimeError(f"{kernel}: the C kernels are unavailable (ask its *_applies check first)")
-    return library
+    pointers = [arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args]
+    return int(getattr(library, function or kernel)(*pointers) or 0)
 
 
-def _check_tensor(kernel: str, name: str, tensor: object, dtypes: Sequence[torch.dtype], dims: int | None = None,
-                  contiguous: bool = False) -> torch.Tensor:
-    """`tensor` if it is a CPU tensor of one of `dtypes` (with `dims` dimensions, contiguous when
-    asked); else TypeError (not a tensor, another dtype) or ValueError naming the kernel and argument."""
+def _check_tensor(kernel: str, name: str, tensor: object, dtypes: Sequence[torch.dtype], dims: _Dims = None,
+                  contiguous: bool = False, columns: bool = False) -> torch.Tensor:
+    """`tensor` if it is a CPU tensor of one of `dtypes` with `dims` dimensions (or exactly that
+    shape), contiguous, or with `columns` each row contiguous, when asked; else TypeError (not a
+    tensor, another dtype) or ValueError naming the kernel and the argument."""
+    shape = dims if isinstance(dims, tuple) else None
+    rank = len(shape) if shape is not None else dims
     if (isinstance(tensor, torch.Tensor) and tensor.dtype in dtypes and tensor.is_cpu
-            and (dims is None or tensor.dim() == dims) and (not contiguous or tensor.is_contiguous())):
+            and (rank is None or tensor.dim() == rank) and (not contiguous or tensor.is_contiguous())
+            and (not columns or tensor.stride()[-1] == 1) and (shape is None or tensor.shape == shape)):
         return tensor  # the common case in one test; the checks below only say what is wrong
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{kernel}: {name} must be a tensor, got {type(tensor).__name__}")
@@ -171,22 +169,27 @@ def _check_tensor(kernel: str, name: str, tensor: object, dtypes: Sequence[torch
         raise TypeError(f"{kernel}: {name} must be {wanted}, got {str(tensor.dtype).removeprefix('torch.')}")
     if not tensor.is_cpu:
         raise ValueError(f"{kernel}: {name} must be on the CPU, got {tensor.device}")
-    if dims is not None and tensor.dim() != dims:
-        raise ValueError(f"{kernel}: {name} must have {dims} dimensions, got shape {tuple(tensor.shape)}")
+    if rank is not None and tensor.dim() != rank:
+        raise ValueError(f"{kernel}: {name} must have {rank} dimensions, got shape {tuple(tensor.shape)}")
     if contiguous and not tensor.is_contiguous():
         raise ValueError(f"{kernel}: {name} must be contiguous")
+    if columns and tensor.stride()[-1] != 1 and tensor.shape[-1] > 1:
+        raise ValueError(f"{kernel}: {name} must have contiguous rows (last-dimension stride 1)")
+    if shape is not None and tensor.shape != shape:
+        raise ValueError(f"{kernel}: {name} must have shape {shape}, got {tuple(tensor.shape)}")
     return tensor
 
 
-def _check_shape(kernel: str, name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if tensor.shape != shape:
-        raise ValueError(f"{kernel}: {name} must have shape {shape}, got {tuple(tensor.shape)}")
+def _check_contiguous(kernel: str, dtypes: Sequence[torch.dtype], **tensors: tuple[object, _Dims]) -> None:
+    """Each of `tensors`, given as (tensor, dims), a contiguous CPU tensor of `dtypes` (see `_check_tensor`)."""
+    for name, (tensor, dims) in tensors.items():
+        _check_tensor(kernel, name, tensor, dtypes, dims, contiguous=True)
 
 
-def _check_columns(kernel: str, name: str, tensor: torch.Tensor) -> None:
-    """Each row (last-dim vector) of `tensor` contiguous: the kernels read it as one run."""
-    if tensor.stride()[-1] != 1 and tensor.shape[-1] > 1:
-        raise ValueError(f"{kernel}: {name} must have contiguous rows (last-dimension stride 1)")
+def check_index_tensors(kernel: str, **tensors: torch.Tensor) -> None:
+    """Each of `tensors` a contiguous int64 CPU tensor (the ids, positions, slots and tables a C
+    step reads as int64 arrays; the step checks their values itself)."""
+    _check_contiguous(kernel, _INT64, **{name: (tensor, None) for name, tensor in tensors.items()})
 
 
 def _check_rows(kernel: str, name: str, tensor: torch.Tensor) -> int:
@@ -197,33 +200,35 @@ def _check_rows(kernel: str, name: str, tensor: torch.Tensor) -> int:
     return stride
 
 
-def _check_scales(kernel: str, weight: torch.Tensor, scales: torch.Tensor | None) -> None:
-    """int8 weights need float32 scales [out], contiguous; other weights take none."""
-    if weight.dtype != torch.int8:
-        if scales is not None:
-            raise ValueError(f"{kernel}: scales go with int8 weights only, the weight is {weight.dtype}")
-        return
-    if scales is None:
-        raise ValueError(f"{kernel}: int8 weights need contiguous float32 scales [{weight.shape[0]}]")
-    _check_tensor(kernel, "scales", scales, _FLOAT32, dims=1, contiguous=True)
-    _check_shape(kernel, "scales", scales, (weight.shape[0],))
+def _float32_rows(x: torch.Tensor) -> bool:
+    """x a float32 CPU [rows, columns] with contiguous columns."""
+    return x.dim() == 2 and x.dtype == torch.float32 and x.is_cpu and (x.stride(1) == 1 or x.shape[1] == 1)
+
+
+def _plain_weight(weight: torch.Tensor, dtypes: Sequence[torch.dtype]) -> bool:
+    """weight a contiguous [out, in] CPU matrix of `dtypes`."""
+    return weight.dtype in dtypes and weight.dim() == 2 and weight.is_cpu and weight.is_contiguous()
 
 
 def _check_linear(kernel: str, weight: object, x: object, dtypes: Sequence[torch.dtype],
                   scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A contiguous [out, in] weight of `dtypes` (with its scales) and float32 rows x [rows, in]
-    with contiguous columns."""
-    if (isinstance(weight, torch.Tensor) and isinstance(x, torch.Tensor) and weight.dtype in dtypes
-            and x.dtype == torch.float32 and weight.is_cpu and x.is_cpu and weight.dim() == 2 and x.dim() == 2
-            and weight.is_contiguous() and x.shape[1] == weight.shape[1] and (x.stride()[1] == 1 or x.shape[1] == 1)
-            and scales is None and weight.dtype != torch.int8):
+    """A contiguous [out, in] weight of `dtypes` (int8 with float32 scales [out], others with none)
+    and float32 rows x [rows, in] with contiguous columns."""
+    if (isinstance(weight, torch.Tensor) and isinstance(x, torch.Tensor) and scales is None
+            and weight.dtype != torch.int8 and _plain_weight(weight, dtypes) and _float32_rows(x)
+            and x.shape[1] == weight.shape[1]):
         return weight, x  # float weights in one test (a linear per call on the decode path)
     weight = _check_tensor(kernel, "weight", weight, dtypes, dims=2, contiguous=True)
-    x = _check_tensor(kernel, "x", x, _FLOAT32, dims=2)
-    _check_columns(kernel, "x", x)
+    x = _check_tensor(kernel, "x", x, _FLOAT32, dims=2, columns=True)
     if x.shape[1] != weight.shape[1]:
         raise ValueError(f"{kernel}: x has {x.shape[1]} columns, the weight {weight.shape[1]}")
-    _check_scales(kernel, weight, scales)
+    if weight.dtype != torch.int8:
+        if scales is not None:
+            raise ValueError(f"{kernel}: scales go with int8 weights only, the weight is {weight.dtype}")
+    elif scales is None:
+        raise ValueError(f"{kernel}: int8 weights need contiguous float32 scales [{weight.shape[0]}]")
+    else:
+        _check_tensor(kernel, "scales", scales, _FLOAT32, (weight.shape[0],), contiguous=True)
     return weight, x
 
 
@@ -241,33 +246,34 @@ def row_stride(x: torch.Tensor) -> int | None:
     return stride
 
 
+def chunk_rows_apply(*tensors: torch.Tensor) -> bool:
+    """Whether the row kernels (`rms_norm_f32`, `gated_rms_norm_f32`, `silu_mul_f32`) take these
+    float32 CPU tensors: evenly spaced contiguous rows, at most CHUNK_MAX_ELEMENTS elements each."""
+    return all(x.is_cpu and x.dtype == torch.float32 and x.dim() >= 1 and 0 < x.numel() <= CHUNK_MAX_ELEMENTS
+               and row_stride(x) is not None for x in tensors) and native_kernels_enabled()
+
+
 def rms_norm_applies(x: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Whether `rms_norm_f32` takes these inputs: evenly spaced float32 CPU rows of at most
-    CHUNK_MAX_ELEMENTS elements (decode rows and short chunks: on a 64-token chunk torch's six ops
-    each wait for a sleeping OpenMP worker)."""
+    """Whether `rms_norm_f32` takes these inputs (see `chunk_rows_apply`)."""
     return scale.dtype == torch.float32 and chunk_rows_apply(x)
 
 
 def rms_norm_f32(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2, -1) + eps) * scale over the last dim of float32 CPU rows; returns a
-    contiguous tensor of x's shape (check `rms_norm_applies` first)."""
+    contiguous tensor of x's shape."""
     kernel = "rms_norm_f32"
     _check_tensor(kernel, "x", x, _FLOAT32)
     dim = x.shape[-1] if x.dim() else 0
     stride = _check_rows(kernel, "x", x)
-    _check_tensor(kernel, "scale", scale, _FLOAT32, dims=1, contiguous=True)
-    _check_shape(kernel, "scale", scale, (dim,))
-    library = _require_library(kernel)
+    _check_tensor(kernel, "scale", scale, _FLOAT32, (dim,), contiguous=True)
     out = torch.empty(x.shape, dtype=torch.float32, device="cpu")
-    rows = x.numel() // dim if dim else 0
-    library.rms_norm_f32(x.data_ptr(), rows, dim, stride, scale.data_ptr(), eps, out.data_ptr(), dim)
+    _call(kernel, x, x.numel() // dim if dim else 0, dim, stride, scale, eps, out, dim)
     return out
 
 
 def norm_rope_applies(x: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether `rms_norm_rope_f32` takes x [T, heads, dim]: float32 CPU with each head's dims
-    contiguous (tokens and heads at any strides: a chunk's q or k heads inside the fused projection
-    rows), at most CHUNK_MAX_ELEMENTS elements, and the kernels enabled."""
+    contiguous (tokens and heads at any strides), at most CHUNK_MAX_ELEMENTS elements."""
     return (x.dim() == 3 and x.is_cpu and x.dtype == torch.float32 and scale.dtype == torch.float32
             and 0 < x.numel() <= CHUNK_MAX_ELEMENTS and (x.stride(2) == 1 or x.shape[2] == 1)
             and native_kernels_enabled())
@@ -275,39 +281,22 @@ def norm_rope_applies(x: torch.Tensor, scale: torch.Tensor) -> bool:
 
 def rms_norm_rope_f32(x: torch.Tensor, scale: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
                       ) -> torch.Tensor:
-    """RMSNorm of each head of x [T, heads, dim] (float32 CPU, each head contiguous) times `scale`,
-    then rotary on the first `rot` dims with cos, sin [T, 1, rot] (rotate-half layout); returns a
-    contiguous [T, heads, dim] (check `norm_rope_applies` first)."""
+    """RMSNorm of each head of x [T, heads, dim] times `scale`, then rotary on the first `rot` dims
+    with cos, sin [T, 1, rot] (rotate-half layout); returns a contiguous [T, heads, dim]."""
     kernel = "rms_norm_rope_f32"
-    _check_tensor(kernel, "x", x, _FLOAT32, dims=3)
-    _check_columns(kernel, "x", x)
-    tokens, heads, dim = x.shape
-    _check_tensor(kernel, "scale", scale, _FLOAT32, dims=1, contiguous=True)
-    _check_shape(kernel, "scale", scale, (dim,))
-    _check_tensor(kernel, "cos", cos, _FLOAT32, dims=3, contiguous=True)
-    _check_tensor(kernel, "sin", sin, _FLOAT32, dims=3, contiguous=True)
-    rot = cos.shape[-1]
-    _check_shape(kernel, "cos", cos, (tokens, 1, rot))
-    _check_shape(kernel, "sin", sin, (tokens, 1, rot))
+    tokens, heads, dim = _check_tensor(kernel, "x", x, _FLOAT32, dims=3, columns=True).shape
+    rot = _check_tensor(kernel, "cos", cos, _FLOAT32, dims=3, contiguous=True).shape[-1]
+    _check_contiguous(kernel, _FLOAT32, scale=(scale, (dim,)), cos=(cos, (tokens, 1, rot)), sin=(sin, (tokens, 1, rot)))
     if rot > dim or rot % 2:
         raise ValueError(f"{kernel}: the rotary width {rot} must be even and at most the head size {dim}")
-    library = _require_library(kernel)
     out = torch.empty(x.shape, dtype=torch.float32, device="cpu")
-    library.rms_norm_rope_f32(x.data_ptr(), tokens, heads, dim, x.stride(0), x.stride(1), scale.data_ptr(), eps,
-                              cos.data_ptr(), sin.data_ptr(), rot, out.data_ptr())
+    _call(kernel, x, tokens, heads, dim, x.stride(0), x.stride(1), scale, eps, cos, sin, rot, out)
     return out
-
-
-def chunk_rows_apply(*tensors: torch.Tensor) -> bool:
-    """Whether the gate kernels (`gated_rms_norm_f32`, `silu_mul_f32`) take these float32 CPU
-    tensors: evenly spaced contiguous rows, at most CHUNK_MAX_ELEMENTS elements each, kernels on."""
-    return all(x.is_cpu and x.dtype == torch.float32 and x.dim() >= 1 and 0 < x.numel() <= CHUNK_MAX_ELEMENTS
-               and row_stride(x) is not None for x in tensors) and native_kernels_enabled()
 
 
 def gated_rms_norm_f32(x: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """scale * rms_norm(x) * silu(gate) over the last dim (x and gate of one shape); returns a
-    contiguous tensor of x's shape (check `chunk_rows_apply` first)."""
+    contiguous tensor of x's shape."""
     kernel = "gated_rms_norm_f32"
     _check_tensor(kernel, "x", x, _FLOAT32)
     _check_tensor(kernel, "gate", gate, _FLOAT32)
@@ -315,27 +304,23 @@ def gated_rms_norm_f32(x: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"{kernel}: x and gate must have one shape, got {tuple(x.shape)} and {tuple(gate.shape)}")
     ld_x, ld_gate = _check_rows(kernel, "x", x), _check_rows(kernel, "gate", gate)
     dim = x.shape[-1]
-    _check_tensor(kernel, "scale", scale, _FLOAT32, dims=1, contiguous=True)
-    _check_shape(kernel, "scale", scale, (dim,))
-    library = _require_library(kernel)
+    _check_tensor(kernel, "scale", scale, _FLOAT32, (dim,), contiguous=True)
     out = torch.empty(x.shape, dtype=torch.float32, device="cpu")
-    library.gated_rms_norm_f32(x.data_ptr(), gate.data_ptr(), x.numel() // dim if dim else 0, dim, ld_x, ld_gate,
-                               scale.data_ptr(), eps, out.data_ptr())
+    _call(kernel, x, gate, x.numel() // dim if dim else 0, dim, ld_x, ld_gate, scale, eps, out)
     return out
 
 
 def silu_mul_f32(x: torch.Tensor) -> torch.Tensor:
     """silu(x[..., :half]) * x[..., half:] for a fused [gate | up] last dim; returns a contiguous
-    [..., half] tensor (check `chunk_rows_apply` first)."""
+    [..., half] tensor."""
     kernel = "silu_mul_f32"
     _check_tensor(kernel, "x", x, _FLOAT32)
     width = x.shape[-1] if x.dim() else 0
     if width == 0 or width % 2:
         raise ValueError(f"{kernel}: the last dim must be even and non-zero, got shape {tuple(x.shape)}")
     stride = _check_rows(kernel, "x", x)
-    library = _require_library(kernel)
     out = torch.empty((*x.shape[:-1], width // 2), dtype=torch.float32, device="cpu")
-    library.silu_mul_f32(x.data_ptr(), x.numel() // width, width // 2, stride, out.data_ptr())
+    _call(kernel, x, x.numel() // width, width // 2, stride, out)
     return out
 
 
@@ -343,23 +328,19 @@ def argmax_and_finite(logits: torch.Tensor) -> tuple[list[int], list[bool]] | No
     """Each row's first maximum (as `argmax(dim=-1)`) and whether the row is all finite, in one C
     pass (csrc/logits.c); None unless `logits` is a float32 CPU [rows, vocab] tensor with
     contiguous rows and the kernels are enabled (the caller then asks torch)."""
-    if (logits.dim() != 2 or logits.dtype != torch.float32 or not logits.is_cpu or logits.shape[1] == 0
-            or logits.stride(1) != 1 or not native_kernels_enabled()):
-        return None
-    library = _library()
-    if library is None:
+    if not _float32_rows(logits) or logits.shape[1] == 0 or not native_kernels_enabled():
         return None
     rows = logits.shape[0]
     argmax = torch.empty(rows, dtype=torch.int64)
     finite = torch.empty(rows, dtype=torch.uint8)
-    library.logits_argmax_finite(logits.data_ptr(), rows, logits.shape[1], logits.stride(0), argmax.data_ptr(),
-                                 finite.data_ptr(), torch.get_num_threads())
+    _call("logits_argmax_finite", logits, rows, logits.shape[1], logits.stride(0), argmax, finite,
+          torch.get_num_threads())
     return argmax.tolist(), [bool(flag) for flag in finite.tolist()]
 
 
 def gemv_preferred_rows() -> int:
-    """The most rows for which the compiled GEMV beats PyTorch's GEMMs (csrc/gemv.c): 32 on AVX-512,
-    16 elsewhere or without the kernels."""
+    """The most rows for which the compiled GEMV beats PyTorch's GEMMs (csrc/gemv.c), or
+    GEMV_DECODE_ROWS without the kernels."""
     return _library_preferred_rows() if native_kernels_enabled() else GEMV_DECODE_ROWS
 
 
@@ -372,17 +353,34 @@ def _library_preferred_rows() -> int:
 def gemv_applies(weight: torch.Tensor, x: torch.Tensor, max_rows: int = GEMV_DECODE_ROWS) -> bool:
     """Whether `gemv` takes x @ weight.T: 1..max_rows (at most GEMV_MAX_INPUT_ROWS) float32 CPU rows
     with contiguous columns, a contiguous float32, bfloat16 or int8 weight, and the kernels enabled."""
-    rows = min(max_rows, GEMV_MAX_INPUT_ROWS)
-    return (x.dim() == 2 and 0 < x.shape[0] <= rows and x.dtype == torch.float32 and x.is_cpu
-            and (x.stride(1) == 1 or x.shape[1] == 1)
-            and weight.dtype in _GEMV_DTYPES and weight.dim() == 2
-            and weight.is_cpu and weight.is_contiguous() and native_kernels_enabled())
+    return (_float32_rows(x) and 0 < x.shape[0] <= min(max_rows, GEMV_MAX_INPUT_ROWS)
+            and _plain_weight(weight, _GEMV_DTYPES) and native_kernels_enabled())
+
+
+def gemv(weight: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T for a few float32 CPU rows x [rows, in] (csrc/gemv.c): weight [out, in]
+    contiguous float32, bfloat16 (widened exactly), or int8 with float32 `scales` [out]
+    (y = (x @ W.T) * scales). Returns a new contiguous float32 [rows, out]."""
+    weight, x = _check_linear("gemv", weight, x, _GEMV_DTYPES, scales)
+    out_features, in_features = weight.shape
+    rows = x.shape[0]
+    y = torch.empty(rows, out_features)
+    shape = (out_features, in_features, x, rows, x.stride(0), y, out_features, torch.get_num_threads())
+    if scales is not None:  # int8 (checked above)
+        failed = _call("gemv", weight, scales, *shape, function="gemv_i8")
+    elif weight.dtype == torch.bfloat16:  # AMX tiles where they take the rows (as the decode step)
+        failed = (_call("gemv", weight, None, WEIGHT_FORMATS[torch.bfloat16], *shape, function="gemm_amx")
+                  and _call("gemv", weight, *shape, function="gemv_bf16"))
+    else:
+        failed = _call("gemv", weight, *shape, function="gemv_f32")
+    if failed:
+        raise ValueError(f"gemv takes 1..{GEMV_MAX_INPUT_ROWS} rows, got {rows}")
+    return y
 
 
 @lru_cache(maxsize=1)
 def gemm_rows_bounds() -> tuple[int, int]:
-    """The rows `gemm_rows` takes with this build of the kernels, (0, 0) for none (csrc/gemm_rows.c:
-    6..128 where the compiler targets AVX-512)."""
+    """The rows `gemm_rows` takes with this build of the kernels, (0, 0) for none (csrc/gemm_rows.c)."""
     library = _library()
     if library is None:
         return 0, 0
@@ -392,60 +390,49 @@ def gemm_rows_bounds() -> tuple[int, int]:
 
 
 def gemm_rows_applies(weight: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether `gemm_rows` takes x @ weight.T: float32 CPU rows (contiguous, evenly spaced) in
+    """Whether `gemm_rows` takes x @ weight.T: float32 CPU rows with contiguous columns in
     `gemm_rows_bounds` (int8 weights: up to GEMM_ROWS_INT8_MAX_ROWS of them), a contiguous float32
     or int8 CPU weight, and the kernels enabled."""
-    if x.dim() != 2 or x.dtype != torch.float32 or weight.dtype not in _GEMM_DTYPES or not x.is_cpu:
+    if not _float32_rows(x) or not _plain_weight(weight, _GEMM_DTYPES):
         return False
     low, high = gemm_rows_bounds() if native_kernels_enabled() else (0, 0)
     if weight.dtype == torch.int8:
         high = min(high, GEMM_ROWS_INT8_MAX_ROWS)
-    return (low <= x.shape[0] <= high and low > 0 and (x.stride(1) == 1 or x.shape[1] == 1)
-            and weight.dim() == 2 and weight.is_cpu and weight.is_contiguous())
+    return 0 < low <= x.shape[0] <= high
 
 
 def gemm_rows(weight: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T for 6..128 float32 CPU rows on the plain [out, in] weight: float32, or int8
-    with float32 `scales` [out] (y = (x @ W.T) * scales) (csrc/gemm_rows.c; check
-    `gemm_rows_applies` first). Returns a new contiguous [rows, out]."""
+    """x @ weight.T for float32 CPU rows in `gemm_rows_bounds` on the [out, in] weight: float32, or
+    int8 with float32 `scales` [out] (csrc/gemm_rows.c). Returns a new contiguous [rows, out]."""
     weight, x = _check_linear("gemm_rows", weight, x, _GEMM_DTYPES, scales)
-    y = torch.empty(x.shape[0], weight.shape[0])
-    _gemm_rows_call("gemm_rows", weight, scales, weight.shape[0], x, y)
-    return y
+    return _gemm_rows_call("gemm_rows", weight, scales, weight.shape[0], x)
 
 
 def gemm_rows_silu_mul(weight: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(x @ G.T) * (x @ U.T) for the fused [G; U] weight [2 * half, in] (the MLP's gate and up;
-    float32, or int8 with `scales` [2 * half]) and 6..128 float32 CPU rows, the [rows, 2 * half]
-    projection never stored (csrc/gemm_rows.c; check `gemm_rows_applies` first). Returns a new
-    contiguous [rows, half]."""
+    """silu(x @ G.T) * (x @ U.T) for the fused [G; U] weight [2 * half, in] (the MLP's gate and up,
+    as `gemm_rows` takes them), the projection never stored. Returns a new contiguous [rows, half]."""
     kernel = "gemm_rows_silu_mul"
     weight, x = _check_linear(kernel, weight, x, _GEMM_DTYPES, scales)
     if weight.shape[0] % 2:
         raise ValueError(f"{kernel}: the fused [gate; up] weight needs an even number of rows, got "
                          f"{tuple(weight.shape)}")
-    half = weight.shape[0] // 2
-    y = torch.empty(x.shape[0], half)
-    _gemm_rows_call(kernel, weight, scales, half, x, y)
-    return y
+    return _gemm_rows_call(kernel, weight, scales, weight.shape[0] // 2, x)
 
 
 def _gemm_rows_call(kernel: str, weight: torch.Tensor, scales: torch.Tensor | None, out_features: int,
-                    x: torch.Tensor, y: torch.Tensor) -> None:
-    """Run the checked GEMM `kernel` into y; ValueError when this build does not take the rows."""
-    library = _require_library(kernel)
-    function = getattr(library, kernel)
-    if function(weight.data_ptr(), scales.data_ptr() if scales is not None else None, WEIGHT_FORMATS[weight.dtype],
-                out_features, weight.shape[1], x.data_ptr(), x.shape[0], x.stride(0), y.data_ptr(), y.shape[1],
-                torch.get_num_threads()):
+                    x: torch.Tensor) -> torch.Tensor:
+    """The checked GEMM `kernel` into a new y; ValueError when this build does not take the rows."""
+    y = torch.empty(x.shape[0], out_features)
+    if _call(kernel, weight, scales, WEIGHT_FORMATS[weight.dtype], out_features, weight.shape[1], x, x.shape[0],
+             x.stride(0), y, out_features, torch.get_num_threads()):
         raise ValueError(f"{kernel} takes {gemm_rows_bounds()} rows of float32 or int8 weights with this build, "
                          f"got {x.shape[0]} of {weight.dtype}")
+    return y
 
 
 @lru_cache(maxsize=1)
 def prefill_attention_max_tokens() -> int:
-    """The longest chunk `prefill_attention` takes with this build (csrc/prefill_attention.c: 128
-    query tokens where the compiler targets AVX-512, else 0)."""
+    """The longest chunk `prefill_attention` takes with this build (csrc/prefill_attention.c), 0 for none."""
     library = _library()
     return int(library.prefill_attention_max_tokens()) if library is not None else 0
 
@@ -468,15 +455,12 @@ def prefill_attention(q: torch.Tensor, cache_keys: torch.Tensor, cache_values: t
                       scale: float) -> torch.Tensor:
     """Causal attention of a chunk's T queries (the sequence's last T positions) over the keys and
     values at `slots` ([prefix + T] flat slots, in position order) of one layer of the paged cache
-    ([num_slots, kv_heads, dim] each), read in place (csrc/prefill_attention.c; check
-    `prefill_attention_applies` first). Returns a new contiguous [T, heads, dim]."""
+    ([num_slots, kv_heads, dim] each), read in place. Returns a new contiguous [T, heads, dim]."""
     kernel = "prefill_attention"
-    _check_tensor(kernel, "q", q, _FLOAT32, dims=3)
-    tokens, heads, dim = q.shape
+    tokens, heads, dim = _check_tensor(kernel, "q", q, _FLOAT32, dims=3).shape
     if (q.stride(2) != 1 and dim > 1) or (q.stride(1) != dim and heads > 1):
         raise ValueError(f"{kernel}: each token's heads of q must be contiguous, got strides {q.stride()}")
-    _check_tensor(kernel, "cache_keys", cache_keys, _FLOAT32, dims=3, contiguous=True)
-    _check_tensor(kernel, "cache_values", cache_values, _FLOAT32, dims=3, contiguous=True)
+    _check_contiguous(kernel, _FLOAT32, cache_keys=(cache_keys, 3), cache_values=(cache_values, 3))
     if cache_values.shape != cache_keys.shape or cache_keys.shape[2] != dim or heads % cache_keys.shape[1]:
         raise ValueError(f"{kernel}: keys {tuple(cache_keys.shape)} and values {tuple(cache_values.shape)} must be "
                          f"[slots, kv_heads, {dim}] with kv_heads dividing {heads}")
@@ -486,11 +470,9 @@ def prefill_attention(q: torch.Tensor, cache_keys: torch.Tensor, cache_values: t
     lowest, highest = (int(bound) for bound in slots.aminmax())  # the kernel reads through them unchecked
     if lowest < 0 or highest >= cache_keys.shape[0]:
         raise IndexError(f"{kernel}: slots [{lowest}, {highest}] outside the cache's {cache_keys.shape[0]}")
-    library = _require_library(kernel)
     out = torch.empty(tokens, heads, dim)
-    status = library.prefill_attention_f32(q.data_ptr(), tokens, heads, dim, q.stride(0), cache_keys.data_ptr(),
-                                           cache_values.data_ptr(), cache_keys.shape[1], slots.data_ptr(),
-                                           slots.shape[0] - tokens, scale, out.data_ptr(), torch.get_num_threads())
+    status = _call(kernel, q, tokens, heads, dim, q.stride(0), cache_keys, cache_values, cache_keys.shape[1], slots,
+                   slots.shape[0] - tokens, scale, out, torch.get_num_threads(), function="prefill_attention_f32")
     if status == 2:
         raise MemoryError(f"{kernel}: out of memory for its scratch")
     if status:
@@ -498,58 +480,26 @@ def prefill_attention(q: torch.Tensor, cache_keys: torch.Tensor, cache_values: t
     return out
 
 
-def gemv(weight: torch.Tensor, x: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T for a few float32 CPU rows (csrc/gemv.c): weight [out, in] contiguous float32 or
-    bfloat16 (widened exactly), or int8 with float32 `scales` [out] (y = (x @ W.T) * scales); x
-    [rows, in] (check `gemv_applies` first). Returns a new contiguous float32 [rows, out]."""
-    weight, x = _check_linear("gemv", weight, x, _GEMV_DTYPES, scales)
-    out_features, in_features = weight.shape
-    rows = x.shape[0]
-    library = _require_library("gemv")
-    y = torch.empty(rows, out_features)
-    threads = torch.get_num_threads()
-    if scales is not None:  # int8 (checked above)
-        failed = library.gemv_i8(weight.data_ptr(), scales.data_ptr(), out_features, in_features, x.data_ptr(), rows,
-                                 x.stride(0), y.data_ptr(), out_features, threads)
-    elif weight.dtype == torch.bfloat16:  # AMX tiles where they take the rows (as the decode step)
-        args = (weight.data_ptr(), out_features, in_features, x.data_ptr(), rows, x.stride(0), y.data_ptr(),
-                out_features, threads)
-        failed = library.gemm_amx(args[0], None, WEIGHT_FORMATS[torch.bfloat16], *args[1:]) \
-            and library.gemv_bf16(*args)
-    else:
-        failed = library.gemv_f32(weight.data_ptr(), out_features, in_features, x.data_ptr(), rows, x.stride(0),
-                                  y.data_ptr(), out_features, threads)
-    if failed:
-        raise ValueError(f"gemv takes 1..{GEMV_MAX_INPUT_ROWS} rows, got {rows}")
-    return y
-
-
 def gdn_decode_f32(proj: torch.Tensor, b_offset: int, a_offset: int, slots: torch.Tensor, conv_live: torch.Tensor,
                    rec_live: torch.Tensor, conv_weight: torch.Tensor, dt_bias: torch.Tensor,
                    neg_decay_rate: torch.Tensor, num_k_heads: int, l2_eps: float, in_place: bool = False,
                    norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One GDN decode step for a batch, fused (see csrc/gdn_decode.c).
+    """One GDN decode step for a batch, fused (csrc/gdn_decode.c).
 
-    proj [B, P] float32 rows of the fused input projection whose first conv_dim columns are the
-    conv inputs and whose columns `b_offset` and `a_offset` start the beta and decay gates (rows
-    may be strided, columns contiguous); slots [B] int64 live-state slots; conv_live
-    [S, conv_dim, K-1] and rec_live [S, Hv, Dk, Dv] float32 contiguous; conv_weight [conv_dim, K];
-    dt_bias and neg_decay_rate [Hv] float32. Returns (core output [B, Hv, Dv], conv windows
-    [B, conv_dim, K-1], recurrent states [B, Hv, Dk, Dv]): the new ones, live state only read; or
-    with `in_place` the previous ones (the undo record), the live slots holding the new ones.
-    With `norm_weight` [Dv] the output is the GDN output norm, w * rms_norm(core) * silu(z), z being
-    the projection's columns after the conv inputs.
+    proj [B, P] float32 rows of the fused input projection (conv inputs in the first conv_dim
+    columns, then z; the beta and decay gates from columns `b_offset` and `a_offset`; columns
+    contiguous); slots [B] int64 live-state slots; conv_live [S, conv_dim, K-1] and rec_live
+    [S, Hv, Dk, Dv] contiguous; conv_weight [conv_dim, K]; dt_bias, neg_decay_rate [Hv]. Returns
+    (core output [B, Hv, Dv], conv windows, recurrent states): the new states, live state only
+    read, or with `in_place` the replaced ones (the undo record), the live slots updated. With
+    `norm_weight` [Dv] the output is the GDN output norm w * rms_norm(core) * silu(z).
     """
     kernel = "gdn_decode_f32"
-    _check_tensor(kernel, "proj", proj, _FLOAT32, dims=2)
-    _check_columns(kernel, "proj", proj)
+    _check_tensor(kernel, "proj", proj, _FLOAT32, dims=2, columns=True)
     _check_tensor(kernel, "slots", slots, _INT64, dims=1, contiguous=True)
-    _check_tensor(kernel, "conv_live", conv_live, _FLOAT32, dims=3, contiguous=True)
-    _check_tensor(kernel, "rec_live", rec_live, _FLOAT32, dims=4, contiguous=True)
-    _check_tensor(kernel, "conv_weight", conv_weight, _FLOAT32, dims=2, contiguous=True)
-    _check_tensor(kernel, "dt_bias", dt_bias, _FLOAT32, dims=1, contiguous=True)
-    _check_tensor(kernel, "neg_decay_rate", neg_decay_rate, _FLOAT32, dims=1, contiguous=True)
+    _check_contiguous(kernel, _FLOAT32, conv_live=(conv_live, 3), rec_live=(rec_live, 4),
+                      conv_weight=(conv_weight, 2), dt_bias=(dt_bias, 1), neg_decay_rate=(neg_decay_rate, 1))
     if norm_weight is not None:
         _check_tensor(kernel, "norm_weight", norm_weight, _FLOAT32, dims=1, contiguous=True)
     batch = proj.shape[0]
@@ -566,18 +516,13 @@ def gdn_decode_f32(proj: torch.Tensor, b_offset: int, a_offset: int, slots: torc
                          f"{tuple(slots.shape)}, conv state {tuple(conv_live.shape)}, recurrent state "
                          f"{tuple(rec_live.shape)}, conv weight {tuple(conv_weight.shape)} and {num_k_heads} key heads "
                          "disagree")
-    library = _require_library(kernel)
     core = torch.empty(batch, num_v_heads, head_v)
-    scratch = torch.empty(batch, conv_dim)
     out_conv = torch.empty(batch, conv_dim, width - 1)
     out_rec = torch.empty(batch, num_v_heads, head_k, head_v)
-    failed = library.gdn_decode_f32(
-        batch, num_k_heads, num_v_heads, head_k, head_v, width, proj.data_ptr(), proj.stride(0), b_offset,
-        a_offset, slots.data_ptr(), num_slots, conv_live.data_ptr(), rec_live.data_ptr(),
-        conv_weight.data_ptr(), dt_bias.data_ptr(), neg_decay_rate.data_ptr(), l2_eps,
-        norm_weight.data_ptr() if norm_weight is not None else None, norm_eps, torch.get_num_threads(),
-        int(in_place), scratch.data_ptr(), out_conv.data_ptr(), out_rec.data_ptr(), core.data_ptr())
-    if failed:
+    if _call(kernel, batch, num_k_heads, num_v_heads, head_k, head_v, width, proj, proj.stride(0), b_offset,
+             a_offset, slots, num_slots, conv_live, rec_live, conv_weight, dt_bias, neg_decay_rate, l2_eps,
+             norm_weight, norm_eps, torch.get_num_threads(), int(in_place), torch.empty(batch, conv_dim), out_conv,
+             out_rec, core):
         raise IndexError(f"{kernel}: a state slot is outside [0, {num_slots}) or repeated")
     return core, out_conv, out_rec
 
@@ -585,22 +530,17 @@ def gdn_decode_f32(proj: torch.Tensor, b_offset: int, a_offset: int, slots: torc
 def gdn_prefill_f32(x: torch.Tensor, conv_state: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     rec_state: torch.Tensor, conv_weight: torch.Tensor, num_k_heads: int, l2_eps: float,
                     capture_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """One sequence's prefill chunk through a GDN layer, token by token (see csrc/gdn_prefill.c).
+    """One sequence's prefill chunk through a GDN layer, token by token (csrc/gdn_prefill.c).
 
-    x [T, conv_dim] float32: the chunk's conv inputs (rows may be strided, columns contiguous, as
-    the in_proj output's first columns); conv_state [conv_dim, K-1] the inputs before the chunk;
-    g, beta [T, Hv] float32 log-decay and beta; rec_state [Hv, Dk, Dv] the state before the chunk;
-    conv_weight [conv_dim, K]. Live state is only read. Returns (core output [T, Hv, Dv], final
-    state, the states after each of `capture_tokens` tokens, in the order given).
+    x [T, conv_dim] float32 conv inputs (columns contiguous); conv_state [conv_dim, K-1] the inputs
+    before the chunk; g, beta [T, Hv] log-decay and beta; rec_state [Hv, Dk, Dv] the state before
+    the chunk; conv_weight [conv_dim, K]. Live state is only read. Returns (core output
+    [T, Hv, Dv], final state, the states after each of `capture_tokens` tokens, in that order).
     """
     kernel = "gdn_prefill_f32"
-    _check_tensor(kernel, "x", x, _FLOAT32, dims=2)
-    _check_columns(kernel, "x", x)
-    _check_tensor(kernel, "conv_state", conv_state, _FLOAT32, dims=2, contiguous=True)
-    _check_tensor(kernel, "g", g, _FLOAT32, dims=2, contiguous=True)
-    _check_tensor(kernel, "beta", beta, _FLOAT32, dims=2, contiguous=True)
-    _check_tensor(kernel, "rec_state", rec_state, _FLOAT32, dims=3, contiguous=True)
-    _check_tensor(kernel, "conv_weight", conv_weight, _FLOAT32, dims=2, contiguous=True)
+    _check_tensor(kernel, "x", x, _FLOAT32, dims=2, columns=True)
+    _check_contiguous(kernel, _FLOAT32, conv_state=(conv_state, 2), g=(g, 2), beta=(beta, 2),
+                      rec_state=(rec_state, 3), conv_weight=(conv_weight, 2))
     num_v_heads, head_k, head_v = rec_state.shape
     conv_dim, width = conv_weight.shape
     tokens = x.shape[0]
@@ -613,24 +553,12 @@ def gdn_prefill_f32(x: torch.Tensor, conv_state: torch.Tensor, g: torch.Tensor, 
                          f"{tuple(conv_weight.shape)} and {num_k_heads} key heads disagree")
     if any(not 1 <= t <= tokens for t in capture_tokens):
         raise ValueError(f"{kernel}: capture points {capture_tokens} must lie within 1..{tokens}")
-    library = _require_library(kernel)
-    captures = torch.tensor(capture_tokens, dtype=torch.int64)
     captured = torch.empty(len(capture_tokens), num_v_heads, head_k, head_v)
     final_state = torch.empty(num_v_heads, head_k, head_v)
     core = torch.empty(tokens, num_v_heads, head_v)
-    scratch = torch.empty((2 * width - 1 + tokens) * conv_dim)
-    failed = library.gdn_prefill_f32(
-        tokens, num_k_heads, num_v_heads, head_k, head_v, width, x.data_ptr(), x.stride(0), conv_state.data_ptr(),
-        conv_weight.data_ptr(), g.data_ptr(), beta.data_ptr(), rec_state.data_ptr(), l2_eps, len(capture_tokens),
-        captures.data_ptr(), torch.get_num_threads(), scratch.data_ptr(), captured.data_ptr(),
-        final_state.data_ptr(), core.data_ptr())
-    if failed:
+    if _call(kernel, tokens, num_k_heads, num_v_heads, head_k, head_v, width, x, x.stride(0), conv_state,
+             conv_weight, g, beta, rec_state, l2_eps, len(capture_tokens),
+             torch.tensor(capture_tokens, dtype=torch.int64), torch.get_num_threads(),
+             torch.empty((2 * width - 1 + tokens) * conv_dim), captured, final_state, core):
         raise ValueError(f"{kernel}: capture points out of range")
     return core, final_state, list(captured.unbind(0))
-
-
-def check_index_tensors(kernel: str, **tensors: torch.Tensor) -> None:
-    """Each of `tensors` a contiguous int64 CPU tensor (the ids, positions, slots and tables a C
-    step reads as int64 arrays; the step checks their values itself)."""
-    for name, tensor in tensors.items():
-        _check_tensor(kernel, name, tensor, _INT64, contiguous=True)
