@@ -1,17 +1,22 @@
 """`hybridserve bench chat`: interleaved multi-turn conversations, cache on vs off.
-
-Each turn appends a random-token user message and the greedy reply to its conversation's history;
-conversations take turns round-robin, one request in the engine at a time, so TTFT is the time to
-prefill the new turn. The two engines serve each turn back to back, alternating which goes first.
+Each turn appends a random user message and the greedy reply to its history; conversations take
+turns round-robin, one request at a time, both engines serving each turn back to back.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import asdict
 from typing import Any
 
-from hybridserve.bench.common import format_table, greedy, machine_line, median, with_prefix_cache
+from hybridserve.bench.common import (
+    EngineDriver,
+    alternate,
+    cache_on_off,
+    finish,
+    format_table,
+    greedy,
+    median,
+    result_header,
+)
 from hybridserve.bench.configs import ChatBenchConfig
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
@@ -20,26 +25,10 @@ from hybridserve.sim.trace import pseudo_random_tokens
 TTFT_RATIO_GOAL = 0.2  # warm turns past 2k tokens: cache-on p50 TTFT at most 0.2x cache-off
 
 
-def _timed_turn(engine: LLMEngine, request_id: str, prompt: list[int], reply_tokens: int
-                ) -> tuple[float, list[int], int]:
-    """Serve one turn alone; returns (TTFT seconds, reply token ids, cached prompt tokens)."""
-    start = time.perf_counter()
-    engine.add_request(request_id, prompt, greedy(reply_tokens))
-    ttft = None
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if ttft is None and output.outputs[0].token_ids:
-                ttft = time.perf_counter() - start
-            if output.finished:
-                final = output
-    assert ttft is not None
-    return ttft, final.outputs[0].token_ids, final.num_cached_tokens
-
-
 def run_chat_bench(engine_config: EngineConfig, cfg: ChatBenchConfig) -> dict[str, Any]:
     """Play the conversations on a cache-on and a cache-off engine; TTFT per turn for each."""
-    on_config = engine_config if engine_config.cache.prefix_cache_enabled else with_prefix_cache(engine_config, 1024.0)
-    engines = {"on": LLMEngine(on_config), "off": LLMEngine(with_prefix_cache(engine_config, 0))}
+    engines = dict(zip(("on", "off"), (LLMEngine(config) for config in cache_on_off(engine_config))))
+    drivers = {label: EngineDriver(engine, label) for label, engine in engines.items()}
     vocab = engines["on"].model_config.vocab_size
 
     def fresh(seed: int, count: int) -> list[int]:
@@ -51,19 +40,16 @@ def run_chat_bench(engine_config: EngineConfig, cfg: ChatBenchConfig) -> dict[st
     for turn in range(cfg.turns):
         for conversation, history in enumerate(histories):
             prompt = history + fresh(cfg.seed * 1000 + 100 * (turn + 1) + conversation, cfg.message_tokens)
-            results = {}
-            order = ("on", "off") if (turn + conversation) % 2 == 0 else ("off", "on")
-            for label in order:
-                results[label] = _timed_turn(engines[label], f"{label}-{turn}-{conversation}", prompt, cfg.reply_tokens)
-            assert results["on"][1] == results["off"][1], "cache on and off generated different replies"
+            results = {label: drivers[label].run(prompt, greedy(cfg.reply_tokens))
+                       for label in alternate(["on", "off"], turn + conversation)}
+            reply = results["on"].output.outputs[0].token_ids
+            assert reply == results["off"].output.outputs[0].token_ids, "cache on and off generated different replies"
             rows.append({"turn": turn + 1, "conversation": conversation, "prompt_tokens": len(prompt),
-                         "previous_history": len(history), "cached_tokens": results["on"][2],
-                         "ttft_on_s": results["on"][0], "ttft_off_s": results["off"][0]})
-            history.extend(prompt[len(history):] + results["on"][1])
-    for engine in engines.values():
-        engine.check_integrity()
-    return {"config": asdict(cfg), "engine": engines["on"].describe(), "machine": machine_line(), "rows": rows,
-            "summary": _summary(rows, cfg)}
+                         "previous_history": len(history), "cached_tokens": results["on"].output.num_cached_tokens,
+                         "ttft_on_s": results["on"].ttft_s, "ttft_off_s": results["off"].ttft_s})
+            history.extend(prompt[len(history):] + reply)
+    finish(*engines.values())
+    return result_header(cfg, engines["on"]) | {"rows": rows, "summary": _summary(rows, cfg)}
 
 
 def _summary(rows: list[dict[str, Any]], cfg: ChatBenchConfig) -> dict[str, Any]:

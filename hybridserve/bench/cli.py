@@ -88,28 +88,28 @@ def _finish(args: argparse.Namespace, result: dict[str, Any], report: str) -> in
     return 0
 
 
-def _plot(plot: Callable[[dict[str, Any], str], None], result: dict[str, Any], path: str | None) -> None:
-    if not path:
-        return
-    try:
-        plot(result, path)
-        print(f"[bench] plot written to {path}", file=sys.stderr)
-    except ImportError:
-        print("[bench] --plot needs matplotlib (pip install 'hybridserve[bench]')", file=sys.stderr)
+def _run_bench(name: str, engine_config: Any, cfg: Any, plot_path: str | None, heading: str = "") -> dict[str, Any]:
+    """Run one of `ENGINE_BENCHES`, print its report (and save the ttft plot when asked); its figures."""
+    module_name = ENGINE_BENCHES[name][2]
+    module = importlib.import_module(f"hybridserve.bench.{module_name}")
+    result: dict[str, Any] = getattr(module, f"run_{module_name}")(engine_config, cfg)
+    print(heading + getattr(module, f"format_{name}_report")(result), flush=True)
+    if name == "ttft" and plot_path:
+        try:
+            module.plot_ttft(result, plot_path)
+            print(f"[bench] plot written to {plot_path}", file=sys.stderr)
+        except ImportError:
+            print("[bench] --plot needs matplotlib (pip install 'hybridserve[bench]')", file=sys.stderr)
+    return result
 
 
 def _run_engine_bench(args: argparse.Namespace) -> int:
     """Handler of the benchmarks that drive an in-process engine (`ENGINE_BENCHES`)."""
     from hybridserve.engine_args import engine_config_from_args
 
-    module_name = ENGINE_BENCHES[args.bench_command][2]
-    module = importlib.import_module(f"hybridserve.bench.{module_name}")
-    result = getattr(module, f"run_{module_name}")(engine_config_from_args(args),
-                                                   configs.config_from_args(args.config_cls, args))
-    code = _finish(args, result, getattr(module, f"format_{module_name.removesuffix('_bench')}_report")(result))
-    if args.bench_command == "ttft":
-        _plot(module.plot_ttft, result, args.plot)
-    return code
+    cfg = configs.config_from_args(args.config_cls, args)
+    result = _run_bench(args.bench_command, engine_config_from_args(args), cfg, getattr(args, "plot", None))
+    return _finish(args, result, "")
 
 
 def serve_args_from(args: argparse.Namespace) -> list[str]:
@@ -144,18 +144,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def run_all(args: argparse.Namespace) -> int:
     """Handler of `bench all`: the other benchmarks in turn, default sizes, one combined JSON."""
-    from hybridserve.bench.engine_bench import format_engine_report, run_engine_bench
-    from hybridserve.bench.trace_bench import format_trace_report, run_trace_bench
-    from hybridserve.bench.ttft_bench import format_ttft_report, plot_ttft, run_ttft_bench
     from hybridserve.engine_args import engine_config_from_args
 
     config = engine_config_from_args(args)
-    results: dict[str, Any] = {"engine": run_engine_bench(config, configs.EngineBenchConfig())}
-    print("== bench engine ==\n" + format_engine_report(results["engine"]), flush=True)
-    results["ttft"] = run_ttft_bench(config, configs.TTFTBenchConfig())
-    print("\n== bench ttft ==\n" + format_ttft_report(results["ttft"]), flush=True)
-    _plot(plot_ttft, results["ttft"], args.plot)
-    if args.with_trace:
-        results["trace"] = run_trace_bench(config, configs.TraceBenchConfig(progress=False))
-        print("\n== bench trace ==\n" + format_trace_report(results["trace"]), flush=True)
+    results: dict[str, Any] = {}
+    for name in ("engine", "ttft", "trace") if args.with_trace else ("engine", "ttft"):
+        cfg = configs.TraceBenchConfig(progress=False) if name == "trace" else ENGINE_BENCHES[name][1]()
+        heading = ("\n" if results else "") + f"== bench {name} ==\n"
+        results[name] = _run_bench(name, config, cfg, args.plot, heading)
     return _finish(args, results, "")

@@ -1,7 +1,5 @@
 """Helpers shared by the benchmarks: prompts, engine driving, timing statistics, tables, JSON.
-
-Every benchmark measures its contenders side by side in one process, alternating, discarding
-warm-ups and reporting medians (the machines are noisy).
+Contenders run side by side in one process, alternating; warm-ups are discarded; medians.
 """
 
 from __future__ import annotations
@@ -11,9 +9,9 @@ import itertools
 import json
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from hybridserve.config import EngineConfig
 from hybridserve.models.tokenizer import IM_END_ID
@@ -24,6 +22,7 @@ if TYPE_CHECKING:  # torch loads with the benchmark that runs, not with the comm
 
     from hybridserve.engine.engine import LLMEngine
 
+T = TypeVar("T")
 FIRST_PLAIN_ID = IM_END_ID + 1  # ids below are bytes and specials; start random prompts after them
 PLAIN_ID_SPAN = 256             # random prompts draw from [FIRST_PLAIN_ID, FIRST_PLAIN_ID + span)
 
@@ -51,6 +50,41 @@ def median(values: Iterable[float]) -> float:
 def with_prefix_cache(config: EngineConfig, prefix_cache_mib: float) -> EngineConfig:
     """`config` with the GDN snapshot pool resized (0 disables the prefix cache)."""
     return dataclasses.replace(config, cache=dataclasses.replace(config.cache, prefix_cache_mib=prefix_cache_mib))
+
+
+def cache_on_off(config: EngineConfig) -> tuple[EngineConfig, EngineConfig]:
+    """(prefix cache on, off) variants of `config`; "on" keeps its pool, or gets 1 GiB if it had none."""
+    on = config if config.cache.prefix_cache_enabled else with_prefix_cache(config, 1024.0)
+    return on, with_prefix_cache(config, 0)
+
+
+def result_header(cfg: Any, engine: LLMEngine) -> dict[str, Any]:
+    """The settings, the engine's sizes and the machine, which every result starts with."""
+    return {"config": dataclasses.asdict(cfg), "engine": engine.describe(), "machine": machine_line()}
+
+
+def finish(*engines: LLMEngine) -> None:
+    """Check every engine's pool accounting, then stop its tensor-parallel workers."""
+    for engine in engines:
+        engine.check_integrity()
+        engine.shutdown()
+
+
+def alternate(items: Sequence[T], round_index: int) -> list[T]:
+    """`items` in order in even rounds and reversed in odd ones, so that no contender always goes first."""
+    return list(items) if round_index % 2 == 0 else list(reversed(items))
+
+
+def measured_rounds(warmup: int, iterations: int, measure: Callable[[int], dict[str, list[Any]]]
+                    ) -> dict[str, list[Any]]:
+    """Call `measure(round)` `warmup + iterations` times; the samples of the measured rounds, by key."""
+    samples: dict[str, list[Any]] = {}
+    for round_index in range(warmup + iterations):
+        values = measure(round_index)
+        if round_index >= warmup:
+            for key, value in values.items():
+                samples.setdefault(key, []).extend(value)
+    return samples
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -142,32 +176,27 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work, so that a host timer measures it (no-op on CPU)."""
-    if device.type == "cuda":
-        import torch
+def timed(work: Callable[[], object], device: torch.device) -> float:
+    """Seconds `work()` takes, the device's queued work included (CUDA is synchronized around it)."""
+    import torch
 
+    if device.type == "cuda":
         torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    work()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
 
 def matmul_gflops(size: int, repeats: int, device: torch.device | str = "cpu",
                   dtype: torch.dtype | None = None) -> list[float]:
-    """GFLOP/s of `repeats` square [size x size] matmuls on `device` in `dtype` (None: float32; one
-    sample each)."""
+    """GFLOP/s of `repeats` square [size x size] matmuls on `device` in `dtype` (None: float32)."""
     import torch
 
-    dtype = torch.float32 if dtype is None else dtype
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    a, b = (torch.randn(size, size, device=device, dtype=dtype or torch.float32) for _ in range(2))
     torch.matmul(a, b)
-    rates = []
-    for _ in range(repeats):
-        synchronize(a.device)
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        synchronize(a.device)
-        rates.append(2 * size ** 3 / (time.perf_counter() - start) / 1e9)
-    return rates
+    return [2 * size ** 3 / timed(lambda: torch.matmul(a, b), a.device) / 1e9 for _ in range(repeats)]
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

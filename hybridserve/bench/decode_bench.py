@@ -1,15 +1,13 @@
 """`bench decode`: batch-1 decode against the memory-bandwidth floor, and what lower precision costs.
-
-One engine per weight format (float32, bfloat16, int8), rounds alternating. Speed: median ms per
-decoded token next to the time to read the engine's weight bytes once and the time of its linears
-alone on one row. Quality against float32 on the same prompts: logit errors and top-1 agreement
-at every prompt position, and greedy agreement.
+One engine per weight format; speed next to the time to read its weight bytes once and the time of
+its linears alone; quality against float32 (logit errors, top-1 and greedy agreement).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -21,9 +19,10 @@ from hybridserve.bench.common import (
     format_table,
     greedy,
     machine_line,
+    measured_rounds,
     median,
     random_token_ids,
-    synchronize,
+    timed,
 )
 from hybridserve.bench.configs import DecodeBenchConfig
 from hybridserve.config import EngineConfig
@@ -42,23 +41,20 @@ def variant_config(base: EngineConfig, variant: str) -> EngineConfig:
     return dataclasses.replace(base, dtype=dtype, quantization=quantization)
 
 
+def _median_seconds(work: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median seconds of `work()` over `repeats` runs after one discarded run."""
+    return median([timed(work, device) for _ in range(repeats + 1)][1:])
+
+
 def weight_read_seconds(num_bytes: int, device: torch.device | str = "cpu", repeats: int = 7) -> float:
     """Median seconds to read `num_bytes` once on `device` with a torch reduction (the decode floor).
-    On CPU the buffer sits in huge pages where the engine's weights do (`layers.huge_pages`), so
-    the floor reads the same kind of memory as the decode step."""
+    On CPU the buffer sits in huge pages, where the engine's weights do."""
     count = max(1, num_bytes // 4)
     if torch.device(device).type == "cpu" and huge_pages_available():
         buffer = huge_page_buffer(4 * count).view(torch.float32).fill_(1.0)
     else:
         buffer = torch.ones(count, dtype=torch.float32, device=device)
-    times = []
-    for _ in range(repeats + 1):
-        synchronize(buffer.device)
-        start = time.perf_counter()
-        buffer.sum()
-        synchronize(buffer.device)
-        times.append(time.perf_counter() - start)
-    return median(times[1:])
+    return _median_seconds(buffer.sum, buffer.device, repeats)
 
 
 def linears_seconds(engine: LLMEngine, repeats: int = 7) -> float:
@@ -67,46 +63,36 @@ def linears_seconds(engine: LLMEngine, repeats: int = 7) -> float:
     model = engine.runner.model
     linears = [v for m in model.modules() for v in vars(m).values() if isinstance(v, PackedLinear)]
     inputs = [torch.zeros(1, lin.weight.shape[1], dtype=engine.dtype, device=engine.device) for lin in linears]
-    times = []
+
+    def run_all() -> None:
+        for lin, x in zip(linears, inputs):
+            lin(x)
+
     with torch.inference_mode():
-        for _ in range(repeats + 1):
-            synchronize(engine.device)
-            start = time.perf_counter()
-            for lin, x in zip(linears, inputs):
-                lin(x)
-            synchronize(engine.device)
-            times.append(time.perf_counter() - start)
-    return median(times[1:])
-
-
-def _decode_ms_per_token(driver: EngineDriver, prompt: list[int], num_tokens: int) -> float:
-    result = driver.run(prompt, greedy(num_tokens))
-    return 1000 * median(result.decode_step_s)
+        return _median_seconds(run_all, engine.device, repeats)
 
 
 def measure_speed(engines: dict[str, LLMEngine], cfg: DecodeBenchConfig) -> dict[str, dict[str, float]]:
     """Alternating rounds over the engines: decode ms/token and the floor of each."""
     vocab = next(iter(engines.values())).model_config.vocab_size
     drivers = {name: EngineDriver(engine, f"decode-{name}") for name, engine in engines.items()}
-    decode: dict[str, list[float]] = {name: [] for name in engines}
-    floor: dict[str, list[float]] = {name: [] for name in engines}
-    gemv: dict[str, list[float]] = {name: [] for name in engines}
-    for round_index in range(cfg.warmup + cfg.iterations):
+
+    def one_round(round_index: int) -> dict[str, list[float]]:
         prompt = random_token_ids(cfg.prompt_tokens, cfg.seed + round_index, vocab)
-        for name, driver in drivers.items():
-            ms = _decode_ms_per_token(driver, prompt, cfg.decode_tokens)
-            read_ms = 1000 * weight_read_seconds(engines[name].weight_bytes, engines[name].device)
-            linears_ms = 1000 * linears_seconds(engines[name])
-            if round_index >= cfg.warmup:
-                decode[name].append(ms)
-                floor[name].append(read_ms)
-                gemv[name].append(linears_ms)
+        samples = {}
+        for name, engine in engines.items():
+            steps = drivers[name].run(prompt, greedy(cfg.decode_tokens)).decode_step_s
+            samples[f"{name} decode"] = [1000 * median(steps)]
+            samples[f"{name} read"] = [1000 * weight_read_seconds(engine.weight_bytes, engine.device)]
+            samples[f"{name} linears"] = [1000 * linears_seconds(engine)]
+        return samples
+
+    samples = measured_rounds(cfg.warmup, cfg.iterations, one_round)
     result = {}
     for name, engine in engines.items():
-        ms, read = median(decode[name]), median(floor[name])
+        ms, read, linears = (median(samples[f"{name} {kind}"]) for kind in ("decode", "read", "linears"))
         result[name] = {"decode_ms_per_token": ms, "weight_read_ms": read, "weight_mib": engine.weight_bytes / 2**20,
-                        "linears_ms": median(gemv[name]), "decode_over_floor": ms / read,
-                        "linears_over_floor": median(gemv[name]) / read}
+                        "linears_ms": linears, "decode_over_floor": ms / read, "linears_over_floor": linears / read}
     return result
 
 
@@ -145,12 +131,9 @@ def run_decode_bench(base: EngineConfig, cfg: DecodeBenchConfig) -> dict[str, An
     """Build one engine per variant, measure speed side by side, then quality against float32."""
     engines = {name: LLMEngine(variant_config(base, name)) for name in cfg.variants}
     speed = measure_speed(engines, cfg)
-    quality: dict[str, dict[str, float]] = {}
     reference = engines.get("float32")
-    if reference is not None:
-        for name, engine in engines.items():
-            if name != "float32":
-                quality[name] = measure_quality(reference, engine, cfg)
+    quality = {name: measure_quality(reference, engine, cfg) for name, engine in engines.items()
+               if reference is not None and name != "float32"}
     return {"machine": machine_line(), "config": asdict(cfg), "speed": speed, "quality": quality}
 
 
@@ -158,8 +141,7 @@ def format_decode_report(result: dict[str, Any]) -> str:
     """Speed table (ms/token vs floor) and quality table (against float32)."""
     speed_rows = [[name, f"{s['weight_mib']:.1f}", f"{s['weight_read_ms']:.2f}", f"{s['linears_ms']:.2f}",
                    f"{s['decode_ms_per_token']:.2f}", f"{s['linears_over_floor']:.2f}x",
-                   f"{s['decode_over_floor']:.2f}x"]
-                  for name, s in result["speed"].items()]
+                   f"{s['decode_over_floor']:.2f}x"] for name, s in result["speed"].items()]
     lines = [result["machine"], "batch-1 decode (offline engine), medians of alternating rounds:",
              format_table(["weights", "MiB", "read once ms", "linears ms", "decode ms/token", "linears / read",
                            "decode / read"], speed_rows)]
@@ -170,6 +152,5 @@ def format_decode_report(result: dict[str, Any]) -> str:
                          f"{q['greedy_exact']}/{q['greedy_sequences']}"] for name, q in result["quality"].items()]
         lines += ["", "against float32 (prompt logits at every position; greedy continuations):",
                   format_table(["weights", "max |dlogit|", "mean |dlogit|", "top-1 agree", "f32 top-1 margin",
-                                "greedy tokens agreed",
-                                "greedy exact"], quality_rows)]
+                                "greedy tokens agreed", "greedy exact"], quality_rows)]
     return "\n".join(lines)

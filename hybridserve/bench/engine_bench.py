@@ -1,8 +1,6 @@
-"""`hybridserve bench engine`: hybridserve vs transformers on the same weights, in one process.
-
+"""`hybridserve bench engine`: hybridserve vs transformers on the same weights, in one process:
 (a) cold prefill TTFT against one transformers forward, (b) batch-1 decode ms/token, (c) decode
 tokens/s at batch B over batch 1, (d) prefill FLOP rate against the device's matmul rate.
-Contenders alternate every iteration; warm-ups are discarded; medians.
 """
 
 from __future__ import annotations
@@ -11,7 +9,6 @@ import contextlib
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +16,18 @@ import torch
 
 from hybridserve.bench.common import (
     EngineDriver,
+    alternate,
     common_prefix_length,
+    finish,
     format_table,
     goal_mark,
     greedy,
-    machine_line,
     matmul_gflops,
+    measured_rounds,
     median,
     random_token_ids,
-    synchronize,
+    result_header,
+    timed,
 )
 from hybridserve.bench.configs import EngineBenchConfig
 from hybridserve.config import LINEAR_ATTENTION, EngineConfig, ModelConfig
@@ -89,77 +89,27 @@ def load_reference_model(model_dir: Path, device: torch.device | str = "cpu",
     return model.to(device).eval()
 
 
-def _device(model: torch.nn.Module) -> torch.device:
-    """The device of a model's weights."""
-    return next(model.parameters()).device
-
-
-def _output_cache(output: Any) -> Any:
-    """The cache object of a transformers output (`cache` in 5.x, `past_key_values` before)."""
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else getattr(output, "past_key_values", None)
-
-
 @torch.inference_mode()
 def reference_prefill_s(model: torch.nn.Module, ids: list[int]) -> float:
     """Seconds for one transformers forward over `ids` (last logits only, no cache)."""
-    x = torch.tensor([ids], device=_device(model))
-    synchronize(_device(model))
-    start = time.perf_counter()
-    model(input_ids=x, use_cache=False, logits_to_keep=1)
-    synchronize(_device(model))
-    return time.perf_counter() - start
+    device = next(model.parameters()).device
+    x = torch.tensor([ids], device=device)
+    return timed(lambda: model(input_ids=x, use_cache=False, logits_to_keep=1), device)
 
 
 @torch.inference_mode()
 def reference_decode(model: torch.nn.Module, ids: list[int], num_tokens: int) -> tuple[list[float], list[int]]:
     """Greedy decode with transformers' own cache; per-step seconds after the prefill, and tokens."""
-    out = model(input_ids=torch.tensor([ids], device=_device(model)), use_cache=True, logits_to_keep=1)
-    cache, token = _output_cache(out), out.logits[0, -1].argmax()
+    device = next(model.parameters()).device
+    out = model(input_ids=torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1)
+    token = out.logits[0, -1].argmax()
     tokens, steps = [int(token)], []
-    for _ in range(num_tokens - 1):
+    for _ in range(num_tokens - 1):  # the cache object is updated in place
         start = time.perf_counter()
-        out = model(input_ids=token.view(1, 1), cache=cache, use_cache=True)
-        token = out.logits[0, -1].argmax()
+        token = model(input_ids=token.view(1, 1), cache=out.cache, use_cache=True).logits[0, -1].argmax()
         tokens.append(int(token))
         steps.append(time.perf_counter() - start)
-        cache = _output_cache(out) or cache
     return steps, tokens
-
-
-def _measure_prefill(driver: EngineDriver, model: torch.nn.Module, cfg: EngineBenchConfig,
-                     vocab: int) -> dict[str, list[float]]:
-    samples: dict[str, list[float]] = {"hybridserve_s": [], "transformers_s": [], "matmul_gflops": []}
-    for i in range(cfg.warmup + cfg.iterations):
-        ids = random_token_ids(cfg.prompt_tokens, cfg.seed * 7919 + i, vocab)  # fresh: never cached
-        order = ("hs", "hf") if i % 2 == 0 else ("hf", "hs")
-        times = {}
-        for who in order:
-            times[who] = (driver.run(ids, greedy(1)).ttft_s if who == "hs" else reference_prefill_s(model, ids))
-        rates = matmul_gflops(cfg.matmul_size, cfg.matmul_repeats, driver.engine.device, driver.engine.dtype)
-        if i >= cfg.warmup:
-            samples["hybridserve_s"].append(times["hs"])
-            samples["transformers_s"].append(times["hf"])
-            samples["matmul_gflops"].extend(rates)
-    return samples
-
-
-def _measure_decode(driver: EngineDriver, model: torch.nn.Module, cfg: EngineBenchConfig,
-                    vocab: int) -> dict[str, Any]:
-    samples: dict[str, Any] = {"hybridserve_b1_s": [], "transformers_b1_s": [], "hybridserve_batch_s": [],
-                               "greedy_match": []}
-    for i in range(cfg.warmup + cfg.iterations):
-        base = 1_000_003 + (cfg.seed * 101 + i) * cfg.batch_size
-        prompts = [random_token_ids(cfg.decode_prompt_tokens, base + j, vocab) for j in range(cfg.batch_size)]
-        hs_b1, hs_out = driver.decode_steps(prompts[:1], cfg.decode_tokens)
-        hf_b1, hf_tokens = reference_decode(model, prompts[0], cfg.decode_tokens)
-        hs_batch, _ = driver.decode_steps(prompts, cfg.decode_tokens)
-        if i >= cfg.warmup:
-            samples["hybridserve_b1_s"].extend(hs_b1)
-            samples["transformers_b1_s"].extend(hf_b1)
-            samples["hybridserve_batch_s"].extend(hs_batch)
-            samples["greedy_match"].append(common_prefix_length(hs_out[0].outputs[0].token_ids, hf_tokens))
-    return samples
 
 
 def run_engine_bench(engine_config: EngineConfig, cfg: EngineBenchConfig) -> dict[str, Any]:
@@ -169,9 +119,27 @@ def run_engine_bench(engine_config: EngineConfig, cfg: EngineBenchConfig) -> dic
     vocab = engine.model_config.vocab_size
     with reference_model_dir(engine_config) as model_dir:
         model = load_reference_model(model_dir, engine.device, engine.dtype)
-    prefill = _measure_prefill(driver, model, cfg, vocab)
-    decode = _measure_decode(driver, model, cfg, vocab)
-    engine.check_integrity()
+
+    def prefill_round(i: int) -> dict[str, list[float]]:
+        ids = random_token_ids(cfg.prompt_tokens, cfg.seed * 7919 + i, vocab)  # fresh: never cached
+        contenders = {"hybridserve_s": lambda: driver.run(ids, greedy(1)).ttft_s,
+                      "transformers_s": lambda: reference_prefill_s(model, ids)}
+        times = {name: [contenders[name]()] for name in alternate(list(contenders), i)}
+        rates = matmul_gflops(cfg.matmul_size, cfg.matmul_repeats, engine.device, engine.dtype)
+        return {name: times[name] for name in contenders} | {"matmul_gflops": rates}
+
+    def decode_round(i: int) -> dict[str, list[float]]:
+        base = 1_000_003 + (cfg.seed * 101 + i) * cfg.batch_size
+        prompts = [random_token_ids(cfg.decode_prompt_tokens, base + j, vocab) for j in range(cfg.batch_size)]
+        hs_b1, hs_out = driver.decode_steps(prompts[:1], cfg.decode_tokens)
+        hf_b1, hf_tokens = reference_decode(model, prompts[0], cfg.decode_tokens)
+        return {"hybridserve_b1_s": hs_b1, "transformers_b1_s": hf_b1,
+                "hybridserve_batch_s": driver.decode_steps(prompts, cfg.decode_tokens)[0],
+                "greedy_match": [common_prefix_length(hs_out[0].outputs[0].token_ids, hf_tokens)]}
+
+    prefill = measured_rounds(cfg.warmup, cfg.iterations, prefill_round)
+    decode = measured_rounds(cfg.warmup, cfg.iterations, decode_round)
+    finish(engine)
     return _summarize(engine, cfg, prefill, decode)
 
 
@@ -180,13 +148,11 @@ def _summarize(engine: LLMEngine, cfg: EngineBenchConfig, prefill: dict[str, lis
     hs_prefill, hf_prefill = median(prefill["hybridserve_s"]), median(prefill["transformers_s"])
     hs_tok, hf_tok = median(decode["hybridserve_b1_s"]), median(decode["transformers_b1_s"])
     batch_step = median(decode["hybridserve_batch_s"])
-    chunk = GDN_CHUNK_SIZE
-    flops = prefill_flops(engine.model_config, cfg.prompt_tokens, chunk)
+    flops = prefill_flops(engine.model_config, cfg.prompt_tokens, GDN_CHUNK_SIZE)
     matmul = median(prefill["matmul_gflops"])
     model_gflops = flops["total"] / hs_prefill / 1e9
     b1_tps, batch_tps = 1.0 / hs_tok, cfg.batch_size / batch_step
-    return {
-        "config": asdict(cfg), "engine": engine.describe(), "machine": machine_line(),
+    return result_header(cfg, engine) | {
         "prefill": {"hybridserve_ttft_s": hs_prefill, "transformers_forward_s": hf_prefill,
                     "speedup": hf_prefill / hs_prefill, "goal": PREFILL_SPEEDUP_GOAL,
                     "met": hf_prefill / hs_prefill >= PREFILL_SPEEDUP_GOAL, "samples": prefill},

@@ -1,18 +1,24 @@
-"""`hybridserve bench structured`: decode cost of a JSON-schema constraint.
-
-Two identical engines decode the same prompts with the same seeds, one under a JSON schema; their
-steps alternate and each adjacent pair of steady decode steps gives a ratio. Reported per batch
-size: median step times, the median paired ratio, the token mask's own time, the grammar compile
-time and the compile cache's hits.
+"""`hybridserve bench structured`: decode cost of a JSON-schema constraint. Two identical engines
+decode the same prompts with the same seeds, one under a schema, stepping alternately; each adjacent
+pair of steady decode steps gives a ratio.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from typing import Any
 
-from hybridserve.bench.common import EngineDriver, format_table, goal_mark, machine_line, median, random_token_ids
+from hybridserve.bench.common import (
+    EngineDriver,
+    finish,
+    format_table,
+    goal_mark,
+    measured_rounds,
+    median,
+    random_token_ids,
+    result_header,
+    timed,
+)
 from hybridserve.bench.configs import StructuredBenchConfig
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
@@ -101,32 +107,28 @@ def run_structured_bench(engine_config: EngineConfig, cfg: StructuredBenchConfig
     engines = (LLMEngine(engine_config), LLMEngine(engine_config))
     drivers = (EngineDriver(engines[0], "free"), EngineDriver(engines[1], "json"))
     vocab = engines[0].model_config.vocab_size
-    start = time.perf_counter()
-    engines[1].grammars.matcher(StructuredOutputsParams(json=EVENT_SCHEMA))
-    first_compile_s = time.perf_counter() - start
+    first_compile_s = timed(lambda: engines[1].grammars.matcher(StructuredOutputsParams(json=EVENT_SCHEMA)),
+                            engines[1].device)
     mask_seconds: list[float] = []
     _time_mask(engines[1], mask_seconds)
     rows = []
     for batch in cfg.batch_sizes:
         prompts = [random_token_ids(cfg.prompt_tokens, cfg.seed * 1009 + batch * 31 + j, vocab) for j in range(batch)]
-        pairs: list[tuple[float, float]] = []
-        masks: list[float] = []
-        for iteration in range(cfg.warmup + cfg.iterations):
+
+        def one_round(_: int) -> dict[str, list[Any]]:
             mask_seconds.clear()
-            measured = _paired_steps(drivers, prompts, cfg)
-            if iteration >= cfg.warmup:
-                pairs.extend(measured)
-                masks.extend(mask_seconds)
+            return {"pairs": _paired_steps(drivers, prompts, cfg), "masks": list(mask_seconds)}
+
+        samples = measured_rounds(cfg.warmup, cfg.iterations, one_round)
+        pairs, masks = samples.get("pairs", []), samples.get("masks", [])
         free, constrained = median(a for a, _ in pairs), median(b for _, b in pairs)
         ratio = median(b / a for a, b in pairs)
         rows.append({"batch": batch, "unconstrained_step_ms": 1000 * free, "json_schema_step_ms": 1000 * constrained,
                      "ratio": ratio, "mask_ms": 1000 * median(masks), "pairs_measured": len(pairs),
                      "goal_met": ratio <= GOAL_RATIO})
-    for engine in engines:
-        engine.check_integrity()
-    cache = engines[1].grammars.cache_info()
-    return {"config": asdict(cfg), "engine": engines[0].describe(), "machine": machine_line(),
-            "first_compile_ms": 1000 * first_compile_s, "compile_cache": cache._asdict(), "rows": rows}
+    finish(*engines)
+    return result_header(cfg, engines[0]) | {"first_compile_ms": 1000 * first_compile_s,
+                                             "compile_cache": engines[1].grammars.cache_info()._asdict(), "rows": rows}
 
 
 def format_structured_report(result: dict[str, Any]) -> str:

@@ -1,7 +1,6 @@
-"""`hybridserve bench tp`: prefill and decode at TP=1 vs TP=2 on this machine.
-
-Also the share of a TP step spent in rank 0's all-reduces (shared memory or gloo; the row says
-which) and in the controller's transport. Engines alternate per iteration in one process; medians.
+"""`hybridserve bench tp`: prefill and decode at TP=1 vs TP=2 on this machine, with the share of a
+TP step spent in rank 0's all-reduces (shared memory or gloo; the row says which) and in the
+controller's transport.
 """
 
 from __future__ import annotations
@@ -10,7 +9,7 @@ import dataclasses
 from dataclasses import asdict
 from typing import Any
 
-from hybridserve.bench.common import EngineDriver, format_table, greedy, median, random_token_ids
+from hybridserve.bench.common import EngineDriver, alternate, finish, format_table, greedy, median, random_token_ids
 from hybridserve.bench.configs import TPBenchConfig
 from hybridserve.config import EngineConfig
 from hybridserve.distributed.executor import CommStats, TensorParallelExecutor
@@ -37,33 +36,24 @@ def run_tp_bench(engine_config: EngineConfig, cfg: TPBenchConfig) -> dict[str, A
                for _, tp, threads in SETUPS]
     drivers = [EngineDriver(engine, f"tp{i}") for i, engine in enumerate(engines)]
     vocab = engines[0].model_config.vocab_size
-    samples: list[dict[str, list[float]]] = [{k: [] for k in ("prefill", "decode", "prefill_comm", "prefill_fwd",
-                                                                "decode_comm", "decode_fwd", "decode_wall")}
-                                               for _ in SETUPS]
+    samples: list[dict[str, list[float]]] = [{} for _ in SETUPS]
     for driver in drivers:  # warm-up
         driver.run(random_token_ids(64, cfg.seed - 1, vocab), greedy(2))
     for iteration in range(cfg.iterations):
-        order = range(len(SETUPS)) if iteration % 2 == 0 else reversed(range(len(SETUPS)))
-        for index in order:
-            engine, driver, out = engines[index], drivers[index], samples[index]
-            before = _comm(engine)
-            prefill = driver.run(random_token_ids(cfg.prompt_tokens, cfg.seed + iteration, vocab), greedy(1))
-            comm, forward = _delta(_comm(engine), before)
-            out["prefill"].append(prefill.ttft_s)
-            out["prefill_comm"].append(comm)
-            out["prefill_fwd"].append(forward)
-            before = _comm(engine)
-            decode = driver.run(random_token_ids(32, cfg.seed + 100 + iteration, vocab), greedy(cfg.decode_tokens))
-            comm, forward = _delta(_comm(engine), before)
-            out["decode"].append(median(decode.decode_step_s))
-            out["decode_comm"].append(comm)
-            out["decode_fwd"].append(forward)
-            out["decode_wall"].append(decode.total_s)
+        for index in alternate(range(len(SETUPS)), iteration):
+            phases = (("prefill", cfg.prompt_tokens, cfg.seed + iteration, 1),
+                      ("decode", 32, cfg.seed + 100 + iteration, cfg.decode_tokens))
+            for phase, prompt_tokens, seed, max_tokens in phases:
+                before = _comm(engines[index])
+                run = drivers[index].run(random_token_ids(prompt_tokens, seed, vocab), greedy(max_tokens))
+                comm, forward = _delta(_comm(engines[index]), before)
+                figures = {phase: run.ttft_s if phase == "prefill" else median(run.decode_step_s),
+                           f"{phase}_comm": comm, f"{phase}_fwd": forward, f"{phase}_wall": run.total_s}
+                for key, value in figures.items():
+                    samples[index].setdefault(key, []).append(value)
     transports = [engine.executor.capacity.all_reduce if isinstance(engine.executor, TensorParallelExecutor) else None
                   for engine in engines]
-    for engine in engines:
-        engine.check_integrity()
-        engine.shutdown()
+    finish(*engines)
     rows = []
     for (name, tp, threads), out, transport in zip(SETUPS, samples, transports):
         name = name if transport is None else f"{name} ({transport} all-reduce)"

@@ -1,23 +1,19 @@
 """`hybridserve bench trace`: a scaled replay of the Mooncake conversation trace, cache on vs off,
-checked against the simulator.
-
-Each 512-token hash block of the trace becomes `block_tokens` tokens and a continued conversation
-starts with the tokens its earlier turn actually produced; the requests are replayed in order
-through a cache-on and a cache-off engine stepped alternately, then through `hybridserve sim` with
-the engine's pool sizes and policy, whose hits must agree request by request.
+checked against the simulator. Each 512-token hash block becomes `block_tokens` tokens; a continued
+conversation starts with the tokens its earlier turn produced; the two engines step alternately, and
+`hybridserve sim` with the engine's pools and policy must predict the same hits, request by request.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import asdict
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from hybridserve.bench.common import EngineDriver, format_table, greedy, machine_line, with_prefix_cache
+from hybridserve.bench.common import EngineDriver, cache_on_off, finish, format_table, greedy, result_header
 from hybridserve.bench.configs import TraceBenchConfig
 from hybridserve.cache.policy import PrefixCost
 from hybridserve.config import EngineConfig
@@ -110,8 +106,7 @@ def simulate_engine(engine: LLMEngine, tokens: TraceTokens) -> list[int]:
 
 def run_trace_bench(engine_config: EngineConfig, cfg: TraceBenchConfig) -> dict[str, Any]:
     """Replay the scaled trace with the prefix cache on and off; returns figures and the checks."""
-    on_config = engine_config if engine_config.cache.prefix_cache_enabled else with_prefix_cache(engine_config, 1024.0)
-    on_engine, off_engine = LLMEngine(on_config), LLMEngine(with_prefix_cache(engine_config, 0))
+    on_engine, off_engine = (LLMEngine(config) for config in cache_on_off(engine_config))
     path = cfg.trace_path or str(default_trace_path())
     records = read_trace(path, cfg.num_requests, cfg.block_tokens, cfg.max_output_tokens)
     tokens = TraceTokens(records, cfg.block_tokens, on_engine.model_config.vocab_size)
@@ -122,22 +117,23 @@ def run_trace_bench(engine_config: EngineConfig, cfg: TraceBenchConfig) -> dict[
     runs: dict[str, dict[str, Any]] = {}
     outputs: dict[str, list[RequestOutput]] = {}
     for label, replay in replays.items():
-        replay.engine.check_integrity()
         outputs[label] = [o for o in replay.outputs if o is not None]
         assert len(outputs[label]) == len(records)
         runs[label] = _run_summary(replay.seconds, outputs[label], replay.engine)
     ceiling, prompt_tokens = ceiling_hit_tokens(tokens)
     predicted = simulate_engine(on_engine, tokens) if cfg.max_concurrency == 1 else None
+    finish(off_engine, on_engine)
     live_hits = [o.num_cached_tokens for o in outputs["on"]]
-    identical = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outputs["on"], outputs["off"]))
-    return {
-        "config": asdict(cfg) | {"trace_path": path}, "engine": on_engine.describe(), "machine": machine_line(),
+    mismatched = [i for i, (a, b) in enumerate(zip(outputs["on"], outputs["off"]))
+                  if a.outputs[0].token_ids != b.outputs[0].token_ids]
+    header = result_header(cfg, on_engine)
+    return header | {
+        "config": header["config"] | {"trace_path": path},
         "num_requests": len(records), "prompt_tokens": prompt_tokens, "ceiling_hit_share": ceiling / prompt_tokens,
         "continuations": sum(tokens.predecessor(i) is not None for i in range(len(records))),
-        "cache_policy": on_config.cache.cache_policy, "runs": runs, "identical_outputs": identical,
-        "outputs_match": identical == len(records),
-        "mismatched_requests": [i for i, (a, b) in enumerate(zip(outputs["on"], outputs["off"]))
-                                if a.outputs[0].token_ids != b.outputs[0].token_ids],
+        "cache_policy": on_engine.config.cache.cache_policy, "runs": runs,
+        "identical_outputs": len(records) - len(mismatched), "outputs_match": not mismatched,
+        "mismatched_requests": mismatched,
         "sim_hit_tokens": None if predicted is None else sum(predicted),
         "sim_matches_live": None if predicted is None else predicted == live_hits,
     }

@@ -1,24 +1,25 @@
 """`hybridserve bench ttft`: time to first token with the joint prefix cache off vs on.
 
-For each cached size N, a prompt is N fixed random tokens plus a fresh suffix; the cache-on engine
-has seen the prefix once, so each warm run restores N tokens. Cold, warm and the floor (a cold
-prompt of just the suffix) alternate per iteration; a no-reuse throughput run compares on vs off.
+For each cached size N, a prompt is N fixed random tokens plus a fresh suffix that the cache-on
+engine has seen once. Cold, warm and the floor (a cold prompt of the suffix alone) alternate per
+iteration; a no-reuse throughput run compares on vs off.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 from hybridserve.bench.common import (
     EngineDriver,
+    alternate,
+    cache_on_off,
+    finish,
     format_table,
     goal_mark,
     greedy,
-    machine_line,
     median,
     random_token_ids,
-    with_prefix_cache,
+    result_header,
 )
 from hybridserve.bench.configs import TTFTBenchConfig
 from hybridserve.config import EngineConfig
@@ -30,32 +31,17 @@ FLOOR_GOAL = 1.2           # warm TTFT / floor TTFT
 THROUGHPUT_GOAL = 0.97     # no-reuse throughput, cache on / cache off
 
 
-class _Seeds:
-    """Distinct prompt seeds per purpose, so no two prompts collide unintentionally."""
-
-    def __init__(self, base: int) -> None:
-        self.base = base * 1_000_000_007
-
-    def prefix(self, cached: int) -> int:
-        return self.base + 10_000_000 + cached
-
-    def suffix(self, cached: int, iteration: int) -> int:
-        return self.base + 20_000_000 + cached * 1000 + iteration
-
-    def floor(self, cached: int, iteration: int) -> int:
-        return self.base + 30_000_000 + cached * 1000 + iteration
-
-    def throughput(self, run: int, index: int) -> int:
-        return self.base + 40_000_000 + run * 10_000 + index
+def _seed(cfg: TTFTBenchConfig, purpose: int, major: int, minor: int = 0, scale: int = 1000) -> int:
+    """A prompt seed of its own per purpose (1 prefix, 2 suffix, 3 floor, 4 throughput) and index."""
+    return cfg.seed * 1_000_000_007 + purpose * 10_000_000 + major * scale + minor
 
 
-def _measure_row(off: EngineDriver, on: EngineDriver, cached: int, cfg: TTFTBenchConfig, seeds: _Seeds,
-                 vocab: int) -> dict[str, Any]:
+def _measure_row(off: EngineDriver, on: EngineDriver, cached: int, cfg: TTFTBenchConfig, vocab: int) -> dict[str, Any]:
     """Cold, warm and floor samples for prompts of `cached` + suffix tokens."""
-    prefix = random_token_ids(cached, seeds.prefix(cached), vocab)
+    prefix = random_token_ids(cached, _seed(cfg, 1, cached, scale=1), vocab)
 
     def prompt(i: int) -> list[int]:
-        return prefix + random_token_ids(cfg.suffix_tokens, seeds.suffix(cached, i), vocab)
+        return prefix + random_token_ids(cfg.suffix_tokens, _seed(cfg, 2, cached, i), vocab)
 
     on.run(prompt(-1), greedy(1))  # seeding: the only time "on" computes this prefix
     for w in range(cfg.warmup):
@@ -64,29 +50,24 @@ def _measure_row(off: EngineDriver, on: EngineDriver, cached: int, cfg: TTFTBenc
                            "cold_s": [], "warm_s": [], "floor_s": [], "warm_cached_tokens": [],
                            "cold_cached_tokens": []}
     for i in range(cfg.iterations):
-        floor_prompt = random_token_ids(cfg.suffix_tokens, seeds.floor(cached, i), vocab)
-        order = ("cold", "warm", "floor") if i % 2 == 0 else ("floor", "warm", "cold")
-        for kind in order:
-            if kind == "cold":
-                result = off.run(prompt(i), greedy(1))
-                row["cold_cached_tokens"].append(result.output.num_cached_tokens)
-            elif kind == "warm":
-                result = on.run(prompt(i), greedy(1))
-                row["warm_cached_tokens"].append(result.output.num_cached_tokens)
-            else:
-                result = off.run(floor_prompt, greedy(1))
+        runs = {"cold": (off, prompt(i)), "warm": (on, prompt(i)),
+                "floor": (off, random_token_ids(cfg.suffix_tokens, _seed(cfg, 3, cached, i), vocab))}
+        for kind in alternate(list(runs), i):
+            driver, ids = runs[kind]
+            result = driver.run(ids, greedy(1))
             row[f"{kind}_s"].append(result.ttft_s)
+            if kind != "floor":
+                row[f"{kind}_cached_tokens"].append(result.output.num_cached_tokens)
     return row
 
 
-def _measure_throughput(off: EngineDriver, on: EngineDriver, cfg: TTFTBenchConfig, seeds: _Seeds,
-                        vocab: int) -> dict[str, Any]:
+def _measure_throughput(off: EngineDriver, on: EngineDriver, cfg: TTFTBenchConfig, vocab: int) -> dict[str, Any]:
     """No-reuse workload, ABBA order per round; every run uses prompts never seen before."""
     times: dict[str, list[float]] = {"off": [], "on": []}
     hits = 0
     params = greedy(cfg.throughput_output_tokens)
     for run, name in enumerate(("off", "on", "on", "off") * cfg.throughput_rounds):
-        prompts = [random_token_ids(cfg.throughput_prompt_tokens, seeds.throughput(run, j), vocab)
+        prompts = [random_token_ids(cfg.throughput_prompt_tokens, _seed(cfg, 4, run, j, scale=10_000), vocab)
                    for j in range(cfg.throughput_requests)]
         elapsed, outputs = (off if name == "off" else on).run_batch(prompts, params)
         times[name].append(elapsed)
@@ -100,23 +81,15 @@ def _measure_throughput(off: EngineDriver, on: EngineDriver, cfg: TTFTBenchConfi
 
 def run_ttft_bench(engine_config: EngineConfig, cfg: TTFTBenchConfig) -> dict[str, Any]:
     """Measure every row, the floor and the throughput; returns figures and goal checks."""
-    on_engine = LLMEngine(engine_config if engine_config.cache.prefix_cache_enabled
-                          else with_prefix_cache(engine_config, 1024.0))
-    off_engine = LLMEngine(with_prefix_cache(engine_config, 0))
+    on_engine, off_engine = (LLMEngine(config) for config in cache_on_off(engine_config))
     off, on = EngineDriver(off_engine, "off"), EngineDriver(on_engine, "on")
     vocab = on_engine.model_config.vocab_size
-    seeds = _Seeds(cfg.seed)
     for driver in (off, on):  # warm-up of both engines' code paths on a throwaway prompt
-        driver.run(random_token_ids(cfg.suffix_tokens + min(cfg.cached_tokens), seeds.floor(-1, 0), vocab),
-                   greedy(2))
-    rows = [_measure_row(off, on, cached, cfg, seeds, vocab) for cached in cfg.cached_tokens]
-    throughput = _measure_throughput(off, on, cfg, seeds, vocab)
-    for engine in (off_engine, on_engine):
-        engine.check_integrity()
-    summary = _summarize(rows, throughput, cfg, on_engine)
-    for engine in (off_engine, on_engine):
-        engine.shutdown()  # tensor-parallel workers
-    return summary
+        driver.run(random_token_ids(cfg.suffix_tokens + min(cfg.cached_tokens), _seed(cfg, 3, -1), vocab), greedy(2))
+    rows = [_measure_row(off, on, cached, cfg, vocab) for cached in cfg.cached_tokens]
+    throughput = _measure_throughput(off, on, cfg, vocab)
+    finish(off_engine, on_engine)
+    return _summarize(rows, throughput, cfg, on_engine)
 
 
 def _summarize(rows: list[dict[str, Any]], throughput: dict[str, Any], cfg: TTFTBenchConfig,
@@ -138,9 +111,8 @@ def _summarize(rows: list[dict[str, Any]], throughput: dict[str, Any], cfg: TTFT
         "throughput_on_over_off": {"value": throughput["on_over_off"], "goal": THROUGHPUT_GOAL,
                                    "met": throughput["met"]},
     }
-    return {"config": asdict(cfg), "engine": on_engine.describe(), "machine": machine_line(), "rows": rows,
-            "floor_p50_s": floor, "throughput": throughput, "goals": goals,
-            "prefix_cache": on_engine.prefix_cache_stats()._asdict()}
+    return result_header(cfg, on_engine) | {"rows": rows, "floor_p50_s": floor, "throughput": throughput,
+                                             "goals": goals, "prefix_cache": on_engine.prefix_cache_stats()._asdict()}
 
 
 def format_ttft_report(result: dict[str, Any]) -> str:
