@@ -1,6 +1,5 @@
-"""The admin and inspection endpoints: `GET /v1/models`, `GET /v1/models/{id}`, `POST /tokenize`,
-`POST /detokenize`, `GET /version`, `GET /health` (503 with the reason once the engine stopped)
-and `GET /metrics` (Prometheus text with fresh engine stats)."""
+"""The admin endpoints: models, tokenize, detokenize, version, health (503 naming the reason once
+the engine stopped) and Prometheus metrics."""
 
 from __future__ import annotations
 

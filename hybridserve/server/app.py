@@ -1,9 +1,5 @@
-"""The OpenAI-compatible HTTP app: `build_app(engine, ...)` returns a ready FastAPI instance.
-
-The routes are docs/serving.md's table; every error, unknown routes included, answers with the
-OpenAI envelope (`server.errors`); bearer-key auth on `/v1/*` and a body-size cap guard the app;
-a client that disconnects aborts its request. The engine is any `EngineClient`.
-"""
+"""The OpenAI-compatible HTTP app (docs/serving.md's routes) around any `EngineClient`: handlers by
+role, the error envelope, bearer-key auth on `/v1/*` and a body-size cap."""
 
 from __future__ import annotations
 
@@ -55,16 +51,11 @@ def _lifespan(engine: EngineClient, shutdown_engine: bool) -> Callable[[FastAPI]
 def build_app(engine: EngineClient, *, model_name: str | Sequence[str], api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_engine: bool = False,
               reasoning_parser: str | None = None, api_keys: Sequence[str] = (), stream_interval: int = 1) -> FastAPI:
-    """Build the HTTP app around a started-or-not engine client (in-process or engine core).
+    """The HTTP app around an engine client, started with the app (`shutdown_engine`: stopped with it).
 
-    `model_name` is the served name, or several aliases (the first is the default). The engine
-    thread starts with the app; `shutdown_engine=True` stops it when the app stops. With
-    `api_key` and/or `api_keys`, one of them is required as a bearer token on `/v1/*`, and each
-    key's requests are cached under that key's own salt (see `server.auth`); bodies over
-    `max_body_bytes` are answered with 413. `reasoning_parser="qwen3"` moves thinking text into
-    `reasoning_content`. `stream_interval=k` sends a streamed response's text in chunks of k
-    tokens after the first (SGLang's `--stream-interval`; see `SamplingParams.stream_interval`).
-    The OpenAPI schema is at `/openapi.json`, its interactive page at `/docs`.
+    `model_name` is the served name or several aliases (the first is the default); with `api_key`
+    and/or `api_keys` one of them is required on `/v1/*` as a bearer token, and each key is a tenant
+    with its own cache salt. The other options are `hybridserve serve`'s flags of the same names.
     """
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
@@ -72,7 +63,6 @@ def build_app(engine: EngineClient, *, model_name: str | Sequence[str], api_key:
     _preload_stream_backend()
     app = FastAPI(title="hybridserve", lifespan=_lifespan(engine, shutdown_engine),
                   openapi_url="/openapi.json", docs_url="/docs", redoc_url=None)
-    app.state.serving_context = context
     install_error_handlers(app)
     install_completion_routes(app, CompletionServing(context))
     install_chat_routes(app, ChatServing(context))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from hybridserve.server.protocol import ErrorInfo, ErrorResponse
+from hybridserve.server.errors import APIError
 
 TENANT_SCOPE_KEY = "hybridserve.tenant"
 
@@ -80,7 +80,8 @@ class TenantAuthMiddleware:
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             tenant = self.keyring.tenant_of(given)
             if tenant is None:
-                await _send_unauthorized(send)
+                await APIError(401, "invalid or missing API key", code="invalid_api_key",
+                               headers={"WWW-Authenticate": "Bearer"}).send(send)
                 return
             scope[TENANT_SCOPE_KEY] = tenant
         await self.app(scope, receive, send)
@@ -89,11 +90,3 @@ class TenantAuthMiddleware:
 def request_tenant(scope: Scope) -> str | None:
     """The tenant the auth middleware found for this request (None when keys are not used)."""
     return scope.get(TENANT_SCOPE_KEY)
-
-
-async def _send_unauthorized(send: Send) -> None:
-    body = ErrorResponse(error=ErrorInfo(message="invalid or missing API key", type="authentication_error",
-                                         code="invalid_api_key")).model_dump_json().encode()
-    await send({"type": "http.response.start", "status": 401,
-                "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
-    await send({"type": "http.response.body", "body": body})

@@ -1,11 +1,6 @@
-"""Chat prompt rendering: the model's Jinja chat template in a sandbox, or a built-in ChatML one.
-
-The template comes from the tokenizer (`tokenizer.chat_template`). It runs in Jinja's
-immutable sandbox with the helpers Hugging Face templates expect (`raise_exception`,
-`strftime_now`, a `tojson` that keeps non-ASCII text). A template that fails to compile is
-logged and replaced by the built-in ChatML template; a render error (including the template's
-own `raise_exception`) becomes `ChatTemplateError`, which the server answers with a 400.
-"""
+"""Chat prompt rendering: the tokenizer's Jinja chat template in an immutable sandbox, with the
+helpers Hugging Face templates expect, or a built-in ChatML one when it does not compile. A render
+error (the template's own `raise_exception` included) is `ChatTemplateError`, a 400."""
 
 from __future__ import annotations
 
@@ -56,12 +51,10 @@ class ChatRenderer:
 
     def __init__(self, template: str | None) -> None:
         env = _environment()
-        self.is_builtin = True
         self._template = env.from_string(CHATML_TEMPLATE)
         if template:
             try:
                 self._template = env.from_string(template)
-                self.is_builtin = False
             except jinja2.TemplateError as exc:
                 logger.warning("model chat template does not compile (%s); using built-in ChatML", exc)
 

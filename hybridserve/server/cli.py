@@ -1,10 +1,6 @@
-"""`hybridserve serve [MODEL]` / `hybridserve serve --model MODEL`: flags and the server runner.
-
-`add_serve_arguments(parser)` adds the flags to a (sub)parser created with
-`argparse.ArgumentDefaultsHelpFormatter`; `run_server(args)` binds the port, builds the engine,
-logs the resolved pool sizes and serves the app with uvicorn until interrupted. A start-up
-failure (port in use, bad model directory, invalid flags) is one error line and a non-zero exit.
-"""
+"""`hybridserve serve [MODEL]`: the flags (`add_serve_arguments`) and the runner (`run_server`),
+which binds the port, starts the engine and serves with uvicorn; a start-up failure is one error
+line and a non-zero exit."""
 
 from __future__ import annotations
 
@@ -70,8 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def served_model_names(args: argparse.Namespace) -> list[str]:
-    """`--served-model-name` (one or more), else the model directory's name, else the built-in
-    model's name."""
+    """`--served-model-name`, else the model directory's name, else the built-in model's name."""
     if args.served_model_name:
         return list(args.served_model_name)
     model = model_from_args(args)
@@ -81,9 +76,8 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening-ready socket bound to host:port (OSError when the port is taken). The protocol
-    is named (IPPROTO_TCP) because asyncio turns Nagle's algorithm off only on sockets that say TCP;
-    otherwise keep-alive responses wait for the client's delayed ACK."""
+    """A socket bound to host:port (OSError when the port is taken). It names IPPROTO_TCP: asyncio
+    turns Nagle's algorithm off only on sockets that do, else keep-alive responses wait for ACKs."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -116,8 +110,7 @@ def _log_sizes(stats: dict[str, float], max_model_len: int) -> None:
 
 
 def _exit_on_sigterm() -> None:
-    """uvicorn re-raises the signal it stopped on once it has shut down; make SIGTERM then
-    unwind (SystemExit) instead of killing the process, so the engine is shut down cleanly."""
+    """uvicorn re-raises the signal it stopped on: make SIGTERM unwind, so the engine shuts down cleanly."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_system_exit)
 
@@ -135,8 +128,8 @@ def check_http_arguments(args: argparse.Namespace) -> None:
 
 
 def run_server(args: argparse.Namespace) -> int:
-    """Bind, build the engine and serve until interrupted; returns a process exit code
-    (0 after a clean shutdown, 1 when the port cannot be bound, 2 for a bad configuration)."""
+    """Bind, start the engine and serve until interrupted; the exit code is 0 after a clean
+    shutdown, 1 when the port cannot be bound or the engine not started, 2 for a bad configuration."""
     import uvicorn
 
     from hybridserve.engine.memory import freeze_startup_heap
@@ -188,9 +181,8 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def serve_uvicorn(server: Any, sockets: list[socket.socket], engine: Any) -> None:
-    """Run a uvicorn `server` on `sockets` until it stops. An engine core client reads the core's
-    outputs on uvicorn's event loop (`EngineCoreClient.read_on_loop`): one thread of this process
-    wakes per engine step instead of three."""
+    """Run a uvicorn `server` on `sockets`; an engine core client reads the core's outputs on its
+    event loop (`read_on_loop`), so one thread of this process wakes per engine step."""
 
     async def serve() -> None:
         read_on_loop = getattr(engine, "read_on_loop", None)
@@ -208,8 +200,8 @@ def serve_uvicorn(server: Any, sockets: list[socket.socket], engine: Any) -> Non
 
 
 def _start_engine(config: Any, args: argparse.Namespace) -> tuple[Any, dict[str, float]]:
-    """The started engine front end (`--engine-process on`: a core process; off: a thread) and
-    its start-up stats. Raises the engine's ValueError/OSError for a bad model or configuration."""
+    """The started engine front end (a core process, or a thread with `--engine-process off`) and
+    its start-up stats; ValueError/OSError for a bad model or configuration."""
     if args.engine_process == "on":
         from hybridserve.engine.core_client import EngineCoreClient
 

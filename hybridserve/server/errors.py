@@ -1,7 +1,6 @@
-"""The server's errors: `APIError` (answered with the OpenAI envelope
-`{"error": {"message", "type", "param", "code"}}`), the mapping of engine exceptions onto HTTP
-errors by their class (`hybridserve.errors`), and the FastAPI exception handlers that make every
-error, including unknown routes and invalid bodies, answer with that envelope."""
+"""`APIError` (answered with the OpenAI error envelope), engine exceptions mapped onto it by class,
+and the exception handlers that answer every error, unknown routes and invalid bodies included,
+with that envelope."""
 
 from __future__ import annotations
 
@@ -54,7 +53,6 @@ class APIError(Exception):
         headers += [(k.lower().encode(), v.encode()) for k, v in self.headers.items()]
         await send({"type": "http.response.start", "status": self.status, "headers": headers})
         await send({"type": "http.response.body", "body": self.envelope()})
-
 
 
 def engine_error(exc: BaseException) -> APIError:

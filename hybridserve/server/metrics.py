@@ -1,9 +1,6 @@
-"""Prometheus metrics of one server instance, in a per-app `CollectorRegistry`.
-
-Two kinds: engine gauges and counters read from `engine.stats()` at scrape time (prefix cache,
-snapshot pool, KV pool, queue lengths), and serving-path metrics fed as requests progress
-(TTFT, inter-token latency, end-to-end latency, token counters, successes by finish reason).
-"""
+"""Prometheus metrics of one app, in its own registry: engine gauges and counters read from
+`engine.stats()` at scrape time, and serving-path metrics (latencies, tokens, finish reasons) fed
+as requests progress."""
 
 from __future__ import annotations
 

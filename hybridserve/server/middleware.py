@@ -1,5 +1,4 @@
-"""Pure-ASGI middleware of the HTTP app: the request body size cap. (Bearer-key auth and tenants
-are `server.auth.TenantAuthMiddleware`.)"""
+"""The request body size cap, a pure-ASGI middleware (bearer-key auth is `server.auth`)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Pydantic models of the OpenAI-compatible HTTP protocol (requests lenient, responses plain).
-
-Requests accept unknown fields, as vLLM does: they are ignored and the server logs their names
-once per request (`ignored_fields`). Fields that are supported are validated strictly (types are
-not coerced; ranges are checked) and a bad value is a 400 naming the field. vLLM's extras map
-onto `SamplingParams`: sampling knobs, `structured_outputs` / `guided_*`, `chat_template_kwargs`.
-"""
+"""Pydantic models of the OpenAI-compatible HTTP protocol. Requests, as in vLLM, ignore unknown
+fields (`ignored_fields` names them for the log) and validate known ones strictly: no coercion,
+ranges checked. vLLM's extras (sampling knobs, `structured_outputs` / `guided_*`,
+`chat_template_kwargs`) are accepted."""
 
 from __future__ import annotations
 
@@ -21,8 +18,7 @@ MAX_LOGPROBS = 20
 
 
 class LenientModel(BaseModel):
-    """Base of all request models: unknown fields are kept aside (and ignored); known fields
-    are strictly typed."""
+    """Base of all request models: unknown fields are kept aside (and ignored), known ones strict."""
 
     model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
 
@@ -31,13 +27,11 @@ class LenientModel(BaseModel):
         names = [prefix + key for key in (self.model_extra or {})]
         for name in type(self).model_fields:
             value = getattr(self, name)
-            items = value if isinstance(value, list) else [value]
-            if not items or not isinstance(items[0], LenientModel):
-                continue  # plain values (a prompt's token ids): nothing nested to look into
-            for index, item in enumerate(items):
-                if isinstance(item, LenientModel):
-                    where = f"{prefix}{name}[{index}]." if isinstance(value, list) else f"{prefix}{name}."
-                    names.extend(item.ignored_fields(where))
+            if isinstance(value, LenientModel):
+                names.extend(value.ignored_fields(f"{prefix}{name}."))
+            elif isinstance(value, list) and value and isinstance(value[0], LenientModel):
+                for index, item in enumerate(value):  # a list's members share a type: models or plain values
+                    names.extend(item.ignored_fields(f"{prefix}{name}[{index}]."))
         return names
 
 
@@ -446,17 +440,6 @@ class CompletionChoice(BaseModel):
     stop_reason: str | int | None = None
 
 
-class CompletionResponse(BaseModel):
-    """Non-streamed completion."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo
-
-
 class CompletionStreamResponse(BaseModel):
     """One SSE chunk of a streamed completion."""
 
@@ -466,6 +449,12 @@ class CompletionStreamResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+
+
+class CompletionResponse(CompletionStreamResponse):
+    """Non-streamed completion."""
+
+    usage: UsageInfo
 
 
 class TopLogprob(BaseModel):

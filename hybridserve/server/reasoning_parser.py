@@ -1,13 +1,12 @@
-"""`--reasoning-parser qwen3`: the thinking text of Qwen3/Qwen3.5 outputs -> `reasoning_content`.
-
-Text before `</think>` is reasoning, after it content (Qwen3.5 templates open `<think>` in the
-prompt, so the output often holds only the closing tag). Without a closing tag the output is all
-reasoning when the prompt left a block open, all content otherwise.
-"""
+"""`--reasoning-parser qwen3`: text before `</think>` is reasoning, after it content (Qwen3.5
+templates open `<think>` in the prompt, so the output often holds only the closing tag); without
+one, the output is all reasoning when the prompt left a block open, else all content."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from hybridserve.server.tool_parser import partial_suffix, stream_delta
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -26,13 +25,6 @@ def prompt_opens_thinking(prompt: str) -> bool:
     return prompt.rfind(THINK_START) > prompt.rfind(THINK_END)
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
-
-
 def split_reasoning(text: str, thinking_open: bool, *, final: bool = True) -> ReasoningSplit:
     """Split one output. With `final=False` a trailing partial `</think>` is held back."""
     body = text
@@ -46,7 +38,7 @@ def split_reasoning(text: str, thinking_open: bool, *, final: bool = True) -> Re
     if not opened:
         return ReasoningSplit("", text)
     if not final:
-        body = body[:len(body) - _partial_suffix(body, THINK_END)]
+        body = body[:len(body) - partial_suffix(body, THINK_END)]
     return ReasoningSplit(body.lstrip("\n"), "")
 
 
@@ -61,8 +53,5 @@ class ReasoningStream:
         """(new reasoning delta, cumulative content so far)."""
         split = split_reasoning(text, self.thinking_open, final=final)
         reasoning = split.reasoning.rstrip("\n")  # newlines before </think> may not belong to the reasoning
-        delta = ""
-        if reasoning.startswith(self.sent_reasoning):
-            delta = reasoning[len(self.sent_reasoning):]
-            self.sent_reasoning = reasoning
+        delta, self.sent_reasoning = stream_delta(self.sent_reasoning, reasoning)
         return ReasoningSplit(delta, split.content)

@@ -49,7 +49,7 @@ from hybridserve.server.protocol import (
 )
 from hybridserve.server.reasoning_parser import REASONING_PARSERS, ReasoningStream
 from hybridserve.server.sse import EventStreamResponse, SendEvent, TextChunkTemplate, sse_event
-from hybridserve.server.tool_parser import ToolCallStream
+from hybridserve.server.tool_parser import ToolCallStream, stream_delta
 
 logger = logging.getLogger(__name__)
 
@@ -177,10 +177,7 @@ class ChoiceState:
 
     def advance(self, text: str) -> str:
         """What `text` adds to the text sent so far, now counted as sent."""
-        if not text.startswith(self.sent_text):
-            return ""
-        delta = text[len(self.sent_text):]
-        self.sent_text = text
+        delta, self.sent_text = stream_delta(self.sent_text, text)
         return delta
 
     def text_delta(self, output: CompletionOutput) -> str:

@@ -1,11 +1,6 @@
-"""Server-sent events of a streamed response: the response that sends them, and a fast path for
-text-only chunks.
-
-Most chunks carry one token's text and nothing else, and building their pydantic models dominated
-the API process's work per token: `TextChunkTemplate` dumps such a chunk once and afterwards writes
-only the choice index and the escaped text (byte-identical to pydantic's JSON; tests/server/test_sse.py
-checks it). Every other chunk goes through its model.
-"""
+"""Server-sent events of a streamed response, and a fast path for the common chunk that carries
+one token's text and nothing else: `TextChunkTemplate` writes it without building pydantic models
+(which dominated the API process's work per token), byte-identical to pydantic's JSON."""
 
 from __future__ import annotations
 
@@ -32,11 +27,8 @@ def sse_event(payload: BaseModel | dict[str, Any]) -> str:
 
 
 class TextChunkTemplate:
-    """The SSE event of a text-only chunk for any choice index and text, without pydantic per chunk.
-
-    `build(index, text)` must return the chunk model whose only variable fields are that choice
-    index and text; the template is cut from its JSON once, at construction.
-    """
+    """The SSE event of a text-only chunk, cut once from the JSON of `build(index, text)`: the chunk
+    model whose only variable fields are that choice index and text."""
 
     __slots__ = ("_head", "_middle", "_tail")
 
@@ -66,9 +58,8 @@ async def _no_body() -> AsyncIterator[bytes]:
 
 
 class EventStreamResponse(StreamingResponse):
-    """A `text/event-stream` response whose events `write_events(send_event)` sends one by one: the
-    producer awaits each send itself instead of two async-generator hops per token. Disconnect
-    handling and the background task are `StreamingResponse`'s own."""
+    """A `text/event-stream` response whose producer `write_events(send_event)` awaits each send
+    itself (no async-generator hops per token); disconnects and the background task as Starlette's."""
 
     def __init__(self, write_events: Callable[[SendEvent], Awaitable[None]],
                  background: BackgroundTask | None = None) -> None:

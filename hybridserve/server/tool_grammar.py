@@ -1,11 +1,6 @@
-"""Grammars that force tool calls (`tool_choice="required"` or a named function).
-
-The grammar (llguidance's Lark dialect) admits exactly the Qwen3.5 call markup `tool_parser` reads:
-calls of the allowed functions with their parameters in declared order, required ones present.
-Strings are raw text without `<` or newlines, capped at `maxLength` (64 when unset, so a weak model
-finishes them); enums are literals; other types are schema-constrained JSON. `<tool_call>` markers
-that are added tokens are named as tokens, since llguidance treats added tokens as special.
-"""
+"""Grammars (llguidance's Lark dialect) that force tool calls in the Qwen3.5 markup `tool_parser`
+reads: parameters in declared order, required ones present; strings raw text without `<` or
+newlines, capped (so a weak model finishes them); other types schema-constrained JSON."""
 
 from __future__ import annotations
 
@@ -65,7 +60,7 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], *, only: str | None = 
                       multiple: bool = False, marker_tokens: bool = False) -> str:
     """A Lark grammar forcing calls of `tools` (of the function named `only`, if given).
     `multiple` allows up to `MAX_PARALLEL_CALLS` calls in a row; `marker_tokens` names the
-    `<tool_call>`/`</tool_call>` tokens instead of spelling them."""
+    `<tool_call>`/`</tool_call>` added tokens instead of spelling them (llguidance treats those as special)."""
     functions = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
     if not functions:
         raise ValueError(f"no tool named {only!r}" if only else "no tools to call")

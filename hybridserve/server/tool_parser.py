@@ -1,10 +1,6 @@
-"""Qwen3.5 tool-call markup -> OpenAI `tool_calls`.
-
-A call is `<tool_call><function=NAME><parameter=K>V</parameter>...</function></tool_call>`,
-V raw text for string parameters and JSON otherwise (per the tool's schema); the older
-Hermes form `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` is accepted too. A block that
-does not close or parse stays content: parsing never raises. `parse_tool_calls` reads a whole text;
-`ToolCallStream` turns cumulative streamed text into content deltas and complete calls.
+"""Qwen3.5 tool-call markup (`<tool_call><function=NAME><parameter=K>V</parameter>...`, V raw text
+for string parameters and JSON otherwise; or Hermes' JSON form) -> OpenAI `tool_calls`. A block
+that does not close or parse stays content: parsing never raises. `ToolCallStream` parses a stream.
 """
 
 from __future__ import annotations
@@ -86,7 +82,12 @@ def parse_block(body: str, types: Mapping[str, Mapping[str, Any]]) -> ParsedTool
     return ParsedToolCall(call["name"], json.dumps(given, ensure_ascii=False))
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def stream_delta(sent: str, text: str) -> tuple[str, str]:
+    """(what `text` adds to `sent`, the new sent text); nothing when `text` does not extend `sent`."""
+    return (text[len(sent):], text) if text.startswith(sent) else ("", sent)
+
+
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper start of `marker`."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):
@@ -109,7 +110,7 @@ def parse_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = None
         if start < 0:
             tail = text[position:]
             if not final:
-                tail = tail[:len(tail) - _partial_suffix(tail, TOOL_CALL_START)]
+                tail = tail[:len(tail) - partial_suffix(tail, TOOL_CALL_START)]
             content.append(tail)
             break
         end = text.find(TOOL_CALL_END, start)
@@ -145,11 +146,7 @@ class ToolCallStream:
     def update(self, text: str, final: bool) -> ToolCallDelta:
         """Deltas since the last call; `final` when the text is complete."""
         parsed = parse_tool_calls(text, self.tools, final=final, strip=False)
-        content = parsed.content
-        delta = ""
-        if content.startswith(self.sent_content):
-            delta = content[len(self.sent_content):]
-            self.sent_content = content
+        delta, self.sent_content = stream_delta(self.sent_content, parsed.content)
         new_calls = list(enumerate(parsed.tool_calls))[self.num_calls:]
         self.num_calls = len(parsed.tool_calls)
         return ToolCallDelta(delta, new_calls)
