@@ -19,6 +19,7 @@ from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.engine.one_call_step import OneCallStep, one_call_step_supported
 from hybridserve.engine.step_plan import PlanChunk, StepPlan
 from hybridserve.layers.attention import PagedKVCache
+from hybridserve.layers.gdn_triton import enable_triton_gdn
 from hybridserve.models.batch import DecodeGroup, ForwardBatch, PrefillChunk, StateWrite, context_slots
 from hybridserve.models.qwen3_5 import ForwardContext, Qwen3_5ForCausalLM
 
@@ -68,6 +69,7 @@ class ModelRunner:
                           if num_snapshot_slots > 0 else None)
         self.one_call_step: OneCallStep | None = None  # built on the first step it could take
         self._one_call_checked = False
+        self.triton_gdn = enable_triton_gdn(model, device)  # on CUDA with the `cuda` extra; else logs why
 
     # -- one step -------------------------------------------------------------------------------
     def restore(self, plan: StepPlan) -> None:

@@ -209,6 +209,8 @@ class GatedDeltaNet(nn.Module):
         self.in_proj: PackedLinear | None = None
         self.out: PackedLinear | None = None
         self.neg_decay_rate: torch.Tensor | None = None  # -exp(A_log), float32, set by pack()
+        # the core on Triton kernels (layers/gdn_triton.gdn_forward), set by the runner on CUDA
+        self.triton_forward: Callable[..., torch.Tensor] | None = None
 
     def pack(self, quantization: str | None = None) -> None:
         """Fuse the four input projections (qkv, z, b, a); repack out_proj (after loading); drop
@@ -242,7 +244,9 @@ class GatedDeltaNet(nn.Module):
             out = out.reshape(num_tokens, self.value_dim)
             return self.out(out if rows is None else out.index_select(0, rows))
         mixed, z, b, a = torch.split(projection, self.in_proj.widths, dim=-1)
-        if not batch.prefills:  # decode only: the step's output is the whole core, no scatter
+        if self.triton_forward is not None:
+            core = self.triton_forward(self, projection, weight, batch, ctx)
+        elif not batch.prefills:  # decode only: the step's output is the whole core, no scatter
             core = self._decode(projection, weight, batch, ctx)
         else:
             core = torch.empty(num_tokens, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=x.device)

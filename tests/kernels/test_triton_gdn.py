@@ -132,3 +132,38 @@ def test_chunked_prefill_on_cuda_matches_recurrence() -> None:
     for index, (sequence, consumed) in enumerate(captures):
         torch.testing.assert_close(result.captured[index].cpu(), references[sequence][1][consumed - 1],
                                    atol=2e-3, rtol=2e-3)
+
+
+def test_runner_keeps_the_pytorch_path_off_cuda_and_says_why_once(caplog: pytest.LogCaptureFixture) -> None:
+    from hybridserve.layers.gdn_triton import enable_triton_gdn
+
+    model = torch.nn.Sequential()
+    with caplog.at_level("INFO", logger="hybridserve.layers.gdn_triton"):
+        assert not enable_triton_gdn(model, torch.device("cpu"))
+    assert [r.getMessage() for r in caplog.records] == ["GDN layers on the PyTorch path: the device is cpu, not cuda"]
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.timeout(300)
+def test_triton_gdn_greedy_equals_the_pytorch_gpu_path(text_checkpoint: object, monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """Greedy tokens with the Triton GDN path equal the PyTorch GPU path's, cache on (snapshots taken
+    inside the chunked forward, then restored) and off."""
+    from hybridserve import LLM, SamplingParams
+    from tests.helpers.prefix_cache import multi_turn_workload
+    from tests.helpers.targets import CUDA
+
+    prompts = [p for batch in multi_turn_workload(0) for p in batch][:6]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for backend in ("triton", "torch"):
+        monkeypatch.setenv("HYBRIDSERVE_GDN_KERNELS", backend)
+        for cache_mib in (4, 0):
+            llm = LLM(model=str(text_checkpoint), **CUDA.engine_kwargs(), kv_cache_mib=8, prefix_cache_mib=cache_mib,
+                      snapshot_interval=32, max_num_batched_tokens=160, max_num_seqs=4)
+            # one prompt at a time, so later prompts restore what earlier ones captured
+            runs[backend, cache_mib] = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+            if cache_mib:
+                assert llm.prefix_cache_stats().hits > 0
+    assert runs["triton", 4] == runs["triton", 0] == runs["torch", 0]
