@@ -1,10 +1,7 @@
-"""`hybridserve bench serve`: load test of a live OpenAI-compatible server over HTTP.
-
-Starts a `hybridserve serve` subprocess (or targets `--url`) and drives streamed, greedy
-`/v1/completions` with token-id prompts at each concurrency level, for a shared-prefix and a
-no-reuse workload: TTFT (send -> first chunk with a choice), ITL (gaps between such chunks),
-requests/s, output tokens/s and the cached-token share. The mixed-load run injects a long warm
-request into decoding background streams and compares their ITL p99 during it with their p50 before.
+"""`hybridserve bench serve`: load test of a live OpenAI-compatible server (a `hybridserve serve`
+subprocess, or `--url`) with streamed greedy `/v1/completions` at each concurrency level, for a
+shared-prefix and a no-reuse workload. The mixed-load run injects a long warm request into decoding
+background streams and compares their ITL p99 during it with their p50 before.
 """
 
 from __future__ import annotations
@@ -19,14 +16,7 @@ from typing import Any
 
 from hybridserve.bench.common import format_table, goal_mark
 from hybridserve.bench.configs import ServeBenchConfig
-from hybridserve.bench.serve_client import (
-    CompletionClient,
-    PromptSource,
-    RequestRecord,
-    ServerProcess,
-    model_name,
-    percentile,
-)
+from hybridserve.bench.serve_client import CompletionClient, PromptSource, RequestRecord, ServerProcess, percentile
 
 MIXED_ITL_GOAL = 3.0         # background ITL p99 under injection / their baseline ITL p50
 POLL_S = 0.005               # controller polling period of the mixed case
@@ -59,8 +49,8 @@ def summarize(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]
 
 async def run_level(api: CompletionClient, prompts: Sequence[list[int]], concurrency: int, max_tokens: int,
                     timeout_s: float) -> tuple[list[RequestRecord], float]:
-    """`concurrency` clients take prompts from a shared list back to back; returns records and wall time.
-    Clients stop taking new prompts after `timeout_s`."""
+    """`concurrency` clients take prompts from a shared list back to back until `timeout_s`; the
+    records and the wall time."""
     queue = list(reversed(prompts))
     records: list[RequestRecord] = []
     start = time.perf_counter()
@@ -162,29 +152,22 @@ async def run_mixed(api: CompletionClient, source: PromptSource, cfg: ServeBench
 
 async def run_against(url: str, cfg: ServeBenchConfig, api_key: str | None = None) -> dict[str, Any]:
     """All workloads and the mixed case against the server at `url`."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     most = max([*cfg.concurrency, cfg.mixed_background + 1]) + 4
-    limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
-    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(cfg.request_timeout_s, connect=10.0)) as client:
-        model = await model_name(client)
-        api = CompletionClient(client, model, cfg.token_logprobs)
+    async with CompletionClient(url, "httpx", most, cfg.token_logprobs, cfg.request_timeout_s, api_key) as api:
         source = PromptSource(cfg.seed)
         rows = [row for kind in cfg.workloads for row in await run_workload(api, kind, source, cfg)]
         mixed = await run_mixed(api, source, cfg) if cfg.mixed else None
-    return {"url": url, "model": model, "config": asdict(cfg), "rows": rows, "mixed": mixed}
+    return {"url": url, "model": api.model, "config": asdict(cfg), "rows": rows, "mixed": mixed}
 
 
 def run_serve_bench(cfg: ServeBenchConfig, *, url: str | None = None, serve_args: Sequence[str] = (),
-                    api_key: str | None = None, threads: int | None = None) -> dict[str, Any]:
+                    api_key: str | None = None) -> dict[str, Any]:
     """Run the benchmark against `url`, or against a `hybridserve serve` subprocess started with
     `serve_args` (and stopped afterwards) when `url` is None."""
     if url is not None:
         result = asyncio.run(run_against(url.rstrip("/"), cfg, api_key))
         return {**result, "server": {"started": False}}
-    with ServerProcess(serve_args, threads=threads) as server:
+    with ServerProcess(serve_args) as server:
         result = asyncio.run(run_against(server.url, cfg, api_key))
         return {**result, "server": {"started": True, "argv": server.argv[2:]}}
 

@@ -1,12 +1,12 @@
-"""HTTP pieces shared by the server benchmarks: a `hybridserve serve` subprocess, `/v1/completions`
-clients (httpx and aiohttp) that record each request's timeline, and a synchronous backend over them.
-Requests are greedy with token-id prompts, `ignore_eos`, a fixed `max_tokens` and
-`stream_options.include_usage`.
+"""HTTP pieces shared by the server benchmarks: a `hybridserve serve` subprocess, a `/v1/completions`
+client (aiohttp or httpx) that records each request's timeline, and a synchronous backend over it.
+Requests are greedy with token-id prompts, `ignore_eos` and a fixed `max_tokens`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import math
@@ -16,16 +16,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hybridserve.bench.common import FIRST_PLAIN_ID, KEEPALIVE_EXPIRY_S, PLAIN_ID_SPAN, random_token_ids
 from hybridserve.bench.configs import HTTP_CLIENTS
 
-if TYPE_CHECKING:
-    import httpx
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0..100) with linear interpolation; NaN when empty."""
@@ -58,6 +56,12 @@ class RequestRecord:
         """(previous chunk time, chunk time) pairs after the first chunk."""
         return list(zip(self.chunk_times, self.chunk_times[1:]))
 
+    def set_usage(self, usage: dict[str, Any]) -> None:
+        """Take the token counts of a response's `usage`."""
+        self.prompt_tokens = int(usage.get("prompt_tokens", 0))
+        self.completion_tokens = int(usage.get("completion_tokens", 0))
+        self.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
 
 class PromptSource:
     """Random ordinary token ids, a fresh seed per call, so no two prompts share a block by accident."""
@@ -70,20 +74,65 @@ class PromptSource:
         return random_token_ids(num_tokens, next(self._seeds), FIRST_PLAIN_ID + PLAIN_ID_SPAN)
 
 
+@dataclass
 class CompletionClient:
-    """Streams `/v1/completions` requests and records their timelines."""
+    """Sends the requests to a server over one of `HTTP_CLIENTS` (aiohttp-whole: aiohttp, not
+    streamed, so the first "chunk" is the response's end) and records their timelines. `open()`
+    (or `async with`) connects and learns the served model's name."""
 
-    def __init__(self, client: httpx.AsyncClient, model: str | None, token_logprobs: bool = True) -> None:
-        self.client = client
-        self.model = model
-        self.token_logprobs = token_logprobs
+    url: str
+    http_client: str = "httpx"
+    connections: int = 8
+    token_logprobs: bool = True
+    timeout_s: float = 300.0
+    api_key: str | None = None
+    model: str | None = field(default=None, init=False)
+    session: Any = field(default=None, init=False)  # aiohttp.ClientSession or httpx.AsyncClient, imported when used
+
+    def __post_init__(self) -> None:
+        if self.http_client not in HTTP_CLIENTS:
+            raise ValueError(f"unknown HTTP client {self.http_client!r}; choose from {', '.join(HTTP_CLIENTS)}")
+        self.url = self.url.rstrip("/")
+
+    async def open(self) -> CompletionClient:
+        """Create the connection pool and read the model's name from `/v1/models` (None if none is listed)."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        if self.http_client == "httpx":
+            import httpx
+
+            limits = httpx.Limits(max_connections=self.connections, max_keepalive_connections=self.connections,
+                                  keepalive_expiry=KEEPALIVE_EXPIRY_S)
+            self.session = httpx.AsyncClient(headers=headers, limits=limits,
+                                             timeout=httpx.Timeout(self.timeout_s, connect=10.0))
+        else:
+            import aiohttp
+
+            connector = aiohttp.TCPConnector(limit=self.connections, keepalive_timeout=KEEPALIVE_EXPIRY_S)
+            self.session = aiohttp.ClientSession(connector=connector, headers=headers,
+                                                 timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        async with self._request("GET", "/v1/models") as (status, read, _):
+            data = json.loads(await read()).get("data") if status == 200 else None
+        self.model = data[0]["id"] if data else None
+        return self
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        await (self.session.aclose() if self.http_client == "httpx" else self.session.close())
+
+    async def __aenter__(self) -> CompletionClient:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     def body(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-        """The request body: greedy, EOS ignored, streamed with a final usage chunk. With
-        `token_logprobs`, `logprobs: 0` makes every generated token produce a chunk even when its
-        text is empty so far (a partial UTF-8 character), so chunk gaps are token gaps."""
-        body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        """Greedy, EOS ignored, streamed with a final usage chunk. With `token_logprobs`, `logprobs: 0`
+        makes every token send a chunk even while its text is empty (a partial UTF-8 character)."""
+        streamed = self.http_client != "aiohttp-whole"
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                                "stream": streamed}
+        if streamed:
+            body["stream_options"] = {"include_usage": True}
         if self.model:
             body["model"] = self.model
         if self.token_logprobs:
@@ -91,7 +140,7 @@ class CompletionClient:
         return body
 
     async def stream(self, prompt: list[int], max_tokens: int, record: RequestRecord | None = None) -> RequestRecord:
-        """Send one request and read its stream to the end; errors are recorded, not raised
+        """Send one request and read its response to the end; errors are recorded, not raised
         (cancellation is re-raised after closing the connection, which aborts the request)."""
         record = record if record is not None else RequestRecord()
         record.start = time.perf_counter()
@@ -106,19 +155,33 @@ class CompletionClient:
             record.end = time.perf_counter()
         return record
 
+    @contextlib.asynccontextmanager
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None
+                       ) -> AsyncIterator[tuple[int, Callable[[], Awaitable[bytes]], AsyncIterator[str]]]:
+        """(status, a reader of the whole body, the body's lines) of one request, in either library."""
+        if self.http_client == "httpx":
+            async with self.session.stream(method, self.url + path, json=body) as resp:
+                yield resp.status_code, resp.aread, resp.aiter_lines()
+        else:
+            async with self.session.request(method, self.url + path, json=body) as resp:
+                yield resp.status, resp.read, (line.decode() async for line in resp.content)
+
     async def _exchange(self, body: dict[str, Any], record: RequestRecord) -> None:
-        """POST `body` and feed the response's lines to `_on_line` (an error status is recorded)."""
-        async with self.client.stream("POST", "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                record.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
-                return
-            async for line in resp.aiter_lines():
-                if not self._on_line(line, record):
-                    break
+        async with self._request("POST", "/v1/completions", body) as (status, read, lines):
+            if status != 200:
+                record.error = f"HTTP {status}: {(await read())[:300]!r}"
+            elif not body["stream"]:
+                data = await read()
+                record.chunk_times.append(time.perf_counter())
+                record.set_usage(json.loads(data)["usage"])
+            else:
+                async for line in lines:
+                    if not self._on_line(line, record):
+                        break
 
     @staticmethod
     def _on_line(line: str, record: RequestRecord) -> bool:
-        """Consume one SSE line; False at `[DONE]`."""
+        """Consume one SSE line; False at `[DONE]` or an error."""
         if not line.startswith("data:"):
             return True
         payload = line[5:].strip()
@@ -131,57 +194,9 @@ class CompletionClient:
             return False
         if chunk.get("choices"):
             record.chunk_times.append(now)
-        usage = chunk.get("usage")
-        if usage:
-            record.prompt_tokens = int(usage.get("prompt_tokens", 0))
-            record.completion_tokens = int(usage.get("completion_tokens", 0))
-            details = usage.get("prompt_tokens_details") or {}
-            record.cached_tokens = int(details.get("cached_tokens") or 0)
+        if chunk.get("usage"):
+            record.set_usage(chunk["usage"])
         return True
-
-
-class AiohttpCompletionClient(CompletionClient):
-    """The same requests and records over aiohttp, the HTTP client of vLLM's and SGLang's serving
-    benchmarks (a client on the server's own cores takes CPU from the engine; aiohttp takes less
-    per token than httpx, see the benchmark docs)."""
-
-    def __init__(self, session: Any, base_url: str, model: str | None, token_logprobs: bool = True) -> None:
-        super().__init__(None, model, token_logprobs)  # type: ignore[arg-type]
-        self.session = session
-        self.url = base_url.rstrip("/") + "/v1/completions"
-
-    async def _exchange(self, body: dict[str, Any], record: RequestRecord) -> None:
-        async with self.session.post(self.url, json=body) as resp:
-            if resp.status != 200:
-                record.error = f"HTTP {resp.status}: {(await resp.read())[:300]!r}"
-                return
-            async for line in resp.content:
-                if not self._on_line(line.decode(), record):
-                    break
-
-
-class AiohttpWholeCompletionClient(AiohttpCompletionClient):
-    """The same requests not streamed (`stream: false`) over aiohttp: the server's cost without
-    its per-token streaming. The whole response arrives at once, so its first "chunk" time is the
-    request's end."""
-
-    def body(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-        """The streamed body without streaming."""
-        body = super().body(prompt, max_tokens)
-        del body["stream_options"]
-        body["stream"] = False
-        return body
-
-    async def _exchange(self, body: dict[str, Any], record: RequestRecord) -> None:
-        async with self.session.post(self.url, json=body) as resp:
-            data = await resp.read()
-            if resp.status != 200:
-                record.error = f"HTTP {resp.status}: {data[:300]!r}"
-                return
-        record.chunk_times.append(time.perf_counter())
-        usage = json.loads(data)["usage"]
-        record.prompt_tokens, record.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
-        record.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
 def free_port() -> int:
@@ -194,8 +209,6 @@ def free_port() -> int:
 class ServerProcess:
     """A server subprocess on a free loopback port, stopped with SIGTERM on exit: `hybridserve
     serve` with `serve_args`, or another server where a subclass overrides `command`."""
-
-    health_path = "/health"  # polled until it answers 200
 
     def __init__(self, serve_args: Sequence[str] = (), *, start_timeout_s: float = 180.0,
                  threads: int | None = None) -> None:
@@ -237,7 +250,7 @@ class ServerProcess:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(f"{self.url}{self.health_path}", timeout=2.0).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -258,44 +271,15 @@ class ServerProcess:
         self._log.close()
 
 
-async def model_name(client: httpx.AsyncClient) -> str | None:
-    """The id of the first model the server lists (None when it lists none)."""
-    resp = await client.get("/v1/models")
-    data = resp.json().get("data") if resp.status_code == 200 else None
-    return data[0]["id"] if data else None
-
-
 class ServerBackend:
     """Synchronous use of a running server's `/v1/completions`: one request at a time, or a batch
-    sent at once; over aiohttp (streamed or whole) or httpx (streamed)."""
+    sent at once."""
 
     def __init__(self, url: str, clients: int, http_client: str = "aiohttp", token_logprobs: bool = False) -> None:
-        if http_client not in HTTP_CLIENTS:
-            raise ValueError(f"unknown HTTP client {http_client!r}; choose from {', '.join(HTTP_CLIENTS)}")
-        self.url = url
-        self.http_client = http_client
-        self.client: Any = None  # an aiohttp.ClientSession or an httpx.AsyncClient, imported when used
+        self.api = CompletionClient(url, http_client, clients + 4, token_logprobs)
+        self.url = self.api.url
         self.loop = asyncio.new_event_loop()
-        self.api = self.loop.run_until_complete(self._connect(clients + 4, token_logprobs))
-
-    async def _connect(self, connections: int, token_logprobs: bool) -> CompletionClient:
-        if self.http_client.startswith("aiohttp"):
-            import aiohttp
-
-            connector = aiohttp.TCPConnector(limit=connections, keepalive_timeout=KEEPALIVE_EXPIRY_S)
-            session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300.0))
-            self.client = session
-            async with session.get(self.url + "/v1/models") as resp:
-                model = (await resp.json())["data"][0]["id"]
-            kind = AiohttpWholeCompletionClient if self.http_client == "aiohttp-whole" else AiohttpCompletionClient
-            return kind(session, self.url, model, token_logprobs)
-        import httpx
-
-        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections,
-                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
-        client = httpx.AsyncClient(base_url=self.url, limits=limits, timeout=httpx.Timeout(300.0))
-        self.client = client
-        return CompletionClient(client, await model_name(client), token_logprobs)
+        self.loop.run_until_complete(self.api.open())
 
     def request(self, prompt: list[int], max_tokens: int) -> RequestRecord:
         """One request's record (RuntimeError when it failed)."""
@@ -324,7 +308,6 @@ class ServerBackend:
 
     def close(self) -> None:
         """Close the HTTP client and the loop."""
-        close = self.client.close() if self.http_client.startswith("aiohttp") else self.client.aclose()
-        self.loop.run_until_complete(close)
+        self.loop.run_until_complete(self.api.close())
         self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         self.loop.close()

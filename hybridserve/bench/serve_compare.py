@@ -1,23 +1,19 @@
 """`hybridserve bench serve --compare-offline`: the server against `LLM.generate`, in one run.
-
-The same requests go through `LLM.generate` in this process and through a `hybridserve serve`
-subprocess per `--engine-process` mode and HTTP client library, the backends taking turns: batch-1
-decode ms/token (a 1 + D token request minus a 1-token one, over D), warm TTFT of a long prefix
-plus a fresh suffix, and output tokens/s of concurrent streams; medians of `repeats` runs, with
-their ratios to offline next to the goals.
+The same requests go through `LLM.generate` and a `hybridserve serve` subprocess per
+`--engine-process` mode and HTTP client, in turns: batch-1 decode ms/token (a 1 + D token request
+minus a 1-token one, over D), warm TTFT of a long prefix, and output tokens/s of concurrent streams.
 """
 
 from __future__ import annotations
 
 import contextlib
-import statistics
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any, Protocol
+from typing import Any, TypeAlias
 
-from hybridserve.bench.common import format_table, goal_mark, greedy
+from hybridserve.bench.common import format_table, goal_mark, greedy, measured_rounds, median
 from hybridserve.bench.configs import CompareConfig
 from hybridserve.bench.serve_client import PromptSource, ServerBackend, ServerProcess
 
@@ -26,18 +22,8 @@ TTFT_GOAL_MS = 5.0
 THROUGHPUT_GOAL = 0.9
 
 
-class Backend(Protocol):
-    """What a measurement needs: one timed request, and a timed concurrent batch."""
-
-    def one(self, prompt: list[int], max_tokens: int) -> tuple[float, float]:
-        """(seconds to the first token, seconds to the end) of one request."""
-
-    def batch(self, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
-        """(output tokens, wall seconds) of the prompts run concurrently."""
-
-
 class OfflineBackend:
-    """`LLM.generate` in this process."""
+    """`LLM.generate` in this process, measured as `ServerBackend` measures a server."""
 
     def __init__(self, config: Any) -> None:
         from hybridserve.api import LLM
@@ -57,10 +43,12 @@ class OfflineBackend:
         return sum(len(c.token_ids) for o in outs for c in o.outputs), wall
 
 
+Backend: TypeAlias = OfflineBackend | ServerBackend
+
+
 class _Figures:
-    """The three measures of one backend, each drawing fresh prompts from its own source: a seed
-    per backend, because two clients of one server would otherwise hit each other's prompts in its
-    prefix cache (the prompts are random ids of the same lengths everywhere)."""
+    """The three measures of one backend, with a prompt seed of its own (two clients of one server
+    would otherwise hit each other's prompts in its prefix cache)."""
 
     def __init__(self, backend: Backend, cfg: CompareConfig, source: int) -> None:
         self.backend = backend
@@ -90,19 +78,14 @@ def measure_interleaved(backends: dict[str, Backend], cfg: CompareConfig) -> dic
     figures = {name: _Figures(backend, cfg, index) for index, (name, backend) in enumerate(backends.items())}
     results: dict[str, dict[str, Any]] = {name: {"runs": {}} for name in backends}
     for key, measure in (("decode", _Figures.decode_ms), ("ttft", _Figures.ttft_ms), ("rate", _Figures.tokens_per_s)):
-        runs: dict[str, list[float]] = {name: [] for name in backends}
-        for round_index in range(cfg.warmup + cfg.repeats):
-            for name, fig in figures.items():
-                value = measure(fig)
-                if round_index >= cfg.warmup:
-                    runs[name].append(round(value, 3))
+        runs = measured_rounds(cfg.warmup, cfg.repeats,
+                               lambda _: {name: [round(measure(fig), 3)] for name, fig in figures.items()})
         for name in backends:
             results[name]["runs"][key] = runs[name]
-    for name, result in results.items():
+    for result in results.values():
         runs = result["runs"]
-        result.update(decode_ms_per_token=round(statistics.median(runs["decode"]), 3),
-                      warm_ttft_ms=round(statistics.median(runs["ttft"]), 2),
-                      tokens_per_s=round(statistics.median(runs["rate"]), 1))
+        result.update(decode_ms_per_token=round(median(runs["decode"]), 3), warm_ttft_ms=round(median(runs["ttft"]), 2),
+                      tokens_per_s=round(median(runs["rate"]), 1))
     return results
 
 
