@@ -23,7 +23,7 @@ hs=(python3 -m hybridserve.cli)  # an array, not a function: `timeout` and `&` n
   python3 -c "import triton, fla; print('triton', triton.__version__, 'fla', fla.__version__)"
 } >"$out/env.txt" 2>&1
 
-timeout 200 python3 -m pytest -m "cuda or triton" -q -rA -p no:cacheprovider --timeout 120 \
+TRITON_INTERPRET=0 timeout 200 python3 -m pytest -m "cuda or triton" -q -rA -p no:cacheprovider --timeout 120 \
     tests/engine/test_cuda.py tests/models/test_parity.py tests/kernels/test_triton_gdn.py >"$out/cuda_tests.log" 2>&1
 echo "cuda tests rc=$?" | tee -a "$out/env.txt"
 
