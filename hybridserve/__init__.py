@@ -1,17 +1,10 @@
 """hybridserve: a serving engine for hybrid (Gated DeltaNet + attention) LLMs with a joint prefix cache.
 
-Importing the package has no side effect on the process: no environment variable changes and
-nothing loads torch until `LLM` is used. Thread and allocator settings are applied when an engine
-starts (`hybridserve.engine.threads.apply_process_settings`); the environment variables the
-package reads are listed in `hybridserve.envs`.
+Importing it has no side effect: nothing loads torch until `LLM` is used, and process settings are
+applied when an engine starts (`engine.threads.apply_process_settings`).
 """
 
-from hybridserve.sampling_params import (
-    CompletionOutput,
-    RequestOutput,
-    SamplingParams,
-    StructuredOutputsParams,
-)
+from hybridserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"

@@ -16,9 +16,12 @@ from hybridserve.engine.threads import prepare_command_process
 from hybridserve.engine_args import add_engine_arguments
 
 
-def _add_generate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser("generate", help="complete one prompt and print it with its timing",
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def _subcommand(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
+                help_text: str) -> argparse.ArgumentParser:
+    return subparsers.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--prompt", default="The joint prefix cache of a hybrid model", help="prompt text")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
@@ -61,39 +64,22 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The `hybridserve` parser and its subcommands' flags."""
     from hybridserve.server.cli import add_serve_arguments, run_server
-
-    parser = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_serve_arguments(parser)
-    parser.set_defaults(handler=run_server)
-
-
-def _add_bench(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from hybridserve.bench.cli import add_bench_arguments
-
-    parser = subparsers.add_parser("bench", help="benchmarks (figures in docs/benchmarks.md)",
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_bench_arguments(parser)
-
-
-def _add_sim(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from hybridserve.sim.cli import add_sim_arguments
 
-    parser = subparsers.add_parser("sim", help="replay a request trace through the cache policies (no model)",
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_sim_arguments(parser)
-
-
-def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridserve", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
-    _add_generate(subparsers)
-    _add_serve(subparsers)
-    _add_sim(subparsers)
+    _add_generate_arguments(_subcommand(subparsers, "generate", "complete one prompt and print it with its timing"))
+    serve = _subcommand(subparsers, "serve", "OpenAI-compatible HTTP server")
+    add_serve_arguments(serve)
+    serve.set_defaults(handler=run_server)
+    add_sim_arguments(_subcommand(subparsers, "sim", "replay a request trace through the cache policies (no model)"))
     try:
-        _add_bench(subparsers)
+        from hybridserve.bench.cli import add_bench_arguments
+
+        add_bench_arguments(_subcommand(subparsers, "bench", "benchmarks (figures in docs/benchmarks.md)"))
     except ImportError:  # benchmarks need their optional dependencies
         pass
     return parser

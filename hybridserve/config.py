@@ -17,10 +17,8 @@ LINEAR_ATTENTION = "linear_attention"
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 BLOCK_HASHES = ("xxh3_128", "sha256")
 MIB = 1 << 20
-# CPU cache sizes when nothing is given: fixed (as vLLM's CPU backend has a fixed KV space), since a
-# CPU server shares RAM with everything else on the machine; a smaller KV pool evicted what the
-# snapshots needed in the scaled Mooncake replay (`bench trace`, docs/benchmarks). Defined here, not
-# in engine.memory_plan, so that the command-line flags can name them without importing torch.
+# CPU cache sizes when nothing is given (why fixed: docs/serving.md, Sizing). Here, not in
+# engine.memory_plan, so the command-line flags can name them without importing torch.
 DEFAULT_CPU_KV_CACHE_MIB = 1024.0
 DEFAULT_CPU_PREFIX_CACHE_MIB = 1024.0
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000 ** 2, "mb": 1000 ** 2,
@@ -137,18 +135,16 @@ class ModelConfig:
         hidden = int(text["hidden_size"])
         heads = int(text["num_attention_heads"])
         tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        required = {name: int(text[name]) for name in (
+            "vocab_size", "intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
+            "linear_key_head_dim", "linear_value_head_dim")}
         return cls(
-            vocab_size=int(text["vocab_size"]),
+            **required,
             hidden_size=hidden,
-            intermediate_size=int(text["intermediate_size"]),
             num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=int(text.get("num_key_value_heads", heads)),
             head_dim=int(text.get("head_dim") or hidden // heads),
-            linear_num_key_heads=int(text["linear_num_key_heads"]),
-            linear_num_value_heads=int(text["linear_num_value_heads"]),
-            linear_key_head_dim=int(text["linear_key_head_dim"]),
-            linear_value_head_dim=int(text["linear_value_head_dim"]),
             layer_types=tuple(layer_types),
             linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
@@ -205,7 +201,6 @@ class CacheConfig:
     @property
     def prefix_cache_enabled(self) -> bool:
         return self.prefix_cache_mib != 0
-
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,13 @@
-"""Every `HYBRIDSERVE_*` environment variable the package reads, in one place.
-
-Each variable is declared once in `ENVIRONMENT_VARIABLES` (name, type, default, meaning) and read
-through a small typed accessor below. Accessors read `os.environ` when called, never at import, so
-a variable set after `import hybridserve` (or by a test's monkeypatch) is honoured, and importing
-this module has no side effect. The package reads no `HYBRIDSERVE_*` variable anywhere else.
-
-Switches ("bool") are on unless set to one of `0`, `false`, `no`, `off` (any case, surrounding
-spaces ignored); an empty value means the default.
+"""Every `HYBRIDSERVE_*` environment variable the package reads, declared once in
+`ENVIRONMENT_VARIABLES` and read by the typed accessors below when called, never at import (so a
+variable set later or by a test's monkeypatch counts). A switch ("bool") is on unless set to `0`,
+`false`, `no` or `off` (any case); an empty value means the default.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 _OFF_VALUES = frozenset({"0", "false", "no", "off"})
@@ -65,37 +61,24 @@ def read_str(variable: EnvVar) -> str:
     return os.environ.get(variable.name, variable.default)
 
 
-def native_kernels() -> bool:
-    """HYBRIDSERVE_NATIVE_KERNELS: whether the C kernels may be used (they must also compile)."""
-    return read_flag(NATIVE_KERNELS)
+def _switch(variable: EnvVar) -> Callable[[], bool]:
+    """The accessor of a "bool" variable: whether it is on now."""
+
+    def read() -> bool:
+        return read_flag(variable)
+
+    read.__name__ = read.__qualname__ = variable.name.removeprefix("HYBRIDSERVE_").lower()
+    read.__doc__ = f"{variable.name}: {variable.meaning}"
+    return read
 
 
-def amx() -> bool:
-    """HYBRIDSERVE_AMX: whether the AMX GEMMs start switched on when the kernels library loads."""
-    return read_flag(AMX)
-
-
-def one_call_step() -> bool:
-    """HYBRIDSERVE_ONE_CALL_STEP: whether the one-call C step may run decode and short prefills."""
-    return read_flag(ONE_CALL_STEP)
-
-
-def huge_pages() -> bool:
-    """HYBRIDSERVE_HUGE_PAGES: whether large CPU weights may move into transparent huge pages."""
-    return read_flag(HUGE_PAGES)
-
-
-def shm_allreduce() -> bool:
-    """HYBRIDSERVE_SHM_ALLREDUCE: whether this rank offers the shared-memory all-reduce."""
-    return read_flag(SHM_ALLREDUCE)
+native_kernels = _switch(NATIVE_KERNELS)
+amx = _switch(AMX)
+one_call_step = _switch(ONE_CALL_STEP)
+huge_pages = _switch(HUGE_PAGES)
+shm_allreduce = _switch(SHM_ALLREDUCE)
 
 
 def api_key() -> str | None:
     """HYBRIDSERVE_API_KEY: the server's fallback API key, or None when unset or empty."""
     return read_str(API_KEY) or None
-
-
-def describe() -> str:
-    """One line per variable (name, type, default, meaning), for `--help` texts and the docs."""
-    return "\n".join(f"{v.name} ({v.type}, default {v.default or 'unset'}): {v.meaning}"
-                     for v in ENVIRONMENT_VARIABLES)

@@ -1,13 +1,8 @@
-"""The one error vocabulary of hybridserve: what `LLM`, the engine, the engine core process and
-the HTTP server raise, and the HTTP status each one is answered with.
+"""The one error vocabulary of `LLM`, the engine, the engine core process and the HTTP server.
 
-Every class derives from `HybridServeError` and declares its `http_status` and `code`, so the
-server maps an exception by its class (`http_error_fields`) instead of by name. Bad input is an
-`InvalidRequestError`, which is also a `ValueError` (the error callers of the API already catch).
-
-Between the engine core process and the API process an exception travels as its *kind*: the name
-of one of the classes in `WIRE_KINDS` (`error_kind` on one side, `error_from_kind` on the other),
-so the API process raises the same class the core raised (or its nearest declared base).
+Each class declares the HTTP status and OpenAI `code` it is answered with (`http_error_fields`) and
+crosses the process boundary by name, as its *kind* (`error_kind`, `error_from_kind`). Bad input is
+an `InvalidRequestError`, which is also a `ValueError`.
 """
 
 from __future__ import annotations
@@ -59,10 +54,8 @@ class EngineDeadError(HybridServeError, RuntimeError):
 
 
 class EngineStepError(HybridServeError, RuntimeError):
-    """A scheduling step raised; the requests in flight were failed, others carry on (HTTP 500)."""
-
-    http_status = 500
-    code = "engine_error"
+    """A scheduling step raised; the requests in flight were failed, others carry on (HTTP 500,
+    the base's status and code)."""
 
 
 class RequestAbortedError(HybridServeError):

@@ -7,6 +7,7 @@ import enum
 import functools
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -86,20 +87,16 @@ class RequestOutputKind(enum.IntEnum):
 
 @dataclass
 class SamplingParams:
-    """How to sample one request's completions.
+    """How to sample one request's completions (vLLM's fields; docs/python-api.md covers `n`, seeds
+    and greedy sampling).
 
-    `n` completions share the prompt's prefill and KV/state (the prompt is computed once, then
-    forked). temperature 0 is greedy (deterministic). `seed` makes random sampling reproducible
-    (completion i uses seed + i). `max_tokens=None` generates up to the context length. `stop`
-    strings end generation and are cut from the text; `stop_token_ids` end it on those tokens.
-    `logprobs=k` returns, for every generated token, its log-probability and the top-k
-    alternatives. `ignore_eos` keeps generating past EOS up to `max_tokens`.
-    `structured_outputs` constrains the text with a grammar (JSON schema, regex, choice, Lark).
-    `logit_bias` adds a bias to the logits of the given token ids before sampling.
-    `output_kind=RequestOutputKind.FINAL_ONLY` makes a request's stream yield only its final output.
-    `stream_interval=k` makes a cumulative stream yield the first token, then an output once at
-    least k new tokens have come, and the final one (SGLang's `--stream-interval`): fewer, larger
-    outputs, which cost the consumer less per token.
+    `max_tokens=None` generates up to the context length. `stop` strings end generation and are cut
+    from the text; `stop_token_ids` end it on those tokens. `logprobs=k` returns, for every
+    generated token, its log-probability and the top-k alternatives. `logit_bias` adds a bias to
+    the logits of the given token ids before sampling. `output_kind=RequestOutputKind.FINAL_ONLY`
+    makes a request's stream yield only its final output. `stream_interval=k` makes a cumulative
+    stream yield the first token, then an output once at least k new tokens have come, and the
+    final one (SGLang's `--stream-interval`): fewer, larger outputs, cheaper per token to consume.
     """
 
     n: int = 1
@@ -136,28 +133,15 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
         """Build from a dict; unknown keys are a `ValueError` (not silently ignored)."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**values)
 
     def _check_types(self) -> None:
         """Wrong types are reported with the type's name (e.g. temperature='0.5' is a str)."""
-        number, integer = "a number", "an integer"
-        for name, kind in (("temperature", number), ("top_p", number), ("min_p", number),
-                           ("presence_penalty", number), ("frequency_penalty", number),
-                           ("repetition_penalty", number), ("n", integer), ("top_k", integer),
-                           ("min_tokens", integer), ("stream_interval", integer)):
-            value = getattr(self, name)
-            ok = _is_int(value) if kind == integer else _is_number(value)
-            if not ok:
-                raise SamplingParamsTypeError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
-        for name in ("max_tokens", "seed", "logprobs"):
-            value = getattr(self, name)
-            if value is not None and not _is_int(value):
-                raise SamplingParamsTypeError(f"{name} must be an integer or None, got {type(value).__name__} "
-                                              f"{value!r}")
+        for names, is_valid, kind in _FIELD_TYPES:
+            for name in names:
+                value = getattr(self, name)
+                if not is_valid(value):
+                    raise SamplingParamsTypeError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsTypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
@@ -239,6 +223,14 @@ def _is_number(value: Any) -> bool:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+_FIELD_TYPES: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str], ...] = (
+    (("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"),
+     _is_number, "a number"),
+    (("n", "top_k", "min_tokens", "stream_interval"), _is_int, "an integer"),
+    (("max_tokens", "seed", "logprobs"), lambda value: value is None or _is_int(value), "an integer or None"),
+)
 
 
 def _check_type(name: str, value: Any, kinds: tuple[type, ...]) -> None:
