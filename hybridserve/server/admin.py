@@ -47,18 +47,6 @@ class AdminServing(OpenAIServing):
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
         return DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))
 
-    async def render_metrics(self) -> bytes:
-        """Prometheus text with fresh engine stats."""
-        try:
-            stats = await self.engine.stats()
-        except EngineDeadError:
-            stats = {}
-        return self.metrics.render(stats)
-
-    def models(self) -> ModelList:
-        """`GET /v1/models`: every served name (aliases of the one model)."""
-        return ModelList(data=[self.model_card(name) for name in self.model_names])
-
     def model_card(self, name: str) -> ModelCard:
         """`GET /v1/models/{name}`."""
         self._check_model(name)
@@ -70,7 +58,7 @@ def install_admin_routes(app: FastAPI, serving: AdminServing) -> None:
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        return json_response(serving.models())
+        return json_response(ModelList(data=[serving.model_card(name) for name in serving.model_names]))
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> Response:
@@ -98,5 +86,9 @@ def install_admin_routes(app: FastAPI, serving: AdminServing) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(await serving.render_metrics(), media_type=METRICS_CONTENT_TYPE)
+        try:
+            stats = await serving.engine.stats()
+        except EngineDeadError:  # the metrics stay readable: the serving-path ones without engine stats
+            stats = {}
+        return Response(serving.metrics.render(stats), media_type=METRICS_CONTENT_TYPE)
 

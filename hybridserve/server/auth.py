@@ -1,9 +1,6 @@
-"""API keys and tenant isolation of the prefix cache.
-
-With keys configured, `/v1/*` requests need `Authorization: Bearer KEY`. Each key is a tenant whose
-cache salt derives from the key's hash (combined with any client `cache_salt`), so different keys
-never share cache entries nor time each other through them (docs/serving.md, security notes).
-"""
+"""API keys and tenants: `/v1/*` needs `Authorization: Bearer KEY`, and each key's requests are
+cached under a salt derived from its hash, so keys never share cache entries nor time each other
+through them (docs/serving.md, security notes)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""`POST /v1/chat/completions`: the chat template renders the messages; the output text is split
-into content, reasoning (`--reasoning-parser`) and tool calls, in a JSON response or streamed as
-server-sent events; `response_format`, forced tool calls and vLLM's structured outputs become
-grammars. (The template rendering itself is `server.chat`.)"""
+"""`POST /v1/chat/completions`: messages rendered by the chat template; the output split into
+content, reasoning and tool calls; `response_format`, forced tool calls and vLLM's structured
+outputs become grammars."""
 
 from __future__ import annotations
 

@@ -109,13 +109,9 @@ def _log_sizes(stats: dict[str, float], max_model_len: int) -> None:
     logger.info("max model length: %d tokens", max_model_len)
 
 
-def _exit_on_sigterm() -> None:
-    """uvicorn re-raises the signal it stopped on: make SIGTERM unwind, so the engine shuts down cleanly."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _raise_system_exit)
-
-
 def _raise_system_exit(signum: int, _frame: object) -> None:
+    """The SIGTERM handler: uvicorn re-raises the signal it stopped on, and unwinding (instead of
+    dying) lets the engine shut down cleanly."""
     raise SystemExit(128 + signum)
 
 
@@ -166,7 +162,8 @@ def run_server(args: argparse.Namespace) -> int:
     logger.info("serving %s on http://%s:%d (auth %s, engine %s)", ", ".join(names), args.host, args.port,
                 f"on, {len(api_keys)} key(s), per-key cache salt" if api_keys else "off",
                 "core process" if args.engine_process == "on" else "thread")
-    _exit_on_sigterm()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_system_exit)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, lifespan="off"))
     freeze_startup_heap()  # this process serves from here on (with the engine too, unless it has a process)
     try:  # the engine's lifetime is managed here, so uvicorn's lifespan protocol is not needed

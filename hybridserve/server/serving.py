@@ -1,8 +1,6 @@
-"""What the OpenAI endpoints share: `ServingContext` (the engine, served names, tokenizer, chat
-renderer, metrics) and `OpenAIServing`, the base of the completion, chat and admin handlers:
-request preparation, one engine request per prompt, a JSON response once the outputs are final
-(a client that disconnects aborts its requests) or server-sent events, usage and logprob rows.
-"""
+"""What the endpoint handlers share: `ServingContext` (engine, served names, chat renderer,
+metrics) and `OpenAIServing`: request preparation, one engine request per prompt, a JSON response
+once the outputs are final or server-sent events as they come, usage and logprob rows."""
 
 from __future__ import annotations
 
@@ -14,7 +12,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -60,21 +58,6 @@ TokenEntry = tuple[str, float, list[tuple[str, float]]]
 async def _wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-async def _unless_disconnected(work: Awaitable[Any], request: Request) -> Any:
-    """Await `work`, cancelling it (and raising `RequestAbortedError`) if the client leaves first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    raise RequestAbortedError("client disconnected")
 
 
 async def merge_streams(streams: list[RequestOutputStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -134,10 +117,6 @@ class Job:
     chat: ChatOptions | None = None
     arrival: float = dataclasses.field(default_factory=time.monotonic)
     created: int = dataclasses.field(default_factory=now)  # one `created` for every chunk, as OpenAI sends
-
-    def engine_id(self, prompt_index: int) -> str:
-        """Engine request id of prompt `prompt_index`."""
-        return f"{self.request_id}-{prompt_index}"
 
     def choice_index(self, prompt_index: int, completion_index: int) -> int:
         """OpenAI choice index: prompt-major, then completion."""
@@ -327,7 +306,7 @@ class OpenAIServing:
         streams: list[RequestOutputStream] = []
         try:
             for index, prompt_ids in enumerate(job.prompts):
-                streams.append(await self.engine.add_request(job.engine_id(index), prompt_ids,
+                streams.append(await self.engine.add_request(f"{job.request_id}-{index}", prompt_ids,
                                                              job.params, job.cache_salt))
         except BaseException as exc:
             for stream in streams:
@@ -342,6 +321,7 @@ class OpenAIServing:
         return json_response(self._response(job, await self._collect(job, streams, request)))
 
     async def _collect(self, job: Job, streams: list[RequestOutputStream], request: Request) -> list[RequestOutput]:
+        """The final output of every stream; a client that leaves first aborts them all (499)."""
         trackers = [self.metrics.tracker(job.arrival) for _ in streams]
 
         async def final(stream: RequestOutputStream, tracker: RequestTracker) -> RequestOutput:
@@ -352,15 +332,19 @@ class OpenAIServing:
             assert last is not None
             return last
 
+        finals = asyncio.ensure_future(asyncio.gather(*(final(s, t) for s, t in zip(streams, trackers))))
+        watcher: asyncio.Future[Any] = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
-            finals: list[RequestOutput] = await _unless_disconnected(
-                asyncio.gather(*(final(s, t) for s, t in zip(streams, trackers))), request)
-            return finals
-        except RequestAbortedError as exc:  # the client left: 499, as nginx logs it
-            raise engine_error(exc) from None
+            done, _ = await asyncio.wait({finals, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if finals not in done:
+                finals.cancel()
+                await asyncio.gather(finals, return_exceptions=True)
+                raise engine_error(RequestAbortedError("client disconnected"))
+            return finals.result()
         except (EngineStepError, EngineDeadError) as exc:
             raise engine_error(exc) from exc
         finally:
+            watcher.cancel()
             self._abort_unfinished(streams)
 
     def _abort_unfinished(self, streams: list[RequestOutputStream]) -> None:

@@ -5,7 +5,7 @@ one token's text and nothing else: `TextChunkTemplate` writes it without buildin
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from json.encoder import (
     encode_basestring,  # json.dumps(text, ensure_ascii=False) without its per-call set-up
 )
@@ -52,18 +52,13 @@ SendEvent = Callable[[str], Awaitable[None]]
 """Sends one SSE event (already framed) to the client."""
 
 
-async def _no_body() -> AsyncIterator[bytes]:
-    return
-    yield b""  # pragma: no cover - makes this an async generator
-
-
 class EventStreamResponse(StreamingResponse):
     """A `text/event-stream` response whose producer `write_events(send_event)` awaits each send
     itself (no async-generator hops per token); disconnects and the background task as Starlette's."""
 
     def __init__(self, write_events: Callable[[SendEvent], Awaitable[None]],
                  background: BackgroundTask | None = None) -> None:
-        super().__init__(_no_body(), media_type="text/event-stream",
+        super().__init__((), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, background=background)
         self._write_events = write_events
 

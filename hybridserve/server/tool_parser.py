@@ -65,19 +65,13 @@ def parse_block(body: str, types: Mapping[str, Mapping[str, Any]]) -> ParsedTool
         if _PARAMETER.sub("", inner).strip():
             return None  # stray text between parameters
         return ParsedToolCall(name, json.dumps(arguments, ensure_ascii=False))
-    try:
+    try:  # Hermes' form: {"name": ..., "arguments": {...} or its JSON text}
         call = json.loads(body)
+        given = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
+        given = json.loads(given) if isinstance(given, str) else given
     except json.JSONDecodeError:
         return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return None
-    given = call.get("arguments", call.get("parameters", {}))
-    if isinstance(given, str):
-        try:
-            given = json.loads(given)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(given, dict):
+    if not isinstance(given, dict) or not isinstance(call.get("name"), str):
         return None
     return ParsedToolCall(call["name"], json.dumps(given, ensure_ascii=False))
 
