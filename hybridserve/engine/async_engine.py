@@ -60,26 +60,11 @@ class AsyncLLMEngine(CoreClient):
         self._inputs = QueueInputs()
         self._thread: threading.Thread | None = None
 
-    @classmethod
-    def from_config(cls, config: Any, **kwargs: Any) -> AsyncLLMEngine:
-        """Build the sync `LLMEngine` from an `EngineConfig` and wrap it (not started yet)."""
-        from hybridserve.engine.engine import LLMEngine
-
-        limit = kwargs.pop("max_waiting_requests", config.scheduler.max_waiting_requests)
-        return cls(LLMEngine(config), max_waiting_requests=limit, **kwargs)
-
     @property
     def is_running(self) -> bool:
         """True while the engine thread is alive and serving."""
         return (self._thread is not None and self._thread.is_alive() and not self._stopping
                 and self._dead_reason is None)
-
-    @property
-    def dead_reason(self) -> str | None:
-        """Why the engine stopped serving (a worker died, or it was shut down); None while it runs."""
-        if self._dead_reason is not None:
-            return self._dead_reason
-        return "engine has been shut down" if self._stopping else None
 
     def start(self) -> None:
         """Start the engine thread (idempotent)."""

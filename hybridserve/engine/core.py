@@ -1,14 +1,11 @@
-"""The engine core: `LLMEngine`'s busy loop (`EngineCore`), in its own process or on a thread.
-
-`run_engine_core` (spawned by `EngineCoreClient`) builds the engine, so whatever it starts lives
-under that process, then loops: handle the inputs (add, abort, utility calls), step while there is
-work, send that step's incremental outputs. Inputs and outputs are frames on one Unix socket
-(`frames`). Not daemonic (tensor-parallel workers hang off it): it exits when the socket closes or
-its parent pid changes. `AsyncLLMEngine` runs the same loop on a thread, fed by an in-process queue.
-"""
+"""The engine core: `LLMEngine`'s busy loop (`EngineCore`), in its own process (`run_engine_core`,
+spawned by `EngineCoreClient`; inputs and outputs are frames on one Unix socket) or on a thread
+(`AsyncLLMEngine`, fed by an in-process queue): handle the inputs, step while there is work, send
+each step's incremental outputs. The process exits when the socket closes or its parent changes."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -19,25 +16,7 @@ import time
 from collections import deque
 from typing import Any, Protocol
 
-from hybridserve.engine.core_messages import (
-    AbortRequests,
-    AddRequest,
-    AddResult,
-    CompletionDelta,
-    CoreInput,
-    CoreOutput,
-    EngineDead,
-    Ready,
-    RequestDelta,
-    Shutdown,
-    StartupFailed,
-    StepFailed,
-    StepOutputs,
-    UtilityCall,
-    UtilityResult,
-    input_decoder,
-    params_from_wire,
-)
+from hybridserve.engine import core_messages
 from hybridserve.engine.frames import FrameReceiver, FrameSender
 from hybridserve.engine.memory import freeze_startup_heap
 from hybridserve.errors import InvalidRequestError, error_kind
@@ -56,15 +35,29 @@ BURST_POLL_MS = 1
 SOCKET_DIR_PREFIX = "hybridserve-core-"  # the API process's socket directory (tempfile.mkdtemp prefix)
 
 
+@dataclasses.dataclass(slots=True)
 class _Sent:
     """How much of one completion the API process has been told about."""
 
-    __slots__ = ("logprobs", "text", "tokens")
+    tokens: int = 0
+    text: str = ""
+    logprobs: int = 0
 
-    def __init__(self) -> None:
-        self.tokens = 0
-        self.text = ""
-        self.logprobs = 0
+    def delta(self, seq: Any) -> core_messages.CompletionDelta:
+        """What is new in `seq` since the last delta (and mark it sent)."""
+        ids, text = seq.output_token_ids, seq.output_text
+        new_ids, self.tokens = ids[self.tokens:], len(ids)
+        if text.startswith(self.text):
+            start, new_text = len(self.text), text[len(self.text):]
+        else:  # a stop string cut text that was already reported
+            start, new_text = 0, text
+        self.text = text
+        rows = cumulative = None
+        if seq.logprobs is not None:
+            rows, self.logprobs = seq.logprobs[self.logprobs:], len(seq.logprobs)
+            cumulative = seq.cumulative_logprob
+        return core_messages.CompletionDelta(seq.index, new_ids, start, new_text, rows, cumulative, seq.finish_reason,
+                               seq.stop_reason)
 
 
 class DeltaTracker:
@@ -73,13 +66,8 @@ class DeltaTracker:
     def __init__(self) -> None:
         self._sent: dict[str, list[_Sent]] = {}
 
-    def deltas(self, groups: list[Any]) -> list[RequestDelta]:
-        """The deltas of the groups a step touched; finished groups are forgotten."""
-        return [self._delta(group) for group in groups]
-
     def unsent_tokens(self, group: Any) -> int | None:
-        """The most tokens any of the group's completions has that were not sent yet (None: the
-        group has not been sent at all)."""
+        """The most unsent tokens of any of the group's completions (None: nothing sent yet)."""
         sent = self._sent.get(group.request_id)
         if sent is None:
             return None
@@ -89,57 +77,36 @@ class DeltaTracker:
         """Drop what is tracked for an aborted request."""
         self._sent.pop(request_id, None)
 
-    def _delta(self, group: Any) -> RequestDelta:
+    def delta(self, group: Any) -> core_messages.RequestDelta:
+        """The delta of a group a step touched; a finished group is forgotten."""
         first = group.first
         sent = self._sent.get(group.request_id)
         prompt_ids = None
         if sent is None:
             sent = self._sent[group.request_id] = [_Sent() for _ in group.sequences]
             prompt_ids = first.prompt_token_ids
-        completions = [_completion_delta(seq, mark) for seq, mark in zip(group.sequences, sent)]
+        completions = [mark.delta(seq) for seq, mark in zip(group.sequences, sent)]
         finished = group.is_finished
         if finished:
             del self._sent[group.request_id]
         first_tokens = [s.first_token_time for s in group.sequences if s.first_token_time is not None]
-        return RequestDelta(group.request_id, completions, finished, first.num_cached_tokens or 0,
+        return core_messages.RequestDelta(group.request_id, completions, finished, first.num_cached_tokens or 0,
                             min(first_tokens) if first_tokens else None, prompt_ids)
-
-
-def _completion_delta(seq: Any, sent: _Sent) -> CompletionDelta:
-    ids = seq.output_token_ids
-    new_ids = ids[sent.tokens:]
-    sent.tokens = len(ids)
-    text = seq.output_text
-    if text.startswith(sent.text):
-        start, new_text = len(sent.text), text[len(sent.text):]
-    else:  # a stop string cut text that was already reported
-        start, new_text = 0, text
-    sent.text = text
-    rows = None
-    if seq.logprobs is not None:
-        rows = seq.logprobs[sent.logprobs:]
-        sent.logprobs = len(seq.logprobs)
-    cumulative = seq.cumulative_logprob if seq.logprobs is not None else None
-    return CompletionDelta(seq.index, new_ids, start, new_text, rows, cumulative, seq.finish_reason,
-                           seq.stop_reason)
 
 
 class MessageSink(Protocol):
     """Where the core's output messages go (a `FrameSender` in the core process)."""
 
-    def send_message(self, message: CoreOutput) -> None: ...
+    def send_message(self, message: core_messages.CoreOutput) -> None: ...
 
 
 class CoreInputs(Protocol):
-    """Where the core's input messages come from (`SocketInputs` in the core process)."""
+    """Where the core's input messages come from (`SocketInputs` in the core process): `poll`
+    waits up to `timeout_ms` and says how many wait; `receive` takes one without waiting."""
 
-    def poll(self, timeout_ms: int) -> int:
-        """Wait up to `timeout_ms` for a message; nonzero when one is waiting."""
-        ...
+    def poll(self, timeout_ms: int) -> int: ...
 
-    def receive(self) -> CoreInput | None:
-        """The next waiting message, without waiting (None: none is)."""
-        ...
+    def receive(self) -> core_messages.CoreInput | None: ...
 
 
 class SocketInputs:
@@ -147,8 +114,8 @@ class SocketInputs:
     closes its end, a `Shutdown` is what comes next."""
 
     def __init__(self, sock: socket.socket) -> None:
-        self._receiver = FrameReceiver(sock, input_decoder())
-        self._waiting: deque[CoreInput] = deque()
+        self._receiver = FrameReceiver(sock, core_messages.input_decoder())
+        self._waiting: deque[core_messages.CoreInput] = deque()
 
     def poll(self, timeout_ms: int) -> int:
         """Wait up to `timeout_ms` for a message; how many are waiting."""
@@ -157,10 +124,10 @@ class SocketInputs:
                 messages = self._receiver.receive_messages(timeout_ms / 1000)
             except OSError:
                 messages = None
-            self._waiting.extend([Shutdown()] if messages is None else messages)
+            self._waiting.extend([core_messages.Shutdown()] if messages is None else messages)
         return len(self._waiting)
 
-    def receive(self) -> CoreInput | None:
+    def receive(self) -> core_messages.CoreInput | None:
         """The next message, without waiting (None: none is waiting)."""
         return self._waiting.popleft() if self.poll(0) else None
 
@@ -182,8 +149,8 @@ class EngineCore:
         self._stopping = False
         self._next_parent_check = 0.0
 
-    def send(self, message: CoreOutput) -> None:
-        """Push one message to the API process (gone: the core stops)."""
+    def send(self, message: core_messages.CoreOutput) -> None:
+        """Send one message to the API process (gone: the core stops)."""
         try:
             self.outputs.send_message(message)
         except OSError:
@@ -201,11 +168,9 @@ class EngineCore:
                 self._step()
         self._fail_all("engine core shut down")
 
-    # ------------------------------------------------------------------ inputs
     def _drain_inputs(self, block: bool) -> None:
-        """Handle every waiting message (after waiting for one when `block`). Starting from idle,
-        when two or more requests came at once, keep gathering while more follow (see
-        BURST_GAP_S), so that a burst of clients starts in one step."""
+        """Handle every waiting message (after waiting for one when `block`); from idle, gather a
+        burst (see BURST_GAP_S)."""
         if block and not self.inputs.poll(int(PARENT_CHECK_S * 1000)):
             return
         added = self._handle_waiting()
@@ -224,50 +189,52 @@ class EngineCore:
             message = self.inputs.receive()
             if message is None:
                 return added
-            added += isinstance(message, AddRequest)
+            added += isinstance(message, core_messages.AddRequest)
             self._handle(message)
         return added
 
     def _handle(self, message: Any) -> None:
-        if isinstance(message, AddRequest):
+        if isinstance(message, core_messages.AddRequest):
             self._add(message)
-        elif isinstance(message, AbortRequests):
+        elif isinstance(message, core_messages.AbortRequests):
             for request_id in message.request_ids:
                 self._abort(request_id)
-        elif isinstance(message, UtilityCall):
+        elif isinstance(message, core_messages.UtilityCall):
             self._call(message)
-        elif isinstance(message, Shutdown):
+        elif isinstance(message, core_messages.Shutdown):
             self._stopping = True
 
-    def _add(self, message: AddRequest) -> None:
+    def _add(self, message: core_messages.AddRequest) -> None:
         try:
-            params = params_from_wire(message.params)
+            params = core_messages.params_from_wire(message.params)
             self.engine.add_request(message.request_id, message.prompt, params, cache_salt=message.cache_salt)
         except Exception as exc:  # noqa: BLE001 - handed back to the caller
-            self.send(AddResult(message.request_id, error_kind(exc), str(exc)))
+            self.send(core_messages.AddResult(message.request_id, error_kind(exc), str(exc)))
             return
         self._live.add(message.request_id)
         if params.output_kind == RequestOutputKind.FINAL_ONLY:
             self._final_only.add(message.request_id)
         elif params.stream_interval > 1:
             self._intervals[message.request_id] = params.stream_interval
-        self.send(AddResult(message.request_id))
+        self.send(core_messages.AddResult(message.request_id))
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
         self.tracker.forget(request_id)
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
         self._live.discard(request_id)
         self._final_only.discard(request_id)
         self._intervals.pop(request_id, None)
 
-    def _call(self, message: UtilityCall) -> None:
+    def _call(self, message: core_messages.UtilityCall) -> None:
         try:
-            result = UtilityResult(message.call_id, call_engine(self.engine, message.method, message.args))
-            self.send(result)
+            value = call_engine(self.engine, message.method, message.args)
+            self.send(core_messages.UtilityResult(message.call_id, value))
         except Exception as exc:  # noqa: BLE001 - handed back to the caller (also a result msgpack cannot hold)
-            self.send(UtilityResult(message.call_id, error_kind=error_kind(exc), message=str(exc)))
+            self.send(core_messages.UtilityResult(message.call_id, error_kind=error_kind(exc), message=str(exc)))
 
-    # ------------------------------------------------------------------ steps
     def _step(self) -> None:
         try:
             groups = self.engine.step_groups()
@@ -277,38 +244,34 @@ class EngineCore:
             return
         if not groups:
             return
-        final_only, intervals = self._final_only, self._intervals
-        if final_only or intervals:  # their deltas accumulate until they are due
+        if self._final_only or self._intervals:  # their deltas accumulate until they are due
             groups = [g for g in groups if g.is_finished or self._due(g)]
         waiting = int(self.engine.num_waiting_requests)
         if not groups and waiting == self._sent_waiting:
             return
-        deltas = self.tracker.deltas(groups)
+        deltas = [self.tracker.delta(group) for group in groups]
         for delta in deltas:
             if delta.finished:
-                self._live.discard(delta.request_id)
-                final_only.discard(delta.request_id)
-                intervals.pop(delta.request_id, None)
-        self.send(StepOutputs(deltas, waiting))
+                self._forget(delta.request_id)
+        self.send(core_messages.StepOutputs(deltas, waiting))
         self._sent_waiting = waiting
         reason = getattr(self.engine, "dead_reason", None)
         if reason is not None:  # its requests have just been ended with an error
             logger.error("engine stopped: %s", reason)
-            self.send(EngineDead(reason))
+            self.send(core_messages.EngineDead(reason))
             self._stopping = True
 
     def _report_waiting(self) -> None:
-        """Tell the API process the waiting count when inputs changed it. Steps report it too, but
-        aborts can empty the engine with no step to follow: the API process, which admits requests
-        by that count, would then refuse every new one as overloaded, for good."""
+        """Tell the API process the waiting count when inputs changed it: aborts can empty the
+        engine with no step to follow, and the API process admits requests by that count."""
         waiting = int(self.engine.num_waiting_requests)
         if waiting != self._sent_waiting:
-            self.send(StepOutputs([], waiting))
+            self.send(core_messages.StepOutputs([], waiting))
             self._sent_waiting = waiting
 
     def _due(self, group: Any) -> bool:
-        """Whether an unfinished group's delta is sent this step: never for a final-only request;
-        for one with a stream interval, its first token and then every `interval` new tokens."""
+        """Whether an unfinished group's delta is sent this step: never when final-only; with a
+        stream interval, its first token and then every `interval` new tokens."""
         request_id = group.request_id
         if request_id in self._final_only:
             return False
@@ -326,7 +289,7 @@ class EngineCore:
             except Exception:
                 logger.exception("abort of %s failed", request_id)
         if failed:
-            self.send(StepFailed(failed, message))
+            self.send(core_messages.StepFailed(failed, message))
 
     def _parent_gone(self) -> bool:
         if self.parent_pid is None:
@@ -339,8 +302,7 @@ class EngineCore:
 
 
 def call_engine(engine: Any, method: str, args: list[Any]) -> Any:
-    """A utility call: the engine's public method `method` called with `args`, or the value of
-    its public attribute of that name when that is not callable (and no arguments are given)."""
+    """A utility call: the engine's public method `method(*args)`, or its public attribute."""
     if not method or method.startswith("_"):
         raise InvalidRequestError(f"utility call {method!r}: only public engine methods and attributes "
                                   "can be called")
@@ -353,8 +315,8 @@ def call_engine(engine: Any, method: str, args: list[Any]) -> Any:
 
 
 def max_request_tokens(engine: Any) -> int:
-    """Most tokens (prompt + completion) one request can hold: the context length, further
-    capped by the KV pool when the engine exposes its size."""
+    """Most tokens (prompt + completion) one request can hold: the context length, capped by the
+    KV pool when the engine exposes its size."""
     blocks = getattr(engine, "num_kv_blocks", None)
     block_size = getattr(getattr(getattr(engine, "config", None), "cache", None), "block_size", None)
     limit = int(engine.max_model_len)
@@ -363,10 +325,10 @@ def max_request_tokens(engine: Any) -> int:
     return limit
 
 
-def ready_message(engine: Any) -> Ready:
+def ready_message(engine: Any) -> core_messages.Ready:
     """What the client needs to know about a freshly built engine."""
-    return Ready(engine.model_config, int(engine.max_model_len), max_request_tokens(engine), engine.stats(),
-                 pickle.dumps(engine.tokenizer))
+    return core_messages.Ready(engine.model_config, int(engine.max_model_len), max_request_tokens(engine),
+                               engine.stats(), pickle.dumps(engine.tokenizer))
 
 
 def run_engine_core(config: Any, address: str, parent_pid: int, log_level: int = logging.WARNING) -> None:
@@ -387,7 +349,7 @@ def run_engine_core(config: Any, address: str, parent_pid: int, log_level: int =
             ready = ready_message(engine)
             freeze_startup_heap()
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides the exit code
-            outputs.send_message(StartupFailed(error_kind(exc), str(exc)))
+            outputs.send_message(core_messages.StartupFailed(error_kind(exc), str(exc)))
             return
         outputs.send_message(ready)
         try:

@@ -1,13 +1,7 @@
 """The API process's side of an engine core: `CoreClient`, the request bookkeeping both front ends
 share (streams, deltas, aborts, errors, utility calls), and `EngineCoreClient`, its client of an
-engine core process (`AsyncLLMEngine` runs the core on a thread instead).
-
-One Unix stream socket carries typed frames (`frames`) both ways. A message is encoded before any
-admission slot is taken, then queued in a bounded outbox that one sender thread writes, so the
-event loop never blocks on the socket. Outputs are read by a thread until `read_on_loop` moves the
-reading onto the server's loop; each step reaches every loop with requests in it in one
-`call_soon_threadsafe`. If the core dies, in-flight requests fail with `EngineDeadError`.
-"""
+engine core process over one Unix socket (`frames`; the design is in docs/architecture.md,
+"Transport"). `AsyncLLMEngine` runs the core on a thread instead."""
 
 from __future__ import annotations
 
@@ -31,26 +25,8 @@ from typing import Any
 
 import msgspec
 
+from hybridserve.engine import core_messages
 from hybridserve.engine.core import SOCKET_DIR_PREFIX, run_engine_core
-from hybridserve.engine.core_messages import (
-    AbortRequests,
-    AddRequest,
-    AddResult,
-    CompletionDelta,
-    CoreInput,
-    CoreOutput,
-    EngineDead,
-    Ready,
-    RequestDelta,
-    Shutdown,
-    StartupFailed,
-    StepFailed,
-    StepOutputs,
-    UtilityCall,
-    UtilityResult,
-    output_decoder,
-    params_to_wire,
-)
 from hybridserve.engine.detokenizer import IncrementalDetokenizer
 from hybridserve.engine.frames import FrameOutbox, FrameReceiver, encode_frame
 from hybridserve.engine.threads import child_process_environment
@@ -112,8 +88,7 @@ class RequestStream:
         self._fresh = False
         self._wakeup = asyncio.Event()
 
-    # -------------------------------------------------------------- event-loop side
-    def apply(self, delta: RequestDelta) -> None:
+    def apply(self, delta: core_messages.RequestDelta) -> None:
         """Fold one step's delta in (on the event loop)."""
         if self._done:
             return
@@ -136,7 +111,7 @@ class RequestStream:
         self._done = delta.finished
         self._signal()
 
-    def _detokenize(self, comp: _Completion, part: CompletionDelta) -> None:
+    def _detokenize(self, comp: _Completion, part: core_messages.CompletionDelta) -> None:
         """The completion's new tokens and their text: one detokenizer update per delta (with
         `stream_interval`, several tokens; the text equals per-token updates), a flush at the end."""
         assert self._detokenizers is not None
@@ -224,7 +199,7 @@ class CoreClient(abc.ABC):
     def _is_open(self) -> bool:
         """Whether messages can be sent to the core."""
 
-    def _encode(self, message: CoreInput) -> Any:
+    def _encode(self, message: core_messages.CoreInput) -> Any:
         """The message as `_send` takes it (in this process: the message itself)."""
         return message
 
@@ -233,7 +208,6 @@ class CoreClient(abc.ABC):
         """Queue an encoded message for the core without blocking (under `_lock`): over the
         client's bound `EngineOverloadedError`, unless `force`."""
 
-    # ------------------------------------------------------------------ public API
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           cache_salt: str | None = None) -> RequestStream:
         """Submit a request and wait until the core accepted it (the engine's `ValueError` for
@@ -241,8 +215,8 @@ class CoreClient(abc.ABC):
         self.start()
         # Encoded before a slot is taken; the send is the last step that can fail, so a refusal
         # anywhere leaves nothing behind.
-        encoded = self._encode(AddRequest(request_id, prompt if isinstance(prompt, str) else list(prompt),
-                                          params_to_wire(params), cache_salt))
+        encoded = self._encode(core_messages.AddRequest(request_id, prompt if isinstance(prompt, str) else list(prompt),
+                                          core_messages.params_to_wire(params), cache_salt))
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, prompt, params, loop, time.monotonic(), self.tokenizer)
         ack: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -272,7 +246,7 @@ class CoreClient(abc.ABC):
             if stream is None or not self._is_open() or self._dead_reason is not None:
                 return
             with contextlib.suppress(EngineDeadError):  # the core is gone: nothing runs on
-                self._send(self._encode(AbortRequests([request_id])), force=True)
+                self._send(self._encode(core_messages.AbortRequests([request_id])), force=True)
         _call_in(stream.loop, stream.abort)
 
     async def call(self, method: str, *args: Any) -> Any:
@@ -284,7 +258,7 @@ class CoreClient(abc.ABC):
         with self._lock:
             self._check_alive()
             call_id = next(self._call_ids)
-            self._send(self._encode(UtilityCall(call_id, method, list(args))))
+            self._send(self._encode(core_messages.UtilityCall(call_id, method, list(args))))
             self._calls[call_id] = result
         try:
             return await asyncio.wait_for(asyncio.wrap_future(result), self.call_timeout_s)
@@ -315,6 +289,11 @@ class CoreClient(abc.ABC):
         await self.call("check_integrity")
 
     @property
+    def dead_reason(self) -> str | None:
+        """Why the engine stopped serving (None while it runs); `/health` reports it."""
+        return self._dead_reason or ("engine has been shut down" if self._stopping else None)
+
+    @property
     def num_waiting_estimate(self) -> int:
         """Requests queued for admission plus those waiting inside the engine (approximate)."""
         return self._pending_adds + self._engine_waiting
@@ -325,62 +304,44 @@ class CoreClient(abc.ABC):
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
 
-    # ------------------------------------------------------------------ the core's messages
-    def _dispatch_guarded(self, messages: list[CoreOutput]) -> None:
+    def _dispatch_guarded(self, messages: list[core_messages.CoreOutput]) -> None:
         try:
             self._dispatch(messages)
         except Exception:
             logger.exception("engine core client: dispatch failed")
 
     def _dispatch(self, messages: list[Any]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+        items: list[tuple[RequestStream, Any]] = []  # (stream, its delta or error)
         with self._lock:
             for message in messages:
-                if isinstance(message, StepOutputs):
+                if isinstance(message, core_messages.StepOutputs):
                     self._engine_waiting = message.num_waiting
                     for delta in message.deltas:
                         stream = (self._streams.pop(delta.request_id, None) if delta.finished
                                   else self._streams.get(delta.request_id))
                         if stream is not None:
-                            by_loop.setdefault(stream.loop, []).append((stream, delta))
-                elif isinstance(message, AddResult):
+                            items.append((stream, delta))
+                elif isinstance(message, core_messages.AddResult):
                     self._on_added(message)
-                elif isinstance(message, UtilityResult):
+                elif isinstance(message, core_messages.UtilityResult):
                     self._on_result(message)
-                elif isinstance(message, EngineDead):
+                elif isinstance(message, core_messages.EngineDead):
                     self._dead_reason = message.reason
-                elif isinstance(message, StepFailed):  # at shutdown the core fails what is left
+                elif isinstance(message, core_messages.StepFailed):  # at shutdown the core fails what is left
                     error = (EngineDeadError("engine has been shut down") if self._stopping
                              else EngineStepError(message.message))
-                    for request_id in message.request_ids:
-                        stream = self._streams.pop(request_id, None)
-                        if stream is not None:
-                            by_loop.setdefault(stream.loop, []).append((stream, error))
-        for loop, items in by_loop.items():
-            if _running_loop() is loop:  # read on that loop (`read_on_loop`)
-                _apply_all(items)
-            else:
-                _call_in(loop, _apply_all, items)
+                    streams = [self._streams.pop(request_id, None) for request_id in message.request_ids]
+                    items += [(stream, error) for stream in streams if stream is not None]
+        _deliver(items)
 
-    def _on_added(self, message: AddResult) -> None:
+    def _on_added(self, message: core_messages.AddResult) -> None:
         self._pending_adds -= 1
-        ack = self._adds.pop(message.request_id, None)
-        if ack is None or ack.done():  # cancelled while waiting: abort() already cleaned up
-            return
-        if message.error_kind is None:
-            ack.set_result(None)
-            return
-        self._streams.pop(message.request_id, None)
-        ack.set_exception(error_from_kind(message.error_kind, message.message))
+        if message.error_kind is not None:
+            self._streams.pop(message.request_id, None)
+        _settle(self._adds.pop(message.request_id, None), message)  # None: cancelled, abort() cleaned up
 
-    def _on_result(self, message: UtilityResult) -> None:
-        future = self._calls.pop(message.call_id, None)
-        if future is None or future.done():
-            return
-        if message.error_kind is None:
-            future.set_result(message.value)
-        else:
-            future.set_exception(error_from_kind(message.error_kind, message.message))
+    def _on_result(self, message: core_messages.UtilityResult) -> None:
+        _settle(self._calls.pop(message.call_id, None), message, message.value)
 
     def _mark_dead(self, reason: str) -> None:
         """The core is gone: refuse new requests and fail everything in flight."""
@@ -398,11 +359,7 @@ class CoreClient(abc.ABC):
         for future in [*adds.values(), *calls.values()]:
             if not future.done():
                 future.set_exception(error)
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
-        for stream in streams.values():
-            by_loop.setdefault(stream.loop, []).append((stream, error))
-        for loop, items in by_loop.items():
-            _call_in(loop, _apply_all, items)
+        _deliver([(stream, error) for stream in streams.values()])
 
 
 class EngineCoreClient(CoreClient):
@@ -432,26 +389,13 @@ class EngineCoreClient(CoreClient):
         self._reader: threading.Thread | None = None
         self._home: asyncio.AbstractEventLoop | None = None  # the loop asked to read the outputs
         self._home_reading = False  # True once that loop reads them (the reader thread has ended)
-        self._backlog: list[CoreOutput] = []  # messages read with the start-up message
         self._encoder = msgspec.msgpack.Encoder()
 
-    @classmethod
-    def from_config(cls, config: Any, **kwargs: Any) -> EngineCoreClient:
-        """A client for `config` (not started yet); the waiting limit defaults to the config's."""
-        kwargs.setdefault("max_waiting_requests", config.scheduler.max_waiting_requests)
-        return cls(config, **kwargs)
-
-    # ------------------------------------------------------------------ lifecycle
     @property
     def is_running(self) -> bool:
         """True while the core process is up and answering."""
         return (self._reader is not None and self._dead_reason is None and not self._stopping
                 and self._process is not None and self._process.is_alive())
-
-    @property
-    def dead_reason(self) -> str | None:
-        """Why the engine stopped (None while it runs); `/health` reports it."""
-        return self._dead_reason
 
     @property
     def pid(self) -> int | None:
@@ -497,25 +441,25 @@ class EngineCoreClient(CoreClient):
             with contextlib.suppress(TimeoutError):
                 self._sock, _ = listener.accept()
         self._sock.settimeout(None)  # writes block (on the sender thread); reads never do
-        self._receiver = FrameReceiver(self._sock, output_decoder())
+        self._receiver = FrameReceiver(self._sock, core_messages.output_decoder())
 
     def _await_ready(self, deadline: float) -> None:
-        """Read the core's first message (`Ready` or `StartupFailed`); messages after it wait for
-        the reader in `_backlog`."""
+        """Read the core's first message (`Ready` or `StartupFailed`)."""
         assert self._receiver is not None
-        messages: list[CoreOutput] | None = []
+        messages: list[core_messages.CoreOutput] | None = []
         while not messages:
             self._check_starting(deadline, exited=messages is None)
             messages = self._receiver.receive_messages(POLL_S)
-        message, self._backlog = messages[0], messages[1:]
-        if isinstance(message, StartupFailed):
+        message = messages[0]
+        if isinstance(message, core_messages.StartupFailed):
             raise error_from_kind(message.kind, message.message)
-        if not isinstance(message, Ready):
-            raise TypeError(f"engine core sent {type(message).__name__} before Ready")
+        if not isinstance(message, core_messages.Ready):
+            raise TypeError(f"engine core sent {type(message).__name__} before core_messages.Ready")
         self.tokenizer = pickle.loads(message.tokenizer)  # from our own child process, once
         self.model_config = message.model_config
         self.max_model_len, self.max_request_tokens = message.max_model_len, message.max_request_tokens
         self.startup_stats = message.stats
+        self._dispatch_guarded(messages[1:])  # no request exists yet: only the waiting count
 
     def _check_starting(self, deadline: float, exited: bool) -> None:
         """Raise when the starting core has exited (`exited`: it closed its end) or is late."""
@@ -542,7 +486,7 @@ class EngineCoreClient(CoreClient):
         if self._process is None:
             return
         with self._lock, contextlib.suppress(EngineDeadError):
-            self._send(self._encode(Shutdown()), force=True)
+            self._send(self._encode(core_messages.Shutdown()), force=True)
         self._stop_process(graceful=True, timeout=timeout)
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout)
@@ -552,7 +496,7 @@ class EngineCoreClient(CoreClient):
     def _is_open(self) -> bool:
         return self._outbox is not None and not self._outbox.closed
 
-    def _encode(self, message: CoreInput) -> bytes:
+    def _encode(self, message: core_messages.CoreInput) -> bytearray:
         try:
             return encode_frame(self._encoder, message)
         except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
@@ -569,12 +513,10 @@ class EngineCoreClient(CoreClient):
             return
         if graceful:
             process.join(timeout)
-        if process.is_alive():
-            process.terminate()
-            process.join(5)
-        if process.is_alive():
-            process.kill()
-            process.join(5)
+        for stop in (process.terminate, process.kill):
+            if process.is_alive():
+                stop()
+                process.join(5)
 
     def _close_socket(self) -> None:
         """Stop the sender and close the socket: on the loop that reads it, when one does."""
@@ -592,7 +534,6 @@ class EngineCoreClient(CoreClient):
                 _call_in(home, _close_on_loop, home, sock)
         shutil.rmtree(self._socket_dir, ignore_errors=True)
 
-    # ------------------------------------------------------------------ output readers
     def _start_reader_thread(self) -> None:
         self._reader = threading.Thread(target=self._read_loop, name="hybridserve-core-reader", daemon=True)
         self._reader.start()
@@ -603,14 +544,12 @@ class EngineCoreClient(CoreClient):
             return
         with self._lock:
             if self._home_reading and not self._stopping:
-                self._home, self._home_reading, self._backlog = None, False, []
+                self._home, self._home_reading = None, False
                 self._start_reader_thread()
 
     def _read_loop(self) -> None:
         """The reader thread: dispatch the core's messages until it is gone, the client stops, or
         the loop given to `read_on_loop` takes over."""
-        if self._backlog:
-            self._dispatch_guarded(self._backlog)
         while not self._stopping:
             home = self._home
             if home is not None:
@@ -662,6 +601,30 @@ class EngineCoreClient(CoreClient):
 def _close_on_loop(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
     loop.remove_reader(sock.fileno())
     sock.close()
+
+
+def _settle(future: concurrent.futures.Future[Any] | None, answer: Any, value: Any = None) -> None:
+    """Resolve a waiting future with `value`, or with the error the core's answer names."""
+    if future is None or future.done():
+        return
+    if answer.error_kind is None:
+        future.set_result(value)
+    else:
+        future.set_exception(error_from_kind(answer.error_kind, answer.message))
+
+
+def _deliver(items: list[tuple[RequestStream, Any]]) -> None:
+    """Hand each stream its delta or error on its own loop: at once on the running loop, else
+    in one `call_soon_threadsafe` per loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    running = _running_loop()
+    for loop, loop_items in by_loop.items():
+        if loop is running:  # read on that loop (`read_on_loop`)
+            _apply_all(loop_items)
+        else:
+            _call_in(loop, _apply_all, loop_items)
 
 
 def _apply_all(items: list[tuple[RequestStream, Any]]) -> None:

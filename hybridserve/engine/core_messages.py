@@ -1,11 +1,7 @@
-"""Messages between the API process (`EngineCoreClient`) and the engine core (`EngineCore`).
-
-msgpack-encoded `msgspec` structs, one tagged union per direction, typed end to end: sampling
-parameters as `SamplingParamsWire` (validated again on arrival), utility calls as a method name with
-plain arguments, errors as a kind from `hybridserve.errors.WIRE_KINDS`. Nothing the API process
-sends is pickled; the one pickled payload is the tokenizer in the core's start-up `Ready`. Per step
-only what is new travels (`StepOutputs`), never the cumulative output.
-"""
+"""Messages between the API process (`CoreClient`) and the engine core (`EngineCore`): msgspec
+structs, one tagged union per direction, typed end to end (errors travel as a kind from
+`hybridserve.errors.WIRE_KINDS`). Nothing the API process sends is pickled; the core's `Ready`
+carries the pickled tokenizer. Per step only what is new travels, never the cumulative output."""
 
 from __future__ import annotations
 
@@ -34,8 +30,7 @@ class StructuredOutputsWire(msgspec.Struct, array_like=True):
 
 
 class SamplingParamsWire(msgspec.Struct, array_like=True):
-    """`SamplingParams` on the wire: the same fields under the same names (a field added to one
-    and not the other fails `params_to_wire` at once), in their validated, normalized form."""
+    """`SamplingParams` on the wire, field for field (a field added to one only fails at once)."""
 
     n: int
     max_tokens: int | None
@@ -97,8 +92,7 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
 
 
 class UtilityCall(msgspec.Struct, tag="call", array_like=True):
-    """Between steps, call the engine's public method `method` with `args` (or read the public
-    attribute of that name when it is not callable); the core answers with `UtilityResult`."""
+    """Between steps, call the engine's public method (or read its attribute); answer: `UtilityResult`."""
 
     call_id: int
     method: str
@@ -114,8 +108,8 @@ CoreInput = AddRequest | AbortRequests | UtilityCall | Shutdown
 
 # ----------------------------------------------------------------------------- core -> API
 class Ready(msgspec.Struct, tag="ready", array_like=True):
-    """The engine is built: what the API process needs from it without running it. `tokenizer`
-    is the pickled `Tokenizer` (a wrapper of a third-party object without a typed form)."""
+    """The engine is built: what the API process needs from it (`tokenizer` is pickled: a
+    third-party object without a typed form)."""
 
     model_config: ModelConfig
     max_model_len: int
@@ -132,8 +126,7 @@ class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):
 
 
 class AddResult(msgspec.Struct, tag="added", array_like=True):
-    """The answer to `AddRequest`: `error_kind` is None when queued, else the exception's kind
-    ("InvalidRequestError", "QueueFullError", ...; see `hybridserve.errors`) with its message."""
+    """The answer to `AddRequest`: `error_kind` is None when queued, else the exception's kind."""
 
     request_id: str
     error_kind: str | None = None
@@ -150,11 +143,8 @@ class UtilityResult(msgspec.Struct, tag="result", array_like=True):
 
 
 class CompletionDelta(msgspec.Struct, array_like=True):
-    """What is new for one of a request's `n` completions since the previous step.
-
-    The text becomes `previous[:text_start] + text`: normally `text_start` is the previous
-    length (an append); a stop string found at the end cuts text that was already reported.
-    """
+    """What is new for one of a request's `n` completions since the previous step. The text
+    becomes `previous[:text_start] + text` (a stop string can cut text already reported)."""
 
     index: int
     token_ids: list[int]
@@ -167,8 +157,7 @@ class CompletionDelta(msgspec.Struct, array_like=True):
 
 
 class RequestDelta(msgspec.Struct, array_like=True):
-    """One request that advanced in a step. `prompt_token_ids` and `prompt` come once, in the
-    request's first delta."""
+    """One request that advanced in a step; `prompt_token_ids` comes in its first delta only."""
 
     request_id: str
     completions: list[CompletionDelta]
@@ -199,11 +188,6 @@ class EngineDead(msgspec.Struct, tag="engine_dead", array_like=True):
 
 
 CoreOutput = Ready | StartupFailed | AddResult | UtilityResult | StepOutputs | StepFailed | EngineDead
-
-
-def input_encoder() -> msgspec.msgpack.Encoder:
-    """Encoder for either direction (structs know their tags)."""
-    return msgspec.msgpack.Encoder()
 
 
 def input_decoder() -> msgspec.msgpack.Decoder[CoreInput]:

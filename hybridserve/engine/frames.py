@@ -1,8 +1,6 @@
-"""Length-prefixed msgpack frames over one Unix stream socket: the only channel between the API
-process and the engine core, both ways. Each frame is a 4-byte little-endian length and one
-`core_messages` message. The socket stays in blocking mode for writes; reads never block (a poll,
-then `MSG_DONTWAIT`), so one side can read while another thread of it writes.
-"""
+"""Length-prefixed msgpack frames (a 4-byte little-endian length, one `core_messages` message) on
+the one Unix stream socket between the API process and the engine core, both ways. Writes block;
+reads never do (a poll, then `MSG_DONTWAIT`), so one thread can read while another writes."""
 
 from __future__ import annotations
 
@@ -22,16 +20,15 @@ logger = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<I")
 MAX_FRAME_BYTES = (1 << 32) - 1
-_SMALL_FRAME_BYTES = 1 << 16  # a reused encode buffer that grew past this is dropped after use
 
 
-def encode_frame(encoder: msgspec.msgpack.Encoder, message: Any) -> bytes:
-    """One whole frame for `message` (`TypeError`/`OverflowError` from msgspec for a value it
-    cannot encode, `ValueError` over 4 GiB)."""
-    buffer = bytearray(_HEADER.size)
-    encoder.encode_into(message, buffer, _HEADER.size)
-    _HEADER.pack_into(buffer, 0, _checked_size(len(buffer) - _HEADER.size))
-    return bytes(buffer)
+def encode_frame(encoder: msgspec.msgpack.Encoder, message: Any) -> bytearray:
+    """One whole frame for `message` (msgspec's `TypeError`/`OverflowError` for a value it cannot
+    encode, `ValueError` over 4 GiB)."""
+    frame = bytearray(_HEADER.size)
+    encoder.encode_into(message, frame, _HEADER.size)
+    _HEADER.pack_into(frame, 0, _checked_size(len(frame) - _HEADER.size))
+    return frame
 
 
 class FrameSender:
@@ -40,17 +37,11 @@ class FrameSender:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self._encoder = msgspec.msgpack.Encoder()
-        self._buffer = bytearray(_HEADER.size)  # reused: header, then the message
 
     def send_message(self, message: Any) -> None:
-        """Encode a message and write it as one frame (`OSError` when the peer is gone; a value
-        msgspec cannot encode raises, and nothing is written then)."""
-        buffer = self._buffer
-        self._encoder.encode_into(message, buffer, _HEADER.size)
-        _HEADER.pack_into(buffer, 0, _checked_size(len(buffer) - _HEADER.size))
-        self.sock.sendall(buffer)
-        if len(buffer) > _SMALL_FRAME_BYTES:  # do not keep a large start-up message's buffer
-            self._buffer = bytearray(_HEADER.size)
+        """Write one message as a frame (`OSError` when the peer is gone; nothing is written when
+        it cannot be encoded)."""
+        self.sock.sendall(encode_frame(self._encoder, message))
 
 
 class FrameOutbox:
@@ -63,12 +54,12 @@ class FrameOutbox:
         self.max_bytes = max_bytes
         self.queued_bytes = 0
         self.closed = False
-        self._frames: collections.deque[bytes] = collections.deque()
+        self._frames: collections.deque[bytearray] = collections.deque()
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="hybridserve-frame-sender", daemon=True)
         self._thread.start()
 
-    def put(self, frame: bytes, force: bool = False) -> None:
+    def put(self, frame: bytearray, force: bool = False) -> None:
         """Queue one encoded frame (`encode_frame`) for the sender thread."""
         with self._cond:
             if self.closed:

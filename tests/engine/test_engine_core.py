@@ -40,7 +40,6 @@ from hybridserve.engine.core_messages import (
     StepOutputs,
     UtilityCall,
     input_decoder,
-    input_encoder,
     output_decoder,
     params_from_wire,
     params_to_wire,
@@ -396,7 +395,7 @@ def test_an_idle_core_gathers_a_burst_but_not_a_lone_request(monkeypatch: pytest
     api_end, core_end = socket.socketpair()
     engine, inputs = _RecordingEngine(), _ScriptedInputs(core_end, clock)
     core = EngineCore(engine, inputs, _ListSink(), os.getppid())
-    encoder, params = input_encoder(), params_to_wire(SamplingParams(max_tokens=1))
+    encoder, params = msgspec.msgpack.Encoder(), params_to_wire(SamplingParams(max_tokens=1))
     parent_check_ms = int(PARENT_CHECK_S * 1000)
 
     def send(request_id: str) -> None:  # a socket pair delivers at once
@@ -513,7 +512,7 @@ def test_requests_cross_the_wire_typed_and_without_pickle(constraint: Structured
     decodes to equal `SamplingParams`, structured-output constraint included."""
     params = _every_sampling_field()
     params.structured_outputs = constraint
-    encoded = input_encoder().encode(AddRequest("req-1", [1, 2, 3], params_to_wire(params), "salt"))
+    encoded = msgspec.msgpack.Encoder().encode(AddRequest("req-1", [1, 2, 3], params_to_wire(params), "salt"))
     assert _plain_values(msgspec.msgpack.decode(encoded))
     decoded = input_decoder().decode(encoded)
     assert isinstance(decoded, AddRequest)
@@ -596,7 +595,7 @@ def test_both_directions_share_one_socket_without_deadlock() -> None:
     core_thread = threading.Thread(target=core_side, daemon=True)
     core_thread.start()
     outbox = FrameOutbox(api_end, max_bytes=1 << 30)
-    encoder = input_encoder()
+    encoder = msgspec.msgpack.Encoder()
     for message in inputs:
         outbox.put(encode_frame(encoder, message))
     receiver, received_outputs = FrameReceiver(api_end, output_decoder()), []
