@@ -161,13 +161,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Sizes of the paged KV pool and the GDN snapshot pool (the joint prefix cache).
-
-    Explicit pool sizes (`kv_cache_mib`, `prefix_cache_mib`; `prefix_cache_mib=0` disables the
-    prefix cache) win; otherwise `kv_cache_memory_bytes` (both pools together) or
-    `memory_fraction` (of the device's memory, profiled at start-up; the default on CUDA) is split
-    by `snapshot_memory_share`. See `engine.memory_plan`.
-    """
+    """Sizes of the paged KV pool and the GDN snapshot pool (the joint prefix cache; how they are
+    planned: docs/serving.md, Sizing), the block size and hash, and the snapshot policy."""
 
     block_size: int = 16
     kv_cache_mib: float | None = None

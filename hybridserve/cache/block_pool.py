@@ -164,14 +164,10 @@ class BlockPoolStats(NamedTuple):
 
 
 class BlockPool:
-    """Reference-counted, content-addressed pool of ``num_blocks`` KV block ids.
-
-    A block is on the LRU free list iff its ref count is 0; a free block that still holds a hash is
-    *cached* (reclaimable, and matchable until reallocated). One block per hash: a second block with
-    the same content stays unhashed. A *tail* is a partial block registered under :func:`hash_tail`,
-    indexed by its parent hash. ``on_evict(hash)`` hears every hash dropped when a cached block is
-    reclaimed, so state keyed by that prefix (a GDN snapshot) can go with it.
-    """
+    """Reference-counted, content-addressed pool of ``num_blocks`` KV block ids: a block is on the LRU
+    free list iff its ref count is 0, and a free block that still holds a hash is *cached* (matchable
+    until reallocated); one block per hash. ``on_evict(hash)`` hears every hash dropped when a
+    cached block is reclaimed, so state keyed by that prefix (a GDN snapshot) can go with it."""
 
     def __init__(self, num_blocks: int, on_evict: Callable[[BlockHash], None] | None = None) -> None:
         if num_blocks <= 0:
@@ -250,12 +246,9 @@ class BlockPool:
             self.num_touched += 1
 
     def free(self, block_ids: Sequence[int], evict_first: bool = False) -> None:
-        """Drop one reference on each block; blocks reaching 0 go to the MRU end, keeping their hash.
-
-        Pass a request's blocks tail first, so its deepest, least shareable blocks are evicted before
-        its shared prefix. ``evict_first`` puts them at the LRU *front* instead (blocks a policy
-        judges worth little). Dropping a reference that does not exist raises ``ValueError``.
-        """
+        """Drop one reference on each block; blocks reaching 0 go to the MRU end (pass a request's
+        blocks tail first), keeping their hash, or with ``evict_first`` to the LRU *front* (blocks a
+        policy judges worth little). Dropping a reference that does not exist raises ``ValueError``."""
         counts = Counter(block_ids) if len(set(block_ids)) != len(block_ids) else dict.fromkeys(block_ids, 1)
         for block_id, count in counts.items():
             if self._ref_count[self._check_id(block_id)] < count:
@@ -270,11 +263,9 @@ class BlockPool:
                     self.num_cached_free_blocks += 1
 
     def register(self, block_id: int, block_hash: BlockHash) -> bool:
-        """Make a full, computed, in-use block matchable under ``block_hash``; whether it now holds it.
-
-        ``False`` when another block already holds the hash (this one stays unhashed). A different
-        hash on a hashed block, or a free block, raises ``ValueError``.
-        """
+        """Make a full, computed, in-use block matchable under ``block_hash``; ``False`` when another
+        block already holds the hash (this one stays unhashed). A different hash on a hashed block,
+        or a free block, raises ``ValueError``."""
         self._check_id(block_id)
         if self._ref_count[block_id] == 0:
             raise ValueError(f"register of free block {block_id}")

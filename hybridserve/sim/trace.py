@@ -1,10 +1,8 @@
-"""Mooncake-format request traces (`hash_ids`: one id per 512-token block), turned into token ids.
-
-Each hash id stands for a fixed pseudo-random block of `block_tokens` tokens, so equal id prefixes
-give equal token prefixes. A request whose first k >= 2 ids are exactly an earlier request P's full
-blocks, and which is at least as long as P's prompt plus output, is P's next turn: its prompt starts
-with P's prompt and output, as multi-turn chat sends. Outputs are synthetic unless a live replay
-supplies them (`TraceTokens.set_output`).
+"""Mooncake-format request traces (`hash_ids`: one id per 512-token block), turned into token ids:
+each hash id is a fixed pseudo-random block, so equal id prefixes give equal token prefixes. A
+request whose first k >= 2 ids are exactly an earlier request P's full blocks, and which is at
+least as long as P's prompt plus output, is P's next turn: its prompt starts with P's prompt and
+output. Outputs are synthetic unless a live replay supplies them (`TraceTokens.set_output`).
 """
 
 from __future__ import annotations
