@@ -42,7 +42,12 @@ API_KEY = EnvVar(
     "HYBRIDSERVE_API_KEY", "str", "",
     "API key `hybridserve serve` requires when no --api-key or --api-key-file is given; empty: none")
 
-ENVIRONMENT_VARIABLES: tuple[EnvVar, ...] = (NATIVE_KERNELS, AMX, ONE_CALL_STEP, HUGE_PAGES, SHM_ALLREDUCE, API_KEY)
+GDN_KERNELS = EnvVar(
+    "HYBRIDSERVE_GDN_KERNELS", "str", "",
+    "torch keeps the GDN layers on the PyTorch path on CUDA too; empty: the Triton kernels where they can run")
+
+ENVIRONMENT_VARIABLES: tuple[EnvVar, ...] = (NATIVE_KERNELS, AMX, ONE_CALL_STEP, HUGE_PAGES, SHM_ALLREDUCE, API_KEY,
+                                             GDN_KERNELS)
 
 
 def read_flag(variable: EnvVar) -> bool:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from typing import TYPE_CHECKING
 
 import torch
 
+from hybridserve import envs
 from hybridserve.layers.gated_delta import (
     L2_NORM_EPS,
     causal_conv_decode,
@@ -31,13 +31,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# "torch" keeps the PyTorch path on CUDA too (the reference the Triton path is compared with).
-BACKEND_ENV = "HYBRIDSERVE_GDN_KERNELS"
+BACKEND_ENV = envs.GDN_KERNELS.name
 
 
 def triton_gdn_unavailable(device: torch.device) -> str | None:
     """Why the Triton GDN path cannot run on `device`, or None when it can."""
-    if os.environ.get(BACKEND_ENV, "").lower() == "torch":
+    if envs.read_str(envs.GDN_KERNELS).strip().lower() == "torch":
         return f"{BACKEND_ENV}=torch"
     if device.type != "cuda":
         return f"the device is {device.type}, not cuda"
