@@ -17,22 +17,12 @@ from hybridserve.engine_args import add_engine_arguments
 
 Handler = Callable[[argparse.Namespace], int]
 
-# name -> (help, settings dataclass, module whose run_<module>/format_<module>_report it calls)
-ENGINE_BENCHES: dict[str, tuple[str, type, str]] = {
-    "engine": ("hybridserve vs transformers (same weights): prefill, decode, batching, FLOP rate",
-               configs.EngineBenchConfig, "engine_bench"),
-    "decode": ("batch-1 decode vs the time to read the weights once, for float32, bfloat16 and int8 weights side "
-               "by side, and their quality against float32", configs.DecodeBenchConfig, "decode_bench"),
-    "ttft": ("TTFT with the joint prefix cache off vs on, floor, no-reuse throughput", configs.TTFTBenchConfig,
-             "ttft_bench"),
-    "trace": ("scaled replay of the Mooncake conversation trace, cache on vs off", configs.TraceBenchConfig,
-              "trace_bench"),
-    "chat": ("interleaved multi-turn conversations, TTFT per turn with the cache on vs off", configs.ChatBenchConfig,
-             "chat_bench"),
-    "structured": ("decode step time with a JSON schema active vs unconstrained, batch 1 and 16",
-                   configs.StructuredBenchConfig, "structured_bench"),
-    "tp": ("prefill and decode at TP=1 (1 and 2 threads) vs TP=2 (1 thread per rank), with the all-reduce and "
-           "transport shares of a step", configs.TPBenchConfig, "tp_bench"),
+# name -> settings dataclass (its docstring is the subcommand's help); module bench/<name>_bench.py
+# has run_<name>_bench(engine_config, settings) and format_<name>_report(result)
+ENGINE_BENCHES: dict[str, type] = {
+    "engine": configs.EngineBenchConfig, "decode": configs.DecodeBenchConfig, "ttft": configs.TTFTBenchConfig,
+    "trace": configs.TraceBenchConfig, "chat": configs.ChatBenchConfig, "structured": configs.StructuredBenchConfig,
+    "tp": configs.TPBenchConfig,
 }
 
 
@@ -40,8 +30,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every `hybridserve bench` subcommand."""
     names = [*ENGINE_BENCHES, "serve", "all"]
     subparsers = parser.add_subparsers(dest="bench_command", required=True, metavar="{" + ",".join(names) + "}")
-    for name, (help_text, config_cls, _) in ENGINE_BENCHES.items():
-        sub = _subparser(subparsers, name, help_text, _run_engine_bench, config_cls)
+    for name, config_cls in ENGINE_BENCHES.items():
+        sub = _subparser(subparsers, name, " ".join((config_cls.__doc__ or "").split()), _run_engine_bench, config_cls)
         if name == "ttft":
             sub.add_argument("--plot", metavar="PATH", default=None, help="save a bar chart (needs matplotlib)")
     _add_serve(subparsers)
@@ -90,9 +80,8 @@ def _finish(args: argparse.Namespace, result: dict[str, Any], report: str) -> in
 
 def _run_bench(name: str, engine_config: Any, cfg: Any, plot_path: str | None, heading: str = "") -> dict[str, Any]:
     """Run one of `ENGINE_BENCHES`, print its report (and save the ttft plot when asked); its figures."""
-    module_name = ENGINE_BENCHES[name][2]
-    module = importlib.import_module(f"hybridserve.bench.{module_name}")
-    result: dict[str, Any] = getattr(module, f"run_{module_name}")(engine_config, cfg)
+    module = importlib.import_module(f"hybridserve.bench.{name}_bench")
+    result: dict[str, Any] = getattr(module, f"run_{name}_bench")(engine_config, cfg)
     print(heading + getattr(module, f"format_{name}_report")(result), flush=True)
     if name == "ttft" and plot_path:
         try:
@@ -149,7 +138,7 @@ def run_all(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     results: dict[str, Any] = {}
     for name in ("engine", "ttft", "trace") if args.with_trace else ("engine", "ttft"):
-        cfg = configs.TraceBenchConfig(progress=False) if name == "trace" else ENGINE_BENCHES[name][1]()
+        cfg = configs.TraceBenchConfig(progress=False) if name == "trace" else ENGINE_BENCHES[name]()
         heading = ("\n" if results else "") + f"== bench {name} ==\n"
         results[name] = _run_bench(name, config, cfg, args.plot, heading)
     return _finish(args, results, "")

@@ -47,15 +47,12 @@ def median(values: Iterable[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def with_prefix_cache(config: EngineConfig, prefix_cache_mib: float) -> EngineConfig:
-    """`config` with the GDN snapshot pool resized (0 disables the prefix cache)."""
-    return dataclasses.replace(config, cache=dataclasses.replace(config.cache, prefix_cache_mib=prefix_cache_mib))
-
-
 def cache_on_off(config: EngineConfig) -> tuple[EngineConfig, EngineConfig]:
     """(prefix cache on, off) variants of `config`; "on" keeps its pool, or gets 1 GiB if it had none."""
-    on = config if config.cache.prefix_cache_enabled else with_prefix_cache(config, 1024.0)
-    return on, with_prefix_cache(config, 0)
+    def pool(mib: float) -> EngineConfig:
+        return dataclasses.replace(config, cache=dataclasses.replace(config.cache, prefix_cache_mib=mib))
+
+    return (config if config.cache.prefix_cache_enabled else pool(1024.0)), pool(0)
 
 
 def result_header(cfg: Any, engine: LLMEngine) -> dict[str, Any]:

@@ -78,7 +78,7 @@ def config_from_args(config_cls: type[ConfigT], args: argparse.Namespace, **over
 
 @dataclass(frozen=True)
 class EngineBenchConfig:
-    """Sizes and repetitions of `bench engine`."""
+    """hybridserve vs transformers (same weights): prefill, decode, batching, FLOP rate"""
 
     prompt_tokens: int = option(4160, "cold prefill prompt length")
     decode_prompt_tokens: int = option(32, "prompt length before decoding")
@@ -93,7 +93,8 @@ class EngineBenchConfig:
 
 @dataclass(frozen=True)
 class DecodeBenchConfig:
-    """Sizes of `bench decode`."""
+    """batch-1 decode vs the time to read the weights once, for float32, bfloat16 and int8 weights side by side,
+    and their quality against float32"""
 
     variants: tuple[str, ...] = option(WEIGHT_VARIANTS, "weight formats to compare", choices=WEIGHT_VARIANTS)
     prompt_tokens: int = option(64, "prompt length before decoding")
@@ -108,7 +109,7 @@ class DecodeBenchConfig:
 
 @dataclass(frozen=True)
 class TTFTBenchConfig:
-    """Sizes and repetitions of `bench ttft`."""
+    """TTFT with the joint prefix cache off vs on, floor, no-reuse throughput"""
 
     cached_tokens: tuple[int, ...] = option((256, 512, 1024, 2048, 4096), "cached prefix lengths (one row each)")
     suffix_tokens: int = option(64, "fresh tokens after the cached prefix")
@@ -123,7 +124,7 @@ class TTFTBenchConfig:
 
 @dataclass(frozen=True)
 class TraceBenchConfig:
-    """What `bench trace` replays and how."""
+    """scaled replay of the Mooncake conversation trace, cache on vs off"""
 
     trace_path: str = option("", "trace JSONL (default: ../shared/traces/mooncake_conversation.jsonl next to the "
                              "repository)", flag="--trace")
@@ -136,7 +137,7 @@ class TraceBenchConfig:
 
 @dataclass(frozen=True)
 class ChatBenchConfig:
-    """Conversation shapes of `bench chat`."""
+    """interleaved multi-turn conversations, TTFT per turn with the cache on vs off"""
 
     conversations: int = option(4, "conversations played round-robin")
     turns: int = option(8, "turns per conversation")
@@ -149,7 +150,7 @@ class ChatBenchConfig:
 
 @dataclass(frozen=True)
 class StructuredBenchConfig:
-    """Sizes of `bench structured`."""
+    """decode step time with a JSON schema active vs unconstrained, batch 1 and 16"""
 
     batch_sizes: tuple[int, ...] = option((1, 16), "one row each")
     prompt_tokens: int = option(32, "prompt length before decoding")
@@ -161,7 +162,8 @@ class StructuredBenchConfig:
 
 @dataclass(frozen=True)
 class TPBenchConfig:
-    """What `bench tp` measures."""
+    """prefill and decode at TP=1 (1 and 2 threads) vs TP=2 (1 thread per rank), with the all-reduce and
+    transport shares of a step"""
 
     prompt_tokens: int = option(1024, "cold prefill prompt length")
     decode_tokens: int = option(32, "tokens decoded per run")

@@ -5,11 +5,8 @@ tokens/s at batch B over batch 1, (d) prefill FLOP rate against the device's mat
 
 from __future__ import annotations
 
-import contextlib
 import tempfile
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -67,26 +64,18 @@ def prefill_flops(config: ModelConfig, num_tokens: int, gdn_chunk: int) -> dict[
     return parts
 
 
-@contextlib.contextmanager
-def reference_model_dir(engine_config: EngineConfig) -> Iterator[Path]:
-    """The checkpoint transformers loads: the engine's model dir, or the built-in weights of its seed."""
-    if engine_config.model is not None:
-        yield Path(engine_config.model)
-        return
-    with tempfile.TemporaryDirectory(prefix="hybridserve-bench-") as tmp:
-        yield save_builtin_checkpoint(tmp, seed=engine_config.seed)
-
-
-def load_reference_model(model_dir: Path, device: torch.device | str = "cpu",
-                         dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """transformers' `Qwen3_5ForCausalLM` on `device` in `dtype` (the engine's), eval mode, quiet."""
+def load_reference_model(engine: LLMEngine) -> torch.nn.Module:
+    """transformers' `Qwen3_5ForCausalLM` with the engine's weights (its checkpoint, or the built-in
+    weights of its seed) on its device in its dtype, eval mode, quiet."""
     from transformers import Qwen3_5ForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]  # transformers declares no types here
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-    model: torch.nn.Module = Qwen3_5ForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
-    return model.to(device).eval()
+    with tempfile.TemporaryDirectory(prefix="hybridserve-bench-") as tmp:
+        model_dir = engine.config.model or save_builtin_checkpoint(tmp, seed=engine.config.seed)
+        model: torch.nn.Module = Qwen3_5ForCausalLM.from_pretrained(str(model_dir), dtype=engine.dtype)
+    return model.to(engine.device).eval()
 
 
 @torch.inference_mode()
@@ -117,8 +106,7 @@ def run_engine_bench(engine_config: EngineConfig, cfg: EngineBenchConfig) -> dic
     engine = LLMEngine(engine_config)
     driver = EngineDriver(engine, "bench")
     vocab = engine.model_config.vocab_size
-    with reference_model_dir(engine_config) as model_dir:
-        model = load_reference_model(model_dir, engine.device, engine.dtype)
+    model = load_reference_model(engine)
 
     def prefill_round(i: int) -> dict[str, list[float]]:
         ids = random_token_ids(cfg.prompt_tokens, cfg.seed * 7919 + i, vocab)  # fresh: never cached

@@ -10,7 +10,7 @@ import asyncio
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -87,13 +87,6 @@ async def run_workload(api: CompletionClient, kind: str, source: PromptSource,
     return rows
 
 
-async def _wait_for(condition: Callable[[], bool], deadline: float, what: str) -> None:
-    while not condition():
-        if time.perf_counter() > deadline:
-            raise TimeoutError(f"mixed case: timed out waiting for {what}")
-        await asyncio.sleep(POLL_S)
-
-
 def _background_ready(records: Sequence[RequestRecord], tasks: Sequence[asyncio.Task[Any]], need: int) -> bool:
     if any(task.done() for task in tasks):
         raise RuntimeError("mixed case: a background request ended before the injection "
@@ -137,8 +130,10 @@ async def run_mixed(api: CompletionClient, source: PromptSource, cfg: ServeBench
                                             cfg.mixed_background_max_tokens, record)) for record in background]
     try:
         deadline = time.perf_counter() + cfg.request_timeout_s
-        await _wait_for(lambda: _background_ready(background, tasks, cfg.mixed_baseline_chunks), deadline,
-                        "the background baseline")
+        while not _background_ready(background, tasks, cfg.mixed_baseline_chunks):
+            if time.perf_counter() > deadline:
+                raise TimeoutError("mixed case: timed out waiting for the background baseline")
+            await asyncio.sleep(POLL_S)
         injected = await api.stream(prefix + source.fresh(cfg.mixed_suffix_tokens), cfg.mixed_max_tokens)
         if any(task.done() for task in tasks):
             print("[bench] mixed case: a background request ended inside the injection window; "
@@ -165,11 +160,10 @@ def run_serve_bench(cfg: ServeBenchConfig, *, url: str | None = None, serve_args
     """Run the benchmark against `url`, or against a `hybridserve serve` subprocess started with
     `serve_args` (and stopped afterwards) when `url` is None."""
     if url is not None:
-        result = asyncio.run(run_against(url.rstrip("/"), cfg, api_key))
-        return {**result, "server": {"started": False}}
+        return asyncio.run(run_against(url.rstrip("/"), cfg, api_key)) | {"server": {"started": False}}
     with ServerProcess(serve_args) as server:
         result = asyncio.run(run_against(server.url, cfg, api_key))
-        return {**result, "server": {"started": True, "argv": server.argv[2:]}}
+        return result | {"server": {"started": True, "argv": server.argv[2:]}}
 
 
 def _fmt(value: Any, digits: int = 1) -> str:

@@ -11,7 +11,6 @@ import itertools
 import json
 import math
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -199,19 +198,14 @@ class CompletionClient:
         return True
 
 
-def free_port() -> int:
-    """A port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class ServerProcess:
     """A server subprocess on a free loopback port, stopped with SIGTERM on exit: `hybridserve
     serve` with `serve_args`, or another server where a subclass overrides `command`."""
 
     def __init__(self, serve_args: Sequence[str] = (), *, start_timeout_s: float = 180.0,
                  threads: int | None = None) -> None:
+        from hybridserve.distributed.executor import free_port
+
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv = self.command(list(serve_args), threads)

@@ -87,18 +87,13 @@ def _run_summary(elapsed: float, outputs: list[RequestOutput], engine: LLMEngine
             "snapshots_published": stats["snapshots_published"], "snapshots_evicted": stats["snapshots_evicted"]}
 
 
-def engine_shape(engine: LLMEngine) -> ModelShape:
-    """The simulator's view of a live engine's model (its dtype's KV and snapshot sizes)."""
-    cfg = engine.model_config
-    kv = PagedKVCache.bytes_per_token(len(cfg.attention_layer_ids), cfg.num_key_value_heads, cfg.head_dim,
-                                      engine.dtype)
-    return ModelShape("engine", cfg, PrefixCost.from_model(cfg, kv, engine.bytes_per_snapshot))
-
-
 def simulate_engine(engine: LLMEngine, tokens: TraceTokens) -> list[int]:
-    """Per-request hit tokens `hybridserve sim` predicts for `engine`'s pools and policy, decoding
-    one token per step as the engine does (requests one at a time)."""
-    shape, cache = engine_shape(engine), engine.config.cache
+    """Per-request hit tokens `hybridserve sim` predicts for `engine`'s model, dtype, pools and policy,
+    decoding one token per step as the engine does (requests one at a time)."""
+    model, cache = engine.model_config, engine.config.cache
+    kv = PagedKVCache.bytes_per_token(len(model.attention_layer_ids), model.num_key_value_heads, model.head_dim,
+                                      engine.dtype)
+    shape = ModelShape("engine", model, PrefixCost.from_model(model, kv, engine.bytes_per_snapshot))
     config = SimConfig(cache.cache_policy, engine.num_kv_blocks * cache.block_size * shape.cost.kv_bytes_per_token,
                        engine.num_snapshot_slots * shape.cost.snapshot_bytes, cache.block_size, cache.snapshot_interval)
     return list(simulate(tokens, shape, config, stepwise=True, check=True).hits)

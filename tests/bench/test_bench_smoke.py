@@ -157,7 +157,7 @@ def test_bench_flags_come_from_the_settings_dataclasses() -> None:
     from hybridserve.bench.cli import ENGINE_BENCHES
 
     parser = build_parser()
-    for name, (_, config_cls, _) in ENGINE_BENCHES.items():
+    for name, config_cls in ENGINE_BENCHES.items():
         assert configs.config_from_args(config_cls, parser.parse_args(["bench", name])) == config_cls()
     args = parser.parse_args(["bench", "serve", "--no-mixed", "--bench-seed", "3", "--concurrency", "2", "4"])
     cfg = configs.config_from_args(configs.ServeBenchConfig, args)
