@@ -1,0 +1,614 @@
+"""Physical stores of the lower cache tiers: host memory and a persistent disk directory.
+
+A store holds *objects*: a `dict[str, torch.Tensor]` payload (the KV block tensors and GDN conv and
+recurrent states of one joint entry, however the logical layer lays them out) under a plain string
+key. The logical tiers (`hybridserve/cache/tiers.py`) decide which joint entry lives in which tier
+and name the objects; the keys they give carry everything that identifies the prefix, tenant salts
+included (the block hashes fold the salt in), and a store never strips or rewrites a key. Stores
+are synchronous; `hybridserve/cache/store_mover.py` (`StoreMover`) runs them on a background thread so the engine
+never waits on a copy or a disk.
+
+Who evicts:
+- `HostStore`: the logical layer. A put that does not fit the budget is refused and counted; the
+  store never drops an object on its own (the logical layer demotes what it evicts to disk first).
+- `DiskStore`: the logical layer deletes what it evicts, and the store also evicts its least
+  recently used objects itself when a put would exceed its budget, so it never exceeds it; a put's
+  `PutResult.evicted` names those keys so the logical index can forget them.
+
+Disk format (one file per object, `DIR/<fingerprint>/<escaped key>.obj`, 0600 in a 0700 directory):
+a fixed header (magic, format version, key length, payload length, xxh3_128 of the payload), the
+key, then the payload as safetensors bytes (dtype and shape round-trip exactly). Files are written
+to a `.tmp-` name and `os.replace`d, so a crash leaves either the old object, the new one, or a
+temporary file that the next start removes. A corrupted, truncated, vanished or wrong-version
+object is a counted miss and is deleted: never an exception, never wrong data.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import struct
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, is_dataclass
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import unquote
+
+import torch
+import xxhash
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from hybridserve.cache.tier_dir import DiskCacheDirError, prepare_store_dir
+from hybridserve.config import CacheConfig
+
+logger = logging.getLogger(__name__)
+
+Payload = dict[str, torch.Tensor]
+FORMAT_VERSION = 1
+MAGIC = b"HSTIER\x00\x00"
+HEADER = struct.Struct("<8sIIQ16s")  # magic, format version, key length, payload length, xxh3_128
+OBJECT_SUFFIX = ".obj"
+TEMP_PREFIX = ".tmp-"
+LOCK_NAME = ".lock"
+MAX_KEY_FILENAME = 240  # escaped key length; file names are at most 255 bytes
+_KEY_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+
+
+@dataclass
+class TierStoreStats:
+    """Counters of one store (exported per tier in /metrics)."""
+
+    tier: str
+    budget_bytes: int
+    objects: int = 0
+    bytes: int = 0
+    puts: int = 0
+    refused_puts: int = 0  # did not fit the budget (host) or were larger than it (disk)
+    failed_writes: int = 0  # an OSError (ENOSPC included) while writing
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0  # every get that returned None, faults included
+    corrupt_misses: int = 0  # checksum, truncation, bad header or wrong version
+    missing_misses: int = 0  # indexed, but the file was gone
+    evictions: int = 0  # objects the store dropped itself to stay within budget
+    transfer_seconds: float = 0.0  # time spent in puts and gets
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """What a put did: stored or not, the bytes it holds, and the keys evicted to make room."""
+
+    ok: bool
+    nbytes: int
+    evicted: tuple[str, ...] = ()
+
+
+class ObjectStore(Protocol):
+    """A tier's physical store of payloads under string keys (thread-safe)."""
+
+    tier: str
+    budget_bytes: int
+
+    def put(self, key: str, payload: Mapping[str, torch.Tensor], ready: Any = None) -> PutResult:
+        """Store a copy of `payload` (after the CUDA event `ready`, if given); never raises for
+        budget or I/O trouble, which `ok=False` reports."""
+        ...
+
+    def get(self, key: str) -> Payload | None:
+        """The payload under `key`, or None (a counted miss) when absent or unreadable."""
+        ...
+
+    def delete(self, key: str) -> bool:
+        """Drop `key`; whether it was there."""
+        ...
+
+    def contains(self, key: str) -> bool:
+        """Whether `key` is indexed (a later get may still miss on a damaged object)."""
+        ...
+
+    def keys(self) -> list[str]:
+        """Every indexed key, least recently used first."""
+        ...
+
+    def stats(self) -> TierStoreStats:
+        """A copy of the counters."""
+        ...
+
+    def close(self) -> None:
+        """Release the store's resources (the disk store's directory lock)."""
+        ...
+
+
+def payload_nbytes(payload: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of the tensors' elements (what a host copy occupies)."""
+    return sum(t.numel() * t.element_size() for t in payload.values())
+
+
+def _host_copy(payload: Mapping[str, torch.Tensor], *, pin: bool, stream: Any, ready: Any) -> Payload:
+    """Contiguous CPU copies of `payload` (pinned when `pin`). CUDA sources are copied on the side
+    `stream` after the event `ready`, so the copy neither runs before the tensors are written nor
+    waits for the compute stream's later work."""
+    on_cuda = any(t.is_cuda for t in payload.values())
+    if not on_cuda:
+        return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in payload.items()}
+    copies: Payload = {}
+    with torch.cuda.stream(stream):
+        if ready is not None:
+            stream.wait_event(ready)
+        for name, tensor in payload.items():
+            target = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+            target.copy_(tensor.detach(), non_blocking=True)
+            copies[name] = target
+    stream.synchronize()
+    return copies
+
+
+def encode_payload(payload: Mapping[str, torch.Tensor]) -> bytes:
+    """Safetensors bytes of `payload` (CPU tensors)."""
+    return save_safetensors({name: t.detach().contiguous() for name, t in payload.items()})
+
+
+def decode_payload(data: bytes) -> Payload:
+    """The tensors of safetensors bytes (CPU, exact dtype and shape)."""
+    return load_safetensors(data)
+
+
+def key_to_filename(key: str) -> str:
+    """A reversible file name for `key`: letters, digits, '_' and '-' kept, every other byte as
+    %XX; `ValueError` when the key is empty or its file name would be too long."""
+    if not key:
+        raise ValueError("tier store key must not be empty")
+    name = "".join(c if c in _KEY_SAFE else "".join(f"%{b:02X}" for b in c.encode()) for c in key)
+    if len(name) > MAX_KEY_FILENAME:
+        raise ValueError(f"tier store key too long for a file name ({len(name)} > {MAX_KEY_FILENAME}): {key[:40]!r}...")
+    return name + OBJECT_SUFFIX
+
+
+def filename_to_key(name: str) -> str:
+    """The key `key_to_filename` escaped into `name`."""
+    return unquote(name[: -len(OBJECT_SUFFIX)], errors="strict")
+
+
+def _cuda_copy_stream(device: torch.device | None) -> Any:
+    if device is not None and device.type == "cuda":
+        return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # torch leaves it untyped
+    return None
+
+
+class HostStore:
+    """Objects in host memory under a byte budget: CPU tensors, pinned when the engine runs on
+    CUDA (copied on a side stream). A put that does not fit is refused and counted."""
+
+    def __init__(self, budget_bytes: int, *, device: torch.device | None = None) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"host cache budget must be >= 0 bytes, got {budget_bytes}")
+        self.tier = "host"
+        self.budget_bytes = budget_bytes
+        self._pin = device is not None and device.type == "cuda"
+        self._stream = _cuda_copy_stream(device)
+        self._objects: OrderedDict[str, tuple[Payload, int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._stats = TierStoreStats(tier=self.tier, budget_bytes=budget_bytes)
+
+    def put(self, key: str, payload: Mapping[str, torch.Tensor], ready: Any = None) -> PutResult:
+        """Store a host copy of `payload`; refused (counted, `ok=False`) when it does not fit."""
+        start = time.perf_counter()
+        nbytes = payload_nbytes(payload)
+        with self._lock:
+            replaced = self._objects[key][1] if key in self._objects else 0
+            if self._stats.bytes - replaced + nbytes > self.budget_bytes:
+                self._stats.refused_puts += 1
+                return PutResult(False, nbytes)
+            self._stats.bytes += nbytes  # reserved while copying
+        copy = _host_copy(payload, pin=self._pin, stream=self._stream, ready=ready)
+        with self._lock:
+            old = self._objects.pop(key, None)
+            if old is not None:
+                self._stats.bytes -= old[1]
+            self._objects[key] = (copy, nbytes)
+            self._stats.objects = len(self._objects)
+            self._stats.puts += 1
+            self._stats.transfer_seconds += time.perf_counter() - start
+        return PutResult(True, nbytes)
+
+    def get(self, key: str) -> Payload | None:
+        """The held tensors under `key` (shared, not copied: read them, do not modify them)."""
+        with self._lock:
+            self._stats.gets += 1
+            entry = self._objects.get(key)
+            if entry is None:
+                self._stats.misses += 1
+                return None
+            self._objects.move_to_end(key)
+            self._stats.hits += 1
+            return dict(entry[0])
+
+    def delete(self, key: str) -> bool:
+        """Drop `key`; whether it was there."""
+        with self._lock:
+            entry = self._objects.pop(key, None)
+            if entry is None:
+                return False
+            self._stats.bytes -= entry[1]
+            self._stats.objects = len(self._objects)
+            return True
+
+    def contains(self, key: str) -> bool:
+        """Whether `key` is held."""
+        with self._lock:
+            return key in self._objects
+
+    def keys(self) -> list[str]:
+        """Held keys, least recently used first."""
+        with self._lock:
+            return list(self._objects)
+
+    def stats(self) -> TierStoreStats:
+        """A copy of the counters."""
+        with self._lock:
+            return TierStoreStats(**asdict(self._stats))
+
+    def close(self) -> None:
+        """Drop every object."""
+        with self._lock:
+            self._objects.clear()
+            self._stats.bytes = 0
+            self._stats.objects = 0
+
+
+class _ObjectFault(Exception):
+    """An object file that cannot be trusted (why, for the log); `missing` when it was gone."""
+
+    def __init__(self, reason: str, *, missing: bool = False) -> None:
+        super().__init__(reason)
+        self.missing = missing
+
+
+class DiskStore:
+    """Objects as checksummed files in `DIR/<fingerprint>/`, under a byte budget with LRU
+    eviction; survives restarts (the index is rebuilt from the files' headers at start)."""
+
+    def __init__(self, directory: str | os.PathLike[str], fingerprint: str, budget_bytes: int, *,
+                 device: torch.device | None = None) -> None:
+        if budget_bytes < 1:
+            raise ValueError(f"disk cache budget must be >= 1 byte, got {budget_bytes}")
+        self.tier = "disk"
+        self.budget_bytes = budget_bytes
+        self.path = prepare_store_dir(directory, fingerprint)
+        self._lock_fd = self._lock_directory()
+        self._stream = _cuda_copy_stream(device)
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, LRU first
+        self._stats = TierStoreStats(tier=self.tier, budget_bytes=budget_bytes)
+        self.removed_temp_files = self._remove_temp_files()
+        self._load_index()
+        with self._lock:
+            self._evict_to(budget_bytes)
+
+    # -- start-up -----------------------------------------------------------------------------
+
+    def _lock_directory(self) -> int:
+        """Hold an exclusive lock on the directory for this store's lifetime: its start-up removes
+        temporary files, which would break another live writer."""
+        fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            os.close(fd)
+            raise DiskCacheDirError(f"disk cache directory {str(self.path)!r} is in use by another process") from error
+        return fd
+
+    def _remove_temp_files(self) -> int:
+        removed = 0
+        for entry in os.scandir(self.path):
+            if entry.name.startswith(TEMP_PREFIX):
+                _unlink_quietly(Path(entry.path))
+                removed += 1
+        return removed
+
+    def _load_index(self) -> None:
+        """Index every object whose header is sound, least recently used (oldest mtime) first;
+        files with a bad header or length are deleted."""
+        found: list[tuple[float, str, int]] = []
+        for entry in os.scandir(self.path):
+            if not entry.name.endswith(OBJECT_SUFFIX) or entry.name.startswith("."):
+                continue
+            path = Path(entry.path)
+            try:
+                key = filename_to_key(entry.name)
+                info = entry.stat()
+                with open(path, "rb") as handle:
+                    _read_header(handle, key, info.st_size)
+                found.append((info.st_mtime, key, info.st_size))
+            except (OSError, ValueError, _ObjectFault) as fault:
+                logger.warning("disk cache: dropping %s at start: %s", entry.name, fault)
+                self._stats.corrupt_misses += 1
+                _unlink_quietly(path)
+        for _, key, size in sorted(found):
+            self._index[key] = size
+        self._stats.objects = len(self._index)
+        self._stats.bytes = sum(self._index.values())
+
+    # -- operations ---------------------------------------------------------------------------
+
+    def put(self, key: str, payload: Mapping[str, torch.Tensor], ready: Any = None) -> PutResult:
+        """Write `payload` under `key` (temp file, then rename), evicting least recently used
+        objects to stay within budget; an OSError is a counted failed write (`ok=False`)."""
+        start = time.perf_counter()
+        name = key_to_filename(key)
+        host = _host_copy(payload, pin=False, stream=self._stream, ready=ready)
+        data = encode_payload(host)
+        blob = _object_bytes(key, data)
+        size = len(blob)
+        with self._lock:
+            if size > self.budget_bytes:
+                self._stats.refused_puts += 1
+                return PutResult(False, size)
+            replaced = self._drop_from_index(key)
+            evicted = self._evict_to(self.budget_bytes - size)
+            self._index[key] = size  # reserved before writing, so concurrent puts stay in budget
+            self._stats.bytes += size
+        try:
+            self._write(name, blob)
+        except OSError as error:
+            with self._lock:
+                if self._index.get(key) == size:
+                    self._drop_from_index(key)
+                self._stats.failed_writes += 1
+            if replaced:  # the old object was dropped from the index: its file goes too
+                _unlink_quietly(self.path / name)
+            logger.warning("disk cache: writing %s failed: %s", name, error.strerror or error)
+            return PutResult(False, size, evicted)
+        with self._lock:
+            self._stats.puts += 1
+            self._stats.objects = len(self._index)
+            self._stats.transfer_seconds += time.perf_counter() - start
+        return PutResult(True, size, evicted)
+
+    def _write(self, name: str, blob: bytes) -> None:
+        temp = self.path / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.fchmod(fd, 0o600)
+                _write_all(fd, blob)
+            finally:
+                os.close(fd)
+            os.replace(temp, self.path / name)
+        except OSError:
+            _unlink_quietly(temp)
+            raise
+
+    def get(self, key: str) -> Payload | None:
+        """The payload under `key`, read and checksum-verified; None (a counted miss, the file
+        deleted) when absent, corrupted, truncated, vanished or of another format version."""
+        start = time.perf_counter()
+        with self._lock:
+            self._stats.gets += 1
+            if key not in self._index:
+                self._stats.misses += 1
+                return None
+            self._index.move_to_end(key)
+        path = self.path / key_to_filename(key)
+        try:
+            payload = self._read(path, key)
+        except _ObjectFault as fault:
+            self._count_fault(key, path, fault)
+            return None
+        with self._lock:
+            self._stats.hits += 1
+            self._stats.transfer_seconds += time.perf_counter() - start
+        _touch_quietly(path)  # the recency survives a restart (the index is ordered by mtime)
+        return payload
+
+    def _read(self, path: Path, key: str) -> Payload:
+        try:
+            with open(path, "rb") as handle:
+                size = os.fstat(handle.fileno()).st_size
+                payload_length, checksum = _read_header(handle, key, size)
+                data = handle.read(payload_length)
+        except FileNotFoundError as error:
+            raise _ObjectFault("file is gone", missing=True) from error
+        except OSError as error:
+            raise _ObjectFault(f"cannot read: {error.strerror or error}") from error
+        if len(data) != payload_length:
+            raise _ObjectFault("truncated payload")
+        if xxhash.xxh3_128_digest(data) != checksum:
+            raise _ObjectFault("checksum mismatch")
+        try:
+            return decode_payload(data)
+        except Exception as error:  # a payload whose checksum matches but does not parse
+            raise _ObjectFault(f"unreadable payload: {error}") from error
+
+    def _count_fault(self, key: str, path: Path, fault: _ObjectFault) -> None:
+        logger.warning("disk cache: object %s is a miss: %s", path.name, fault)
+        _unlink_quietly(path)
+        with self._lock:
+            self._drop_from_index(key)
+            self._stats.misses += 1
+            if fault.missing:
+                self._stats.missing_misses += 1
+            else:
+                self._stats.corrupt_misses += 1
+
+    def delete(self, key: str) -> bool:
+        """Drop `key` and its file; whether it was indexed."""
+        with self._lock:
+            present = self._drop_from_index(key)
+        if present:
+            _unlink_quietly(self.path / key_to_filename(key))
+        return present
+
+    def contains(self, key: str) -> bool:
+        """Whether `key` is indexed (its file is verified only when read)."""
+        with self._lock:
+            return key in self._index
+
+    def keys(self) -> list[str]:
+        """Indexed keys, least recently used first (after a restart: by file modification time)."""
+        with self._lock:
+            return list(self._index)
+
+    def stats(self) -> TierStoreStats:
+        """A copy of the counters."""
+        with self._lock:
+            return TierStoreStats(**asdict(self._stats))
+
+    def close(self) -> None:
+        """Release the directory lock (the objects stay for the next start)."""
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    # -- bookkeeping (callers hold self._lock) ---------------------------------------------------
+
+    def _drop_from_index(self, key: str) -> bool:
+        size = self._index.pop(key, None)
+        if size is None:
+            return False
+        self._stats.bytes -= size
+        self._stats.objects = len(self._index)
+        return True
+
+    def _evict_to(self, limit: int) -> tuple[str, ...]:
+        """Evict least recently used objects until at most `limit` bytes are held."""
+        evicted: list[str] = []
+        while self._index and self._stats.bytes > limit:
+            key = next(iter(self._index))
+            self._drop_from_index(key)
+            _unlink_quietly(self.path / key_to_filename(key))
+            evicted.append(key)
+        self._stats.evictions += len(evicted)
+        return tuple(evicted)
+
+
+def _object_bytes(key: str, data: bytes) -> bytes:
+    key_bytes = key.encode()
+    header = HEADER.pack(MAGIC, FORMAT_VERSION, len(key_bytes), len(data), xxhash.xxh3_128_digest(data))
+    return header + key_bytes + data
+
+
+def _read_header(handle: Any, key: str, file_size: int) -> tuple[int, bytes]:
+    """(payload length, checksum) of an object file positioned at its start, after checking the
+    magic, the version, the key and that the file is exactly as long as the header says."""
+    raw = handle.read(HEADER.size)
+    if len(raw) != HEADER.size:
+        raise _ObjectFault("truncated header")
+    magic, version, key_length, payload_length, checksum = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise _ObjectFault("not a tier object (bad magic)")
+    if version != FORMAT_VERSION:
+        raise _ObjectFault(f"format version {version}, expected {FORMAT_VERSION}")
+    if file_size != HEADER.size + key_length + payload_length:
+        raise _ObjectFault(f"file is {file_size} bytes, header says {HEADER.size + key_length + payload_length}")
+    if handle.read(key_length) != key.encode():
+        raise _ObjectFault("key does not match the file name")
+    return int(payload_length), bytes(checksum)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        if written <= 0:
+            raise OSError(errno.EIO, "short write")
+        view = view[written:]
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        logger.warning("disk cache: cannot remove %s: %s", path, error.strerror or error)
+
+
+def _touch_quietly(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:
+        pass  # recency is a hint; a vanished file is found on its next read
+
+
+# -- model fingerprint ----------------------------------------------------------------------------
+
+
+def _safetensors_header(path: Path) -> bytes:
+    """The JSON header of a safetensors file (names, dtypes, shapes, offsets)."""
+    with open(path, "rb") as handle:
+        length_bytes = handle.read(8)
+        if len(length_bytes) != 8:
+            raise ValueError(f"{str(path)!r} is not a safetensors file")
+        (length,) = struct.unpack("<Q", length_bytes)
+        header = handle.read(length)
+        if len(header) != length:
+            raise ValueError(f"{str(path)!r} has a truncated safetensors header")
+    return header
+
+
+def _tensor_digests(weights: Mapping[str, torch.Tensor]) -> Iterator[bytes]:
+    for name in sorted(weights):
+        tensor = weights[name].detach().to("cpu").contiguous()
+        yield f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode()
+        yield xxhash.xxh3_128_digest(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def model_fingerprint(*, model_config: Any, dtype: str, block_size: int, block_hash: str,
+                      weight_files: Sequence[Path] = (), weights: Mapping[str, torch.Tensor] | None = None,
+                      tokenizer_json: str = "", extra: Mapping[str, Any] | None = None) -> str:
+    """A hex name for everything that makes a cached object valid: the model config (a dataclass or
+    a dict), the weights, the tokenizer (its JSON, e.g. `tokenizers.Tokenizer.to_str()`), the
+    dtype, the block size, the block hash function and `extra` (quantization, tensor-parallel
+    layout). Weights are identified by each safetensors file's name, size and header (cheap at
+    start-up: the data is not read) or, without files (the built-in model), by the loaded tensors'
+    bytes. Different inputs give different names, so a store never matches another model."""
+    digest = xxhash.xxh3_128()
+    config = asdict(model_config) if is_dataclass(model_config) and not isinstance(model_config, type) else model_config
+    described = {"format": FORMAT_VERSION, "config": config, "dtype": dtype, "block_size": block_size,
+                 "block_hash": block_hash, "extra": dict(extra or {})}
+    digest.update(json.dumps(described, sort_keys=True, default=str).encode())
+    digest.update(xxhash.xxh3_128_digest(tokenizer_json.encode()))
+    for path in weight_files:
+        digest.update(f"|file|{Path(path).name}|{Path(path).stat().st_size}|".encode())
+        digest.update(_safetensors_header(Path(path)))
+    if weights is not None:
+        for part in _tensor_digests(weights):
+            digest.update(part)
+    return digest.hexdigest()
+
+
+# -- construction from the configuration ------------------------------------------------------------
+
+
+@dataclass
+class TierStores:
+    """The stores the cache flags ask for (None: that tier is off) and the write policy."""
+
+    host: HostStore | None = None
+    disk: DiskStore | None = None
+    write_policy: str = "write-back"
+
+    def close(self) -> None:
+        """Close every store."""
+        for store in (self.host, self.disk):
+            if store is not None:
+                store.close()
+
+
+def build_tier_stores(config: CacheConfig, *, fingerprint: str, device: torch.device | None = None) -> TierStores:
+    """The host and disk stores of `config` (`--host-cache-memory`, `--disk-cache-dir`,
+    `--disk-cache-size`); `DiskCacheDirError` when the directory cannot be used."""
+    host = HostStore(config.host_cache_memory_bytes, device=device) if config.host_cache_memory_bytes else None
+    disk = None
+    if config.disk_cache_dir is not None and config.disk_cache_size_bytes:
+        disk = DiskStore(config.disk_cache_dir, fingerprint, config.disk_cache_size_bytes, device=device)
+    return TierStores(host=host, disk=disk, write_policy=config.tier_write_policy)
