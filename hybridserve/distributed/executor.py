@@ -6,6 +6,7 @@ broadcasts it); rank 0 answers. A worker that dies raises `WorkerDiedError` and 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import multiprocessing
@@ -46,8 +47,7 @@ def free_port() -> int:
 
 
 class TensorParallelExecutor:
-    """Rank processes (spawned here, or joined through a torch.distributed environment) that execute
-    every step together; answers come from rank 0."""
+    """Rank processes that execute every step together; answers come from rank 0."""
 
     def __init__(self, specs: list[WorkerSpec]) -> None:
         """Start a process for each spec (rank 0 first) and wait until every local rank loaded its
@@ -173,10 +173,8 @@ class TensorParallelExecutor:
         if self.dead_reason is None:
             self.dead_reason = "the engine was shut down"
             for conn in self.conns[:1] if self.broadcast_commands else self.conns:
-                try:
+                with contextlib.suppress(OSError, EOFError):
                     conn.send(("stop",))
-                except (OSError, EOFError):
-                    pass
             deadline = time.monotonic() + STOP_GRACE_SECONDS
             for process in self.processes:
                 process.join(max(0.0, deadline - time.monotonic()))
@@ -190,17 +188,14 @@ class TensorParallelExecutor:
         self.conns = []
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # e.g. at interpreter shutdown
             if self.processes and any(p.is_alive() for p in self.processes):
                 self.shutdown()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 def _shutdown_at_exit(executor: weakref.ref[TensorParallelExecutor]) -> None:
     """Stop the workers of an executor nobody shut down at exit: they are not daemons, so
     multiprocessing's exit handler (run later) would wait for them forever."""
-
     alive = executor()
     if alive is not None:
         alive.shutdown()

@@ -1,7 +1,5 @@
-"""Where the tensor-parallel ranks run: checked plans and one `WorkerSpec` per local rank. On one
-machine the engine spawns every rank, meeting on a free local port; under `torchrun` (multi-node)
-every process runs the same command, `RANK` 0 becomes the controller and spawns rank 0's worker,
-every other process becomes its rank's worker and never returns to the command.
+"""Where the tensor-parallel ranks run: one `WorkerSpec` per local rank, spawned by the engine; under
+`torchrun` `RANK` 0 becomes the controller and every other process its rank's worker.
 """
 
 from __future__ import annotations
@@ -59,4 +57,3 @@ def tensor_parallel_specs(config: EngineConfig, model_config: ModelConfig, max_m
         worker_main(spec(rank, local_rank, "env://"), None)
         raise SystemExit(0)
     return [spec(0, local_rank, "env://")]
-

@@ -1,9 +1,6 @@
-"""Tensor-parallel layout of a Qwen3.5 hybrid model (as vLLM and SGLang split it).
-
-Attention q/k/v and GDN's input projections and conv are column-parallel by heads (a key head with
-its value heads; KV heads replicated when fewer than ranks), MLP gate/up column-parallel, the output
-projections and MLP down row-parallel; embedding, norms and LM head replicated. Each rank builds an
-ordinary model of `local_config`; `shard_spec` says which part of each full tensor it reads.
+"""Tensor-parallel layout of a Qwen3.5 hybrid model as vLLM and SGLang split it (docs/serving.md):
+each rank builds an ordinary model of `local_config`; `shard_spec` says which part of each full
+tensor it reads.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""All-reduce through shared memory for the tensor-parallel CPU ranks of one host, as vLLM's and
-SGLang's CPU backends do: gloo over loopback TCP pays a thread wake-up per message.
-
-Rank 0 creates a file under /dev/shm, every rank maps it, and after a gloo barrier rank 0 unlinks it
-(nothing is left behind if the processes are killed); the protocol is in layers/csrc/shm_allreduce.c.
-Used when every rank is a CPU process of this host, the C library is built, /dev/shm is writable and
-`HYBRIDSERVE_SHM_ALLREDUCE` is not "0"; SUM of float32, bfloat16 and int32 and MIN/MAX of int32 go
-through it, any other dtype or op through gloo on the caller's group.
+"""All-reduce through a /dev/shm region for the tensor-parallel CPU ranks of one host (protocol in
+layers/csrc/shm_allreduce.c): SUM of float32, bfloat16 and int32, MIN/MAX of int32; others via gloo.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -55,8 +50,7 @@ def _functions() -> tuple[Any, Any, Any] | None:
 
 
 def host_identity() -> tuple[str, str]:
-    """What ranks on the same host share: hostname and kernel boot id (a container with its own
-    /dev/shm is caught by `setup`'s token check)."""
+    """What ranks on the same host share: hostname and kernel boot id."""
     try:
         boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
@@ -181,8 +175,8 @@ class ShmAllReduce:
 
 
 def _create_region(world: int, slot_bytes: int) -> tuple[str, int | None]:
-    """Rank 0: create the region and write its header; (path, token), or (error, None). The space is
-    allocated up front, so a full /dev/shm fails here rather than with SIGBUS at the first write."""
+    """Rank 0: create the region (allocated up front: a full /dev/shm fails here, not with SIGBUS
+    later) and write its header; (path, token), or (error, None)."""
     functions = _functions()
     if functions is None:
         return "rank 0: the C kernels library is unavailable", None
@@ -205,7 +199,5 @@ def _create_region(world: int, slot_bytes: int) -> tuple[str, int | None]:
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

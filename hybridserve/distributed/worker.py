@@ -1,7 +1,5 @@
-"""A tensor-parallel rank's process: join the group, build the same `Worker` as TP=1, serve commands.
-The forwards all-reduce row-parallel outputs (shared memory between CPU ranks of one host, else gloo
-or NCCL); `TorchRankGroup` combines the ranks' agreements, so a snapshot counts only when every rank
-holds it. Rank 0 samples and answers.
+"""A tensor-parallel rank's process: join the group, build the same `Worker` as TP=1, serve commands
+(docs/prefix-cache.md, Processes). Rank 0 samples and answers.
 """
 
 from __future__ import annotations
@@ -60,7 +58,6 @@ class TorchRankGroup(RankGroup):
 
     def min_and_sum(self, smallest: list[int], summed: list[int]) -> tuple[list[int], list[int]]:
         low, total = torch.tensor(smallest), torch.tensor(summed)
-
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.control)
         dist.all_reduce(total, group=self.control)
         return [int(v) for v in low.tolist()], [int(v) for v in total.tolist()]
@@ -80,8 +77,7 @@ class TorchRankGroup(RankGroup):
 
 
 def serve(worker: Worker, conn: Connection | None, broadcast: bool, group: TorchRankGroup) -> None:
-    """The command loop. Spawned locally, every rank reads the controller's pipe (no collective
-    per command); under torchrun rank 0 reads it and broadcasts. Rank 0 answers."""
+    """The command loop: every local rank reads the controller's pipe; under torchrun rank 0 broadcasts."""
     while True:
         box: list[Any] = [None]
         if conn is not None:
@@ -108,8 +104,7 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def worker_main(spec: WorkerSpec, conn: Connection | None, parent_pid: int | None = None) -> None:
-    """Entry point of a rank's process: join the group, build the shard, report, serve commands.
-    Start-up errors go to the controller over `conn` (when there is one) before the process exits."""
+    """Entry point of a rank's process: join the group, build the shard, report (or the error), serve."""
     if parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     apply_process_settings(spec.num_threads, torch.device(spec.device).type)

@@ -1,7 +1,5 @@
-"""The synchronous engine: request intake and validation, the step loop, outputs and stats.
-
-One `step()` = schedule -> runner.execute -> apply | revert -> sample -> stop checks.
-"""
+"""The synchronous engine: request intake and validation, the step loop (schedule -> execute ->
+apply | revert -> sample -> stop checks), outputs and stats."""
 
 from __future__ import annotations
 
@@ -41,8 +39,7 @@ GDN_CHUNK_SIZE = 64   # chunked gated-delta prefill; snapshots are taken at any 
 
 
 class PrefixCacheReport(NamedTuple):
-    """Joint prefix cache statistics (`LLM.prefix_cache_stats()`): the lookup counters of
-    `PrefixCacheStats` (same order) followed by snapshot-pool counters and residency."""
+    """`LLM.prefix_cache_stats()`: `PrefixCacheStats`'s lookup counters, then snapshot and pool figures."""
 
     queries: int
     query_tokens: int
@@ -64,15 +61,14 @@ class PrefixCacheReport(NamedTuple):
     kv_cached_free_bytes: int = 0    # free KV blocks that still hold a cached prefix
 
 
-# `LLMEngine.stats()` names of the `PrefixCacheReport` fields it renames
-_STAT_NAMES = {"queries": "prefix_cache_queries", "query_tokens": "prefix_cache_query_tokens",
+_STAT_NAMES = {"queries": "prefix_cache_queries", "query_tokens": "prefix_cache_query_tokens",  # stats() renames
                "hits": "prefix_cache_hits", "hit_tokens": "prefix_cache_hit_tokens",
                "resident_snapshots": "snapshot_slots_used", "resident_snapshot_bytes": "snapshot_bytes",
                "snapshot_slots": "snapshot_slots_total"}
 
 
 def resolve_device(name: str) -> torch.device:
-
+    """`auto`: CUDA when available, else CPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
@@ -242,8 +238,7 @@ class LLMEngine:
         return None, list(prompt)
 
     def _check_lengths(self, num_prompt: int, params: SamplingParams) -> int:
-        """Check the prompt and max_tokens against the context and the KV pool; returns
-        max_tokens resolved (None: as many as the context and KV pool leave room for)."""
+        """Check the prompt and max_tokens against the context and KV pool; max_tokens resolved."""
         if num_prompt == 0:
             raise ValueError("prompt is empty after tokenization")
         if num_prompt >= self.max_model_len:
@@ -295,8 +290,7 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """Run one scheduling step; returns outputs of requests that got a new token or finished,
-        or with `final_only` only of those that finished (`LLM.generate` needs no others)."""
+        """Run one step; outputs of requests that got a new token or finished (`final_only`: finished)."""
         groups = self.step_groups()
         return [self.output(group) for group in groups if not final_only or group.is_finished]
 
@@ -340,8 +334,7 @@ class LLMEngine:
         return self._groups(sequences)
 
     def _draws(self, request: Request) -> tuple[SamplingSpec, ...]:
-        """The sampling specs of a request's next token: its own, then those of the sequences to
-        be forked from it when its prompt completes (they sample from the same logits row)."""
+        """A request's next draws: its own, then those of the sequences forked from it this step."""
         specs = [self._spec(request)]
         group = self.requests.get(request.request_id)
         if group is not None and group.unforked and request.index == 0 and not request.num_output_tokens:
@@ -377,8 +370,7 @@ class LLMEngine:
         return children
 
     def _take_draw(self, request: Request, draw: SampledToken | str, now: float) -> None:
-        """Append a sampled token (and its logprobs) and apply the stop rules, or end the request
-        with "error" when its draw failed or accepting it raised."""
+        """Accept a sampled token and apply the stop rules; "error" if the draw failed or accepting it raised."""
         if isinstance(draw, str):
             logger.error("request %s failed: %s", request.request_id, draw)
             self._finish(request, "error", flush=False)
@@ -419,16 +411,13 @@ class LLMEngine:
         return self._fail_requests(sequences)
 
     def _after_failed_step(self, scheduled: SchedulerOutput) -> list[RequestGroup]:
+        """Revert the step; a request in MAX_FAILED_STEPS failed steps in a row ends with "error"."""
         self.scheduler.revert(scheduled)
-        outputs = []
-        for chunk in scheduled.chunks:
-            request = chunk.request
-            if request.failed_steps >= MAX_FAILED_STEPS and not request.is_finished:
-                self._finish(request, "error")
-                group = self._finished_groups.pop(request.request_id, None) or self.requests.get(request.request_id)
-                if group is not None:
-                    outputs.append(group)
-        return outputs
+        failing = [chunk.request for chunk in scheduled.chunks
+                   if chunk.request.failed_steps >= MAX_FAILED_STEPS and not chunk.request.is_finished]
+        for request in failing:
+            self._finish(request, "error")
+        return self._groups(failing)
 
     def _check_stop(self, request: Request) -> None:
         params, token = request.params, request.output_token_ids[-1]
@@ -523,8 +512,7 @@ class LLMEngine:
             kv_cached_free_bytes=usage.kv_blocks_cached_free * self.kv_bytes_per_block)
 
     def stats(self) -> dict[str, float]:
-        """Flat gauges and counters for metrics endpoints: every `PrefixCacheReport` field (some
-        renamed, `_STAT_NAMES`) and the pools' usage."""
+        """Flat gauges and counters for metrics endpoints (`PrefixCacheReport`'s, some renamed)."""
         usage = self.cache.usage()
         report = {_STAT_NAMES.get(name, name): value for name, value in self.prefix_cache_stats()._asdict().items()}
         return {
@@ -549,8 +537,7 @@ class LLMEngine:
 
 
 def _find_stop(text: str, stops: list[str], since: int = 0) -> tuple[int, str] | None:
-    """Earliest occurrence of any stop string in `text` that ends after position `since`
-    (the text before it was already searched)."""
+    """Earliest occurrence of any stop string in `text` that ends after position `since`."""
     best: tuple[int, str] | None = None
     for stop in stops:
         index = text.find(stop, max(0, since - len(stop) + 1))

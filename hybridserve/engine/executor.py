@@ -1,7 +1,5 @@
-"""What the engine asks of the workers, whatever the tensor-parallel size: `Executor` runs a
-`StepPlan` (token ids and logprobs come back, never logits), saves or forks states and shuts down.
-`InProcessExecutor` holds the TP=1 `Worker`; `distributed.executor.TensorParallelExecutor` drives
-one `Worker` process per rank.
+"""What the engine asks of its workers (`Executor`: token ids and logprobs come back, never logits):
+`InProcessExecutor` holds the TP=1 `Worker`, `distributed.executor.TensorParallelExecutor` one per rank.
 """
 
 from __future__ import annotations
@@ -14,8 +12,7 @@ from hybridserve.engine.worker import PlanResult, RankCapacity, StepReply, Worke
 
 
 class StepFailedError(RuntimeError):
-    """Every rank failed the same step consistently (a forward or a restore raised): the step is
-    reverted and the workers stay usable."""
+    """Every rank failed the same step (a forward or a restore raised): it is reverted, the workers stay usable."""
 
 
 class WorkerDiedError(RuntimeError):
@@ -29,19 +26,15 @@ class Executor(Protocol):
 
     def execute(self, plan: StepPlan) -> PlanResult:
         """Run one step; StepFailedError to revert it, WorkerDiedError when the workers are gone."""
-        ...
 
     def save_state(self, state_slot: int, snapshot_slot: int | None) -> bool:
         """Copy a live slot into a snapshot slot; True only if every rank saved it."""
-        ...
 
     def fork(self, fork: Fork) -> None:
         """Copy a parent's live state (and partial block) to its forked child."""
-        ...
 
     def shutdown(self) -> None:
         """Stop the workers; the executor cannot run steps afterwards."""
-        ...
 
 
 def unwrap(reply: StepReply) -> PlanResult:

@@ -1,5 +1,4 @@
-"""Host memory tuning for a serving process: the C allocator's thresholds and what it keeps, and
-Python's cyclic collector."""
+"""Host memory tuning for a serving process: the C allocator and Python's cyclic collector."""
 
 from __future__ import annotations
 
@@ -33,9 +32,8 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def allocator_free_bytes() -> int:
-    """Bytes freed by this process but kept by glibc's allocator for reuse (`mallinfo2().fordblks`,
-    every arena; 0 without glibc 2.33+): what a leak check (`benchmarks/soak.py`) subtracts from the
-    resident size, which `retain_freed_activation_memory` keeps at its high-water mark."""
+    """Bytes freed but kept by glibc's allocator for reuse (`mallinfo2().fordblks`; 0 without glibc
+    2.33+): what a leak check subtracts from the resident size."""
     libc = _libc()
     mallinfo2 = getattr(libc, "mallinfo2", None)
     if mallinfo2 is None:
@@ -45,12 +43,8 @@ def allocator_free_bytes() -> int:
 
 
 def retain_freed_activation_memory() -> bool:
-    """Keep large freed buffers in the process heap instead of returning them to the OS.
-
-    glibc serves allocations above its mmap threshold with fresh mappings and unmaps them on free,
-    so every prefill page-faults its large activations back in; raising the mmap and trim
-    thresholds lets freed buffers be reused. Returns False (and changes nothing) without glibc.
-    """
+    """Raise glibc's mmap and trim thresholds so large freed activations are reused instead of
+    unmapped and page-faulted back in by every prefill; False (nothing changed) without glibc."""
     libc = _libc()
     if libc is None:
         return False
@@ -65,10 +59,8 @@ def retain_freed_activation_memory() -> bool:
 
 
 def freeze_startup_heap() -> int:
-    """Collect once, then move every object alive now (modules, model, engine) to the collector's
-    permanent generation, as vLLM's processes do once started, so that collections while serving
-    walk only what serving allocates. Call it in a serving process once it is built (never from a
-    library constructor: it would pin the caller's garbage too). Returns the objects frozen."""
+    """Collect once, then freeze every object alive now so collections while serving walk only what
+    serving allocates; for a serving process once built, not a library constructor. The count frozen."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

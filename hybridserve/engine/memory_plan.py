@@ -1,11 +1,4 @@
-"""Start-up memory planning: how many bytes the KV pool and the GDN snapshot pool get.
-
-Explicit per-pool sizes or an explicit total skip profiling; with a `memory_fraction` (as vLLM's
-`--gpu-memory-utilization`) the engine loads the weights, profiles one forward of
-`max_num_batched_tokens` tokens and gives what the fraction leaves to the caches, split by
-`snapshot_memory_share` (docs/prefix-cache.md). Every plan is checked against free memory before
-anything is allocated, so a model that cannot fit fails at start-up with the numbers.
-"""
+"""Start-up memory planning of the KV and snapshot pools (docs/prefix-cache.md, Memory plan)."""
 
 from __future__ import annotations
 
@@ -16,15 +9,13 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from hybridserve.config import DEFAULT_CPU_KV_CACHE_MIB, DEFAULT_CPU_PREFIX_CACHE_MIB, MIB, CacheConfig, parse_size  # noqa: F401 - parse_size and the defaults are re-exported
+from hybridserve.config import DEFAULT_CPU_KV_CACHE_MIB, DEFAULT_CPU_PREFIX_CACHE_MIB, MIB, CacheConfig, parse_size  # noqa: F401 - parse_size re-exported for callers
 
 if TYPE_CHECKING:
     from hybridserve.models.qwen3_5 import Qwen3_5ForCausalLM
 
 logger = logging.getLogger(__name__)
 DEFAULT_CUDA_MEMORY_FRACTION = 0.9
-# DEFAULT_CPU_KV_CACHE_MIB, DEFAULT_CPU_PREFIX_CACHE_MIB and parse_size live in hybridserve.config (the
-# command-line flags name them without importing torch); imported here for this module's callers.
 
 
 class DeviceMemory(NamedTuple):
@@ -65,25 +56,20 @@ def device_memory(device: torch.device) -> DeviceMemory:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return DeviceMemory(int(total), int(free))
-    info = _meminfo()
+    info = _proc_bytes("/proc/meminfo")
     return DeviceMemory(info["MemTotal"], info.get("MemAvailable", info["MemFree"]))
 
 
-def _meminfo() -> dict[str, int]:
+def _proc_bytes(path: str) -> dict[str, int]:
+    """The numeric `Name: value kB` fields of a /proc file, in bytes."""
     values = {}
-    with open("/proc/meminfo") as handle:
+    with open(path) as handle:
         for line in handle:
             name, _, rest = line.partition(":")
-            values[name] = int(rest.split()[0]) * 1024
+            if (fields := rest.split()) and fields[0].isdigit():
+                values[name] = int(fields[0]) * 1024
+
     return values
-
-
-def _process_status(field: str) -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"{field} not in /proc/self/status")
 
 
 def measure_peak(device: torch.device, run: Callable[[], object]) -> int:
@@ -95,14 +81,14 @@ def measure_peak(device: torch.device, run: Callable[[], object]) -> int:
         run()
         torch.cuda.synchronize(device)
         return max(0, torch.cuda.max_memory_allocated(device) - base)
-    base = _process_status("VmRSS")
+    base = _proc_bytes("/proc/self/status")["VmRSS"]
     try:
         with open("/proc/self/clear_refs", "w") as handle:
             handle.write("5")  # reset VmHWM to the current resident set
     except OSError:
         logger.warning("cannot reset the peak RSS; the activation estimate may be low")
     run()
-    return max(0, _process_status("VmHWM") - base)
+    return max(0, _proc_bytes("/proc/self/status")["VmHWM"] - base)
 
 
 class PlanInputs(NamedTuple):
@@ -117,11 +103,8 @@ class PlanInputs(NamedTuple):
 
 
 def plan_memory(cache: CacheConfig, inputs: PlanInputs, profile: Callable[[], int]) -> MemoryPlan:
-    """Resolve the pool sizes (see module doc); raises `ValueError` with numbers if they cannot fit.
-
-    `profile()` runs the max-size forward and returns its activation peak; it is called only when
-    sizes are derived from a memory fraction.
-    """
+    """Resolve the pool sizes; `ValueError` with numbers if they cannot fit. `profile()` returns the
+    activation peak of a max-size forward (called only for a memory fraction)."""
     start = inputs.memory_at_start
     share = cache.snapshot_memory_share if cache.prefix_cache_mib != 0 else 0.0
     explicit_kv = None if cache.kv_cache_mib is None else int(cache.kv_cache_mib * MIB)
@@ -208,8 +191,7 @@ def _check(plan: MemoryPlan, inputs: PlanInputs, derived: bool) -> None:
 
 def profile_forward(model: Qwen3_5ForCausalLM, num_tokens: int, block_size: int, dtype: torch.dtype,
                     device: torch.device) -> int:
-    """Activation peak (bytes) of one prefill forward of `num_tokens` tokens on `device`, run on a
-    temporary runner whose KV pool holds exactly that prompt (freed afterwards)."""
+    """Activation peak (bytes) of one prefill of `num_tokens` tokens, on a temporary runner."""
     from hybridserve.engine.runner import ModelRunner
     from hybridserve.engine.step_plan import PlanChunk, PlanRestore, StepPlan
 

@@ -1,7 +1,5 @@
-"""The one-call CPU step: a whole forward of up to 512 rows as one C call (`csrc/decode_step.c`),
-the module path's kernels in its order without its per-op dispatch (docs/cpu-kernels.md: which
-models, row counts and kernels). Transactional like the module path: live GDN slots are updated in
-place and the replaced state goes to `ForwardContext.state_undo`.
+"""The one-call CPU step: a whole forward of up to 512 rows as one C call (`csrc/decode_step.c`;
+docs/cpu-kernels.md). Live GDN slots are updated in place, the replaced state goes to `state_undo`.
 """
 
 from __future__ import annotations
@@ -42,8 +40,7 @@ class OneCallStep:
     """The whole forward of one model over one runner's KV and state tensors, in C."""
 
     def __init__(self, model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> None:
-        """Point the C structs at the model's weights and the context's storage (check
-        `one_call_step_supported` first)."""
+        """Point the C structs at the model's weights and the context's storage (check support first)."""
         library = native._library()
         if library is None:
             raise RuntimeError("OneCallStep: the C kernels are unavailable (check one_call_step_supported() first)")
@@ -123,8 +120,7 @@ class OneCallStep:
         return int(batch.input_ids.shape[0]) <= self.max_rows
 
     def run(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
-        """Logits [len(logits_rows), vocab] of the step (check `takes` and `fits` first); live GDN
-        state is updated in place, undo records go to ctx.state_undo, captures to the snapshot sink."""
+        """Logits [len(logits_rows), vocab] of the step (check `takes` and `fits` first)."""
         rows = int(batch.input_ids.shape[0])
         tokens, positions = batch.input_ids.contiguous(), batch.positions.contiguous()
         write_slots, logit_rows = batch.kv_write_slots.contiguous(), batch.logits_rows.contiguous()
@@ -156,8 +152,7 @@ class OneCallStep:
 
     def _write_captures(self, batch: ForwardBatch, ctx: ForwardContext, inner: list[tuple[int, int]],
                         captures: StateRecords | None) -> None:
-        """Snapshots into the sink: inside chunks from the records the C step filled, at a chunk's end
-        or after a decode row from the live slots."""
+        """Snapshots into the sink: inside chunks from the step's records, else from the live slots."""
         sink, layers = ctx.snapshot_sink, range(self.num_gdn_layers)
         if sink is None or (inner and captures is None):
             raise ValueError("one-call step: captures need a snapshot sink and the records the step filled")
@@ -186,8 +181,7 @@ class StepRows(NamedTuple):
 
 
 def _step_rows(batch: ForwardBatch) -> StepRows:
-    """A decode-only batch's tensors as they are; with prompt chunks, each chunk's table and slot
-    repeated for its rows and the rows of its captures inside it."""
+    """Per-row tables and slots (a chunk's repeated for its rows) and the rows of captures inside chunks."""
     group = batch.decode
     if not batch.prefills:
         if group is None:
@@ -212,8 +206,7 @@ def _step_rows(batch: ForwardBatch) -> StepRows:
 
 
 class StateRecords(NamedTuple):
-    """Each GDN layer's conv and recurrent state for some sequences of a step (undo records, or
-    states captured inside a chunk), and their addresses."""
+    """Each GDN layer's conv and recurrent state for some sequences of a step, and their addresses."""
 
     conv: list[torch.Tensor]
     recurrent: list[torch.Tensor]
@@ -318,8 +311,7 @@ def _max_rows(model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> int:
 
 
 def _plain_linear(linear: PackedLinear | None, model_dtype: torch.dtype) -> bool:
-    """A row-major CPU weight the C GEMV reads, without bias: the model's own dtype, or int8 with
-    float32 scales in a float32 model."""
+    """A row-major CPU weight without bias: the model's dtype, or int8 with float32 scales in a float32 model."""
     if linear is None or linear.bias is not None:
         return False
     weight = linear.weight
@@ -353,8 +345,6 @@ def _linear_struct(linear: PackedLinear | None) -> Linear:
     linear = _packed(linear)
     scales = linear.scales.data_ptr() if linear.scales is not None else None
     return Linear(linear.weight.data_ptr(), scales, WEIGHT_FORMATS[linear.weight.dtype])
-
-
 
 
 def _decoder_layers(model: Qwen3_5ForCausalLM) -> list[DecoderLayer]:

@@ -1,5 +1,4 @@
-"""A request's lifetime state: tokens, sampling, progress and outputs (its cache resources are
-the joint cache manager's records, not the request's)."""
+"""A request's lifetime state: tokens, sampling, progress and outputs (cache resources: the manager's)."""
 
 from __future__ import annotations
 
@@ -49,7 +48,6 @@ class Request:
     stop_reason: str | int | None = None
     first_token_time: float | None = None
     failed_steps: int = 0
-    generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     keep_prompt_logits: bool = False           # diagnostics: keep logits of every computed position
     prompt_logits: list[torch.Tensor] = field(default_factory=list)
@@ -82,9 +80,8 @@ class Request:
 
 @dataclass(eq=False)
 class RequestGroup:
-    """The `n` sequences of one request. Sequence 0 prefills the prompt; the others wait in
-    `unforked` and are forked from it (sharing its KV blocks and copying its GDN state) when its
-    prefill completes, so the prompt is computed once."""
+    """The `n` sequences of one request: sequence 0 prefills the prompt, the others wait in `unforked`
+    until they are forked from it (docs/prefix-cache.md, Forks)."""
 
     request_id: str
     sequences: list[Request]

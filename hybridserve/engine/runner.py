@@ -1,10 +1,6 @@
-"""Model runner: owns the physical tensors (KV pages, live GDN slots, snapshot slots) and runs steps.
-
-It turns a `StepPlan` into a `ForwardBatch`, restores admissions' states, chooses the backend and
-commits the new GDN state only when the whole forward succeeded. Backends, in the order tried: the
-one-call CPU step (`one_call_step.OneCallStep`, up to 512 rows as one C call where model, storage
-and batch allow), then the model's modules (per-op C kernels on CPU where they apply, PyTorch ops
-otherwise). A CUDA-graph backend would be a third entry here.
+"""Model runner: owns the physical tensors (KV pages, live GDN slots, snapshot slots) and runs steps:
+a `StepPlan` becomes a `ForwardBatch`, run by the first backend that takes it (the one-call CPU step,
+else the model's modules), and new GDN state is committed only when the whole forward succeeded.
 """
 
 from __future__ import annotations
@@ -113,8 +109,7 @@ class ModelRunner:
         return logits
 
     def _one_call_step_for(self, batch: ForwardBatch, ctx: ForwardContext) -> OneCallStep | None:
-        """The one-call step if it takes and fits this batch; whether the model and this runner's
-        storage support it is checked once, on the first batch it could take."""
+        """The one-call step if it takes and fits this batch (support is checked once)."""
         if not OneCallStep.takes(batch):
             return None
         if not self._one_call_checked:
@@ -140,11 +135,7 @@ class ModelRunner:
         """Copy a parent sequence's live GDN state (and partial KV block) to its forked child."""
         self.live_states.copy_slot(fork.dst_state_slot, self.live_states, fork.src_state_slot)
         if fork.src_block is not None and fork.dst_block is not None:
-            size = self.block_size
-            src = slice(fork.src_block * size, (fork.src_block + 1) * size)
-            dst = slice(fork.dst_block * size, (fork.dst_block + 1) * size)
-            self.kv_cache.keys[:, dst].copy_(self.kv_cache.keys[:, src])
-            self.kv_cache.values[:, dst].copy_(self.kv_cache.values[:, src])
+            self.kv_cache.copy_block(fork.src_block, fork.dst_block)
 
     def _write_states(self, writes: list[StateWrite]) -> None:
         conv_dtype = self.live_states.conv.dtype
@@ -187,15 +178,12 @@ class ModelRunner:
             write_slots = torch.tensor([c.block_ids[c.start // size] * size + c.start % size for c in ordered],
                                        dtype=torch.long, device=device)
         batch = ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-            positions=positions_t,
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device), positions=positions_t,
             kv_write_slots=write_slots,
             decode=self._decode_group(decodes, tables[: len(decodes)]) if decodes else None,
             prefills=self._prefill_chunks(prefills, tables[len(decodes):], len(decodes)),
             logits_rows=torch.tensor(logit_rows + full_rows, dtype=torch.long, device=device),
-            logits_only_last_layer=not full_rows,
-            block_tables=tables,
-        )
+            logits_only_last_layer=not full_rows, block_tables=tables)
         return batch, sample_chunks, full_chunks
 
     def _block_tables(self, block_lists: list[list[int]]) -> torch.Tensor:
@@ -214,8 +202,7 @@ class ModelRunner:
         return DecodeGroup(
             state_slots=torch.tensor([c.state_slot for c in decodes], dtype=torch.long, device=self.device),
             block_tables=tables, lengths=torch.tensor(lengths, dtype=torch.long, device=self.device),
-            max_length=max(lengths), block_size=self.block_size, captures=captures,
-        )
+            max_length=max(lengths), block_size=self.block_size, captures=captures)
 
     def _prefill_chunks(self, prefills: list[PlanChunk], tables: torch.Tensor, offset: int
                         ) -> list[PrefillChunk]:
@@ -225,11 +212,7 @@ class ModelRunner:
             if chunk.start > 0:
                 prefix = context_slots(tables[index:index + 1], self.block_size, chunk.start)[0]
             result.append(PrefillChunk(
-                token_offset=offset, length=chunk.length, start_position=chunk.start,
-                state_slot=chunk.state_slot,
-                prefix_kv_slots=prefix,
-                captures=list(chunk.captures),
-                emits_logits=chunk.samples,
-            ))
+                token_offset=offset, length=chunk.length, start_position=chunk.start, state_slot=chunk.state_slot,
+                prefix_kv_slots=prefix, captures=list(chunk.captures), emits_logits=chunk.samples))
             offset += chunk.length
         return result

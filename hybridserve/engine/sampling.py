@@ -1,7 +1,6 @@
-"""Token sampling where the logits are: grammar masks, logit bias, greedy, temperature / top-k /
-top-p / min-p, penalties, per-sequence seeds, logprobs, with failures isolated per row. The engine
-plans each draw as a picklable `SamplingSpec`; the worker holding the logits samples them with its
-`Sampler` (which keeps the sequences' generators) and returns token ids and logprobs only.
+"""Token sampling where the logits are (masks, bias, penalties, top-k/p, min-p, seeds, logprobs;
+failures isolated per row): the engine plans each draw as a picklable `SamplingSpec`, the worker
+holding the logits samples it with its `Sampler`.
 """
 
 from __future__ import annotations
@@ -83,8 +82,7 @@ class SamplingError(RuntimeError):
 
 
 class Sampler:
-    """Worker-side sampling state: each seeded sequence's generator (kept until the engine releases
-    the sequence) and the generator shared by unseeded ones."""
+    """Worker-side sampling state: each seeded sequence's generator, and one shared by unseeded ones."""
 
     def __init__(self, seed: int, device: torch.device) -> None:
         self.device = device
@@ -105,36 +103,27 @@ class Sampler:
         return generator
 
     def sample(self, logits: torch.Tensor, rows: list[int], specs: list[SamplingSpec]) -> list[SampledToken | str]:
-        """Draw `specs[i]` from `logits[rows[i]]` ([R, vocab] float32); a failed draw yields its
-        error message and leaves the others exactly as they would be alone."""
-        return [r if isinstance(r, SampledToken) else f"{type(r).__name__}: {r}"
-                for r in sample_isolated(logits, rows, specs, self)]
-
-
-def sample_isolated(logits: torch.Tensor, rows: list[int], specs: list[SamplingSpec],
-                    sampler: Sampler) -> list[SampledToken | Exception]:
-    """Sample `specs[i]` from row `rows[i]` of `logits`, isolating failures: a row with non-finite
-    logits, or whose mask, bias, penalties, sampling or logprobs raise, yields its exception; each
-    random draw happens once, from the sequence's own generator. Logprobs are those of the model's
-    distribution, before masks, bias and penalties."""
-    if not specs:
-        return []
-    summary = native.argmax_and_finite(logits)
-    finite = summary[1] if summary is not None else torch.isfinite(logits).all(dim=-1).tolist()
-    if summary is not None and all(finite) and all(spec.plain_greedy for spec in specs):
-        return [SampledToken(summary[0][row], None) for row in rows]  # the common decode step, at once
-    results: list[SampledToken | Exception] = []
-    for row, spec in zip(rows, specs):
-        if spec.error is not None:
-            results.append(SamplingError(spec.error))
-        elif not finite[row]:
-            results.append(NonFiniteLogitsError("the model produced non-finite logits"))
-        else:
+        """Draw `specs[i]` from `logits[rows[i]]` ([R, vocab] float32), each random draw once from
+        the sequence's own generator. A row with non-finite logits, or whose mask, bias, penalties,
+        sampling or logprobs raise, yields its error message and leaves the others as they would be
+        alone. Logprobs are the model's distribution's, before masks, bias and penalties."""
+        if not specs:
+            return []
+        summary = native.argmax_and_finite(logits)
+        finite = summary[1] if summary is not None else torch.isfinite(logits).all(dim=-1).tolist()
+        if summary is not None and all(finite) and all(spec.plain_greedy for spec in specs):
+            return [SampledToken(summary[0][row], None) for row in rows]  # the common decode step, at once
+        results: list[SampledToken | str] = []
+        for row, spec in zip(rows, specs):
             try:
-                results.append(_draw(logits[row], spec, sampler, summary[0][row] if summary is not None else None))
+                if spec.error is not None:
+                    raise SamplingError(spec.error)
+                if not finite[row]:
+                    raise NonFiniteLogitsError("the model produced non-finite logits")
+                results.append(_draw(logits[row], spec, self, summary[0][row] if summary is not None else None))
             except Exception as exc:  # noqa: BLE001 - this draw's failure only
-                results.append(exc)
-    return results
+                results.append(f"{type(exc).__name__}: {exc}")
+        return results
 
 
 def _draw(row: torch.Tensor, spec: SamplingSpec, sampler: Sampler, argmax: int | None) -> SampledToken:
@@ -177,8 +166,7 @@ def _top_logprobs(row_logprobs: torch.Tensor, chosen: int, top: int) -> dict[int
 
 
 def _apply_penalties(row: torch.Tensor, spec: SamplingSpec) -> None:
-    """OpenAI presence/frequency penalties over generated tokens, and the multiplicative
-    repetition penalty over prompt + generated tokens (in place)."""
+    """Presence/frequency penalties over generated tokens, repetition penalty over all (in place)."""
     if spec.repetition_penalty != 1.0 and spec.token_ids:
         seen = torch.tensor(sorted(set(spec.token_ids)), device=row.device)
         values = row[seen]

@@ -1,9 +1,6 @@
-"""Continuous-batching scheduler with joint prefix-cache admission (tensor-free).
-
-Each step: running requests first (decodes and unfinished prefills, oldest first), then new
-admissions while the token budget, sequence slots and KV blocks allow. Every step is a
-transaction: `schedule` takes resources, the runner computes, then `apply` commits progress or
-`revert` gives back exactly what `schedule` took.
+"""Continuous-batching scheduler with joint prefix-cache admission (tensor-free): running requests
+first, oldest first, then admissions while budget, slots and blocks allow. Each step is a transaction
+(`schedule`, then `apply` or `revert`; docs/prefix-cache.md, Transactions).
 """
 
 from __future__ import annotations
@@ -60,12 +57,8 @@ class Scheduler:
         self.waiting.append(request)
 
     def finish(self, request: Request, reason: str) -> EndCapture | None:
-        """Mark finished and release everything the request owns (running or waiting).
-
-        When the policy keeps request ends and the request ended normally, its final state is
-        reserved a snapshot slot: the returned `EndCapture` then holds the live slot, and the
-        caller copies it and calls `complete_end_capture`. The request leaves the running list
-        only after the cache has released it, so a failure on the way leaves nothing orphaned."""
+        """Mark finished and release everything the request owns. An `EndCapture` is returned when
+        its end state gets a snapshot slot: the caller copies it, then calls `complete_end_capture`."""
         capture = None
         if request.status is RequestStatus.RUNNING:
             try:
@@ -89,9 +82,7 @@ class Scheduler:
 
     # -- scheduling ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's work, taking blocks, state slots and snapshot reservations. Every
-        resource is recorded in the output as it is taken, so if scheduling raises, what it
-        took so far is given back (as by `revert`) before the exception propagates."""
+        """Pick this step's work and take its resources (given back if it raises)."""
         output = SchedulerOutput([], [], [])
         try:
             self._fill(output)
@@ -136,10 +127,8 @@ class Scheduler:
             prefill_budget -= length
 
     def _prefill_budget(self, budget: int) -> int:
-        """Prefill tokens allowed this step. While at least as many requests decode as are owed
-        prompt tokens, each owed one may add `max_prefill_tokens_during_decode`, so one long prompt
-        cannot stall everyone's next token. When the owed ones outnumber the decoding ones (a
-        burst), the step takes them whole: it then delays fewer streams than it starts."""
+        """Prefill tokens allowed this step: `max_prefill_tokens_during_decode` per request owed
+        prompt tokens, unless those outnumber the decoding ones (docs/serving.md, Scheduling)."""
         cap = self.config.max_prefill_tokens_during_decode
         prefilling = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
         admissible = min(len(self.waiting), self.config.max_num_seqs - len(self.running))
@@ -148,8 +137,7 @@ class Scheduler:
         return min(budget, cap * max(1, prefilling + admissible))
 
     def _grow(self, request: Request, num_tokens: int, preempted: list[Request]) -> list[int] | None:
-        """Blocks so `request` covers `num_tokens`, preempting the newest others if needed.
-        None when the request itself had to be preempted."""
+        """Blocks so `request` covers `num_tokens`, preempting the newest (None: it was preempted itself)."""
         while True:
             new_blocks = self.cache.grow(request, num_tokens)
             if new_blocks is not None:
@@ -161,8 +149,7 @@ class Scheduler:
                 return None
 
     def _add_chunk(self, chunks: list[ScheduledChunk], request: Request, length: int, new_blocks: list[int]) -> None:
-        """Record the chunk first, then reserve its snapshot slots into it (so a failure while
-        reserving leaves every reservation where `revert` finds it)."""
+        """Record the chunk, then reserve its snapshot slots into it (where `revert` finds them)."""
         start = request.num_computed_tokens
         chunk = ScheduledChunk(request, start, length, new_blocks, [], self.cache.block_table(request),
                                self.cache.state_slot(request))
@@ -170,9 +157,8 @@ class Scheduler:
         self.cache.reserve_captures(request, start, length, chunk.captures)
 
     def fork(self, parent: Request, child: Request) -> Fork | None:
-        """Run `child` (same tokens as `parent`, whose computed tokens are all its tokens) from the
-        parent's computed state (see `JointCacheManager.fork`). None when no state slot, block or
-        batch place is free; the caller then queues the child to compute its prompt itself."""
+        """Run `child` (same tokens as `parent`, fully computed) from the parent's state
+        (`JointCacheManager.fork`); None when no state slot, block or batch place is free."""
         if parent.status is not RequestStatus.RUNNING or child.status is not RequestStatus.WAITING:
             raise ValueError("fork() needs a running parent and a waiting child")
         if child.token_ids != parent.token_ids:
@@ -190,12 +176,8 @@ class Scheduler:
 
     # -- transaction end --------------------------------------------------------------------
     def apply(self, output: SchedulerOutput, failed_snapshot_slots: set[int]) -> list[Request]:
-        """Commit a successful step; returns the requests whose next token must be sampled.
-
-        If committing raises, every pin and reservation of the step still open is released
-        before the exception propagates; the step's requests have then advanced an unknown
-        part of the way, so the caller must finish them (`finish`), which frees the rest.
-        """
+        """Commit a successful step; the requests whose next token must be sampled. If it raises,
+        the step's open pins and reservations are released and the caller must `finish` its requests."""
         committed: list[Restore] = []
         try:
             return self._apply(output, failed_snapshot_slots, committed)

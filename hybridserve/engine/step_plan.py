@@ -1,6 +1,5 @@
-"""The tensor-free, picklable description of one step that every model rank executes: tokens,
-positions, block ids, state slots, snapshot captures and restores of a `SchedulerOutput`, so every
-rank's pages and slots stay in step with the one logical cache the controller owns."""
+"""The tensor-free, picklable `StepPlan` of a `SchedulerOutput` that every model rank executes, so
+every rank's pages and slots stay in step with the one logical cache the controller owns."""
 
 from __future__ import annotations
 

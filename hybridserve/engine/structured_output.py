@@ -1,10 +1,6 @@
-"""Structured outputs: grammars compiled by llguidance, applied as a batched token mask.
-
-`GrammarCompiler` turns a `StructuredOutputsParams` into an llguidance `LLMatcher` (compiled ones
-cached, LRU by canonical constraint text; each request gets a `deep_copy`). `TokenMasker` fills one
-bitmask row per constrained request and sets disallowed logits to -inf for the whole batch. Rows are
-filled on the calling thread and unpacked by numpy, not on thread pools: on a busy CPU a tiny op
-split across threads waits on descheduled ones.
+"""Structured outputs: grammars compiled by llguidance (`GrammarCompiler`, LRU-cached), applied as
+token masks (docs/prefix-cache.md, Structured outputs). Masks are filled on the calling thread and
+unpacked by numpy: on a busy CPU a tiny op split across threads waits on descheduled ones.
 """
 
 from __future__ import annotations
@@ -109,47 +105,32 @@ class TokenMasker:
         self.vocab_size = vocab_size
         self._bitmask = llg_numpy.allocate_token_bitmask(1, vocab_size)
 
-    def _buffer(self, rows: int) -> np.ndarray:
-        if self._bitmask.shape[0] < rows:
-            self._bitmask = llg_numpy.allocate_token_bitmask(rows, self.vocab_size)
-        return self._bitmask[:rows]
-
-    def _unpacked(self, matchers: list[llguidance.LLMatcher]) -> np.ndarray:
-        """[len(matchers), vocab] uint8: 1 where the matcher allows the token next."""
-        bitmask = self._buffer(len(matchers))
+    def _fill(self, matchers: list[llguidance.LLMatcher]) -> np.ndarray:
+        """[len(matchers), words] packed int32 bits of the tokens each matcher allows next."""
+        if self._bitmask.shape[0] < len(matchers):
+            self._bitmask = llg_numpy.allocate_token_bitmask(len(matchers), self.vocab_size)
+        bitmask = self._bitmask[:len(matchers)]
         for row, matcher in enumerate(matchers):
             llg_numpy.fill_next_token_bitmask(matcher, bitmask, row)
-        packed = bitmask.view(np.uint8)  # little-endian words: bit i of the row is token i
-        return np.unpackbits(packed, axis=1, count=self.vocab_size, bitorder="little")
+        return bitmask
 
     def bitmask(self, matcher: llguidance.LLMatcher) -> np.ndarray:
-        """The packed allowed-token bits of one matcher's next token (int32 words, a copy): what a
-        `SamplingSpec` carries to the worker that applies it with `apply_bitmask`."""
-        bitmask = self._buffer(1)
-        llg_numpy.fill_next_token_bitmask(matcher, bitmask, 0)
-        row: np.ndarray = bitmask[0].copy()
+        """A copy of the packed allowed-token bits (int32 words) of one matcher's next token."""
+        row: np.ndarray = self._fill([matcher])[0].copy()
         return row
 
     def allowed(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
         """[len(matchers), vocab] bool: the tokens each matcher allows next."""
-        return torch.from_numpy(self._unpacked(matchers)).bool()
+        packed = self._fill(matchers).view(np.uint8)  # little-endian words: bit i of a row is token i
+        return torch.from_numpy(np.unpackbits(packed, axis=1, count=self.vocab_size, bitorder="little")).bool()
 
     def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[llguidance.LLMatcher]) -> None:
         """Set disallowed tokens of `logits[rows[i]]` to -inf, per `matchers[i]` (in place)."""
         if not rows:
             return
-        disallowed = self._unpacked(matchers) == 0
-        width = min(logits.shape[-1], disallowed.shape[-1])
-        if logits.device.type == "cpu":
-            values = logits.numpy()  # shares memory; numpy's masked writes run on this thread
-            for row, mask in zip(rows, disallowed):
-                values[row, :width][mask[:width]] = -np.inf
-                values[row, width:] = -np.inf
-            return
         index = torch.tensor(rows, device=logits.device)
         block = logits.index_select(0, index)
-        block[:, :width].masked_fill_(torch.from_numpy(disallowed[:, :width]).to(logits.device), float("-inf"))
-        block[:, width:] = float("-inf")
+        apply_bitmask(block, self._fill(matchers))
         logits.index_copy_(0, index, block)
 
 

@@ -1,7 +1,5 @@
-"""The model worker of every tensor-parallel size: builds its rank's model (whole at TP=1, else a
-shard), plans its memory, owns its `ModelRunner` and executes `StepPlan`s; rank 0 samples. At TP=1
-it runs in the engine's process, at TP=N one per rank process (`distributed/worker.py`); only the
-`RankGroup` differs.
+"""The model worker of every tensor-parallel size (in the engine's process at TP=1, one process per
+rank otherwise; only the `RankGroup` differs): builds its model, plans memory, executes `StepPlan`s.
 """
 
 from __future__ import annotations
@@ -162,7 +160,6 @@ class Worker:
     # -- commands -------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepReply:
         """Restore (only if every rank can), forward, combine failed snapshot copies, sample on rank 0."""
-
         self.sampler.release(plan.released)
         error = None
         if plan.restores:
