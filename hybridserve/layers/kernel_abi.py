@@ -1,11 +1,9 @@
-"""The C kernels' interface, generated from its one header (csrc/hybridserve_kernels.h).
+"""The C kernels' interface, read from its one header (csrc/hybridserve_kernels.h).
 
-From the header alone this module binds every declared function with its ctypes types and exact
-arity (`KernelLibrary`: a wrong argument count raises TypeError instead of shifting the rest),
-defines the shared structs' ctypes mirrors and the integer constants, and checks at load that the
-library exports every function and that each mirror's size and field offsets are the compiled ones
-(csrc/abi_layout.c), so a mismatch is a `KernelAbiError`, not memory corruption. Pointers pass as
-addresses; the parser reads the plain C subset the header's comment describes and rejects the rest.
+`KernelLibrary` binds every declared function with its ctypes types and exact arity (a wrong argument
+count raises TypeError), and checks at load that the library exports each one and that the ctypes
+struct mirrors have the compiled sizes and field offsets (csrc/abi_layout.c): a mismatch is a
+`KernelAbiError`, not memory corruption. The parser reads the plain C subset the header describes.
 """
 
 from __future__ import annotations
@@ -289,5 +287,5 @@ class KernelLibrary:
             raise KernelAbiError("the shared structs do not match the compiled ones: " + "; ".join(problems))
 
     def __getattr__(self, name: str) -> Any:
-        """Only reached for a name that is not bound: the header does not declare it."""
+        """Only reached for a name the header does not declare."""
         raise AttributeError(f"{HEADER.name} declares no function {name}")

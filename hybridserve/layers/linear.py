@@ -1,14 +1,8 @@
 """Inference GEMMs on the loaded row-major weights, with the kernel picked by rows, dtype and CPU.
 
-Every linear keeps one plain contiguous [out, in] matrix (projections that read the same input fused
-into one), which serves every row count and, tied, the LM head: a pre-packed layout would need a
-second copy to keep the GEMV fast. docs/cpu-kernels.md tables which kernel takes which rows (C GEMV,
-C tile GEMM, split GEMV, oneDNN, PyTorch's bf16 and int8 GEMMs); docs/benchmarks.md and
-docs/decisions.md hold the measurements behind the bounds below.
-
-Weight-only int8 (`quantization="int8"`) quantizes each output channel symmetrically (absmax / 127)
-when the model is packed. A `PackedLinear` owns the only copy of its weights: the owning module drops
-its Hugging Face-named parameters (`drop_linears`).
+Every linear keeps one plain contiguous [out, in] matrix (projections of one input fused), which
+serves every row count and, tied, the LM head; int8 weights are quantized per output channel when
+the model is packed. docs/cpu-kernels.md tables which kernel takes which rows.
 """
 
 from __future__ import annotations
@@ -51,8 +45,8 @@ def _onednn_usable(weight: torch.Tensor) -> bool:
 
 
 class PackedLinear:
-    """y = x @ W.T (+ b) for one or more fused linears; outputs split as the fused widths, and
-    `silu_mul` for a fused [gate; up] pair."""
+    """y = x @ W.T (+ b) for one or more fused linears (`split` by their widths; `silu_mul` for a
+    fused [gate; up] pair). It owns the only copy of its weights."""
 
     def __init__(self, linears: Sequence[nn.Linear | nn.Embedding], allow_repack: bool = True,
                  quantization: str | None = None) -> None:
@@ -87,12 +81,14 @@ class PackedLinear:
         self.bf16_cpu = cpu and weight.dtype == torch.bfloat16
         self.native_bf16 = self.bf16_cpu and _onednn_usable(weight)
 
-    TENSOR_ATTRIBUTES = ("weight", "scales", "kernel_scales", "bias")
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The tensors this linear owns (weight, int8 scales and bias, where present) by attribute."""
+        names = ("weight", "scales", "kernel_scales", "bias")
+        return [(name, tensor) for name in names if (tensor := getattr(self, name)) is not None]
 
     def tensors(self) -> list[torch.Tensor]:
-        """The tensors this linear owns (weight, int8 scales and bias, where present), in the
-        order of TENSOR_ATTRIBUTES."""
-        return [t for t in (getattr(self, name) for name in self.TENSOR_ATTRIBUTES) if t is not None]
+        """The tensors of `named_tensors`."""
+        return [tensor for _, tensor in self.named_tensors()]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scales is not None:
@@ -225,9 +221,12 @@ def _fused(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(tensors).contiguous()
 
 
-def drop_linears(module: nn.Module, names: list[str]) -> None:
-    """Remove the named submodules (their weights now live in a `PackedLinear`)."""
-    for name in names:
+def pack_linears(module: nn.Module, quantization: str | None, **fused: list[str]) -> None:
+    """Set each attribute of `fused` on `module` to a PackedLinear of the named submodule linears,
+    then remove those submodules (their weights now live in the PackedLinears)."""
+    for attribute, names in fused.items():
+        setattr(module, attribute, PackedLinear([getattr(module, name) for name in names], quantization=quantization))
+    for name in (name for names in fused.values() for name in names):
         delattr(module, name)
 
 

@@ -107,16 +107,12 @@ def builtin_init_tensor(
     """Deterministic float32 CPU initial value of parameter `name` (seeded by seed and name); embedding
     rows of `rare_ids` are scaled down so the tied head rarely samples them and output reads as text."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    if name.endswith("linear_attn.norm.weight"):  # gated norm multiplies by w directly
-        return torch.ones(shape)
-    if name.endswith("norm.weight"):  # zero-centred RMSNorm: x * (1 + w)
-        return torch.zeros(shape)
+    # the gated norm multiplies by w directly, the zero-centred RMSNorm by (1 + w)
+    for suffix, value in (("linear_attn.norm.weight", 1.0), ("norm.weight", 0.0), ("dt_bias", 1.0), (".bias", 0.0)):
+        if name.endswith(suffix):
+            return torch.full(shape, value)
     if name.endswith("A_log"):
         return torch.empty(shape).uniform_(*A_RANGE, generator=generator).log_()
-    if name.endswith("dt_bias"):
-        return torch.ones(shape)
-    if name.endswith(".bias"):
-        return torch.zeros(shape)
     if name.endswith("conv1d.weight"):
         return torch.empty(shape).normal_(0.0, CONV_STD, generator=generator)
     if len(shape) < 2:
@@ -156,30 +152,20 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> d
     return {
         "architectures": ["Qwen3_5ForCausalLM"],
         "model_type": "qwen3_5_text",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "linear_num_key_heads": config.linear_num_key_heads,
-        "linear_num_value_heads": config.linear_num_value_heads,
-        "linear_key_head_dim": config.linear_key_head_dim,
-        "linear_value_head_dim": config.linear_value_head_dim,
-        "linear_conv_kernel_dim": config.linear_conv_kernel_dim,
+        **{name: getattr(config, name) for name in _HF_CONFIG_FIELDS},
         "layer_types": list(config.layer_types),
-        "rms_norm_eps": config.rms_norm_eps,
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta,
                             "partial_rotary_factor": config.partial_rotary_factor},
-        "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "attention_bias": config.attention_bias,
-        "hidden_act": config.hidden_act,
         "eos_token_id": (eos[0] if len(eos) == 1 else eos) if eos else None,
-        "bos_token_id": config.bos_token_id,
         "dtype": str(dtype).removeprefix("torch."),
     }
+
+
+# ModelConfig fields that config.json holds under the same name
+_HF_CONFIG_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "rms_norm_eps",
+                     "max_position_embeddings", "tie_word_embeddings", "attention_bias", "hidden_act", "bos_token_id")
 
 
 def save_checkpoint(

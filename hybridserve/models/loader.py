@@ -7,7 +7,6 @@ name and shape is checked before anything is copied.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from tqdm import tqdm
 
 from hybridserve.config import ModelConfig
 from hybridserve.distributed.sharding import ShardSpec, local_shape, read_shard, shard_spec
+from hybridserve.models.tokenizer import read_json_object
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -39,19 +39,17 @@ class _Entry:
 
 def read_model_config(model_dir: str | Path) -> ModelConfig:
     """Parse `config.json` of a model dir (model_type `qwen3_5_text` or `qwen3_5`)."""
+    config_file = _model_dir(model_dir) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"no config.json in model directory {str(config_file.parent)!r}")
+    return ModelConfig.from_hf_dict(read_json_object(config_file))
+
+
+def _model_dir(model_dir: str | Path) -> Path:
     path = Path(model_dir)
     if not path.is_dir():
         raise ValueError(f"model directory {str(path)!r} does not exist")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"no config.json in model directory {str(path)!r}")
-    try:
-        raw = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read {config_file}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ValueError(f"{config_file} does not hold a JSON object")
-    return ModelConfig.from_hf_dict(raw)
+    return path
 
 
 def load_weights(
@@ -82,15 +80,12 @@ def load_weights(
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
     """The safetensors files of a model dir: the shards of the index, `model.safetensors`,
     or else every `*.safetensors` file (sorted)."""
-    path = Path(model_dir)
-    if not path.is_dir():
-        raise ValueError(f"model directory {str(path)!r} does not exist")
+    path = _model_dir(model_dir)
     index = path / INDEX_FILE
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"cannot read the weight map of {index}: {exc}") from exc
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"cannot read the weight map of {index}: no weight_map object")
         files = [path / name for name in sorted(set(weight_map.values()))]
     elif (path / SINGLE_FILE).is_file():
         files = [path / SINGLE_FILE]

@@ -29,7 +29,7 @@ from hybridserve.layers.gated_delta import (
     recurrent_gated_delta_step,
 )
 from hybridserve.layers.huge_pages import move_to_huge_pages
-from hybridserve.layers.linear import PackedLinear, drop_linears, union_bytes
+from hybridserve.layers.linear import PackedLinear, pack_linears, union_bytes
 from hybridserve.layers.native import (
     gdn_decode_f32,
     gdn_prefill_f32,
@@ -72,13 +72,9 @@ class MLP(nn.Module):
         self.down: PackedLinear | None = None
 
     def pack(self, quantization: str | None = None) -> None:
-        """Repack the loaded weights: gate and up fused (`PackedLinear.silu_mul`); the Hugging
-        Face-named linears are dropped."""
-        if self.gate_up is not None:
-            return
-        self.gate_up = PackedLinear([self.gate_proj, self.up_proj], quantization=quantization)
-        self.down = PackedLinear([self.down_proj], quantization=quantization)
-        drop_linears(self, ["gate_proj", "up_proj", "down_proj"])
+        """Repack the loaded weights, gate and up fused (`PackedLinear.silu_mul`)."""
+        if self.gate_up is None:
+            pack_linears(self, quantization, gate_up=["gate_proj", "up_proj"], down=["down_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.gate_up is not None and self.down is not None, "call pack() first"
@@ -107,13 +103,9 @@ class GatedAttention(nn.Module):
         self.out: PackedLinear | None = None
 
     def pack(self, quantization: str | None = None) -> None:
-        """Fuse q (with its gate), k and v projections; repack o_proj (after loading); drop the
-        Hugging Face-named linears."""
-        if self.qkv is not None:
-            return
-        self.qkv = PackedLinear([self.q_proj, self.k_proj, self.v_proj], quantization=quantization)
-        self.out = PackedLinear([self.o_proj], quantization=quantization)
-        drop_linears(self, ["q_proj", "k_proj", "v_proj", "o_proj"])
+        """Repack the loaded weights, q (with its gate), k and v fused."""
+        if self.qkv is None:
+            pack_linears(self, quantization, qkv=["q_proj", "k_proj", "v_proj"], out=["o_proj"])
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext,
                 cos_sin: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -213,16 +205,14 @@ class GatedDeltaNet(nn.Module):
         self.triton_forward: Callable[..., torch.Tensor] | None = None
 
     def pack(self, quantization: str | None = None) -> None:
-        """Fuse the four input projections (qkv, z, b, a); repack out_proj (after loading); drop
-        the Hugging Face-named linears; replace A_log by the per-head decay rate -exp(A_log)."""
+        """Repack the loaded weights, the four input projections (qkv, z, b, a) fused; A_log
+        replaced by the per-head decay rate -exp(A_log)."""
         if self.in_proj is not None:
             return
         self.neg_decay_rate = -self.A_log.detach().float().exp()
         del self.A_log  # the precomputed rate replaces it (one copy)
-        self.in_proj = PackedLinear([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a],
-                                    quantization=quantization)
-        self.out = PackedLinear([self.out_proj], quantization=quantization)
-        drop_linears(self, ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"])
+        pack_linears(self, quantization, in_proj=["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"],
+                     out=["out_proj"])
 
     def _split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = mixed.shape[0]
@@ -447,8 +437,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.head = PackedLinear([self.model.embed_tokens], allow_repack=False)
         else:
-            self.head = PackedLinear([self.lm_head])
-            drop_linears(self, ["lm_head"])
+            pack_linears(self, None, head=["lm_head"])
         move_to_huge_pages(self.weight_slots())
 
     def weight_slots(self) -> Iterator[tuple[object, str, torch.Tensor]]:
@@ -460,10 +449,7 @@ class Qwen3_5ForCausalLM(nn.Module):
                     yield module, name, parameter
             for name, value in list(vars(module).items()):
                 if isinstance(value, PackedLinear):
-                    for attribute in PackedLinear.TENSOR_ATTRIBUTES:
-                        tensor = getattr(value, attribute)
-                        if tensor is not None:
-                            yield value, attribute, tensor
+                    yield from ((value, attribute, tensor) for attribute, tensor in value.named_tensors())
                 elif isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
                     yield module, name, value
 

@@ -163,12 +163,15 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`; ValueError when it cannot be read or holds something else."""
     try:
-        data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-        return data
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return data
 
 
 def _pick_chat_template(value: Any) -> str | None:
@@ -188,15 +191,8 @@ def _dedupe(ids: Iterable[int]) -> tuple[int, ...]:
 class Tokenizer:
     """Text <-> token ids, special tokens, eos ids and the chat template of a model."""
 
-    def __init__(
-        self,
-        backend: BackendTokenizer,
-        *,
-        eos_token_ids: Iterable[int] = (),
-        eos_token: str | None = None,
-        bos_token: str | None = None,
-        chat_template: str | None = None,
-    ) -> None:
+    def __init__(self, backend: BackendTokenizer, *, eos_token_ids: Iterable[int] = (), eos_token: str | None = None,
+                 bos_token: str | None = None, chat_template: str | None = None) -> None:
         self._backend = backend
         self._eos_token_ids = _dedupe(eos_token_ids)
         self._eos_token = eos_token
@@ -215,7 +211,7 @@ class Tokenizer:
             raise ValueError(f"no tokenizer.json in {model_dir}")
         backend = BackendTokenizer.from_file(str(tokenizer_file))
         config_file = model_dir / "tokenizer_config.json"
-        config = _read_json(config_file) if config_file.is_file() else {}
+        config = read_json_object(config_file) if config_file.is_file() else {}
         _add_declared_tokens(backend, config.get("added_tokens_decoder") or {})
 
         eos_token = _token_content(config.get("eos_token"))
@@ -227,7 +223,7 @@ class Tokenizer:
             eos_ids.append(eos_id)
         generation_file = model_dir / "generation_config.json"
         if generation_file.is_file():
-            eos_ids += _as_id_list(_read_json(generation_file).get("eos_token_id"))
+            eos_ids += _as_id_list(read_json_object(generation_file).get("eos_token_id"))
 
         template = _pick_chat_template(config.get("chat_template"))
         template_file = model_dir / "chat_template.jinja"
@@ -285,10 +281,9 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; ids outside the vocabulary (a padded model vocab) are dropped."""
         size = self._vocab_size
-        if all(0 <= i < size for i in ids):
-            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
-        valid = [int(i) for i in ids if 0 <= int(i) < size]
-        return self._backend.decode(valid, skip_special_tokens=skip_special_tokens)
+        if not all(0 <= i < size for i in ids):
+            ids = [int(i) for i in ids if 0 <= int(i) < size]
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a token string (e.g. a special token), None if absent."""
