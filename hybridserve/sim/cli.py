@@ -24,6 +24,10 @@ GIB = 1 << 30
 def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `hybridserve sim`."""
     parser.add_argument("--trace", default=str(default_trace_path()), help="Mooncake-format JSONL trace")
+    parser.add_argument("--workload", default=None, metavar="NAME",
+                        help="replay a generated workload instead of --trace: agent, chat or conversation-synthetic "
+                             "(hybridserve/sim/workloads.py; --num-requests sets its size, default 2000)")
+    parser.add_argument("--workload-seed", type=int, default=0, help="seed of the generated --workload")
     parser.add_argument("--num-requests", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--model-shape", default="qwen3.5-4b",
                         help="a shape named in hybridserve/sim/shapes.py (an unknown name lists them), or a path "
@@ -79,7 +83,12 @@ def run_sim(args: argparse.Namespace) -> int:
     if args.block_size < 1 or args.snapshot_interval < 1 or args.snapshot_interval % args.block_size:
         raise ValueError("--snapshot-interval must be a positive multiple of --block-size")
     shape = model_shape(args.model_shape)
-    records = read_trace(args.trace, args.num_requests, args.block_tokens)
+    if args.workload:
+        from hybridserve.sim.workloads import workload_records
+
+        records = workload_records(args.workload, args.num_requests, args.block_tokens, args.workload_seed)
+    else:
+        records = read_trace(args.trace, args.num_requests, args.block_tokens)
     tokens = TraceTokens(records, args.block_tokens, shape.config.vocab_size)
     start = time.perf_counter()
     ceiling, prompt_tokens = ceiling_hit_tokens(tokens)
@@ -133,7 +142,8 @@ def sim_report(args: argparse.Namespace, shape: ModelShape, num_requests: int, c
         "snapshot_evictions": r.snapshot_evictions, "kv_evictions": r.kv_evictions,
         "snapshots_published": r.snapshots_published, "seconds": r.seconds,
     } for r in results]
-    return {"trace": args.trace, "num_requests": num_requests, "model_shape": shape.name,
+    trace = f"workload:{args.workload}:seed={args.workload_seed}" if args.workload else args.trace
+    return {"trace": trace, "num_requests": num_requests, "model_shape": shape.name,
             "kv_bytes_per_token": shape.cost.kv_bytes_per_token, "snapshot_bytes": shape.cost.snapshot_bytes,
             "block_size": args.block_size, "snapshot_interval": args.snapshot_interval,
             "block_tokens": args.block_tokens, "ceiling_token_hit_rate": ceiling, "rows": rows}
