@@ -32,45 +32,7 @@ TEXT_MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_res
 # The built-in model's template in the Qwen3.5 layout: tools in the system turn, calls as
 # `<tool_call><function=...><parameter=...>`, results as `<tool_response>` user turns, and a thinking
 # block the generation prompt opens (closed empty when `enable_thinking` is false).
-QWEN3_5_STYLE_TEMPLATE = """\
-{%- set first_system = messages and messages[0].role == 'system' -%}
-{%- if tools -%}
-{{- '<|im_start|>system\\n' -}}
-{%- if first_system -%}{{- messages[0].content + '\\n\\n' -}}{%- endif -%}
-{{- '# Tools\\n\\nYou may call one or more functions. Their signatures are in <tools></tools>:\\n<tools>' -}}
-{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}
-{{- '\\n</tools>\\n\\nTo call a function, reply with:\\n<tool_call>\\n<function=NAME>\\n' -}}
-{{- '<parameter=PARAMETER>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call><|im_end|>\\n' -}}
-{%- elif first_system -%}
-{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' -}}
-{%- endif -%}
-{%- for message in messages -%}
-{%- if message.role == 'system' and loop.first -%}
-{%- elif message.role == 'assistant' -%}
-{{- '<|im_start|>assistant\\n' -}}
-{%- if message.reasoning_content -%}{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' -}}{%- endif -%}
-{{- message.content or '' -}}
-{%- for call in message.tool_calls or [] -%}
-{%- set function = call.function if call.function is defined else call -%}
-{{- '\\n<tool_call>\\n<function=' + function.name + '>\\n' -}}
-{%- for name, value in (function.arguments or {}) | items -%}
-{{- '<parameter=' + name + '>\\n' + (value if value is string else (value | tojson)) + '\\n</parameter>\\n' -}}
-{%- endfor -%}
-{{- '</function>\\n</tool_call>' -}}
-{%- endfor -%}
-{{- '<|im_end|>\\n' -}}
-{%- elif message.role == 'tool' -%}
-{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' -}}
-{%- else -%}
-{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-{{- '<|im_start|>assistant\\n' -}}
-{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}
-{%- else -%}{{- '<think>\\n' -}}{%- endif -%}
-{%- endif -%}
-"""
+QWEN3_5_STYLE_TEMPLATE = Path(__file__).with_name("builtin_chat_template.jinja").read_text(encoding="utf-8")
 
 # Qwen's pre-tokenization regex (letters, digits one at a time, punctuation runs, whitespace).
 _PRETOKENIZE_REGEX = (
@@ -78,52 +40,8 @@ _PRETOKENIZE_REGEX = (
     r"""| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
-_TRAINING_TEXT = """\
-A language model reads a sequence of tokens and predicts the next token. Serving such a model
-means running it for many users at the same time, and doing so quickly and cheaply. The server
-receives a request with a prompt, turns the text into tokens, runs the prompt through the model
-in one pass called the prefill, and then produces new tokens one at a time in the decode phase.
-Each new token is sampled from the probabilities that the model computes, and the server sends
-it back to the user as soon as it is ready, so that the answer appears while it is generated.
-
-In a transformer with full attention, every token attends to all the tokens before it. To avoid
-computing the same keys and values again and again, the server keeps them in a key value cache.
-The cache grows with the length of the sequence, and for long prompts it becomes the largest
-part of the memory in use. A paged cache splits the keys and values into fixed blocks, so that
-memory is allocated in small pieces and can be shared between requests that start with the same
-text. When two prompts share a long prefix, such as the same system prompt or the same document,
-the blocks of that prefix are computed once and reused, which saves both time and memory.
-
-Linear attention layers work in a different way. A gated delta network keeps a fixed size state
-for each head and updates it with every token: the state decays by a gate, and the new key and
-value write a correction into it, like a small memory that learns while it reads. The cost of a
-step does not grow with the length of the sequence, and the state takes the same space for a
-short prompt and for a very long one. A short causal convolution mixes each token with the few
-tokens before it before the update is applied.
-
-A hybrid model interleaves both kinds of layers. Most layers are linear attention layers with a
-recurrent state, and every fourth layer is a full attention layer with a key value cache. This
-makes long contexts much cheaper, but it also changes how a prefix cache must work. The keys and
-values of a prefix can be cut at any block boundary, but the recurrent state is a summary of the
-whole prefix and cannot be cut. To reuse a prefix, the server must also keep a snapshot of the
-recurrent state at that point. A joint prefix cache stores blocks of keys and values together
-with snapshots of the states at regular intervals, and evicts them together when memory is low.
-
-The scheduler decides which requests run in each step. Continuous batching lets new requests
-join the batch as soon as others finish, instead of waiting for the whole batch to complete.
-The scheduler limits the number of sequences and the number of tokens in a step, splits very
-long prompts into chunks, and may preempt a request when the cache is full. Sampling parameters
-such as the temperature, top p, top k and the maximum number of tokens are set for each request.
-A request stops when the model emits an end of text token or a stop string, or when it reaches
-the maximum length. Good metrics help: the time to the first token, the time per output token,
-the throughput in tokens per second, and the hit rate of the prefix cache.
-
-Tokens are not words. A byte level tokenizer starts from the two hundred and fifty six bytes and
-learns merges of frequent pairs, so that common words become single tokens while any text, in
-any language, can still be written with bytes. Numbers such as 0, 1, 2, 3, 4, 5, 6, 7, 8 and 9 are
-split into digits. Special tokens mark the start and the end of each message in a chat, and a
-chat template turns a list of messages into the text that the model expects to read.
-"""
+# The text the built-in tokenizer's merges are learned from
+_TRAINING_TEXT = Path(__file__).with_name("builtin_tokenizer_text.txt").read_text(encoding="utf-8")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
