@@ -1,5 +1,5 @@
-"""The admin endpoints: models, tokenize, detokenize, version, health (503 naming the reason once
-the engine stopped) and Prometheus metrics."""
+"""The admin endpoints: models, tokenize, detokenize, version, the probes (`/health`: 503 naming
+the reason once the engine stopped; `/ready`: 503 until the engine serves) and Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from fastapi.responses import Response
 import hybridserve
 from hybridserve.errors import EngineDeadError
 from hybridserve.server.errors import APIError
+from hybridserve.server.limits import check_token_ids, check_tools
 from hybridserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from hybridserve.server.protocol import (
     DetokenizeRequest,
@@ -32,6 +33,7 @@ class AdminServing(OpenAIServing):
         self._check_model(body.model)
         if body.messages is not None:
             tools = [tool.template_dict() for tool in body.tools] if body.tools else None
+            check_tools(tools, self.limits)
             text = self._render_chat(body.messages, tools, body.chat_template_kwargs, body.add_generation_prompt)
         else:
             text = body.prompt or ""
@@ -42,9 +44,7 @@ class AdminServing(OpenAIServing):
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         """`POST /detokenize`: the text of token ids."""
         self._check_model(body.model)
-        bad = [t for t in body.tokens if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
-        if bad:
-            raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
+        check_token_ids(body.tokens, self.vocab_size, "tokens")
         return DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))
 
     def model_card(self, name: str) -> ModelCard:
@@ -76,13 +76,22 @@ def install_admin_routes(app: FastAPI, serving: AdminServing) -> None:
     async def version() -> Response:
         return json_response(VersionResponse(version=hybridserve.__version__))
 
-    @app.get("/health")
-    async def health() -> Response:
+    def require_running() -> None:
         if not serving.engine.is_running:
             reason = serving.engine.dead_reason
             raise APIError(503, f"engine is not running: {reason}" if reason else "engine is not running",
                            code="engine_unavailable")
+
+    @app.get("/health")
+    async def health() -> Response:
+        require_running()
         return Response(b'{"status":"ok"}', media_type="application/json")
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Readiness: 200 once the engine serves requests, 503 before it started and after it stopped."""
+        require_running()
+        return Response(b'{"status":"ready"}', media_type="application/json")
 
     @app.get("/metrics")
     async def metrics() -> Response:

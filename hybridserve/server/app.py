@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP app (docs/serving.md's routes) around any `EngineClient`: handlers by
-role, the error envelope, bearer-key auth on `/v1/*` and a body-size cap."""
+role, the error envelope, bearer-key auth on every route but the probes, request limits, request
+ids and the access log."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -14,11 +16,13 @@ from fastapi import FastAPI
 
 from hybridserve.engine.protocol import EngineClient
 from hybridserve.server.admin import AdminServing, install_admin_routes
-from hybridserve.server.auth import ApiKeyring, TenantAuthMiddleware
+from hybridserve.server.auth import PUBLIC_PATHS, ApiKeyring, TenantAuthMiddleware
 from hybridserve.server.chat_completions import ChatServing, install_chat_routes
 from hybridserve.server.completions import CompletionServing, install_completion_routes
+from hybridserve.server.docs_ui import install_docs_routes, swagger_ui_dir
 from hybridserve.server.errors import install_error_handlers
-from hybridserve.server.middleware import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
+from hybridserve.server.limits import DEFAULT_LIMITS, ServerLimits
+from hybridserve.server.middleware import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware, RequestIdMiddleware
 from hybridserve.server.serving import ServingContext
 
 logger = logging.getLogger(__name__)
@@ -50,25 +54,31 @@ def _lifespan(engine: EngineClient, shutdown_engine: bool) -> Callable[[FastAPI]
 
 def build_app(engine: EngineClient, *, model_name: str | Sequence[str], api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_engine: bool = False,
-              reasoning_parser: str | None = None, api_keys: Sequence[str] = (), stream_interval: int = 1) -> FastAPI:
+              reasoning_parser: str | None = None, api_keys: Sequence[str] = (), stream_interval: int = 1,
+              limits: ServerLimits = DEFAULT_LIMITS) -> FastAPI:
     """The HTTP app around an engine client, started with the app (`shutdown_engine`: stopped with it).
 
     `model_name` is the served name or several aliases (the first is the default); with `api_key`
-    and/or `api_keys` one of them is required on `/v1/*` as a bearer token, and each key is a tenant
-    with its own cache salt. The other options are `hybridserve serve`'s flags of the same names.
+    and/or `api_keys` one of them is required on every route but `/health` and `/ready` as a
+    bearer token, and each key is a tenant with its own cache salt and in-flight cap. `limits`
+    bound each request (`max_body_bytes` overrides its body size). The other options are
+    `hybridserve serve`'s flags of the same names.
     """
-    if max_body_bytes < 1:
-        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
-    context = ServingContext.create(engine, model_name, reasoning_parser, stream_interval)
+    limits = dataclasses.replace(limits, max_body_bytes=max_body_bytes)  # checks the value too
+    context = ServingContext.create(engine, model_name, reasoning_parser, stream_interval, limits)
     _preload_stream_backend()
     app = FastAPI(title="hybridserve", lifespan=_lifespan(engine, shutdown_engine),
-                  openapi_url="/openapi.json", docs_url="/docs", redoc_url=None)
+                  openapi_url="/openapi.json", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     install_completion_routes(app, CompletionServing(context))
     install_chat_routes(app, ChatServing(context))
     install_admin_routes(app, AdminServing(context))
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    install_docs_routes(app, swagger_ui_dir())
+    # Added innermost first: request ids (outermost) see every answer, auth refuses before a body is read.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=limits.max_body_bytes)
     keyring = ApiKeyring([*api_keys, *([api_key] if api_key else [])])
     if len(keyring):
-        app.add_middleware(TenantAuthMiddleware, keyring=keyring)
+        public = [route for route in app.routes if getattr(route, "path", None) in PUBLIC_PATHS]
+        app.add_middleware(TenantAuthMiddleware, keyring=keyring, public_routes=public)
+    app.add_middleware(RequestIdMiddleware)
     return app

@@ -1,14 +1,19 @@
-"""API keys and tenants: `/v1/*` needs `Authorization: Bearer KEY`, and each key's requests are
-cached under a salt derived from its hash, so keys never share cache entries nor time each other
-through them (docs/serving.md, security notes)."""
+"""API keys and tenants: every route but the public probes (`/health`, `/ready`) needs
+`Authorization: Bearer KEY`, matched on the route the request reaches (so `--root-path` and
+unknown paths cannot slip past), and each key's requests are cached under a salt derived from its
+hash, so keys never share cache entries nor time each other through them (docs/serving.md,
+security notes)."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Iterable
+import os
+import stat
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hybridserve.server.errors import APIError
@@ -22,19 +27,33 @@ def tenant_id(api_key: str) -> str:
 
 
 def tenant_cache_salt(tenant: str | None, client_salt: str | None) -> str | None:
-    """The salt a request is cached under: the client's alone without a tenant, else the tenant
-    combined with it (the tenant part is fixed-length, so the combination is unambiguous)."""
+    """The salt a request is cached under. A client's salt alone lives under `client:`, a tenant's
+    under `tenant:<id>` (combined with any client salt; the id is fixed-length, so the combination
+    is unambiguous): no client salt can spell a tenant's namespace."""
     if tenant is None:
-        return client_salt
+        return None if client_salt is None else f"client:{client_salt}"
     return f"tenant:{tenant}" if client_salt is None else f"tenant:{tenant}:salt:{client_salt}"
 
 
+def check_key_file_mode(path: str | Path) -> None:
+    """`ValueError` unless only the owner can read and write the key file (mode 0600 or 0400)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise ValueError(f"cannot read API key file {path}: {exc.strerror or exc}") from exc
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ValueError(f"API key file {path} is accessible to group or others (mode {stat.S_IMODE(mode):04o}); "
+                         f"restrict it with: chmod 600 {path}")
+
+
 def read_key_file(path: str | Path) -> list[str]:
-    """Keys from a file: one per line; blank lines and lines starting with '#' are skipped."""
+    """Keys from a file only its owner may access: one per line; blank lines and lines starting
+    with '#' are skipped."""
+    check_key_file_mode(path)
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as exc:
-        raise ValueError(f"cannot read API key file {path}: {exc}") from exc
+        raise ValueError(f"cannot read API key file {path}: {exc.strerror or exc}") from exc
     keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
     if not keys:
         raise ValueError(f"API key file {path} holds no key")
@@ -64,16 +83,25 @@ class ApiKeyring:
         return found
 
 
-class TenantAuthMiddleware:
-    """Requires a known bearer key on every `/v1/*` route and records its tenant in the scope
-    (read by `request_tenant`)."""
+PUBLIC_PATHS = ("/health", "/ready")  # the probes a load balancer calls without a key
 
-    def __init__(self, app: ASGIApp, keyring: ApiKeyring) -> None:
+
+class TenantAuthMiddleware:
+    """Requires a known bearer key on every request except those a public route (`public_routes`)
+    fully matches, and records the key's tenant in the scope (read by `request_tenant`). Routes
+    match as the router does (Starlette strips the root path), so the check cannot be bypassed
+    by a path prefix; an unknown path needs a key too (no route discovery without one)."""
+
+    def __init__(self, app: ASGIApp, keyring: ApiKeyring, public_routes: Sequence[BaseRoute]) -> None:
         self.app = app
         self.keyring = keyring
+        self.public_routes = list(public_routes)
+
+    def _is_public(self, scope: Scope) -> bool:
+        return any(route.matches(scope)[0] is Match.FULL for route in self.public_routes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and not self._is_public(scope):
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             tenant = self.keyring.tenant_of(given)
             if tenant is None:

@@ -9,6 +9,7 @@ from fastapi.responses import Response
 
 from hybridserve.sampling_params import CompletionOutput, RequestOutput, StructuredOutputsParams
 from hybridserve.server.errors import ERROR_RESPONSES
+from hybridserve.server.limits import check_schema, check_tools
 from hybridserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -41,6 +42,10 @@ class ChatServing(OpenAIServing):
         """`POST /v1/chat/completions`."""
         model = self._check_model(body.model)
         self._log_ignored("chat completion", body)
+        self._check_bounds(body, 1)
+        check_tools([tool.template_dict() for tool in body.tools or ()], self.limits)
+        if body.response_format is not None and body.response_format.json_schema is not None:
+            check_schema(body.response_format.json_schema.json_schema, self.limits, "response_format")
         structured = self._constraint(lambda: self._chat_constraint(body))
         text = self._render_chat(body.messages, body.tool_dicts, body.chat_template_kwargs,
                                  body.add_generation_prompt)

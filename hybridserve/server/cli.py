@@ -37,10 +37,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
     parser.add_argument("--port", type=int, default=8000, help="port to bind")
     parser.add_argument("--api-key", action="append", default=None,
-                        help=f"require 'Authorization: Bearer KEY' on /v1/*; repeat for several tenants (each "
-                             f"key's requests get their own prefix-cache salt); falls back to ${API_KEY_ENV}")
+                        help=f"require 'Authorization: Bearer KEY' on every route but /health and /ready; repeat "
+                             f"for several tenants (each key's requests get their own prefix-cache salt and "
+                             f"in-flight cap); visible in the process list, so prefer --api-key-file or "
+                             f"${API_KEY_ENV}, which is read when neither flag is given")
     parser.add_argument("--api-key-file", default=None,
-                        help="file with one API key per line (added to --api-key)")
+                        help="file with one API key per line (added to --api-key); it must not be accessible "
+                             "to group or others (chmod 600)")
+    parser.add_argument("--root-path", default="",
+                        help="path prefix a reverse proxy serves the API under (ASGI root_path, e.g. /llm)")
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="model name(s) in the API (aliases; the first is reported); when unset, the model "
                              "directory's name")
@@ -119,6 +124,8 @@ def check_http_arguments(args: argparse.Namespace) -> None:
     """`ValueError` for HTTP flags out of range, before any engine is built."""
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
+        raise ValueError(f"--root-path must start with '/' and not end with one, got {args.root_path!r}")
     if not 1 <= args.stream_interval <= MAX_STREAM_INTERVAL:
         raise ValueError(f"--stream-interval must be in [1, {MAX_STREAM_INTERVAL}], got {args.stream_interval}")
 
@@ -164,7 +171,9 @@ def run_server(args: argparse.Namespace) -> int:
                 "core process" if args.engine_process == "on" else "thread")
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_system_exit)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, lifespan="off"))
+    # The access log is the app's own (hybridserve.access: with request ids), not uvicorn's.
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, lifespan="off", access_log=False,
+                                           root_path=args.root_path))
     freeze_startup_heap()  # this process serves from here on (with the engine too, unless it has a process)
     try:  # the engine's lifetime is managed here, so uvicorn's lifespan protocol is not needed
         serve_uvicorn(server, [sock], async_engine)

@@ -27,6 +27,8 @@ class CompletionServing(OpenAIServing):
         """`POST /v1/completions` (one prompt or a batch of them)."""
         model = self._check_model(body.model)
         self._log_ignored("completion", body)
+        self._check_bounds(body, len(body.prompt_inputs))
+        self._check_prompt_ids(body.prompt_inputs)
         prompts = [await self._encode(p) if isinstance(p, str) else list(p) for p in body.prompt_inputs]
         max_tokens = min(self._max_tokens(len(ids), body.max_tokens, "max_tokens" in body.model_fields_set,
                                           default=16, param="prompt") for ids in prompts)

@@ -1,12 +1,66 @@
-"""The request body size cap, a pure-ASGI middleware (bearer-key auth is `server.auth`)."""
+"""Pure-ASGI middlewares: the request body size cap, and request ids with the access log
+(bearer-key auth is `server.auth`); `log_safe` for any logged value that comes from a request."""
 
 from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hybridserve.server.errors import APIError
+from hybridserve.server.limits import DEFAULT_LIMITS
 
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_BODY_BYTES = DEFAULT_LIMITS.max_body_bytes
+REQUEST_ID_HEADER = b"x-request-id"
+REQUEST_ID_SCOPE_KEY = "hybridserve.request_id"
+LOGGED_CHARS = 80  # a logged value from a request is cut to this many characters
+_SANE_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:\-]{1,64}")
+
+access_logger = logging.getLogger("hybridserve.access")
+
+
+def log_safe(value: object, limit: int = LOGGED_CHARS) -> str:
+    """`value` as text fit for one log line: control and non-ASCII characters escaped (no forged
+    lines, no terminal escapes), cut to `limit` characters with a marker saying so."""
+    text = str(value)
+    cut = text[:limit].encode("unicode_escape").decode("ascii")
+    return cut if len(text) <= limit else f"{cut}...(+{len(text) - limit} chars)"
+
+
+class RequestIdMiddleware:
+    """Gives every request an id (the client's `x-request-id` when it is short and plain, else a
+    new one), returns it as the `x-request-id` response header, and writes one access-log line
+    per request with it: client, method, path (escaped), status, seconds."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == REQUEST_ID_HEADER), b"")
+        request_id = given.decode() if _SANE_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        scope[REQUEST_ID_SCOPE_KEY] = request_id
+        status = 0
+        start = time.monotonic()
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", ()), (REQUEST_ID_HEADER, request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            client = scope.get("client") or ("-", 0)
+            access_logger.info('%s:%s "%s %s" %d %.3fs request_id=%s', client[0], client[1], scope["method"],
+                               log_safe(scope["path"]), status, time.monotonic() - start, request_id)
 
 
 class BodyLimitMiddleware:

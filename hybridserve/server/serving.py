@@ -33,7 +33,19 @@ from hybridserve.sampling_params import (
 from hybridserve.server.auth import request_tenant, tenant_cache_salt
 from hybridserve.server.chat import ChatRenderer, ChatTemplateError
 from hybridserve.server.errors import APIError, engine_error, request_failed
+from hybridserve.server.limits import (
+    DEFAULT_LIMITS,
+    ServerLimits,
+    TenantAdmission,
+    TenantTicket,
+    check_logit_bias,
+    check_prompt_count,
+    check_schema,
+    check_stop,
+    check_token_ids,
+)
 from hybridserve.server.metrics import RequestTracker, ServerMetrics
+from hybridserve.server.middleware import log_safe
 from hybridserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionStreamResponse,
@@ -52,6 +64,7 @@ from hybridserve.server.tool_parser import ToolCallStream, stream_delta
 logger = logging.getLogger(__name__)
 
 MIN_LOGPROB = -9999.0  # a -inf logprob is sent as this (JSON has no infinity)
+MAX_LOGGED_FIELDS = 32  # unknown field names named in one warning line (the rest are counted)
 TokenEntry = tuple[str, float, list[tuple[str, float]]]
 
 
@@ -114,6 +127,7 @@ class Job:
     num_logprobs: int | None
     include_usage: bool
     echo_texts: list[str]
+    tenant: str | None = None
     chat: ChatOptions | None = None
     arrival: float = dataclasses.field(default_factory=time.monotonic)
     created: int = dataclasses.field(default_factory=now)  # one `created` for every chunk, as OpenAI sends
@@ -179,10 +193,17 @@ class ServingContext:
     stream_interval: int
     metrics: ServerMetrics
     chat: ChatRenderer
+    limits: ServerLimits
+    admission: TenantAdmission
+
+    @property
+    def max_waiting_requests(self) -> int | None:
+        """The engine client's waiting-queue limit (None: unbounded)."""
+        return getattr(self.engine, "max_waiting_requests", None)
 
     @classmethod
     def create(cls, engine: EngineClient, model_names: str | Sequence[str], reasoning_parser: str | None = None,
-               stream_interval: int = 1) -> ServingContext:
+               stream_interval: int = 1, limits: ServerLimits = DEFAULT_LIMITS) -> ServingContext:
         """Check the server options and build the shared state (`ValueError` on a bad option)."""
         if not isinstance(stream_interval, int) or not 1 <= stream_interval <= MAX_STREAM_INTERVAL:
             raise ValueError(f"stream_interval must be an integer in [1, {MAX_STREAM_INTERVAL}], "
@@ -192,8 +213,9 @@ class ServingContext:
             raise ValueError("at least one served model name is needed")
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {reasoning_parser!r} (known: {', '.join(REASONING_PARSERS)})")
+        admission = TenantAdmission(limits.tenant_cap(getattr(engine, "max_waiting_requests", None)))
         return cls(engine, names, reasoning_parser, stream_interval, ServerMetrics(),
-                   ChatRenderer(getattr(engine.tokenizer, "chat_template", None)))
+                   ChatRenderer(getattr(engine.tokenizer, "chat_template", None)), limits, admission)
 
 
 class OpenAIServing:
@@ -208,6 +230,7 @@ class OpenAIServing:
         self.model_names = context.model_names
         self.tokenizer = context.engine.tokenizer
         self.metrics = context.metrics
+        self.limits = context.limits
         model_config = getattr(context.engine, "model_config", None)
         self.vocab_size: int | None = getattr(model_config, "vocab_size", None)
 
@@ -229,15 +252,38 @@ class OpenAIServing:
         if model is None:
             return self.model_names[0]
         if model not in self.model_names:
-            raise APIError(404, f"the model `{model}` does not exist (serving {', '.join(self.model_names)})",
+            raise APIError(404, f"the model `{log_safe(model)}` does not exist (serving {', '.join(self.model_names)})",
                            param="model", code="model_not_found")
         return model
 
     @staticmethod
     def _log_ignored(kind: str, body: LenientModel) -> None:
+        """One warning naming the unknown fields: escaped, cut, and at most MAX_LOGGED_FIELDS of them."""
         ignored = body.ignored_fields()
         if ignored:
-            logger.warning("%s request: ignored unknown field(s): %s", kind, ", ".join(sorted(ignored)))
+            names = sorted(ignored)
+            more = f" (+{len(names) - MAX_LOGGED_FIELDS} more)" if len(names) > MAX_LOGGED_FIELDS else ""
+            logger.warning("%s request: ignored unknown field(s): %s%s", kind,
+                           ", ".join(log_safe(name) for name in names[:MAX_LOGGED_FIELDS]), more)
+
+    def _check_bounds(self, body: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> None:
+        """The request limits every generating request is checked against before any work is done
+        for it (400 over one of them); token-id prompts are checked by `_check_prompt_ids`."""
+        check_prompt_count(num_prompts, self.context.max_waiting_requests, self.limits)
+        check_stop(body.stop, body.stop_token_ids, self.vocab_size, self.limits)
+        check_logit_bias(body.logit_bias, self.limits)
+        extra = body.structured_outputs
+        constraints: list[Any] = [body.guided_json, body.guided_regex, body.guided_choice, body.guided_grammar]
+        if extra is not None:
+            constraints += [extra.json_, extra.regex, extra.choice, extra.grammar]
+        for constraint in constraints:
+            check_schema(constraint, self.limits, "structured_outputs")
+
+    def _check_prompt_ids(self, prompts: Sequence[str | list[int]]) -> None:
+        """Token-id prompts hold only ids of the vocabulary."""
+        for prompt in prompts:
+            if not isinstance(prompt, str):
+                check_token_ids(prompt, self.vocab_size, "prompt")
 
     def _render_chat(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,
                      kwargs: dict[str, Any] | None, add_generation_prompt: bool) -> str:
@@ -296,19 +342,23 @@ class OpenAIServing:
         if self.vocab_size is not None and any(t >= self.vocab_size for t in params.logit_bias or {}):
             raise APIError(400, f"logit_bias names a token id outside the vocabulary [0, {self.vocab_size})",
                            param="logit_bias")
-        cache_salt = tenant_cache_salt(request_tenant(request.scope), body.cache_salt)
+        tenant = request_tenant(request.scope)
+        cache_salt = tenant_cache_salt(tenant, body.cache_salt)
         return Job(f"{prefix}-{uuid.uuid4().hex}", model, prompts, params, cache_salt,
-                   num_logprobs, body.include_usage, echo_texts, chat)
+                   num_logprobs, body.include_usage, echo_texts, tenant, chat)
 
     # ------------------------------------------------------------- submission and collection
     async def _respond(self, job: Job, streaming: bool | None, request: Request) -> Response:
-        """Submit `job` and answer: its chunks as server-sent events when it streams, else the JSON body."""
+        """Submit `job` and answer: its chunks as server-sent events when it streams, else the JSON
+        body. The job holds its tenant's places (`TenantAdmission`) until its streams end."""
+        ticket = self.context.admission.admit(job.tenant, len(job.prompts))
         streams: list[RequestOutputStream] = []
         try:
             for index, prompt_ids in enumerate(job.prompts):
                 streams.append(await self.engine.add_request(f"{job.request_id}-{index}", prompt_ids,
                                                              job.params, job.cache_salt))
         except BaseException as exc:
+            ticket.release()
             for stream in streams:
                 self.engine.abort(stream.request_id)
             if isinstance(exc, Exception):
@@ -316,9 +366,12 @@ class OpenAIServing:
             raise
         if streaming:
             # The background task also covers a client gone before the events ever started.
-            return EventStreamResponse(functools.partial(self._write_events, job, streams),
-                                       background=BackgroundTask(self._abort_after_stream, streams))
-        return json_response(self._response(job, await self._collect(job, streams, request)))
+            return EventStreamResponse(functools.partial(self._write_events, job, streams, ticket),
+                                       background=BackgroundTask(self._abort_after_stream, streams, ticket))
+        try:
+            return json_response(self._response(job, await self._collect(job, streams, request)))
+        finally:
+            ticket.release()
 
     async def _collect(self, job: Job, streams: list[RequestOutputStream], request: Request) -> list[RequestOutput]:
         """The final output of every stream; a client that leaves first aborts them all (499)."""
@@ -352,9 +405,10 @@ class OpenAIServing:
             if not stream.finished:
                 self.engine.abort(stream.request_id)
 
-    async def _abort_after_stream(self, streams: list[RequestOutputStream]) -> None:
+    async def _abort_after_stream(self, streams: list[RequestOutputStream], ticket: TenantTicket) -> None:
         """A streamed response's background task. Aborting never blocks, and as a coroutine it
         runs on the event loop; Starlette would hand a plain function to a worker thread."""
+        ticket.release()
         self._abort_unfinished(streams)
 
     def _usage(self, job: Job, finals: Sequence[RequestOutput | None]) -> UsageInfo:
@@ -384,7 +438,8 @@ class OpenAIServing:
     def _chunk(self, job: Job, choices: list[Any], usage: UsageInfo | None = None) -> BaseModel:
         return self.chunk_type(id=job.request_id, model=job.model, created=job.created, choices=choices, usage=usage)
 
-    async def _write_events(self, job: Job, streams: list[RequestOutputStream], send_event: SendEvent) -> None:
+    async def _write_events(self, job: Job, streams: list[RequestOutputStream], ticket: TenantTicket,
+                            send_event: SendEvent) -> None:
         text_only = TextChunkTemplate(lambda index, text: self._chunk(job, [self._text_choice(index, text)]))
         states: dict[int, ChoiceState] = {}
         trackers = [self.metrics.tracker(job.arrival) for _ in streams]
@@ -426,5 +481,6 @@ class OpenAIServing:
         except (EngineStepError, EngineDeadError) as exc:
             await send_event(sse_event(json.loads(engine_error(exc).envelope())))
         finally:
+            ticket.release()
             self._abort_unfinished(streams)
         await send_event("data: [DONE]\n\n")

@@ -31,12 +31,13 @@ def tiny_config(**scheduler: Any) -> EngineConfig:
 class ServerThread:
     """A uvicorn server for `app` on a free 127.0.0.1 port, in a daemon thread."""
 
-    def __init__(self, app: Any, engine: Any = None) -> None:
+    def __init__(self, app: Any, engine: Any = None, root_path: str = "") -> None:
         """`engine`: the app's engine, served as `hybridserve serve` does (an engine core client
-        then reads its outputs on the server's loop)."""
+        then reads its outputs on the server's loop); `root_path`: uvicorn's `--root-path`."""
         self._sock = bind_socket("127.0.0.1", 0)  # the server's own: TCP_NODELAY on
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2,
+                                                    root_path=root_path))
         self._thread = threading.Thread(target=serve_uvicorn, args=(self.server, [self._sock], engine), daemon=True)
 
     def __enter__(self) -> ServerThread:

@@ -67,11 +67,14 @@ def test_every_key_is_accepted_and_others_refused(keyed_server: ServerThread) ->
 def test_salt_combination_is_unambiguous() -> None:
     a, b = tenant_id("a"), tenant_id("b")
     assert len(a) == 32 and a != b and a == tenant_id("a")  # a stable digest, not the key
-    assert tenant_cache_salt(None, None) is None and tenant_cache_salt(None, "s") == "s"
+    assert tenant_cache_salt(None, None) is None and tenant_cache_salt(None, "s") == "client:s"
+    # a client-only salt lives in its own namespace: spelling a tenant's salt (alone or combined)
+    # never lands in that tenant's namespace
+    forged = [tenant_cache_salt(None, f"tenant:{a}"), tenant_cache_salt(None, f"tenant:{a}:salt:x")]
     salts = {tenant_cache_salt(a, None), tenant_cache_salt(a, "x"), tenant_cache_salt(b, "x"),
-             tenant_cache_salt(a, ""), tenant_cache_salt(None, f"tenant:{a}")}
-    assert len(salts) == 4  # only a client forging "tenant:<id>" without any key can collide, and
-    # with keys configured every request has a tenant, so that form never reaches the engine alone
+             tenant_cache_salt(a, ""), *forged}
+    assert len(salts) == 6
+    assert all(salt is not None and not salt.startswith("tenant:") for salt in forged)
     ring = ApiKeyring(KEYS)
     assert ring.tenant_of(b"Bearer key-of-tenant-b") == tenant_id(KEYS[1])
     assert ring.tenant_of(b"Bearer key-of-tenant-") is None
@@ -82,12 +85,17 @@ def test_salt_combination_is_unambiguous() -> None:
 def test_keys_from_flags_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     key_file = tmp_path / "keys.txt"
     key_file.write_text("# tenants\nfile-key-1\n\n  file-key-2  \n")
+    key_file.chmod(0o644)
+    with pytest.raises(ValueError, match="accessible to group or others.*chmod 600"):
+        read_key_file(key_file)
+    key_file.chmod(0o600)
     assert read_key_file(key_file) == ["file-key-1", "file-key-2"]
     args = build_parser().parse_args(["--api-key", "k1", "--api-key", "k2", "--api-key-file", str(key_file)])
     assert api_keys_from(args) == ["k1", "k2", "file-key-1", "file-key-2"]
     monkeypatch.setenv("HYBRIDSERVE_API_KEY", "from-env")
     assert api_keys_from(build_parser().parse_args([])) == ["from-env"]
     (tmp_path / "empty.txt").write_text("# nothing\n")
+    (tmp_path / "empty.txt").chmod(0o400)
     with pytest.raises(ValueError, match="holds no key"):
         read_key_file(tmp_path / "empty.txt")
 
