@@ -11,11 +11,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-POLICY_NAMES = ("hybridserve", "marconi", "interval", "last-block")  # see hybridserve.cache.policy
+from hybridserve.cache.tier_dir import check_disk_cache_dir  # torch-free; raises a ValueError
+
+POLICY_NAMES = ("hybridserve", "hybridserve-v1", "marconi", "interval", "last-block")  # see hybridserve.cache.policy
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 BLOCK_HASHES = ("xxh3_128", "sha256")
+TIER_WRITE_POLICIES = ("write-back", "write-through")  # see hybridserve.cache.tier_store
 MIB = 1 << 20
 # CPU cache sizes when nothing is given (why fixed: docs/serving.md, Sizing). Here, not in
 # engine.memory_plan, so the command-line flags can name them without importing torch.
@@ -173,6 +176,11 @@ class CacheConfig:
     memory_fraction: float | None = None
     snapshot_memory_share: float = 0.5
     block_hash: str = "xxh3_128"
+    # Lower tiers of the joint cache (hybridserve/cache/tier_store.py): 0 / None keep them off.
+    host_cache_memory_bytes: int = 0
+    disk_cache_dir: str | None = None
+    disk_cache_size_bytes: int | None = None
+    tier_write_policy: str = "write-back"
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
@@ -192,6 +200,19 @@ class CacheConfig:
                  f"block_size ({self.block_size})")
         _require(self.cache_policy in POLICY_NAMES,
                  f"unknown cache policy {self.cache_policy!r}; choose one of {', '.join(POLICY_NAMES)}")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        _require(self.host_cache_memory_bytes >= 0,
+                 f"host cache memory must be >= 0 bytes, got {self.host_cache_memory_bytes}")
+        _require(self.tier_write_policy in TIER_WRITE_POLICIES,
+                 f"tier write policy must be one of {', '.join(TIER_WRITE_POLICIES)}, got {self.tier_write_policy!r}")
+        if self.disk_cache_dir is None:
+            _require(self.disk_cache_size_bytes is None, "--disk-cache-size needs --disk-cache-dir")
+            return
+        _require(self.disk_cache_size_bytes is not None and self.disk_cache_size_bytes > 0,
+                 "--disk-cache-dir needs --disk-cache-size (e.g. 64GiB)")
+        check_disk_cache_dir(self.disk_cache_dir)
 
     @property
     def prefix_cache_enabled(self) -> bool:

@@ -9,6 +9,7 @@ from hybridserve.config import (
     DEFAULT_CPU_KV_CACHE_MIB,
     DEFAULT_CPU_PREFIX_CACHE_MIB,
     POLICY_NAMES,
+    TIER_WRITE_POLICIES,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
@@ -44,6 +45,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
                         help="share of planned cache memory given to GDN snapshots (the rest is KV)")
     parser.add_argument("--block-hash", default="xxh3_128", choices=BLOCK_HASHES,
                         help="KV block hash: xxh3_128 (fast) or sha256 (collision-resistant)")
+    parser.add_argument("--host-cache-memory", default=None, metavar="SIZE",
+                        help="host memory for a joint-cache tier below the device pools (e.g. 64GiB; pinned on "
+                             "CUDA); off when unset")
+    parser.add_argument("--disk-cache-dir", default=None, metavar="DIR",
+                        help="directory of a persistent joint-cache tier on disk (needs --disk-cache-size; kept "
+                             "across restarts, one subdirectory per model fingerprint, mode 0700); off when unset")
+    parser.add_argument("--disk-cache-size", default=None, metavar="SIZE",
+                        help="most bytes the disk tier may hold (e.g. 512GiB); least recently used objects go first")
+    parser.add_argument("--tier-write-policy", default="write-back", choices=TIER_WRITE_POLICIES,
+                        help="write-back: copy an entry to a lower tier when it is evicted from the one above; "
+                             "write-through: copy it when it is cached")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for the forward (when unset: every available core, idle OpenMP "
                              "workers sleeping; all cores but one if torch was imported before hybridserve)")
@@ -78,13 +90,27 @@ def model_from_args(args: argparse.Namespace) -> str | None:
     return model
 
 
+def _size_flag(args: argparse.Namespace, name: str) -> int | None:
+    """Bytes of the size flag `--name` (None when unset); `ValueError` naming the flag."""
+    text = getattr(args, name.replace("-", "_"), None)
+    if text is None:
+        return None
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise ValueError(f"--{name}: {error}") from None
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The `EngineConfig` the flags describe (raises `ValueError` on invalid values)."""
     cache = CacheConfig(block_size=args.block_size, kv_cache_mib=args.kv_cache_mib,
                         prefix_cache_mib=args.prefix_cache_mib, snapshot_interval=args.snapshot_interval,
                         cache_policy=args.cache_policy,
                         kv_cache_memory_bytes=args.kv_cache_memory, memory_fraction=args.memory_fraction,
-                        snapshot_memory_share=args.snapshot_memory_share, block_hash=args.block_hash)
+                        snapshot_memory_share=args.snapshot_memory_share, block_hash=args.block_hash,
+                        host_cache_memory_bytes=_size_flag(args, "host-cache-memory") or 0,
+                        disk_cache_dir=args.disk_cache_dir, disk_cache_size_bytes=_size_flag(args, "disk-cache-size"),
+                        tier_write_policy=args.tier_write_policy)
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 max_model_len=args.max_model_len, max_waiting_requests=args.max_waiting_requests,
                                 max_prefill_tokens_during_decode=args.max_prefill_tokens_during_decode)

@@ -1,0 +1,526 @@
+"""The physical stores of the lower cache tiers (hybridserve/cache/tier_store.py, store_mover.py):
+exact round trips, faults as counted misses, budgets, crash safety, permissions, restarts, the
+fingerprint and the flags. Waits are on events and pipes, never on wall-clock thresholds."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from hybridserve.cache import tier_store
+from hybridserve.cache.store_mover import StoreMover, TierEvent
+from hybridserve.cache.tier_dir import DiskCacheDirError, check_disk_cache_dir
+from hybridserve.cache.tier_store import (
+    FORMAT_VERSION,
+    HEADER,
+    DiskStore,
+    HostStore,
+    Payload,
+    PutResult,
+    TierStoreStats,
+    build_tier_stores,
+    filename_to_key,
+    key_to_filename,
+    model_fingerprint,
+    payload_nbytes,
+)
+from hybridserve.config import CacheConfig
+from hybridserve.engine_args import engine_config_from_args
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FINGERPRINT = "f" * 32
+EVENT_WAIT_S = 60.0  # a safety net for a broken mover; every wait returns as soon as its event arrives
+
+
+def _payload(seed: int = 0) -> Payload:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "kv.0.k": torch.randn(2, 16, 4, 8, generator=generator).to(torch.bfloat16),
+        "kv.0.v": torch.randn(2, 16, 4, 8, generator=generator),
+        "gdn.1.conv": torch.randint(-128, 127, (3, 5), dtype=torch.int8, generator=generator),
+        "gdn.1.recurrent": torch.randn(4, 8, 8, generator=generator),
+        "scalar": torch.tensor(7, dtype=torch.int64),
+    }
+
+
+def _assert_same(got: Mapping[str, torch.Tensor] | None, want: Mapping[str, torch.Tensor]) -> None:
+    assert got is not None
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name], tensor), name
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Iterator[DiskStore]:
+    store = DiskStore(tmp_path / "cache", FINGERPRINT, 1 << 20)
+    yield store
+    store.close()
+
+
+def _object_path(store: DiskStore, key: str) -> Path:
+    return store.path / key_to_filename(key)
+
+
+# -- round trips --------------------------------------------------------------------------------
+
+
+def test_disk_round_trip_is_exact(disk: DiskStore) -> None:
+    payload = _payload()
+    result = disk.put("state-ab12", payload)
+    assert result.ok and result.evicted == ()
+    _assert_same(disk.get("state-ab12"), payload)
+    _assert_same(disk.get("state-ab12"), payload)  # reading does not consume
+    stats = disk.stats()
+    assert (stats.objects, stats.puts, stats.gets, stats.hits, stats.misses) == (1, 1, 2, 2, 0)
+    assert stats.bytes == _object_path(disk, "state-ab12").stat().st_size == result.nbytes
+
+
+def test_host_round_trip_is_exact_and_a_copy() -> None:
+    host = HostStore(1 << 20)
+    payload = _payload()
+    assert host.put("kv-01", payload).ok
+    expected = {name: t.clone() for name, t in payload.items()}
+    for tensor in payload.values():
+        tensor.zero_()  # the source slot is reused: the stored copy must not change
+    _assert_same(host.get("kv-01"), expected)
+    assert host.stats().bytes == payload_nbytes(expected)
+
+
+def test_empty_payload_and_escaped_keys_round_trip(disk: DiskStore) -> None:
+    key = "tenant:9f/κ state.x%"
+    assert filename_to_key(key_to_filename(key)) == key
+    assert "/" not in key_to_filename(key) and not key_to_filename(key).startswith(".")
+    assert disk.put(key, {}).ok
+    assert disk.get(key) == {}
+    assert disk.keys() == [key]
+    with pytest.raises(ValueError):
+        key_to_filename("x" * 300)
+
+
+# -- faults are counted misses --------------------------------------------------------------------
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as handle:
+        handle.truncate(path.stat().st_size - 5)
+
+
+def _wrong_version(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    magic, _, key_length, payload_length, checksum = HEADER.unpack_from(data)
+    HEADER.pack_into(data, 0, magic, FORMAT_VERSION + 1, key_length, payload_length, checksum)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [_flip_last_byte, _truncate, _wrong_version])
+def test_damaged_object_is_a_counted_miss_and_deleted(disk: DiskStore, damage: Any) -> None:
+    disk.put("state-1", _payload())
+    disk.put("state-2", _payload(1))
+    damage(_object_path(disk, "state-1"))
+    assert disk.get("state-1") is None
+    stats = disk.stats()
+    assert (stats.corrupt_misses, stats.misses, stats.hits, stats.objects) == (1, 1, 0, 1)
+    assert not _object_path(disk, "state-1").exists() and not disk.contains("state-1")
+    assert stats.bytes == _object_path(disk, "state-2").stat().st_size
+    _assert_same(disk.get("state-2"), _payload(1))  # the neighbour is untouched
+
+
+def test_deleted_file_is_a_counted_missing_miss(disk: DiskStore) -> None:
+    disk.put("state-1", _payload())
+    _object_path(disk, "state-1").unlink()
+    assert disk.get("state-1") is None
+    stats = disk.stats()
+    assert (stats.missing_misses, stats.corrupt_misses, stats.misses, stats.objects, stats.bytes) == (1, 0, 1, 0, 0)
+    assert disk.get("never-stored") is None and disk.stats().misses == 2
+
+
+def test_damaged_objects_are_dropped_at_start(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, FINGERPRINT, 1 << 20)
+    for index in range(3):
+        store.put(f"state-{index}", _payload(index))
+    store.close()
+    _wrong_version(_object_path(store, "state-0"))
+    _truncate(_object_path(store, "state-1"))
+    restarted = DiskStore(tmp_path, FINGERPRINT, 1 << 20)
+    try:
+        assert restarted.keys() == ["state-2"]
+        assert restarted.stats().corrupt_misses == 2
+        assert sorted(p.name for p in restarted.path.glob("*.obj")) == [key_to_filename("state-2")]
+    finally:
+        restarted.close()
+
+
+# -- budgets and failed writes --------------------------------------------------------------------
+
+
+def test_full_disk_is_a_counted_failed_write(disk: DiskStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    disk.put("state-old", _payload())
+
+    def no_space(fd: int, data: bytes) -> None:
+        os.write(fd, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tier_store, "_write_all", no_space)
+    result = disk.put("state-new", _payload(1))
+    assert not result.ok
+    stats = disk.stats()
+    assert (stats.failed_writes, stats.puts, stats.objects) == (1, 1, 1)
+    assert disk.keys() == ["state-old"] and stats.bytes == _object_path(disk, "state-old").stat().st_size
+    assert [p.name for p in disk.path.iterdir() if p.name.startswith(".tmp-")] == []
+    assert disk.get("state-new") is None
+    # replacing an existing key fails the same way and leaves no stale file behind
+    assert not disk.put("state-old", _payload(2)).ok
+    assert disk.keys() == [] and not _object_path(disk, "state-old").exists()
+
+
+def test_disk_budget_evicts_least_recently_used(tmp_path: Path) -> None:
+    size = len(tier_store._object_bytes("state-0", tier_store.encode_payload(_payload())))
+    store = DiskStore(tmp_path, FINGERPRINT, 2 * size + size // 2)
+    try:
+        store.put("state-0", _payload())
+        store.put("state-1", _payload())
+        assert store.get("state-0") is not None  # now state-1 is the least recently used
+        result = store.put("state-2", _payload())
+        assert result.ok and result.evicted == ("state-1",)
+        assert store.keys() == ["state-0", "state-2"] and store.stats().evictions == 1
+        assert store.stats().bytes <= store.budget_bytes
+        assert sum(p.stat().st_size for p in store.path.glob("*.obj")) == store.stats().bytes
+        too_big = {"x": torch.zeros(4 * size, dtype=torch.uint8)}
+        assert not store.put("state-big", too_big).ok and store.stats().refused_puts == 1
+        assert store.keys() == ["state-0", "state-2"]
+    finally:
+        store.close()
+
+
+def test_host_budget_refuses_and_never_raises() -> None:
+    payload = _payload()
+    host = HostStore(payload_nbytes(payload) + 10)
+    assert host.put("a", payload).ok
+    refused = host.put("b", payload)
+    assert not refused.ok and refused.evicted == ()
+    assert host.put("a", _payload(1)).ok  # replacing a key counts only the new bytes
+    stats = host.stats()
+    assert (stats.refused_puts, stats.puts, stats.objects) == (1, 2, 1)
+    assert host.keys() == ["a"] and host.get("b") is None
+    assert host.delete("a") and host.stats().bytes == 0 and not host.delete("a")
+
+
+# -- the asynchronous front -----------------------------------------------------------------------
+
+
+class _SlowStore:
+    """A store whose puts wait until `release` is set (a slow disk)."""
+
+    def __init__(self, inner: DiskStore) -> None:
+        self.inner = inner
+        self.tier = inner.tier
+        self.budget_bytes = inner.budget_bytes
+        self.release = threading.Event()
+        self.writing = threading.Event()
+
+    def put(self, key: str, payload: Mapping[str, torch.Tensor], ready: Any = None) -> PutResult:
+        self.writing.set()
+        assert self.release.wait(EVENT_WAIT_S)
+        return self.inner.put(key, payload, ready)
+
+    def get(self, key: str) -> Payload | None:
+        return self.inner.get(key)
+
+    def delete(self, key: str) -> bool:
+        return self.inner.delete(key)
+
+    def contains(self, key: str) -> bool:
+        return self.inner.contains(key)
+
+    def keys(self) -> list[str]:
+        return self.inner.keys()
+
+    def stats(self) -> TierStoreStats:
+        return self.inner.stats()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _collect(mover: StoreMover, count: int) -> list[TierEvent]:
+    events: list[TierEvent] = []
+    while len(events) < count:
+        batch = mover.poll(timeout=EVENT_WAIT_S)
+        assert batch, f"no event within the safety net; got {events}"
+        events.extend(batch)
+    return events
+
+
+def test_slow_disk_never_blocks_submit_or_poll(disk: DiskStore) -> None:
+    slow = _SlowStore(disk)
+    mover = StoreMover(slow, max_pending=2)
+    try:
+        assert mover.submit_put("state-a", _payload())
+        assert slow.writing.wait(EVENT_WAIT_S)  # the thread is now stuck inside the write
+        assert mover.submit_put("state-b", _payload(1))
+        assert mover.submit_get("state-a")
+        assert not mover.submit_put("state-c", _payload(2))  # queue full: refused at once, counted
+        mover.submit_delete("state-b")  # deletes are never refused
+        assert mover.poll() == []
+        assert mover.stats().refused == 1 and mover.stats().pending == 3
+        slow.release.set()
+        events = _collect(mover, 4)
+        assert [(e.key, e.kind, e.ok) for e in events] == [
+            ("state-a", "put", True), ("state-b", "put", True), ("state-a", "get", True), ("state-b", "delete", True)]
+        _assert_same(events[2].payload, _payload())
+        assert events[2].nbytes == payload_nbytes(_payload()) and events[0].payload is None
+        assert all(e.seconds >= 0 for e in events)
+    finally:
+        slow.release.set()
+        mover.close()
+
+
+def test_mover_get_miss_cancel_and_drained_close(disk: DiskStore) -> None:
+    slow = _SlowStore(disk)
+    mover = StoreMover(slow)
+    mover.submit_put("state-a", _payload())
+    assert slow.writing.wait(EVENT_WAIT_S)
+    mover.submit_put("state-b", _payload(1))
+    mover.submit_get("state-b")
+    mover.submit_get("state-c")
+    assert mover.cancel("state-b") == 2
+    slow.release.set()
+    events = _collect(mover, 2)
+    assert [(e.key, e.kind, e.ok, e.payload) for e in events[1:]] == [("state-c", "get", False, None)]
+    mover.submit_put("state-d", _payload(3))
+    mover.close()  # drains: the queued put reaches the disk
+    assert disk.keys() == ["state-a", "state-d"] and mover.stats().cancelled == 2
+    with pytest.raises(RuntimeError):
+        mover.submit_get("state-a")
+
+
+# -- crash safety ---------------------------------------------------------------------------------
+
+CHILD_WRITER = """
+import os, sys, time
+import torch
+from hybridserve.cache import tier_store
+store = tier_store.DiskStore(sys.argv[1], sys.argv[2], 1 << 20)
+def half_then_hang(fd, data):
+    os.write(fd, data[: len(data) // 2])
+    print("writing", flush=True)
+    while True:
+        time.sleep(60)
+tier_store._write_all = half_then_hang
+store.put("state-1", {"x": torch.arange(4096, dtype=torch.float32)})
+"""
+
+
+def test_sigkill_during_a_write_leaves_the_old_object_and_a_temp_file_the_next_start_removes(
+        tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, FINGERPRINT, 1 << 20)
+    store.put("state-1", _payload())
+    store.close()
+    child = subprocess.Popen([sys.executable, "-c", CHILD_WRITER, str(tmp_path), FINGERPRINT], cwd=REPO_ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()  # blocks until the child is inside the write
+        assert line.strip() == "writing", child.stderr.read() if child.stderr else ""
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    temps = [p for p in (tmp_path / FINGERPRINT).iterdir() if p.name.startswith(".tmp-")]
+    assert len(temps) == 1
+    restarted = DiskStore(tmp_path, FINGERPRINT, 1 << 20)
+    try:
+        assert restarted.removed_temp_files == 1
+        assert not [p for p in restarted.path.iterdir() if p.name.startswith(".tmp-")]
+        assert restarted.keys() == ["state-1"]
+        _assert_same(restarted.get("state-1"), _payload())  # the old object, whole
+    finally:
+        restarted.close()
+
+
+# -- permissions and directories ------------------------------------------------------------------
+
+
+def test_files_are_0600_in_a_0700_directory(tmp_path: Path) -> None:
+    old_umask = os.umask(0)
+    try:
+        store = DiskStore(tmp_path / "new" / "cache", FINGERPRINT, 1 << 20)
+        store.put("state-1", _payload())
+    finally:
+        os.umask(old_umask)
+    try:
+        assert stat.S_IMODE(store.path.stat().st_mode) == 0o700
+        assert stat.S_IMODE((tmp_path / "new" / "cache").stat().st_mode) == 0o700
+        assert stat.S_IMODE(_object_path(store, "state-1").stat().st_mode) == 0o600
+    finally:
+        store.close()
+
+
+def _make_unusable(path: Path) -> None:
+    """A directory this process may not use: not ours (as root) or not writable (otherwise)."""
+    path.mkdir(mode=0o700)
+    if os.geteuid() == 0:
+        os.chown(path, 65534, 65534)
+    else:
+        path.chmod(0o500)
+
+
+@pytest.mark.parametrize("setup", ["unusable", "group-writable", "a-file", "under-a-file"])
+def test_an_unusable_directory_is_one_clear_error(tmp_path: Path, setup: str) -> None:
+    target = tmp_path / "cache"
+    if setup == "unusable":
+        _make_unusable(target)
+    elif setup == "group-writable":
+        target.mkdir()
+        target.chmod(0o770)
+    elif setup == "a-file":
+        target.write_text("")
+    else:
+        (tmp_path / "file").write_text("")
+        target = tmp_path / "file" / "cache"
+    with pytest.raises(DiskCacheDirError) as raised:
+        DiskStore(target, FINGERPRINT, 1 << 20)
+    message = str(raised.value)
+    assert "\n" not in message and str(target) in message
+    with pytest.raises(ValueError):
+        CacheConfig(disk_cache_dir=str(target), disk_cache_size_bytes=1 << 20)
+
+
+def test_a_directory_in_use_is_refused(disk: DiskStore) -> None:
+    with pytest.raises(DiskCacheDirError, match="in use"):
+        DiskStore(disk.path.parent, FINGERPRINT, 1 << 20)
+
+
+# -- restarts and fingerprints --------------------------------------------------------------------
+
+
+def test_restart_lists_surviving_keys_in_recency_order(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, FINGERPRINT, 1 << 20)
+    for index in range(3):
+        store.put(f"state-{index}", _payload(index))
+    for index, path in enumerate(_object_path(store, f"state-{i}") for i in range(3)):
+        os.utime(path, (1000 + index, 1000 + index))  # distinct times, whatever the clock's grain
+    store.get("state-0")  # touched: now the most recently used
+    store.close()
+    restarted = DiskStore(tmp_path, FINGERPRINT, 1 << 20)
+    try:
+        assert restarted.keys() == ["state-1", "state-2", "state-0"]
+        assert restarted.stats().objects == 3
+        for index in range(3):
+            _assert_same(restarted.get(f"state-{index}"), _payload(index))
+    finally:
+        restarted.close()
+    other = DiskStore(tmp_path, "0" * 32, 1 << 20)
+    try:
+        assert other.keys() == [] and other.get("state-0") is None
+    finally:
+        other.close()
+    for index, key in enumerate(["state-2", "state-0", "state-1"]):
+        os.utime(_object_path(store, key), (2000 + index, 2000 + index))
+    smaller = DiskStore(tmp_path, FINGERPRINT, 2 * _object_path(store, "state-0").stat().st_size)
+    try:  # a smaller budget at start evicts the least recently used
+        assert smaller.keys() == ["state-0", "state-1"] and smaller.stats().evictions == 1
+        assert not _object_path(store, "state-2").exists()
+    finally:
+        smaller.close()
+
+
+def _fingerprint(**changes: Any) -> str:
+    arguments: dict[str, Any] = {"model_config": {"hidden_size": 64}, "dtype": "float32", "block_size": 16,
+                                 "block_hash": "xxh3_128", "weights": {"w": torch.ones(3)}, "tokenizer_json": "{}"}
+    arguments.update(changes)
+    return model_fingerprint(**arguments)
+
+
+def test_fingerprint_changes_with_every_input(tmp_path: Path) -> None:
+    base = _fingerprint()
+    assert base == _fingerprint() and len(base) == 32
+    variants = [_fingerprint(dtype="bfloat16"), _fingerprint(block_size=32), _fingerprint(block_hash="sha256"),
+                _fingerprint(model_config={"hidden_size": 65}), _fingerprint(tokenizer_json='{"a": 1}'),
+                _fingerprint(weights={"w": torch.tensor([1.0, 1.0, 1.5])}),
+                _fingerprint(weights={"w": torch.ones(3, dtype=torch.bfloat16)}),
+                _fingerprint(extra={"quantization": "int8"})]
+    assert len({base, *variants}) == len(variants) + 1
+    first, second = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"w": torch.ones(3)}, str(first))
+    save_file({"w": torch.ones(4)}, str(second))
+    by_files = {_fingerprint(weights=None, weight_files=[path]) for path in (first, second)}
+    assert len(by_files) == 2 and base not in by_files
+
+
+# -- configuration and flags ----------------------------------------------------------------------
+
+
+def _parse(*flags: str) -> Any:
+    from hybridserve.server.cli import build_parser
+
+    return build_parser().parse_args(list(flags))
+
+
+def test_flags_build_the_cache_config(tmp_path: Path) -> None:
+    config = engine_config_from_args(_parse("--host-cache-memory", "1.5GiB", "--disk-cache-dir", str(tmp_path),
+                                            "--disk-cache-size", "8G", "--tier-write-policy", "write-through"))
+    cache = config.cache
+    assert (cache.host_cache_memory_bytes, cache.disk_cache_size_bytes) == (3 << 29, 8 * 1000 ** 3)
+    assert (cache.disk_cache_dir, cache.tier_write_policy) == (str(tmp_path), "write-through")
+    off = engine_config_from_args(_parse()).cache
+    assert (off.host_cache_memory_bytes, off.disk_cache_dir, off.disk_cache_size_bytes) == (0, None, None)
+    assert off.tier_write_policy == "write-back"
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (("--host-cache-memory", "lots"), "--host-cache-memory: invalid size 'lots'"),
+    (("--disk-cache-dir", "{tmp}", "--disk-cache-size", "12 parsecs"), "--disk-cache-size: invalid size"),
+    (("--disk-cache-dir", "{tmp}"), "needs --disk-cache-size"),
+    (("--disk-cache-size", "1G"), "needs --disk-cache-dir"),
+])
+def test_bad_tier_flags_are_one_line_value_errors(tmp_path: Path, flags: tuple[str, ...], needle: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        engine_config_from_args(_parse(*(flag.replace("{tmp}", str(tmp_path)) for flag in flags)))
+    assert needle in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_cli_reports_a_bad_directory_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridserve import cli
+
+    monkeypatch.setattr(cli, "prepare_command_process", dict)  # keep this process's environment as it is
+    target = tmp_path / "cache"
+    target.mkdir()
+    target.chmod(0o777)
+    assert cli.main(["generate", "--disk-cache-dir", str(target), "--disk-cache-size", "1GiB"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"hybridserve: error: --disk-cache-dir {str(target)!r} is writable by its group or others (mode 777); "
+        "use chmod 700"]
+
+
+def test_build_tier_stores_follows_the_config(tmp_path: Path) -> None:
+    assert build_tier_stores(CacheConfig(), fingerprint=FINGERPRINT) == tier_store.TierStores()
+    config = CacheConfig(host_cache_memory_bytes=1 << 20, disk_cache_dir=str(tmp_path / "d"),
+                         disk_cache_size_bytes=1 << 20, tier_write_policy="write-through")
+    stores = build_tier_stores(config, fingerprint=FINGERPRINT)
+    try:
+        assert stores.host is not None and stores.host.budget_bytes == 1 << 20
+        assert stores.disk is not None and stores.disk.path == tmp_path / "d" / FINGERPRINT
+        assert stores.write_policy == "write-through"
+    finally:
+        stores.close()
+    assert check_disk_cache_dir(tmp_path / "d") == tmp_path / "d"
