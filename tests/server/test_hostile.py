@@ -15,12 +15,14 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from hybridserve.engine.async_engine import AsyncLLMEngine
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.server.app import build_app
 from hybridserve.server.auth import PUBLIC_PATHS
+from hybridserve.server.docs_ui import install_docs_routes
 from hybridserve.server.limits import DEFAULT_LIMITS as LIMITS
 from tests.helpers.live_server import VOCAB, ServerThread, is_idle, tiny_config, wait_until
 
@@ -287,3 +289,11 @@ def test_docs_page_loads_nothing_from_outside(server: ServerThread, rooted: Serv
             assert fetched.status_code == 200 and len(fetched.content) > 0
     assert httpx.get(f"{server.url}/docs/assets/index.html", headers=auth(KEYS[0])).status_code == 404
     assert httpx.get(f"{server.url}/openapi.json", headers=auth(KEYS[0])).json()["paths"]
+
+
+def test_docs_without_the_asset_package_is_a_page_linking_the_schema() -> None:
+    app = FastAPI(title="plain", docs_url=None, redoc_url=None)
+    install_docs_routes(app, None)
+    page = TestClient(app, root_path=ROOT).get("/docs")
+    assert page.status_code == 200 and f"href='{ROOT}/openapi.json'" in page.text
+    assert "http://" not in page.text and "https://" not in page.text
