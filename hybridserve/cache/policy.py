@@ -7,9 +7,10 @@ same code. docs/prefix-cache.md tables the four policies: `interval`, `last-bloc
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import TYPE_CHECKING, NamedTuple
 
-from hybridserve.cache.block_pool import BlockPool
+from hybridserve.cache.block_pool import BlockHash, BlockPool
 from hybridserve.cache.snapshots import SnapshotPool
 from hybridserve.config import POLICY_NAMES
 
@@ -155,14 +156,14 @@ class MarconiPolicy(CachePolicy):
         return candidates[min(range(len(candidates)), key=scores.__getitem__)][0]
 
 
-class HybridServePolicy(IntervalPolicy):
-    """The default. Admits branch points, request ends, the last block boundary before the prompt
-    end (a re-tokenised chat turn still hits), and every `interval` tokens into free or covered
-    slots only. Evicts, cheapest loss first: a snapshot whose KV is gone, then a covered one, then
+class HybridServeV1Policy(IntervalPolicy):
+    """The previous default, fixed constants. Admits branch points, request ends, the last block
+    boundary before the prompt end (a re-tokenised chat turn still hits), and every `interval` tokens
+    into free or covered slots only. Evicts, cheapest loss first: a snapshot whose KV is gone, then a covered one, then
     the lowest value = prefill FLOPs saved beyond the resident parent x (1 + hits + extra paths) /
     (1 + age in pool turnovers). A released request's KV beyond its deepest snapshot is freed first."""
 
-    name = "hybridserve"
+    name = "hybridserve-v1"
     capture_at_end = True
 
     def captures(self, view: RequestView, start: int, length: int) -> list[int]:
@@ -194,13 +195,179 @@ class HybridServePolicy(IntervalPolicy):
         return view.deepest_snapshot if view.deepest_snapshot > 0 else None
 
 
+CANDIDATE_KINDS = ("interval", "prompt", "branch", "end")
+INITIAL_TILT = {"interval": 0.5}  # insurance marks start below average (admitted into free or covered slots)
+EVIDENCE_HALF_LIFE = 4096.0       # snapshot lives; older evidence fades so the rates follow the workload
+PRIOR_WEIGHT = 8.0                # pseudo-lives a depth bucket borrows from its kind, a kind from all kinds
+HORIZON_START, HORIZON_MIN, HORIZON_MAX, HORIZON_STEP = 16.0, 1.0, 256.0, 1.25  # pool turnovers
+PENDING_LIMIT = 256               # captures awaiting their key (published later) before they are dropped
+
+
+class RestoreRates:
+    """Restores per snapshot life, exponentially decayed, per candidate kind and depth bucket (log2 of
+    the boundary); a bucket with little evidence leans on its kind, a kind on all kinds."""
+
+    def __init__(self) -> None:
+        self._decay = 0.5 ** (1.0 / EVIDENCE_HALF_LIFE)
+        self._clock = 0.0
+        self._totals: dict[tuple[str, int], tuple[float, float, float]] = {}  # key -> restores, lives, clock
+
+    def observe(self, kind: str, tokens: int, restores: float, lives: float = 1.0) -> None:
+        """A snapshot of `kind` at `tokens` ended a life with `restores` restores (lives=0: a late one)."""
+        self._clock += lives
+        for key in ((kind, tokens.bit_length()), (kind, -1), ("", -1)):
+            old_restores, old_lives = self._decayed(key)
+            self._totals[key] = (old_restores + restores, old_lives + lives, self._clock)
+
+    def _decayed(self, key: tuple[str, int]) -> tuple[float, float]:
+        restores, lives, at = self._totals.get(key, (0.0, 0.0, self._clock))
+        fade = self._decay ** (self._clock - at)
+        return restores * fade, lives * fade
+
+    def _rate(self, key: tuple[str, int], prior: float) -> float:
+        restores, lives = self._decayed(key)
+        return (restores + PRIOR_WEIGHT * prior) / (lives + PRIOR_WEIGHT)
+
+    def relative(self, kind: str, tokens: int) -> float:
+        """This kind and depth's restore rate over the average of all snapshots (1.0 before evidence)."""
+        overall = self._rate(("", -1), 1.0)
+        of_kind = self._rate((kind, -1), overall * INITIAL_TILT.get(kind, 1.0))
+        return self._rate((kind, tokens.bit_length()), of_kind) / overall
+
+
+class _Ghost(NamedTuple):
+    """An evicted snapshot remembered by key: its kind, depth and whether age was why it went."""
+
+    kind: str
+    tokens: int
+    old: bool
+
+
+class AdaptiveHybridServePolicy(HybridServeV1Policy):
+    """The default. Admits the candidates of `hybridserve-v1` (branch points, request ends, the prompt
+    mark, interval marks) and learns what they are worth: restores per snapshot life by candidate kind
+    and depth (`RestoreRates`). A kind restored less than average is admitted only into free or
+    covered slots. Eviction, after snapshots whose KV is gone and covered ones, takes the lowest
+    ΔFLOPs x (learned prior + hits + extra paths) / (1 + idle / horizon). Evicted keys are kept as
+    ghosts (ARC): one that is captured again counts as a late restore of its kind, and moves the
+    horizon up if it was evicted for age (recency was overweighted) or down if not."""
+
+    name = "hybridserve"
+
+    def __init__(self, block_size: int, cost: PrefixCost, interval: int) -> None:
+        super().__init__(block_size, cost, interval)
+        self.rates = RestoreRates()
+        self.horizon = HORIZON_START
+        self.snapshots: SnapshotPool | None = None
+        self._labels: dict[BlockHash, str] = {}
+        self._pending: OrderedDict[int, str] = OrderedDict()  # boundary -> kind, captured, key unknown
+        self._ghosts: OrderedDict[BlockHash, _Ghost] = OrderedDict()
+
+    def bind(self, block_pool: BlockPool, snapshots: SnapshotPool) -> None:
+        super().bind(block_pool, snapshots)
+        self.snapshots = snapshots
+
+    def kind_of(self, view: RequestView, boundary: int) -> str:
+        """What kind of candidate `boundary` is for this request."""
+        if boundary == view.branch_point:
+            return "branch"
+        return "prompt" if boundary == self._prompt_mark(view) else "interval"
+
+    def captures(self, view: RequestView, start: int, length: int) -> list[int]:
+        self._learn_keys()
+        boundaries = super().captures(view, start, length)
+        for boundary in boundaries:
+            self._expect(boundary, self.kind_of(view, boundary))
+        return boundaries
+
+    def is_opportunistic(self, view: RequestView, boundary: int) -> bool:
+        """A candidate whose kind is restored less than average never pushes out a useful snapshot."""
+        return self.rates.relative(self.kind_of(view, boundary), boundary) < 1.0
+
+    def evict_kv_first(self, view: RequestView) -> int | None:
+        self._learn_keys()
+        if view.num_tokens > 1:
+            self._expect(view.num_tokens - 1, "end")  # the request-end capture `finish` just reserved
+        return super().evict_kv_first(view)
+
+    def choose_victim(self, pool: SnapshotPool) -> int | None:
+        for slot in pool.covered():
+            hits = next((c[4] for c in pool.candidates(EVICTION_WINDOW) if c[0] == slot), 0)
+            return self._retire(pool, slot, hits, False)
+        best_slot, best_value, best_hits, best_old = None, float("inf"), 0, False
+        horizon, clock, kv_present = self.horizon * max(pool.num_slots, 1), pool.clock, self.kv_present
+        linear, quadratic = self.cost.linear_flops_per_token, self.cost.attention_flops_coeff
+        priors: dict[tuple[str, int], float] = {}
+        for slot, key, tokens, last_use, hits, paths, parent_tokens in pool.candidates(EVICTION_WINDOW):
+            if not kv_present(key):
+                return self._retire(pool, slot, hits, False)
+            kind = self._labels.get(key) or self._inferred_kind(tokens)
+            bucket = (kind, tokens.bit_length())
+            prior = priors.get(bucket)
+            if prior is None:
+                prior = priors[bucket] = self.rates.relative(kind, tokens)
+            saved = (tokens - parent_tokens) * (linear + quadratic * (tokens + parent_tokens))
+            idle = (clock - last_use) / horizon
+            value = saved * (prior + hits + (paths - 1 if paths > 1 else 0)) / (1.0 + idle)
+            if value < best_value:
+                best_slot, best_value, best_hits, best_old = slot, value, hits, idle >= 1.0
+        return self._retire(pool, best_slot, best_hits, best_old) if best_slot is not None else None
+
+    def _inferred_kind(self, tokens: int) -> str:
+        """The kind of a snapshot whose capture was not seen: request ends are the only ones inside a block."""
+        if tokens % self.block_size:
+            return "end"
+        return "interval" if self.interval and tokens % self.interval == 0 else "prompt"
+
+    def _retire(self, pool: SnapshotPool, slot: int, hits: int, old: bool) -> int:
+        """Learn from a victim's life (its restores), remember it as a ghost; returns the slot."""
+        key, tokens = pool.key_of(slot), pool.num_tokens_of(slot)
+        kind = self._labels.pop(key, None) or self._inferred_kind(tokens)
+        self.rates.observe(kind, tokens, float(hits))
+        self._ghosts[key] = _Ghost(kind, tokens, old)
+        while len(self._ghosts) > pool.num_slots:
+            self._ghosts.popitem(last=False)
+        return slot
+
+    def _expect(self, boundary: int, kind: str) -> None:
+        self._pending[boundary] = kind
+        self._pending.move_to_end(boundary)
+        while len(self._pending) > PENDING_LIMIT:
+            self._pending.popitem(last=False)
+
+    def _learn_keys(self) -> None:
+        """Label the snapshots published since the last call with their candidate kind (matched by
+        boundary among the most recently used slots); a ghost captured again is a late restore."""
+        pool = self.snapshots
+        if pool is None or not self._pending:
+            return
+        recent = list(pool.evictable())[-2 * len(self._pending):]
+        for slot in reversed(recent):
+            key = pool.key_of(slot)
+            if key in self._labels:
+                continue
+            kind = self._pending.pop(pool.num_tokens_of(slot), None)
+            if kind is None:
+                continue
+            self._labels[key] = kind
+            ghost = self._ghosts.pop(key, None)
+            if ghost is not None:
+                self.rates.observe(ghost.kind, ghost.tokens, 1.0, 0.0)
+                step = HORIZON_STEP if ghost.old else 1.0 / HORIZON_STEP
+                self.horizon = min(max(self.horizon * step, HORIZON_MIN), HORIZON_MAX)
+        if len(self._labels) > 2 * pool.num_slots + PENDING_LIMIT:
+            live = {pool.key_of(slot) for slot in pool.evictable()}
+            self._labels = {key: kind for key, kind in self._labels.items() if key in live}
+
+
 def _normalised(values: list[float]) -> list[float]:
     low, high = min(values), max(values)
     return [0.0 if high == low else (v - low) / (high - low) for v in values]
 
 
 _POLICIES: dict[str, type[CachePolicy]] = {
-    policy.name: policy for policy in (IntervalPolicy, LastBlockPolicy, MarconiPolicy, HybridServePolicy)}
+    policy.name: policy for policy in (IntervalPolicy, LastBlockPolicy, MarconiPolicy, HybridServeV1Policy,
+                                       AdaptiveHybridServePolicy)}
 
 
 def make_policy(name: str, block_size: int, cost: PrefixCost, interval: int) -> CachePolicy:
