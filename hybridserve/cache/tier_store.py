@@ -47,7 +47,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from hybridserve.cache.tier_dir import DiskCacheDirError, prepare_store_dir
-from hybridserve.config import CacheConfig
+from hybridserve.config import CacheConfig, EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -584,6 +584,23 @@ def model_fingerprint(*, model_config: Any, dtype: str, block_size: int, block_h
         for part in _tensor_digests(weights):
             digest.update(part)
     return digest.hexdigest()
+
+
+def engine_fingerprint(config: EngineConfig, *, model_config: Any, dtype: torch.dtype, tokenizer_json: str,
+                       weights: Mapping[str, torch.Tensor] | None = None) -> str:
+    """`model_fingerprint` of an engine: its checkpoint files when `config.model` is a directory,
+    else `weights` (the built-in model's state dict); the quantization and the tensor-parallel size
+    are part of it (they change what the stored tensors hold)."""
+    from hybridserve.models.loader import checkpoint_files  # the loader, not needed by the stores
+
+    files = checkpoint_files(config.model) if config.model is not None else []
+    if not files and weights is None:
+        raise ValueError("the built-in model's fingerprint needs its weights")
+    return model_fingerprint(model_config=model_config, dtype=str(dtype), block_size=config.cache.block_size,
+                             block_hash=config.cache.block_hash, weight_files=files,
+                             weights=None if files else weights, tokenizer_json=tokenizer_json,
+                             extra={"quantization": config.quantization,
+                                    "tensor_parallel_size": config.tensor_parallel_size})
 
 
 # -- construction from the configuration ------------------------------------------------------------

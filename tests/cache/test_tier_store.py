@@ -31,12 +31,13 @@ from hybridserve.cache.tier_store import (
     PutResult,
     TierStoreStats,
     build_tier_stores,
+    engine_fingerprint,
     filename_to_key,
     key_to_filename,
     model_fingerprint,
     payload_nbytes,
 )
-from hybridserve.config import CacheConfig
+from hybridserve.config import CacheConfig, EngineConfig
 from hybridserve.engine_args import engine_config_from_args
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -464,6 +465,21 @@ def test_fingerprint_changes_with_every_input(tmp_path: Path) -> None:
     save_file({"w": torch.ones(4)}, str(second))
     by_files = {_fingerprint(weights=None, weight_files=[path]) for path in (first, second)}
     assert len(by_files) == 2 and base not in by_files
+
+
+def test_engine_fingerprint_reads_a_model_directory_or_the_built_in_weights(tmp_path: Path) -> None:
+    save_file({"w": torch.ones(3)}, str(tmp_path / "model.safetensors"))
+    from_dir = EngineConfig(model=str(tmp_path))
+    arguments: dict[str, Any] = {"model_config": {"hidden_size": 64}, "dtype": torch.float32, "tokenizer_json": "{}"}
+    by_dir = engine_fingerprint(from_dir, **arguments)
+    assert by_dir == engine_fingerprint(from_dir, weights={"ignored": torch.zeros(1)}, **arguments)
+    assert by_dir != engine_fingerprint(EngineConfig(model=str(tmp_path), quantization="int8"), **arguments)
+    assert by_dir != engine_fingerprint(from_dir, **{**arguments, "dtype": torch.bfloat16})
+    builtin = engine_fingerprint(EngineConfig(), weights={"w": torch.ones(3)}, **arguments)
+    other_builtin = engine_fingerprint(EngineConfig(), weights={"w": torch.zeros(3)}, **arguments)
+    assert len({by_dir, builtin, other_builtin}) == 3
+    with pytest.raises(ValueError):
+        engine_fingerprint(EngineConfig(), **arguments)
 
 
 # -- configuration and flags ----------------------------------------------------------------------
