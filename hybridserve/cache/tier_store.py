@@ -19,7 +19,8 @@ Disk format (one file per object, `DIR/<fingerprint>/<escaped key>.obj`, 0600 in
 a fixed header (magic, format version, key length, payload length, xxh3_128 of the payload), the
 key, then the payload as safetensors bytes (dtype and shape round-trip exactly). Files are written
 to a `.tmp-` name and `os.replace`d, so a crash leaves either the old object, the new one, or a
-temporary file that the next start removes. A corrupted, truncated, vanished or wrong-version
+temporary file that the next start removes. Files are not fsynced: after a power loss a torn file
+fails its length or checksum check and is a miss. A corrupted, truncated, vanished or wrong-version
 object is a counted miss and is deleted: never an exception, never wrong data.
 """
 
@@ -208,12 +209,19 @@ class HostStore:
                 self._stats.refused_puts += 1
                 return PutResult(False, nbytes)
             self._stats.bytes += nbytes  # reserved while copying
-        copy = _host_copy(payload, pin=self._pin, stream=self._stream, ready=ready)
+        try:
+            copy = _host_copy(payload, pin=self._pin, stream=self._stream, ready=ready)
+        except BaseException:
+            with self._lock:
+                self._stats.bytes -= nbytes
+            raise
         with self._lock:
+            self._stats.bytes -= nbytes
             old = self._objects.pop(key, None)
             if old is not None:
                 self._stats.bytes -= old[1]
             self._objects[key] = (copy, nbytes)
+            self._stats.bytes += nbytes
             self._stats.objects = len(self._objects)
             self._stats.puts += 1
             self._stats.transfer_seconds += time.perf_counter() - start

@@ -225,6 +225,18 @@ def test_host_budget_refuses_and_never_raises() -> None:
     assert host.delete("a") and host.stats().bytes == 0 and not host.delete("a")
 
 
+def test_host_put_that_fails_to_copy_releases_its_reservation(monkeypatch: pytest.MonkeyPatch) -> None:
+    host = HostStore(1 << 20)
+
+    def broken_copy(*args: Any, **kwargs: Any) -> Payload:
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(tier_store, "_host_copy", broken_copy)
+    with pytest.raises(RuntimeError):
+        host.put("a", _payload())
+    assert (host.stats().bytes, host.stats().objects, host.keys()) == (0, 0, [])
+
+
 # -- the asynchronous front -----------------------------------------------------------------------
 
 
