@@ -167,7 +167,8 @@ class BlockPool:
     """Reference-counted, content-addressed pool of ``num_blocks`` KV block ids: a block is on the LRU
     free list iff its ref count is 0, and a free block that still holds a hash is *cached* (matchable
     until reallocated); one block per hash. ``on_evict(hash)`` hears every hash dropped when a
-    cached block is reclaimed, so state keyed by that prefix (a GDN snapshot) can go with it."""
+    cached block is reclaimed (before its hash is dropped), so state keyed by that prefix (a GDN snapshot) can
+    go with it or be copied down a tier."""
 
     def __init__(self, num_blocks: int, on_evict: Callable[[BlockHash], None] | None = None) -> None:
         if num_blocks <= 0:
@@ -221,11 +222,11 @@ class BlockPool:
             block_id, _ = self._free.popitem(last=False)
             evicted = self._block_hash[block_id]
             if evicted is not None:
+                if self.on_evict is not None:
+                    self.on_evict(evicted)  # the block still holds the hash (a lower tier may copy it)
                 self.num_cached_free_blocks -= 1
                 self._drop_hash(block_id)
                 self.num_evictions += 1
-                if self.on_evict is not None:
-                    self.on_evict(evicted)
             self._ref_count[block_id] = 1
             out.append(block_id)
         return out

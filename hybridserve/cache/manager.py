@@ -1,9 +1,10 @@
 """`JointCacheManager`, the scheduler's only door to cache state (tensor-free: the engine and the
 trace simulator drive the same object). It owns the pools, the joint lookup and the policy, and
-keeps each sequence's cache bookkeeping; docs/prefix-cache.md walks through its verbs. A second
-tier (host, disk, remote) plugs in here without touching the scheduler: it demotes at the evictions
-(`_on_block_evicted`, the policy's snapshot victims), extends `_lookup`, and adds a source to
-`Restore`.
+keeps each sequence's cache bookkeeping; docs/prefix-cache.md walks through its verbs. Lower tiers
+(`TieredCache`: host memory, disk) plug in here without touching the scheduler: a device snapshot is
+demoted when it is evicted (`_on_snapshot_evicted`, from the policy's victims and `_on_block_evicted`),
+an admission whose deepest hit lies in a lower tier waits (admit returns None, as when blocks are short)
+while it is promoted into the device pools, and its `Restore` names the tier and the objects loaded.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from hybridserve.cache.policy import CachePolicy, RequestView
 from hybridserve.cache.prefix_cache import PrefixCache, PrefixCacheStats, PrefixHit, PrefixLookup
 from hybridserve.cache.snapshots import Reservation, ReserveStatus, SnapshotPool, SnapshotPoolStats
 from hybridserve.cache.state_slots import StateSlotPool
+from hybridserve.cache.tiers import DEVICE, JointEntry, TieredCache, TierHit, TierObject, TierStats
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -49,6 +51,8 @@ class Restore(NamedTuple):
     num_tokens: int
     kv_copy: tuple[int, int] | None = None
     lookup: PrefixLookup | None = None
+    tier: str = DEVICE                    # where the hit's state came from (promoted before admission)
+    loaded: tuple[TierObject, ...] = ()   # the objects promoted from that tier for this admission
 
 
 class EndCapture(NamedTuple):
@@ -97,15 +101,34 @@ class _SequenceCache:
     hashes: list[BlockHash] = field(default_factory=list)  # full-block hashes computed so far
 
 
+@dataclass(eq=False)
+class _Promotion:
+    """A joint entry on its way from a lower tier into the device pools. It holds a snapshot
+    reservation (then, once published, a pin) and a reference on every KV block of the prefix (device
+    hits and load targets), until its owner's admission takes its own, or, with no owner left, until
+    it completes."""
+
+    ticket: int
+    owner: CacheSequence | None
+    hit: TierHit
+    reservation: Reservation
+    blocks: list[int]                 # device blocks of the prefix, in order (held)
+    num_cached: int                   # of which already on the device; the rest are load targets
+    objects: tuple[TierObject, ...]
+    done: bool = False
+
+
 class JointCacheManager:
     """Owns the pools, the joint lookup and the policy. `snapshots is None` disables the prefix
     cache; blocks and live slots are still managed."""
 
     def __init__(self, block_size: int, block_pool: BlockPool, state_slots: StateSlotPool,
                  snapshots: SnapshotPool | None, policy: CachePolicy | None = None,
-                 block_hash: str = "xxh3_128") -> None:
+                 block_hash: str = "xxh3_128", tiers: TieredCache | None = None) -> None:
         if snapshots is not None and policy is None:
             raise ValueError("a prefix cache needs a cache policy")
+        if tiers is not None and snapshots is None:
+            raise ValueError("lower cache tiers need the prefix cache (snapshot slots)")
         self.block_size = block_size
         self.block_hash = block_hash
         self.block_pool = block_pool
@@ -118,6 +141,15 @@ class JointCacheManager:
             block_pool.on_evict = self._on_block_evicted
             self.prefix_cache = PrefixCache(block_pool, snapshots, block_size)
         self._sequences: dict[int, _SequenceCache] = {}
+        self.tiers = tiers
+        # With tiers: the prefix of each published (and reserved) device snapshot, to demote it whole.
+        self._paths: dict[BlockHash, JointEntry] = {}
+        self._reserved_paths: dict[BlockHash, JointEntry] = {}
+        self._promotions: dict[int, _Promotion] = {}    # by ticket
+        self._promotion_of: dict[int, int] = {}         # id(owner) -> ticket
+        self.device_hits = self.device_hit_tokens = 0
+        if tiers is not None and snapshots is not None:
+            snapshots.on_evict = self._on_snapshot_evicted
 
     @classmethod
     def create(cls, block_size: int, num_blocks: int, num_state_slots: int, num_snapshot_slots: int,
@@ -159,6 +191,7 @@ class JointCacheManager:
         """Drop the record of a sequence that holds nothing and will not return."""
         if self.holds_resources(seq):
             raise RuntimeError("forget() on a sequence that still holds cache resources")
+        self._detach_promotion(seq)
         self._sequences.pop(id(seq), None)
 
     def _extra_keys(self, seq: CacheSequence) -> tuple[object, ...]:
@@ -194,6 +227,11 @@ class JointCacheManager:
         if self.state_slots.num_free_slots == 0:
             return None
         entry = self._entry(seq)  # a waiting sequence's record keeps its hashes across retries
+        promotion = None
+        if self.tiers is not None:
+            promotion, waiting = self._promote_for(seq)
+            if waiting:
+                return None  # its restore is on its way from a lower tier; the others run
         lookup = self._lookup(seq)
         hit = lookup.hit if lookup is not None else PrefixHit(0, [], None)
         num_hit_blocks = len(hit.block_ids)
@@ -220,7 +258,176 @@ class JointCacheManager:
             entry.snapshot_depth, entry.snapshot_key = hit.num_tokens, lookup.key
             if hit.tail_block is not None:
                 kv_copy = (hit.tail_block, entry.block_ids[num_hit_blocks])
-        return Restore(seq, entry.state_slot, hit.snapshot_slot, hit.num_tokens, kv_copy, lookup)
+        if promotion is None:
+            return Restore(seq, entry.state_slot, hit.snapshot_slot, hit.num_tokens, kv_copy, lookup)
+        self._drop_promotion(promotion)  # the admission holds what it restores now
+        if lookup is None or lookup.key != promotion.hit.entry.key:
+            return Restore(seq, entry.state_slot, hit.snapshot_slot, hit.num_tokens, kv_copy, lookup)
+        return Restore(seq, entry.state_slot, hit.snapshot_slot, hit.num_tokens, kv_copy, lookup,
+                       promotion.hit.tier, promotion.objects)
+
+    # -- lower tiers ----------------------------------------------------------------------
+    def poll_tiers(self) -> None:
+        """Settle the transfers the tier mover finished (the engine calls this once per step;
+        `admit` also does)."""
+        if self.tiers is None:
+            return
+        for ticket, ok in self.tiers.poll():
+            self._complete_promotion(ticket, ok)
+
+    def _promote_for(self, seq: CacheSequence) -> tuple[_Promotion | None, bool]:
+        """(its completed promotion, whether it must wait): start promoting the deepest lower-tier hit
+        deeper than the device's; wait while it, or another request's promotion of it, is in flight."""
+        self.poll_tiers()
+        ticket = self._promotion_of.get(id(seq))
+        if ticket is not None:
+            current = self._promotions[ticket]
+            return (current, False) if current.done else (None, True)
+        lookup = self._lookup(seq)
+        hit = self._tier_lookup(seq, lookup.hit.num_tokens if lookup is not None else 0)
+        if hit is None:
+            return None, False
+        if any(p.hit.entry.key == hit.entry.key for p in self._promotions.values()):
+            return None, True
+        promotion = self._start_promotion(seq, hit)
+        if promotion is None:
+            return None, False  # no room on the device now: restore what the device has
+        self.poll_tiers()
+        return (promotion, False) if promotion.done else (None, True)
+
+    def _tier_lookup(self, seq: CacheSequence, deeper_than: int) -> TierHit | None:
+        """The deepest lower-tier entry on the sequence's path deeper than `deeper_than` tokens."""
+        assert self.tiers is not None
+        size = self.block_size
+        hashes = self.block_hashes(seq, seq.num_tokens // size)
+        extra = self._extra_keys(seq)
+
+        def tail_key(blocks: int, length: int) -> BlockHash:
+            parent = hashes[blocks - 1] if blocks else None
+            return hash_tail(parent, seq.token_ids[blocks * size:blocks * size + length], extra, self.block_hash)
+
+        return self.tiers.lookup(hashes, seq.num_tokens - 1, deeper_than, size, tail_key)
+
+    def _start_promotion(self, seq: CacheSequence, hit: TierHit) -> _Promotion | None:
+        """Reserve a snapshot slot and the KV blocks the device lacks for `hit`, hold the device's
+        part of the prefix, and start the copy; None (nothing taken) when the device cannot make room
+        for the whole admission now."""
+        assert self.tiers is not None
+        self.tiers.hold(hit)
+        try:
+            return self._reserve_promotion(seq, hit)
+        finally:
+            self.tiers.hold(hit, held=False)
+
+    def _reserve_promotion(self, seq: CacheSequence, hit: TierHit) -> _Promotion | None:
+        assert self.tiers is not None
+        pool, joint = self._snapshot_pool(), hit.entry
+        full = len(joint.blocks) - (1 if joint.tail_tokens else 0)
+        cached = self.block_pool.longest_cached_prefix(joint.blocks[:full])
+        revived = sum(1 for b in cached if self.block_pool.ref_count(b) == 0)
+        admission = blocks_for(seq.num_tokens, self.block_size) - len(cached)
+        if admission + revived > self.block_pool.num_free_blocks:
+            return None
+        if pool.lookup(joint.key) is not None:  # published here without its KV: the tier's copy replaces it
+            if not pool.evict(joint.key):
+                return None
+            self._paths.pop(joint.key, None)
+        reservation = pool.reserve(joint.key, joint.num_tokens)
+        if reservation.status is not ReserveStatus.RESERVED:
+            return None
+        self._reserved_paths[joint.key] = joint
+        self.block_pool.touch(cached)
+        targets = self.block_pool.allocate(len(joint.blocks) - len(cached))  # may demote device snapshots
+        assert reservation.slot is not None
+        ticket = self.tiers.promote(hit, reservation.slot, list(zip(joint.blocks[len(cached):], targets)))
+        objects = self.tiers.promotion_objects(ticket)
+        promotion = _Promotion(ticket, seq, hit, reservation, cached + targets, len(cached), objects)
+        self._promotions[ticket] = promotion
+        self._promotion_of[id(seq)] = ticket
+        return promotion
+
+    def _complete_promotion(self, ticket: int, ok: bool) -> None:
+        """Publish a promoted entry (register its loaded KV blocks), or undo a failed one."""
+        assert self.tiers is not None
+        promotion = self._promotions[ticket]
+        joint = self.tiers.complete_promotion(ticket, ok)
+        if not ok:
+            self._drop_promotion(promotion)
+            return
+        for index in range(promotion.num_cached, len(joint.blocks)):
+            block, key = promotion.blocks[index], joint.blocks[index]
+            if joint.tail_tokens and index == len(joint.blocks) - 1:
+                self.block_pool.register_tail(block, key, joint.parent, joint.tail_tokens)
+            else:
+                self.block_pool.register(block, key)
+        self._publish(promotion.reservation)
+        assert promotion.reservation.slot is not None
+        self._snapshot_pool().pin(promotion.reservation.slot)
+        promotion.done = True
+        if promotion.owner is None:
+            self._drop_promotion(promotion)
+
+    def _drop_promotion(self, promotion: _Promotion) -> None:
+        """Give back what a completed (or failed) promotion holds and forget it."""
+        if promotion.done:
+            assert promotion.reservation.slot is not None
+            self._snapshot_pool().unpin(promotion.reservation.slot)
+        else:
+            self._abort(promotion.reservation)
+        self.block_pool.free(list(reversed(promotion.blocks)))
+        del self._promotions[promotion.ticket]
+        if promotion.owner is not None:
+            self._promotion_of.pop(id(promotion.owner), None)
+
+    def _detach_promotion(self, seq: CacheSequence) -> None:
+        """A waiting sequence goes away: its completed promotion's holds go, one in flight finishes
+        ownerless (its copies target blocks and a slot that must stay reserved until then)."""
+        ticket = self._promotion_of.pop(id(seq), None)
+        if ticket is None:
+            return
+        promotion = self._promotions[ticket]
+        promotion.owner = None
+        if promotion.done:
+            self._drop_promotion(promotion)
+
+    def _joint_entry(self, seq: CacheSequence, boundary: int, key: BlockHash) -> JointEntry:
+        """The joint entry of the sequence's state at `boundary`: its prefix's KV objects by hash."""
+        full, partial = divmod(boundary, self.block_size)
+        blocks = tuple(self.block_hashes(seq, full)) + ((key,) if partial else ())
+        return JointEntry(key, boundary, blocks, partial)
+
+    def _note_reserved(self, seq: CacheSequence, reservation: Reservation) -> None:
+        if self.tiers is not None and reservation.status is ReserveStatus.RESERVED:
+            self._reserved_paths[reservation.key] = self._joint_entry(seq, reservation.num_tokens, reservation.key)
+
+    def _publish(self, reservation: Reservation) -> None:
+        """Publish a reserved snapshot; with tiers, note its prefix (and copy it down in write-through)."""
+        self._snapshot_pool().publish(reservation)
+        if self.tiers is None:
+            return
+        joint = self._reserved_paths.pop(reservation.key)
+        self._paths[reservation.key] = joint
+        if self.tiers.write_through:
+            self.tiers.demote(joint, reservation.slot, self.block_pool.lookup)
+
+    def _abort(self, reservation: Reservation) -> None:
+        self._snapshot_pool().abort(reservation)
+        if reservation.status is ReserveStatus.RESERVED:
+            self._reserved_paths.pop(reservation.key, None)
+
+    def _on_snapshot_evicted(self, key: BlockHash, slot: int) -> None:
+        """A device snapshot was evicted (its slot may be reused by the next forward): copy it and
+        its prefix's KV down a tier (write-back) while the device still holds them."""
+        joint = self._paths.pop(key, None)
+        if joint is not None and self.tiers is not None:
+            self.tiers.demote(joint, slot, self.block_pool.lookup)
+
+    def tier_stats(self) -> list[TierStats]:
+        """Hits by tier (the device first) and each lower tier's occupancy and transfer counters."""
+        device = TierStats(DEVICE, 0, 0, self.snapshots.num_published if self.snapshots else 0,
+                           self.block_pool.num_cached_free_blocks, self.device_hits, self.device_hit_tokens,
+                           0, 0, 0, 0, 0, 0, 0, 0, 0)
+        return [device] + (self.tiers.stats() if self.tiers is not None else [])
 
     def _lookup(self, seq: CacheSequence) -> PrefixLookup | None:
         if self.prefix_cache is None:
@@ -262,6 +469,7 @@ class JointCacheManager:
                                                  branch=boundary == entry.branch_point)
             if reservation.status is ReserveStatus.RESERVED:
                 captures.append(reservation)
+                self._note_reserved(seq, reservation)
             if reservation.status is not ReserveStatus.SKIPPED:
                 entry.snapshot_depth, entry.snapshot_key = boundary, key
 
@@ -275,9 +483,12 @@ class JointCacheManager:
         return entry.snapshot_key if 0 < entry.snapshot_depth < boundary else None
 
     def _on_block_evicted(self, block_hash: BlockHash) -> None:
-        """A cached KV block was reclaimed: a snapshot keyed by the prefix it ends is now useless."""
+        """A cached KV block is being reclaimed: a snapshot keyed by the prefix it ends is now useless
+        here (with tiers, it goes down a tier with its prefix, this block included)."""
         if self.snapshots is not None:
-            self.snapshots.evict(block_hash)
+            slot = self.snapshots.lookup(block_hash)
+            if self.snapshots.evict(block_hash) and slot is not None and self.tiers is not None:
+                self._on_snapshot_evicted(block_hash, slot)
 
     def commit_restore(self, restore: Restore) -> None:
         """The step that restored this admission succeeded: drop its holds, count its lookup."""
@@ -286,6 +497,15 @@ class JointCacheManager:
         if restore.lookup is not None and not entry.lookup_counted and self.prefix_cache is not None:
             entry.lookup_counted = True  # once per sequence, across reverts and preemptions
             self.prefix_cache.record(restore.lookup)
+            if restore.lookup.key is not None:
+                self._count_hit(restore)
+
+    def _count_hit(self, restore: Restore) -> None:
+        if restore.tier != DEVICE and self.tiers is not None:
+            self.tiers.record_hit(restore.tier, restore.num_tokens)
+        else:
+            self.device_hits += 1
+            self.device_hit_tokens += restore.num_tokens
 
     def commit_chunk(self, seq: CacheSequence, captures: Sequence[Reservation], failed_slots: set[int]) -> None:
         """The chunk's forward succeeded (`num_computed_tokens` includes it): register its full
@@ -293,9 +513,9 @@ class JointCacheManager:
         self._register_full_blocks(seq)
         for reservation in captures:
             if reservation.slot in failed_slots:
-                self._snapshot_pool().abort(reservation)
+                self._abort(reservation)
             else:
-                self._snapshot_pool().publish(reservation)
+                self._publish(reservation)
 
     def revert_restore(self, restore: Restore) -> None:
         """Undo an admission whose step failed: drop its holds and release what it took."""
@@ -314,7 +534,7 @@ class JointCacheManager:
         """Abort the reservations among `captures` that are still open."""
         for reservation in captures:
             if self.snapshots is not None and self.snapshots.is_reserved(reservation):
-                self.snapshots.abort(reservation)
+                self._abort(reservation)
 
     def drop_restore_holds(self, restore: Restore) -> None:
         """Unpin the restored snapshot and drop the reference on a copied partial block."""
@@ -383,8 +603,9 @@ class JointCacheManager:
             if reservation.status is ReserveStatus.DUPLICATE:
                 entry.snapshot_depth, entry.snapshot_key = end, key
             return None
+        self._note_reserved(seq, reservation)
         if entry.state_slot is None:
-            self.snapshots.abort(reservation)
+            self._abort(reservation)
             return None
         capture = EndCapture(reservation, entry.state_slot)
         entry.snapshot_depth, entry.snapshot_key = end, key
@@ -395,9 +616,9 @@ class JointCacheManager:
         """Publish the end snapshot if its copy succeeded (else abort it), and free the live slot."""
         try:
             if copied:
-                self._snapshot_pool().publish(capture.reservation)
+                self._publish(capture.reservation)
             else:
-                self._snapshot_pool().abort(capture.reservation)
+                self._abort(capture.reservation)
         finally:
             self.state_slots.free(capture.state_slot)
 
@@ -457,6 +678,8 @@ class JointCacheManager:
             assert entry is not None and entry.state_slot is not None, "a running sequence has no state slot"
             for block in entry.block_ids:
                 held[block] = held.get(block, 0) + 1
+        if self.tiers is not None:
+            self._check_tiers(waiting, held)
         for block, count in held.items():
             assert self.block_pool.ref_count(block) == count, f"block {block}: refcount mismatch"
         assert self.block_pool.num_used_blocks == len(held), "a used block has no owner"
@@ -465,3 +688,31 @@ class JointCacheManager:
             assert not self.holds_resources(seq), "a waiting sequence holds cache resources"
         live = {id(seq) for seq in running} | {id(seq) for seq in waiting}
         assert all(key in live for key in self._sequences), "a record outlived its sequence (finish or forget it)"
+
+    def _check_tiers(self, waiting: Sequence[CacheSequence], held: dict[int, int]) -> None:
+        """Every tier's books, each device snapshot's prefix noted, and each promotion owned by a
+        waiting sequence (or none), holding a live reservation or a pin; adds their blocks to `held`."""
+        assert self.tiers is not None
+        self.tiers.check_integrity()
+        pool = self._snapshot_pool()
+        assert self._paths.keys() == set(pool.published_keys()), "device snapshot prefixes out of step"
+        assert all(self._paths[key].num_tokens == pool.num_tokens_of(slot)
+                   for key in self._paths if (slot := pool.lookup(key)) is not None), "a prefix names another boundary"
+        in_flight = {ticket for ticket, promotion in self._promotions.items() if not promotion.done}
+        assert in_flight == set(self.tiers.pending_promotions()), "a promotion is dangling"
+        waiting_ids = {id(seq) for seq in waiting}
+        for ticket, promotion in self._promotions.items():
+            owner = promotion.owner
+            assert owner is None or (id(owner) in waiting_ids and self._promotion_of.get(id(owner)) == ticket), \
+                "a promotion's owner is not waiting for it"
+            assert owner is not None or not promotion.done, "a completed promotion has no owner"
+            slot = promotion.reservation.slot
+            assert slot is not None
+            if promotion.done:
+                assert pool.pin_count(slot) > 0, "a completed promotion lost its pin"
+            else:
+                assert pool.is_reserved(promotion.reservation), "a promotion lost its reservation"
+            for block in promotion.blocks:
+                held[block] = held.get(block, 0) + 1
+        assert len(self._promotion_of) == sum(p.owner is not None for p in self._promotions.values()), \
+            "stale promotion owners"

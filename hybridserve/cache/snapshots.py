@@ -79,7 +79,7 @@ class SnapshotPool:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
-        self._on_evict = on_evict
+        self.on_evict = on_evict
         self._state: list[_State] = [_State.FREE] * num_slots
         self._key: list[BlockHash | None] = [None] * num_slots
         self._num_tokens: list[int] = [0] * num_slots
@@ -121,6 +121,10 @@ class SnapshotPool:
     def num_reserved(self) -> int:
         """Slots reserved and not yet published or aborted."""
         return len(self._reserved)
+
+    def published_keys(self) -> Iterable[BlockHash]:
+        """Keys of the published slots."""
+        return self._published.keys()
 
     def lookup(self, key: BlockHash) -> int | None:
         """Published slot for ``key``, else ``None`` (no LRU change)."""
@@ -256,8 +260,8 @@ class SnapshotPool:
         self._parent[slot] = parent
         self._branch[slot] = branch
         self._reserved[key] = slot
-        if evicted_key is not None and self._on_evict is not None:
-            self._on_evict(evicted_key, slot)
+        if evicted_key is not None and self.on_evict is not None:
+            self.on_evict(evicted_key, slot)
         return Reservation(ReserveStatus.RESERVED, slot, key, num_tokens, evicted_key, ticket)
 
     def publish(self, res: Reservation) -> None:

@@ -213,7 +213,7 @@ def test_randomized_property() -> None:
     pending: list[Reservation] = []
     pins: list[int] = []
     evicted: list[bytes] = []
-    pool._on_evict = lambda k, s: evicted.append(k)
+    pool.on_evict = lambda k, s: evicted.append(k)
     for _ in range(4000):
         op = rng.random()
         if op < 0.3:

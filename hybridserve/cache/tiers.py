@@ -1,0 +1,474 @@
+"""Lower cache tiers (host memory, disk) behind the device pools: logical and tensor-free, so the
+engine and `hybridserve sim` run the same code (docs/prefix-cache.md, Tiers).
+
+A tier holds **joint entries**: the GDN state at a boundary (keyed like a device snapshot) and the
+KV blocks of its whole prefix, each KV block stored once per tier and refcounted by the entries of
+that tier. Every entry is restorable from its own tier alone, so a KV block lives in a tier only
+while an entry of the same tier needs it (no dead KV). Eviction inside a tier is least recently
+used and cascades down (host -> disk -> dropped). Bytes move through a `TierMover` the engine
+implements; this module only decides what moves where and keeps the books.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple, Protocol
+
+from hybridserve.cache.block_pool import BlockHash
+
+DEVICE = "device"
+"""The source or destination name of the device pools (snapshot slots, KV blocks)."""
+STATE = "state"
+KV = "kv"
+
+
+def object_key(kind: str, key: BlockHash) -> str:
+    """The physical store's key of one object: its kind and the hex of its boundary or block hash
+    (which already carries the tenant salt and the hash chain)."""
+    return f"{kind}-{key.hex()}"
+
+
+class TierSpec(NamedTuple):
+    """One lower tier: its name (e.g. "host", "disk") and byte budget."""
+
+    name: str
+    budget_bytes: int
+
+
+class ObjectSizes(NamedTuple):
+    """Bytes of one GDN state and of one KV block (what a tier's budget counts)."""
+
+    state_bytes: int
+    kv_block_bytes: int
+
+
+class JointEntry(NamedTuple):
+    """The state at `num_tokens` (key `key`) and the KV objects of its prefix in token order: every
+    full block's hash, then, when the boundary lies inside a block, the tail hash (equal to `key`)."""
+
+    key: BlockHash
+    num_tokens: int
+    blocks: tuple[BlockHash, ...]
+    tail_tokens: int  # tokens in the partial last block (0: the boundary is a block end)
+
+    @property
+    def parent(self) -> BlockHash | None:
+        """The last full block before a tail (None at the root or for a block-end boundary)."""
+        full = len(self.blocks) - 1 if self.tail_tokens else len(self.blocks)
+        return self.blocks[full - 1] if self.tail_tokens and full else None
+
+
+class TierObject(NamedTuple):
+    """One object to move: `source` is DEVICE or a tier name; `device_index` is the snapshot slot (a
+    state) or block id (KV) on the device, the source of a demotion or the target of a promotion."""
+
+    kind: str
+    key: str
+    nbytes: int
+    source: str
+    device_index: int | None = None
+
+
+class TierMover(Protocol):
+    """What the engine implements to move bytes (tensors live there). Calls arrive in order and
+    must take effect in order: a `discard` after a `start_demotion` that reads the same object from
+    a tier takes effect after that read."""
+
+    def start_demotion(self, ticket: int, tier: str, objects: Sequence[TierObject]) -> None:
+        """Copy `objects` into `tier` under their keys, each from its source (a device slot or block,
+        or another tier). Device sources must be read before the next forward starts (the slot or
+        block may be reused by it); the rest may finish later."""
+
+    def start_promotion(self, ticket: int, objects: Sequence[TierObject]) -> None:
+        """Copy each object from its source tier into the device slot or block `device_index`,
+        verifying it (a corrupt or missing object fails the ticket)."""
+
+    def discard(self, tier: str, keys: Sequence[str]) -> None:
+        """Forget these objects of `tier`: no entry needs them any more (those of a failed write may
+        be absent or partial)."""
+
+    def poll(self) -> list[tuple[int, bool]]:
+        """Tickets finished since the last poll, each with whether every object arrived intact."""
+
+
+class TierHit(NamedTuple):
+    """A lookup's answer: the tier (highest first) holding the deepest ready entry."""
+
+    tier: str
+    entry: JointEntry
+
+
+class TierStats(NamedTuple):
+    """One tier's occupancy and counters."""
+
+    name: str
+    budget_bytes: int
+    used_bytes: int
+    entries: int
+    kv_objects: int
+    hits: int
+    hit_tokens: int
+    promotions: int
+    promoted_bytes: int
+    promoted_objects: int
+    demotions: int
+    demoted_bytes: int
+    demoted_objects: int
+    evictions: int
+    dropped: int   # demotions refused: too large for the tier, no room, or an object with no source
+    failed: int    # transfers the mover reported failed (a corrupt, truncated or missing object: a miss)
+
+
+class _Tier:
+    """One lower tier's books: LRU joint entries, per-block KV refcounts, tails, objects in flight."""
+
+    def __init__(self, spec: TierSpec, sizes: ObjectSizes) -> None:
+        if spec.budget_bytes < 0:
+            raise ValueError(f"tier {spec.name}: budget must be >= 0, got {spec.budget_bytes}")
+        self.name, self.budget = spec
+        self.sizes = sizes
+        self.entries: OrderedDict[BlockHash, JointEntry] = OrderedDict()  # first = least recently used
+        self.kv: dict[BlockHash, int] = {}                               # block hash -> entries needing it
+        self.tails: dict[BlockHash, dict[BlockHash, int]] = {}           # parent (b"" at root) -> {key: tokens}
+        self.writing: dict[tuple[str, BlockHash], int] = {}              # object -> ticket writing it
+        self.pins: Counter[BlockHash] = Counter()                        # entries a promotion reads
+        self.used = 0
+        self.hits = self.hit_tokens = self.promotions = self.promoted_bytes = self.promoted_objects = 0
+        self.demotions = self.demoted_bytes = self.demoted_objects = self.evictions = 0
+        self.dropped = self.failed = 0
+
+    def entry_bytes(self, entry: JointEntry) -> int:
+        """Bytes `entry` would add here (its state and the KV blocks this tier lacks)."""
+        new_blocks = sum(1 for block in set(entry.blocks) if block not in self.kv)
+        return self.sizes.state_bytes + new_blocks * self.sizes.kv_block_bytes
+
+    def ready(self, entry: JointEntry) -> bool:
+        """Whether every object of `entry` has been written."""
+        writing = self.writing
+        return not writing or ((STATE, entry.key) not in writing
+                               and not any((KV, block) in writing for block in entry.blocks))
+
+    def has_kv(self, block: BlockHash) -> bool:
+        """Whether this tier holds block `block`, written."""
+        return block in self.kv and (KV, block) not in self.writing
+
+    def add(self, entry: JointEntry) -> list[BlockHash]:
+        """Take `entry` in as most recently used; the KV blocks it brings (not held before)."""
+        new = []
+        for block in entry.blocks:
+            count = self.kv.get(block, 0)
+            if count == 0:
+                new.append(block)
+            self.kv[block] = count + 1
+        self.entries[entry.key] = entry
+        if entry.tail_tokens:
+            self.tails.setdefault(entry.parent or b"", {})[entry.key] = entry.tail_tokens
+        self.used += self.sizes.state_bytes + len(new) * self.sizes.kv_block_bytes
+        return new
+
+    def remove(self, key: BlockHash) -> list[str]:
+        """Drop an entry; the store keys of the objects no entry here needs any more."""
+        entry = self.entries.pop(key)
+        gone = [object_key(STATE, key)]
+        self.writing.pop((STATE, key), None)
+        for block in entry.blocks:
+            count = self.kv[block] - 1
+            if count:
+                self.kv[block] = count
+            else:
+                del self.kv[block]
+                self.writing.pop((KV, block), None)
+                gone.append(object_key(KV, block))
+        if entry.tail_tokens:
+            siblings = self.tails[entry.parent or b""]
+            del siblings[key]
+            if not siblings:
+                del self.tails[entry.parent or b""]
+        self.used -= self.sizes.state_bytes + (len(gone) - 1) * self.sizes.kv_block_bytes
+        return gone
+
+    def victims(self, keep: BlockHash) -> Iterator[JointEntry]:
+        """Evictable entries, least recently used first: written, not being read, not `keep`."""
+        for key, entry in list(self.entries.items()):
+            if key != keep and key in self.entries and not self.pins[key] and self.ready(entry):
+                yield entry
+
+    def stats(self) -> TierStats:
+        """Occupancy and counters."""
+        return TierStats(self.name, self.budget, self.used, len(self.entries), len(self.kv), self.hits,
+                         self.hit_tokens, self.promotions, self.promoted_bytes, self.promoted_objects,
+                         self.demotions, self.demoted_bytes, self.demoted_objects, self.evictions,
+                         self.dropped, self.failed)
+
+
+class _Ticket(NamedTuple):
+    promotion: bool
+    tier: str
+    entry: JointEntry
+    objects: tuple[TierObject, ...]
+
+
+DeviceBlocks = Callable[[BlockHash], "int | None"]
+"""The device block holding a hash now (the block pool's lookup), or None."""
+
+
+class TieredCache:
+    """The lower tiers in order (e.g. host, then disk) and the transfers between them and the
+    device. `write_through`: a published device snapshot is copied down at once (the manager calls
+    `demote` at publish), otherwise on its eviction (write-back)."""
+
+    def __init__(self, specs: Sequence[TierSpec], sizes: ObjectSizes, mover: TierMover,
+                 write_through: bool = False) -> None:
+        if not specs:
+            raise ValueError("a tiered cache needs at least one lower tier")
+        names = [spec.name for spec in specs]
+        if len(set(names)) != len(names) or DEVICE in names:
+            raise ValueError(f"tier names must be distinct and not {DEVICE!r}: {names}")
+        self.tiers = [_Tier(spec, sizes) for spec in specs]
+        self._by_name = {tier.name: tier for tier in self.tiers}
+        self.sizes = sizes
+        self.mover = mover
+        self.write_through = write_through
+        self._tickets: dict[int, _Ticket] = {}
+        self._next_ticket = 1
+
+    @property
+    def names(self) -> list[str]:
+        """Tier names, highest first."""
+        return [tier.name for tier in self.tiers]
+
+    def find(self, key: BlockHash) -> TierHit | None:
+        """The highest tier holding a ready entry for `key` (no LRU change)."""
+        for tier in self.tiers:
+            entry = tier.entries.get(key)
+            if entry is not None and tier.ready(entry):
+                return TierHit(tier.name, entry)
+        return None
+
+    def lookup(self, block_hashes: Sequence[BlockHash], limit: int, deeper_than: int, block_size: int,
+               tail_key: Callable[[int, int], BlockHash]) -> TierHit | None:
+        """The deepest ready entry at a boundary in (deeper_than, limit] on this request's path: after
+        `j` of its full blocks (`block_hashes`), a tail of `t` tokens (key `tail_key(j, t)`), else the
+        end of block `j`; tails first, as the device lookup does."""
+        for blocks in range(min(len(block_hashes), limit // block_size), -1, -1):
+            if (blocks + 1) * block_size <= deeper_than:
+                break
+            parent = block_hashes[blocks - 1] if blocks else b""
+            lengths = sorted({t for tier in self.tiers for t in tier.tails.get(parent, {}).values()}, reverse=True)
+            for length in lengths:
+                if deeper_than < blocks * block_size + length <= limit:
+                    hit = self.find(tail_key(blocks, length))
+                    if hit is not None:
+                        return hit
+            if blocks and deeper_than < blocks * block_size:
+                hit = self.find(block_hashes[blocks - 1])
+                if hit is not None:
+                    return hit
+        return None
+
+    def demote(self, entry: JointEntry, state_slot: int | None, device_blocks: DeviceBlocks, into: int = 0) -> bool:
+        """Copy a joint entry into tier `into` or, where it cannot fit, the next one down; each object
+        from the device (`state_slot`, `device_blocks`) or a tier holding it. False when dropped."""
+        for index in range(into, len(self.tiers)):
+            tier = self.tiers[index]
+            if entry.key in tier.entries:
+                tier.entries.move_to_end(entry.key)
+                return True
+            if tier.entry_bytes(entry) > tier.budget:
+                continue
+            objects = self._sources(entry, tier, state_slot, device_blocks)
+            if objects is None:
+                break
+            tier.add(entry)
+            if not self._make_room(tier, index, keep=entry.key):
+                tier.remove(entry.key)  # nothing was sent for it yet
+                continue
+            self._start(False, tier, entry, objects)
+            return True
+        self.tiers[min(into, len(self.tiers) - 1)].dropped += 1
+        return False
+
+    def _sources(self, entry: JointEntry, tier: _Tier, state_slot: int | None,
+                 device_blocks: DeviceBlocks) -> list[tuple[BlockHash, TierObject]] | None:
+        """Each object `tier` lacks (with its hash) and where it comes from: the device first, then
+        the highest tier holding it written; None when one has no source."""
+        state_source = DEVICE if state_slot is not None else self._holder(STATE, entry.key, entry, tier)
+        if state_source is None:
+            return None
+        objects = [(entry.key, TierObject(STATE, object_key(STATE, entry.key), self.sizes.state_bytes,
+                                          state_source, state_slot))]
+        for block in dict.fromkeys(entry.blocks):
+            if block in tier.kv:
+                continue
+            device = device_blocks(block)
+            source = DEVICE if device is not None else self._holder(KV, block, entry, tier)
+            if source is None:
+                return None
+            objects.append((block, TierObject(KV, object_key(KV, block), self.sizes.kv_block_bytes, source, device)))
+        return objects
+
+    def _holder(self, kind: str, key: BlockHash, entry: JointEntry, exclude: _Tier) -> str | None:
+        for tier in self.tiers:
+            if tier is exclude:
+                continue
+            if kind == KV and tier.has_kv(key):
+                return tier.name
+            found = tier.entries.get(key)
+            if kind == STATE and found is not None and found.num_tokens == entry.num_tokens and tier.ready(found):
+                return tier.name
+        return None
+
+    def _make_room(self, tier: _Tier, index: int, keep: BlockHash) -> bool:
+        """Evict least recently used entries of `tier` (each cascades to the next tier) until it fits."""
+        victims = tier.victims(keep)
+        while tier.used > tier.budget:
+            victim = next(victims, None)
+            if victim is None:
+                return False
+            if index + 1 < len(self.tiers):
+                self.demote(victim, None, _nowhere, into=index + 1)
+            self.mover.discard(tier.name, tier.remove(victim.key))
+            tier.evictions += 1
+        return True
+
+    def _start(self, promotion: bool, tier: _Tier, entry: JointEntry,
+               hashed: list[tuple[BlockHash, TierObject]]) -> int:
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        objects = [obj for _, obj in hashed]
+        self._tickets[ticket] = _Ticket(promotion, tier.name, entry, tuple(objects))
+        nbytes = sum(o.nbytes for o in objects)
+        if promotion:
+            tier.pins[entry.key] += 1
+            tier.entries.move_to_end(entry.key)
+            tier.promotions += 1
+            tier.promoted_bytes += nbytes
+            tier.promoted_objects += len(objects)
+            self.mover.start_promotion(ticket, objects)
+        else:
+            for key, obj in hashed:
+                tier.writing[(obj.kind, key)] = ticket
+            tier.demotions += 1
+            tier.demoted_bytes += nbytes
+            tier.demoted_objects += len(objects)
+            self.mover.start_demotion(ticket, tier.name, objects)
+        return ticket
+
+    def hold(self, hit: TierHit, held: bool = True) -> None:
+        """Pin (or, `held=False`, unpin) `hit`'s entry while the caller prepares its promotion, so the
+        demotions that making room on the device cascades cannot push it out."""
+        tier = self._by_name[hit.tier]
+        tier.pins[hit.entry.key] += 1 if held else -1
+        if not tier.pins[hit.entry.key]:
+            del tier.pins[hit.entry.key]
+
+    def promote(self, hit: TierHit, state_slot: int, kv_targets: Sequence[tuple[BlockHash, int]]) -> int:
+        """Start copying `hit`'s state into snapshot slot `state_slot` and these KV blocks into the
+        device blocks given (the caller allocated them); the entry is pinned until the ticket
+        completes. Returns the ticket (`complete_promotion` when the mover reports it)."""
+        tier = self._by_name[hit.tier]
+        key = hit.entry.key
+        objects = [(key, TierObject(STATE, object_key(STATE, key), self.sizes.state_bytes, tier.name, state_slot))]
+        objects += [(block, TierObject(KV, object_key(KV, block), self.sizes.kv_block_bytes, tier.name, target))
+                    for block, target in kv_targets]
+        return self._start(True, tier, hit.entry, objects)
+
+    def poll(self) -> list[tuple[int, bool]]:
+        """Settle what the mover finished: demotions here; promotions are returned as (ticket, ok)
+        for the caller, which completes each with `complete_promotion`."""
+        promotions = []
+        for ticket, ok in self.mover.poll():
+            record = self._tickets.get(ticket)
+            if record is None:
+                raise RuntimeError(f"the tier mover reported unknown ticket {ticket}")
+            if record.promotion:
+                promotions.append((ticket, ok))
+            else:
+                del self._tickets[ticket]
+                self._complete_demotion(ticket, record, ok)
+        return promotions
+
+    def _complete_demotion(self, ticket: int, record: _Ticket, ok: bool) -> None:
+        tier = self._by_name[record.tier]
+        written = [item for item, owner in tier.writing.items() if owner == ticket]
+        for item in written:
+            del tier.writing[item]
+        if ok:
+            return
+        tier.failed += 1
+        lost = {key for _, key in written}
+        for entry in [e for e in tier.entries.values() if e.key in lost or lost.intersection(e.blocks)]:
+            self.mover.discard(tier.name, tier.remove(entry.key))
+
+    def complete_promotion(self, ticket: int, ok: bool) -> JointEntry:
+        """A promotion finished: unpin its entry; a failed one (corrupt or missing object) drops the
+        entry from its tier, so it is a counted miss, never a wrong restore."""
+        record = self._tickets.pop(ticket, None)
+        if record is None or not record.promotion:
+            raise KeyError(f"no promotion in flight with ticket {ticket}")
+        tier = self._by_name[record.tier]
+        tier.pins[record.entry.key] -= 1
+        if not tier.pins[record.entry.key]:
+            del tier.pins[record.entry.key]
+        if not ok:
+            tier.failed += 1
+            if record.entry.key in tier.entries and not tier.pins[record.entry.key]:
+                self.mover.discard(tier.name, tier.remove(record.entry.key))
+        return record.entry
+
+    def promotion_objects(self, ticket: int) -> tuple[TierObject, ...]:
+        """The objects a promotion in flight loads."""
+        return self._tickets[ticket].objects
+
+    def pending_promotions(self) -> list[int]:
+        """Tickets of promotions in flight."""
+        return [ticket for ticket, record in self._tickets.items() if record.promotion]
+
+    def forget(self, key: BlockHash) -> int:
+        """Drop `key`'s entry from every tier that holds it unpinned (e.g. a reset); how many."""
+        dropped = 0
+        for tier in self.tiers:
+            if key in tier.entries and not tier.pins[key]:
+                self.mover.discard(tier.name, tier.remove(key))
+                dropped += 1
+        return dropped
+
+    def record_hit(self, tier: str, num_tokens: int) -> None:
+        """Count an admitted hit served from `tier`."""
+        record = self._by_name[tier]
+        record.hits += 1
+        record.hit_tokens += num_tokens
+
+    def stats(self) -> list[TierStats]:
+        """Per-tier occupancy and counters, highest tier first."""
+        return [tier.stats() for tier in self.tiers]
+
+    def check_integrity(self) -> None:
+        """Budgets kept, KV refcounts equal to the entries needing each block (so no KV without its
+        state in the same tier), tails indexed, objects in flight and pins owned by live tickets."""
+        for tier in self.tiers:
+            name = tier.name
+            assert tier.used <= tier.budget, f"tier {name}: {tier.used} bytes over its budget {tier.budget}"
+            needs = Counter(block for entry in tier.entries.values() for block in entry.blocks)
+            assert needs == Counter(tier.kv), f"tier {name}: KV refcounts out of step (orphan or missing KV)"
+            expected = len(tier.entries) * self.sizes.state_bytes + len(tier.kv) * self.sizes.kv_block_bytes
+            assert tier.used == expected, f"tier {name}: used bytes {tier.used} != {expected}"
+            tails = {(entry.parent or b"", key) for key, entry in tier.entries.items() if entry.tail_tokens}
+            assert tails == {(p, k) for p, group in tier.tails.items() for k in group}, f"tier {name}: tails"
+            assert all(group for group in tier.tails.values()), f"tier {name}: empty tail group"
+            for (kind, key), ticket in tier.writing.items():
+                record = self._tickets.get(ticket)
+                assert record is not None and not record.promotion and record.tier == name, \
+                    f"tier {name}: an object is written by no live ticket"
+                held = tier.entries if kind == STATE else tier.kv
+                assert key in held, f"tier {name}: the write of an object no entry needs"
+            pins = Counter(record.entry.key for record in self._tickets.values()
+                           if record.promotion and record.tier == name)
+            assert pins == +tier.pins, f"tier {name}: pins != promotions in flight"
+            assert all(key in tier.entries for key in pins), f"tier {name}: a promotion reads a gone entry"
+
+
+def _nowhere(block: BlockHash) -> int | None:
+    """No device block (a cascade between lower tiers reads from the tiers only)."""
+    return None
