@@ -229,10 +229,16 @@ class RestoreRates:
         return (restores + PRIOR_WEIGHT * prior) / (lives + PRIOR_WEIGHT)
 
     def relative(self, kind: str, tokens: int) -> float:
-        """This kind and depth's restore rate over the average of all snapshots (1.0 before evidence)."""
+        """This kind and depth's restore rate over the average of all snapshots (1.0 before evidence,
+        and whenever one kind and depth is all there is: the average is shrunk in the same two steps)."""
+        overall = self._rate(("", -1), 1.0)
+        return self.rate(kind, tokens) / self._rate(("", -1), self._rate(("", -1), overall))
+
+    def rate(self, kind: str, tokens: int) -> float:
+        """Estimated restores per life of a snapshot of this kind and depth."""
         overall = self._rate(("", -1), 1.0)
         of_kind = self._rate((kind, -1), overall * INITIAL_TILT.get(kind, 1.0))
-        return self._rate((kind, tokens.bit_length()), of_kind) / overall
+        return self._rate((kind, tokens.bit_length()), of_kind)
 
 
 class _Ghost(NamedTuple):
