@@ -46,13 +46,9 @@ class PagedKVCache:
 
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_prefix: int,
                       scale: float) -> torch.Tensor:
-    """Causal attention of T new queries over `num_prefix` earlier tokens plus themselves.
-
-    q: [T, H, D]; keys/values: [num_prefix + T, KvH, D]; query i sits at position num_prefix + i.
-    SDPA reads each KV head for its query group (`enable_gqa`), and behind a prefix the causal mask
-    is aligned lower-right (`causal_lower_right`: one [T, num_prefix + T] mask on CPU, not one per
-    group). A single query needs no mask: each KV group's G query heads run as G rows against it.
-    """
+    """Causal attention of T new queries q [T, H, D] over `num_prefix` earlier tokens plus themselves
+    (keys/values [num_prefix + T, KvH, D]): SDPA with `enable_gqa`, the mask aligned lower-right behind
+    a prefix; a single query needs no mask (each KV group's G query heads run as G rows against it)."""
     num_new, num_heads, head_dim = q.shape
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, keys, values))
     if num_prefix == 0:

@@ -1,8 +1,5 @@
 """Gated delta rule (chunked for prefill, recurrent for decode) and the depthwise causal conv: the
 PyTorch forms, used on CUDA, in bfloat16 and as the reference for the C kernels in `native.py`.
-
-The chunked form aligns its chunks to absolute positions and returns the state at any requested
-boundary of the one forward (what prefix-cache snapshots capture).
 """
 
 from __future__ import annotations
@@ -89,12 +86,10 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         t = F.pad(t, (0, 0) * (t.dim() - 1) + (front, back)) if front or back else t
         return t.reshape(num_chunks, chunk_size, *t.shape[1:]).transpose(1, 2).contiguous()
 
-    def per_value_head(t: torch.Tensor) -> torch.Tensor:
-        """[N, Hk, ...] -> [N, Hk, 1, ...]: broadcasts over the value heads of each key head."""
+    def per_value_head(t: torch.Tensor) -> torch.Tensor:  # [N, Hk, ...] -> [N, Hk, 1, ...]
         return t.unsqueeze(2)
 
-    def grouped(t: torch.Tensor) -> torch.Tensor:
-        """[N, Hv, ...] <-> [N, Hk, G, ...] views (value head j belongs to key head j // G)."""
+    def grouped(t: torch.Tensor) -> torch.Tensor:  # [N, Hv, ...] -> [N, Hk, G, ...] (head j in group j // G)
         return t.view(num_chunks, num_k_heads, group, *t.shape[2:])
 
     q = chunked(l2_normalize(q.float(), scale=head_k ** -0.5))                # [N, Hk, C, Dk]

@@ -1,9 +1,6 @@
-"""CPU weights in transparent huge pages (Linux): a decode step streams every weight, and on 4 KiB
-pages that is a page walk every 4 KiB.
-
-THP is usually in `madvise` mode, so `move_to_huge_pages` maps one anonymous region, advises
-MADV_HUGEPAGE before anything touches it, and copies the large weight storages into it one at a time
-(at most one storage held twice). Elsewhere (not Linux, THP `never`, not CPU) nothing moves.
+"""CPU weights in transparent huge pages (Linux): one anonymous region advised MADV_HUGEPAGE before
+its first touch (THP's usual `madvise` mode), the large weight storages copied into it one at a time.
+Elsewhere (not Linux, THP `never`, not CPU) nothing moves; docs/cpu-kernels.md says why.
 """
 
 from __future__ import annotations
