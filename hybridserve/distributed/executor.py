@@ -1,7 +1,6 @@
 """The controller's side of tensor parallelism: `TensorParallelExecutor` starts the rank processes
 and writes each command, pickled once, to every local rank's pipe (under torchrun to rank 0, which
-broadcasts it); rank 0 answers. A worker that dies raises `WorkerDiedError` and the others are killed.
-"""
+broadcasts it); rank 0 answers. A worker that dies raises `WorkerDiedError` and the others are killed."""
 
 from __future__ import annotations
 
@@ -50,8 +49,7 @@ class TensorParallelExecutor:
     """Rank processes that execute every step together; answers come from rank 0."""
 
     def __init__(self, specs: list[WorkerSpec]) -> None:
-        """Start a process for each spec (rank 0 first) and wait until every local rank loaded its
-        shard (WorkerDiedError with the failing rank's message otherwise)."""
+        """Start a process per spec (rank 0 first) and wait until each loaded its shard (else WorkerDiedError)."""
         context = multiprocessing.get_context("spawn")
         self.world_size = specs[0].world_size
         self.broadcast_commands = specs[0].broadcast_commands
@@ -141,10 +139,7 @@ class TensorParallelExecutor:
                 self._die(str(message[1]))
             for item in ready:
                 if item in sentinels:
-                    process = sentinels[item]
-                    process.join(STOP_GRACE_SECONDS)  # reap it, so its exit code is known
-                    self._die(f"tensor-parallel worker {process.name} (pid {process.pid}) exited with code "
-                              f"{process.exitcode}")
+                    self._worker_gone(sentinels[item], "exited with code {}")
                 message = self._recv(cast(Connection, item))  # another rank: its start-up report or error
                 if message[0] == "error":
                     self._die(str(message[1]))
@@ -155,11 +150,12 @@ class TensorParallelExecutor:
             message: tuple[Any, ...] = conn.recv()
             return message
         except (EOFError, OSError):
-            index = self.conns.index(conn)
-            process = self.processes[index]
-            process.join(STOP_GRACE_SECONDS)
-            self._die(f"tensor-parallel worker {process.name} (pid {process.pid}) closed its pipe "
-                      f"(exit code {process.exitcode})")
+            self._worker_gone(self.processes[self.conns.index(conn)], "closed its pipe (exit code {})")
+
+    def _worker_gone(self, process: Any, what: str) -> NoReturn:
+        """Reap a worker that is gone (so its exit code is known), then stop them all."""
+        process.join(STOP_GRACE_SECONDS)
+        self._die(f"tensor-parallel worker {process.name} (pid {process.pid}) " + what.format(process.exitcode))
 
     def _die(self, reason: str) -> NoReturn:
         self.dead_reason = reason
@@ -194,8 +190,7 @@ class TensorParallelExecutor:
 
 
 def _shutdown_at_exit(executor: weakref.ref[TensorParallelExecutor]) -> None:
-    """Stop the workers of an executor nobody shut down at exit: they are not daemons, so
-    multiprocessing's exit handler (run later) would wait for them forever."""
+    """Stop workers nobody shut down: non-daemons, multiprocessing's exit handler would wait forever."""
     alive = executor()
     if alive is not None:
         alive.shutdown()

@@ -1,6 +1,5 @@
 """Where the tensor-parallel ranks run: one `WorkerSpec` per local rank, spawned by the engine; under
-`torchrun` `RANK` 0 becomes the controller and every other process its rank's worker.
-"""
+`torchrun` `RANK` 0 becomes the controller and every other process its rank's worker."""
 
 from __future__ import annotations
 

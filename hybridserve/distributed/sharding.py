@@ -1,7 +1,6 @@
 """Tensor-parallel layout of a Qwen3.5 hybrid model as vLLM and SGLang split it (docs/serving.md):
 each rank builds an ordinary model of `local_config`; `shard_spec` says which part of each full
-tensor it reads.
-"""
+tensor it reads."""
 
 from __future__ import annotations
 

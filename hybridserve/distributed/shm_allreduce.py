@@ -1,6 +1,5 @@
 """All-reduce through a /dev/shm region for the tensor-parallel CPU ranks of one host (protocol in
-layers/csrc/shm_allreduce.c): SUM of float32, bfloat16 and int32, MIN/MAX of int32; others via gloo.
-"""
+layers/csrc/shm_allreduce.c): SUM of float32, bfloat16 and int32, MIN/MAX of int32; others via gloo."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ _ERRORS = {-1: "timed out waiting for another rank", -2: "the ranks called diffe
 
 
 class ShmAllReduceError(RuntimeError):
-    """The shared-memory all-reduce failed (a peer timed out, died or called a different
-    all-reduce); the ranks are out of step and the channel is unusable from now on."""
+    """A peer timed out, died or called a different all-reduce: the channel is unusable from now on."""
 
 
 def _functions() -> tuple[Any, Any, Any] | None:
@@ -102,8 +100,7 @@ class ShmAllReduce:
     @classmethod
     def setup(cls, group: Any, device: torch.device, timeout_s: float,
               slot_bytes: int = SLOT_BYTES) -> ShmAllReduce | None:
-        """Collective over the gloo `group`: the shared-memory all-reduce when every rank can use
-        it, else None on every rank (rank 0 logs which one the group uses, and why)."""
+        """Collective: the shared-memory all-reduce if every rank can use it, else None (rank 0 logs why)."""
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         reports: list[Any] = [None] * world
         dist.all_gather_object(reports, (host_identity(), _local_obstacle(device)), group=group)
@@ -119,11 +116,9 @@ class ShmAllReduce:
             box[0] = _create_region(world, slot_bytes)
         dist.broadcast_object_list(box, group=group, group_src=0)
         path, token = box[0]
-        shm, error = None, None
+        shm, error = None, path if token is None else None  # without a token, `path` is rank 0's error
         try:
-            if token is None:
-                error = path  # rank 0's error
-            else:
+            if token is not None:
                 shm = cls(path, token, rank, world, slot_bytes, timeout_s)
         except (OSError, ValueError, ShmAllReduceError) as exc:
             error = f"rank {rank}: {exc}"
@@ -175,8 +170,7 @@ class ShmAllReduce:
 
 
 def _create_region(world: int, slot_bytes: int) -> tuple[str, int | None]:
-    """Rank 0: create the region (allocated up front: a full /dev/shm fails here, not with SIGBUS
-    later) and write its header; (path, token), or (error, None)."""
+    """Rank 0: create and allocate the region (a full /dev/shm fails here, not with SIGBUS later)."""
     functions = _functions()
     if functions is None:
         return "rank 0: the C kernels library is unavailable", None

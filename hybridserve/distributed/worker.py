@@ -1,6 +1,5 @@
 """A tensor-parallel rank's process: join the group, build the same `Worker` as TP=1, serve commands
-(docs/prefix-cache.md, Processes). Rank 0 samples and answers.
-"""
+(docs/prefix-cache.md, Processes). Rank 0 samples and answers."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ PARENT_POLL_SECONDS = 1.0
 
 
 class TorchRankGroup(RankGroup):
-    """The `RankGroup` of a tensor-parallel rank: agreements on the gloo control group (or the
-    shared-memory all-reduce in the forward's sequence), the model's all-reduce timed."""
+    """The `RankGroup` of a tensor-parallel rank (agreements over the ranks, the model's all-reduce timed)."""
 
     def __init__(self, device: torch.device) -> None:
         self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
@@ -63,8 +61,7 @@ class TorchRankGroup(RankGroup):
         return [int(v) for v in low.tolist()], [int(v) for v in total.tolist()]
 
     def _control_all_reduce(self, flags: torch.Tensor, op: Any) -> None:
-        """A step's agreement (MIN/MAX of int32 flags): through shared memory when set up, in the
-        same sequence as the forward's all-reduces; else on the gloo control group."""
+        """A step's agreement (MIN/MAX of int32 flags), through shared memory when set up, else gloo."""
         if self.shm is not None:
             self.shm.all_reduce(flags, op=op, tag=CONTROL, group=self.control)
         else:

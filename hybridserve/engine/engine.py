@@ -109,7 +109,6 @@ class LLMEngine:
         self.detokenize_all_requests = True
         logger.info("hybridserve engine: %s", self.describe())
 
-    # -- construction -------------------------------------------------------------------------
     def _start_executor(self) -> Executor:
         """Start the workers (in this process at TP=1, else one process per rank) and take their capacity."""
         executor: Executor
@@ -169,7 +168,6 @@ class LLMEngine:
                 f"bytes_per_snapshot={self.bytes_per_snapshot} cache_policy={cache.cache_policy} "
                 f"snapshot_interval={cache.snapshot_interval}")
 
-    # -- requests -----------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      cache_salt: str | None = None) -> RequestGroup:
         """Validate and tokenize (ValueError on bad input) into a group of `params.n` sequences, unqueued."""
@@ -288,15 +286,13 @@ class LLMEngine:
     def num_running_requests(self) -> int:
         return len(self.scheduler.running)
 
-    # -- the step -------------------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one step; outputs of requests that got a new token or finished (`final_only`: finished)."""
         groups = self.step_groups()
         return [self.output(group) for group in groups if not final_only or group.is_finished]
 
     def step_groups(self) -> list[RequestGroup]:
-        """Run one scheduling step; the groups that got a new token or finished (no output objects
-        built). Failures stay in the step's transaction (docs/prefix-cache.md, Transactions)."""
+        """Run one step; the groups that got a new token or finished (docs/prefix-cache.md: failures)."""
         self._finished_groups.clear()
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -351,8 +347,7 @@ class LLMEngine:
             return sampling_spec(request, error=f"grammar mask failed: {exc}")
 
     def _fork_children(self, parent: Request, count: int) -> list[Request | None]:
-        """Fork `count` unforked sequences from `parent`, which just completed its prompt; one that
-        cannot be placed now is queued to prefill on its own (None in its place: its draw is discarded)."""
+        """Fork `count` unforked sequences from `parent`; one without room is queued instead (None)."""
         group = self.requests.get(parent.request_id)
         if count <= 0 or group is None:
             return []
@@ -486,8 +481,7 @@ class LLMEngine:
             metrics=metrics)
 
     def prompt_logits(self, prompt: str | list[int], cache_salt: str | None = None) -> torch.Tensor:
-        """Logits [n, vocab] at every computed prompt position through the normal paged, chunked path
-        (parity checks, scoring); runs the engine until done. A prefix hit of b tokens gives n = len - b."""
+        """Logits [n, vocab] of every computed prompt position (n = length - prefix hit); steps until done."""
         group = self.make_request(f"prompt-logits-{id(prompt)}-{time.monotonic_ns()}", prompt,
                                   SamplingParams(max_tokens=1, temperature=0.0), cache_salt)
         request = group.first
@@ -497,7 +491,6 @@ class LLMEngine:
             self.step()
         return torch.cat(request.prompt_logits)
 
-    # -- introspection ----------------------------------------------------------------------------
     def prefix_cache_stats(self) -> PrefixCacheReport:
         """Joint prefix cache counters (all zero when the cache is disabled)."""
         lookup, snap, usage = self.cache.prefix_stats(), self.cache.snapshot_stats(), self.cache.usage()

@@ -1,6 +1,5 @@
 """What the engine asks of its workers (`Executor`: token ids and logprobs come back, never logits):
-`InProcessExecutor` holds the TP=1 `Worker`, `distributed.executor.TensorParallelExecutor` one per rank.
-"""
+`InProcessExecutor` holds the TP=1 `Worker`, `distributed.executor.TensorParallelExecutor` one per rank."""
 
 from __future__ import annotations
 

@@ -32,8 +32,7 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def allocator_free_bytes() -> int:
-    """Bytes freed but kept by glibc's allocator for reuse (`mallinfo2().fordblks`; 0 without glibc
-    2.33+): what a leak check subtracts from the resident size."""
+    """Bytes freed but kept by glibc's allocator for reuse (`mallinfo2().fordblks`; 0 before glibc 2.33)."""
     libc = _libc()
     mallinfo2 = getattr(libc, "mallinfo2", None)
     if mallinfo2 is None:
@@ -43,8 +42,7 @@ def allocator_free_bytes() -> int:
 
 
 def retain_freed_activation_memory() -> bool:
-    """Raise glibc's mmap and trim thresholds so large freed activations are reused instead of
-    unmapped and page-faulted back in by every prefill; False (nothing changed) without glibc."""
+    """Raise glibc's mmap and trim thresholds so freed activations are reused; False without glibc."""
     libc = _libc()
     if libc is None:
         return False
@@ -59,8 +57,7 @@ def retain_freed_activation_memory() -> bool:
 
 
 def freeze_startup_heap() -> int:
-    """Collect once, then freeze every object alive now so collections while serving walk only what
-    serving allocates; for a serving process once built, not a library constructor. The count frozen."""
+    """Collect, then freeze every object alive now (a serving process once built, not library code)."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

@@ -103,8 +103,7 @@ class PlanInputs(NamedTuple):
 
 
 def plan_memory(cache: CacheConfig, inputs: PlanInputs, profile: Callable[[], int]) -> MemoryPlan:
-    """Resolve the pool sizes; `ValueError` with numbers if they cannot fit. `profile()` returns the
-    activation peak of a max-size forward (called only for a memory fraction)."""
+    """Resolve the pool sizes (ValueError with numbers if they cannot fit); `profile()` measures a forward."""
     start = inputs.memory_at_start
     share = cache.snapshot_memory_share if cache.prefix_cache_mib != 0 else 0.0
     explicit_kv = None if cache.kv_cache_mib is None else int(cache.kv_cache_mib * MIB)
@@ -149,8 +148,7 @@ def _fraction_budget(fraction: float, start: DeviceMemory, inputs: PlanInputs, a
 
 
 def _split(total: int | None, kv: int | None, snap: int | None, share: float) -> tuple[int, int]:
-    """Pool bytes: explicit sizes win; a total is split by `share` (or by what the explicit pool
-    leaves); with neither, the CPU defaults."""
+    """Pool bytes: explicit sizes win, a total is split by `share`; with neither, the CPU defaults."""
     if total is None:
         return (kv if kv is not None else int(DEFAULT_CPU_KV_CACHE_MIB * MIB),
                 snap if snap is not None else int(DEFAULT_CPU_PREFIX_CACHE_MIB * MIB))

@@ -1,6 +1,5 @@
 """The one-call CPU step: a whole forward of up to 512 rows as one C call (`csrc/decode_step.c`;
-docs/cpu-kernels.md). Live GDN slots are updated in place, the replaced state goes to `state_undo`.
-"""
+docs/cpu-kernels.md). Live GDN slots are updated in place, the replaced state goes to `state_undo`."""
 
 from __future__ import annotations
 
@@ -12,12 +11,7 @@ import torch
 from hybridserve import envs
 from hybridserve.layers import native
 from hybridserve.layers.gated_delta import L2_NORM_EPS
-from hybridserve.layers.kernel_abi import (
-    WEIGHT_FORMATS,
-    DecodeLayer,
-    DecodeModel,
-    Linear,
-)
+from hybridserve.layers.kernel_abi import WEIGHT_FORMATS, DecodeLayer, DecodeModel, Linear
 from hybridserve.layers.linear import PackedLinear
 from hybridserve.layers.norms import ZeroCenteredRMSNorm
 from hybridserve.models.batch import ForwardBatch, StateWrite
@@ -215,8 +209,7 @@ class StateRecords(NamedTuple):
 
 
 class _StepBuffers:
-    """The C step's workspace and per-GDN-layer state records, kept from step to step (up to
-    KEPT_BYTES) against page faults: steps run one at a time and consume their records at once."""
+    """The C step's workspace and state records, kept from step to step (up to KEPT_BYTES) against page faults."""
 
     KEPT_BYTES = 64 << 20
 
@@ -300,8 +293,7 @@ def _linears(model: Qwen3_5ForCausalLM) -> list[PackedLinear | None]:
 
 
 def _max_rows(model: Qwen3_5ForCausalLM, ctx: ForwardContext) -> int:
-    """The rows a step of this model takes: up to MAX_ROWS (BF16_MAX_ROWS) where a chunk runs fast (a
-    head size the chunk attention takes, linears on the tile GEMM or AMX), else GEMV_DECODE_ROWS."""
+    """The rows a step takes: MAX_ROWS (BF16_MAX_ROWS) where chunks run fast, else GEMV_DECODE_ROWS."""
     config = model.config
     bf16 = ctx.kv_cache.keys.dtype == torch.bfloat16
     if (config.head_dim % 64 != 0 or config.head_dim > 256 or native.prefill_attention_max_tokens() < PIECE_ROWS

@@ -23,9 +23,8 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """One generation request (one sequence of a `RequestGroup`): `num_computed_tokens` of
-    `token_ids` (prompt + generated) are computed; reaching the end samples the next token. After
-    preemption it recomputes (or restores from the prefix cache) everything so far."""
+    """One sequence of a `RequestGroup`: `num_computed_tokens` of `token_ids` (prompt + generated) are
+    computed; reaching the end samples the next token."""
 
     request_id: str
     prompt: str | None

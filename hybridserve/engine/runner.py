@@ -1,7 +1,6 @@
 """Model runner: owns the physical tensors (KV pages, live GDN slots, snapshot slots) and runs steps:
 a `StepPlan` becomes a `ForwardBatch`, run by the first backend that takes it (the one-call CPU step,
-else the model's modules), and new GDN state is committed only when the whole forward succeeded.
-"""
+else the model's modules), and new GDN state is committed only when the whole forward succeeded."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ class ForwardResult(NamedTuple):
 
 
 class SnapshotWriter:
-    """Copies captured state into reserved snapshot slots; a failed copy marks the slot failed
-    (the scheduler then aborts its reservation) instead of failing the forward."""
+    """Copies captured state into reserved snapshot slots; a failed copy fails the slot, not the forward."""
 
     def __init__(self, store: GDNStateTensors) -> None:
         self.store = store
@@ -67,7 +65,6 @@ class ModelRunner:
         self._one_call_checked = False
         self.triton_gdn = enable_triton_gdn(model, device)  # on CUDA with the `cuda` extra; else logs why
 
-    # -- one step -------------------------------------------------------------------------------
     def restore(self, plan: StepPlan) -> None:
         """Load the plan's admitted live slots (from snapshots, or zeroed for a cold start)."""
         for restore in plan.restores:
@@ -144,7 +141,6 @@ class ModelRunner:
             self.live_states.conv[write.layer].index_copy_(0, write.slots, conv)
             self.live_states.recurrent[write.layer].index_copy_(0, write.slots, write.recurrent)
 
-    # -- batch construction -----------------------------------------------------------------------
     def _build_batch(self, ordered: list[PlanChunk]) -> tuple[ForwardBatch, list[int], list[tuple[int, int, int]]]:
         """The forward batch of plan chunks (decodes first), the plan index of each sampled row,
         and (plan index, first row, count) of the chunks that keep every position's logits."""

@@ -1,7 +1,6 @@
 """Token sampling where the logits are (masks, bias, penalties, top-k/p, min-p, seeds, logprobs;
 failures isolated per row): the engine plans each draw as a picklable `SamplingSpec`, the worker
-holding the logits samples it with its `Sampler`.
-"""
+holding the logits samples it with its `Sampler`."""
 
 from __future__ import annotations
 
@@ -103,10 +102,8 @@ class Sampler:
         return generator
 
     def sample(self, logits: torch.Tensor, rows: list[int], specs: list[SamplingSpec]) -> list[SampledToken | str]:
-        """Draw `specs[i]` from `logits[rows[i]]` ([R, vocab] float32), each random draw once from
-        the sequence's own generator. A row with non-finite logits, or whose mask, bias, penalties,
-        sampling or logprobs raise, yields its error message and leaves the others as they would be
-        alone. Logprobs are the model's distribution's, before masks, bias and penalties."""
+        """Draw `specs[i]` from `logits[rows[i]]` ([R, vocab] float32); a failed draw (non-finite logits,
+        or anything raising) yields its error message. Logprobs are taken before masks, bias and penalties."""
         if not specs:
             return []
         summary = native.argmax_and_finite(logits)

@@ -1,7 +1,6 @@
 """Continuous-batching scheduler with joint prefix-cache admission (tensor-free): running requests
 first, oldest first, then admissions while budget, slots and blocks allow. Each step is a transaction
-(`schedule`, then `apply` or `revert`; docs/prefix-cache.md, Transactions).
-"""
+(`schedule`, then `apply` or `revert`; docs/prefix-cache.md, Transactions)."""
 
 from __future__ import annotations
 
@@ -51,7 +50,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
 
-    # -- queue management ---------------------------------------------------------------
     def add(self, request: Request) -> None:
         """Queue a request for admission."""
         self.waiting.append(request)
@@ -80,7 +78,6 @@ class Scheduler:
         """Whether any request waits or runs."""
         return bool(self.waiting or self.running)
 
-    # -- scheduling ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work and take its resources (given back if it raises)."""
         output = SchedulerOutput([], [], [])
@@ -157,8 +154,7 @@ class Scheduler:
         self.cache.reserve_captures(request, start, length, chunk.captures)
 
     def fork(self, parent: Request, child: Request) -> Fork | None:
-        """Run `child` (same tokens as `parent`, fully computed) from the parent's state
-        (`JointCacheManager.fork`); None when no state slot, block or batch place is free."""
+        """Run `child` from its fully computed `parent`'s state; None when there is no room."""
         if parent.status is not RequestStatus.RUNNING or child.status is not RequestStatus.WAITING:
             raise ValueError("fork() needs a running parent and a waiting child")
         if child.token_ids != parent.token_ids:
@@ -174,10 +170,8 @@ class Scheduler:
         self.running.append(child)
         return fork
 
-    # -- transaction end --------------------------------------------------------------------
     def apply(self, output: SchedulerOutput, failed_snapshot_slots: set[int]) -> list[Request]:
-        """Commit a successful step; the requests whose next token must be sampled. If it raises,
-        the step's open pins and reservations are released and the caller must `finish` its requests."""
+        """Commit a successful step; the requests to sample. If it raises, the caller `finish`es the step's."""
         committed: list[Restore] = []
         try:
             return self._apply(output, failed_snapshot_slots, committed)

@@ -46,8 +46,7 @@ class StepPlan(NamedTuple):
 
 def plan_step(output: SchedulerOutput, draws: Callable[[Request], tuple[SamplingSpec, ...]] | None = None,
               released: list[SequenceKey] | None = None) -> StepPlan:
-    """The plan of a scheduled step (decodes first, then prefill chunks, as the batch lays them out);
-    `draws(request)` gives the sampling specs of a chunk that ends at its request's last token."""
+    """The plan of a scheduled step, decodes first; `draws(request)`: a sampling chunk's specs."""
     ordered = [c for c in output.chunks if c.length == 1] + [c for c in output.chunks if c.length > 1]
     chunks = []
     for chunk in ordered:

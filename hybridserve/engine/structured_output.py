@@ -1,7 +1,6 @@
 """Structured outputs: grammars compiled by llguidance (`GrammarCompiler`, LRU-cached), applied as
 token masks (docs/prefix-cache.md, Structured outputs). Masks are filled on the calling thread and
-unpacked by numpy: on a busy CPU a tiny op split across threads waits on descheduled ones.
-"""
+unpacked by numpy: on a busy CPU a tiny op split across threads waits on descheduled ones."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Process settings of an engine, applied at engine start, never at import (docs/cpu-kernels.md).
-libgomp reads `OPENMP_ENVIRONMENT` only when it loads, so only processes hybridserve starts get it.
-"""
+libgomp reads `OPENMP_ENVIRONMENT` only when it loads, so only processes hybridserve starts get it."""
 
 from __future__ import annotations
 
@@ -65,8 +64,7 @@ def started_process_environment() -> dict[str, str]:
 
 
 def prepare_command_process() -> dict[str, str]:
-    """For hybridserve's own command line, before it imports torch: add `started_process_environment()`
-    to this process's environment (children inherit it); returns what was added. Not for library code."""
+    """For hybridserve's command line before torch loads (not library code): add the started-process environment."""
     added = started_process_environment()
     os.environ.update(added)
     return added
@@ -84,17 +82,12 @@ def child_process_environment() -> Iterator[dict[str, str]]:
             os.environ.pop(name, None)
 
 
-def _apply_onednn_environment() -> dict[str, str]:
-    """Set oneDNN's cache capacities where unset; the values in effect."""
-    for name, value in ONEDNN_ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
-    return {name: os.environ[name] for name in ONEDNN_ENVIRONMENT}
-
-
 def apply_process_settings(num_threads: int | None, device_type: str = "cpu") -> ProcessSettings:
     """Set torch's thread count (`None`: every core), the CPU heap thresholds and oneDNN's cache sizes."""
     from hybridserve.engine.memory import retain_freed_activation_memory
 
     count = configure_threads(num_threads)
     retains = retain_freed_activation_memory() if device_type == "cpu" else False
-    return ProcessSettings(count, retains, _apply_onednn_environment())
+    for name, value in ONEDNN_ENVIRONMENT.items():  # read when oneDNN builds its first kernel
+        os.environ.setdefault(name, value)
+    return ProcessSettings(count, retains, {name: os.environ[name] for name in ONEDNN_ENVIRONMENT})

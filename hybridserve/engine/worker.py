@@ -1,6 +1,5 @@
 """The model worker of every tensor-parallel size (in the engine's process at TP=1, one process per
-rank otherwise; only the `RankGroup` differs): builds its model, plans memory, executes `StepPlan`s.
-"""
+rank otherwise; only the `RankGroup` differs): builds its model, plans memory, executes `StepPlan`s."""
 
 from __future__ import annotations
 
@@ -56,8 +55,7 @@ class RankCapacity(NamedTuple):
 
 
 class PlanResult(NamedTuple):
-    """What a step produced (indices are plan chunk indices): each sampling chunk's draws (a token,
-    or a failed draw's error message), failed snapshot slots, and prompt logits where asked."""
+    """A step's draws per sampling chunk (a token or an error message), failed snapshot slots, prompt logits."""
 
     draws: list[tuple[int, list[SampledToken | str]]]
     failed_snapshot_slots: set[int]
@@ -74,8 +72,7 @@ class StepReply(NamedTuple):
 
 
 class RankGroup:
-    """How a worker's answers combine with the other ranks'; this base is a single rank (TP=1), whose
-    answers are the answers (`distributed.worker.TorchRankGroup` combines them over the ranks)."""
+    """How a worker's answers combine with the other ranks'; this base is TP=1's single rank."""
 
     all_reduce_name: str = "none"
     model_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -96,14 +93,11 @@ class RankGroup:
 
 def init_builtin_shard(model: torch.nn.Module, config: ModelConfig, seed: int, rank: int, world_size: int) -> None:
     """Fill a rank's model with its part of the built-in random weights (one full tensor at a time)."""
-    shapes = parameter_shapes(config)
-    rare = rare_token_ids()
+    shapes, rare = parameter_shapes(config), rare_token_ids()
     with torch.no_grad():
         for name, param in model.named_parameters():
             full = builtin_init_tensor(name, shapes[name], seed, rare_ids=rare)
-            if world_size > 1:
-                full = read_shard(full, shapes[name], shard_spec(name, config, rank, world_size))
-            param.copy_(full)
+            param.copy_(read_shard(full, shapes[name], shard_spec(name, config, rank, world_size)))
 
 
 class Worker:
@@ -157,7 +151,6 @@ class Worker:
                                                [kv_per_block, per_snapshot])
         return RankCapacity(counts[0], counts[1], weight_bytes, sizes[0], sizes[1], plan, self.group.all_reduce_name)
 
-    # -- commands -------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepReply:
         """Restore (only if every rank can), forward, combine failed snapshot copies, sample on rank 0."""
         self.sampler.release(plan.released)
@@ -185,11 +178,9 @@ class Worker:
         draws: list[tuple[int, list[SampledToken | str]]] = []
         if self.rank == 0:
             specs = [plan.chunks[index].sampling for index in forward.sample_chunks]
-            rows = [row for row, chunk_specs in enumerate(specs) for _ in chunk_specs]
-            flat = self.sampler.sample(forward.logits, rows, [s for chunk_specs in specs for s in chunk_specs])
-            for index, chunk_specs in zip(forward.sample_chunks, specs):
-                draws.append((index, flat[:len(chunk_specs)]))
-                flat = flat[len(chunk_specs):]
+            rows = [row for row, chunk in enumerate(specs) for _ in chunk]
+            flat = iter(self.sampler.sample(forward.logits, rows, [s for chunk in specs for s in chunk]))
+            draws = [(index, [next(flat) for _ in chunk]) for index, chunk in zip(forward.sample_chunks, specs)]
         return StepReply(PlanResult(draws, failed, forward.prompt_logits), None, self.group.comm_seconds, elapsed)
 
     def _combine_failed(self, plan: StepPlan, failed: set[int], error: str | None) -> set[int] | None:
