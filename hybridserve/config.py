@@ -13,7 +13,7 @@ from typing import Any
 
 from hybridserve.cache.tier_dir import check_disk_cache_dir  # torch-free; raises a ValueError
 
-POLICY_NAMES = ("hybridserve", "hybridserve-v1", "marconi", "interval", "last-block")  # see hybridserve.cache.policy
+POLICY_NAMES = ("hybridserve", "hybridserve-adaptive", "marconi", "interval", "last-block")  # cache/policy.py
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")

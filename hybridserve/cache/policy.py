@@ -156,14 +156,14 @@ class MarconiPolicy(CachePolicy):
         return candidates[min(range(len(candidates)), key=scores.__getitem__)][0]
 
 
-class HybridServeV1Policy(IntervalPolicy):
-    """The previous default, fixed constants. Admits branch points, request ends, the last block
+class HybridServePolicy(IntervalPolicy):
+    """The default, fixed constants. Admits branch points, request ends, the last block
     boundary before the prompt end (a re-tokenised chat turn still hits), and every `interval` tokens
     into free or covered slots only. Evicts, cheapest loss first: a snapshot whose KV is gone, then a covered one, then
     the lowest value = prefill FLOPs saved beyond the resident parent x (1 + hits + extra paths) /
     (1 + age in pool turnovers). A released request's KV beyond its deepest snapshot is freed first."""
 
-    name = "hybridserve-v1"
+    name = "hybridserve"
     capture_at_end = True
 
     def captures(self, view: RequestView, start: int, length: int) -> list[int]:
@@ -204,8 +204,9 @@ PENDING_LIMIT = 256               # captures awaiting their key (published later
 
 
 class RestoreRates:
-    """Restores per snapshot life, exponentially decayed, per candidate kind and depth bucket (log2 of
-    the boundary); a bucket with little evidence leans on its kind, a kind on all kinds."""
+    """Restores per pool turnover of residence (value per slot-time), exponentially decayed, per
+    candidate kind and depth bucket (log2 of the boundary); a bucket with little evidence leans on
+    its kind, a kind on all kinds."""
 
     def __init__(self) -> None:
         self._decay = 0.5 ** (1.0 / EVIDENCE_HALF_LIFE)
@@ -213,7 +214,8 @@ class RestoreRates:
         self._totals: dict[tuple[str, int], tuple[float, float, float]] = {}  # key -> restores, lives, clock
 
     def observe(self, kind: str, tokens: int, restores: float, lives: float = 1.0) -> None:
-        """A snapshot of `kind` at `tokens` ended a life with `restores` restores (lives=0: a late one)."""
+        """A snapshot of `kind` at `tokens` left the pool after `lives` pool turnovers of residence with
+        `restores` restores (lives=0: a late restore of one already gone)."""
         self._clock += lives
         for key in ((kind, tokens.bit_length()), (kind, -1), ("", -1)):
             old_restores, old_lives = self._decayed(key)
@@ -234,6 +236,10 @@ class RestoreRates:
         overall = self._rate(("", -1), 1.0)
         return self.rate(kind, tokens) / self._rate(("", -1), self._rate(("", -1), overall))
 
+    def has_restores(self) -> bool:
+        """Whether the decayed evidence holds restores enough to rank kinds by (a prior's worth)."""
+        return self._decayed(("", -1))[0] >= PRIOR_WEIGHT
+
     def rate(self, kind: str, tokens: int) -> float:
         """Estimated restores per life of a snapshot of this kind and depth."""
         overall = self._rate(("", -1), 1.0)
@@ -249,8 +255,9 @@ class _Ghost(NamedTuple):
     old: bool
 
 
-class AdaptiveHybridServePolicy(HybridServeV1Policy):
-    """The default. Admits the candidates of `hybridserve-v1` (branch points, request ends, the prompt
+class AdaptiveHybridServePolicy(HybridServePolicy):
+    """Experimental, not the default (it does not yet beat `hybridserve`; docs/benchmarks.md). Admits
+    the candidates of `hybridserve` (branch points, request ends, the prompt
     mark, interval marks) and learns what they are worth: restores per snapshot life by candidate kind
     and depth (`RestoreRates`). A kind restored less than average is admitted only into free or
     covered slots. Eviction, after snapshots whose KV is gone and covered ones, takes the lowest
@@ -258,14 +265,14 @@ class AdaptiveHybridServePolicy(HybridServeV1Policy):
     ghosts (ARC): one that is captured again counts as a late restore of its kind, and moves the
     horizon up if it was evicted for age (recency was overweighted) or down if not."""
 
-    name = "hybridserve"
+    name = "hybridserve-adaptive"
 
     def __init__(self, block_size: int, cost: PrefixCost, interval: int) -> None:
         super().__init__(block_size, cost, interval)
         self.rates = RestoreRates()
         self.horizon = HORIZON_START
         self.snapshots: SnapshotPool | None = None
-        self._labels: dict[BlockHash, str] = {}
+        self._labels: dict[BlockHash, tuple[str, int]] = {}  # key -> kind, pool clock when published
         self._pending: OrderedDict[int, str] = OrderedDict()  # boundary -> kind, captured, key unknown
         self._ghosts: OrderedDict[BlockHash, _Ghost] = OrderedDict()
 
@@ -287,8 +294,12 @@ class AdaptiveHybridServePolicy(HybridServeV1Policy):
         return boundaries
 
     def is_opportunistic(self, view: RequestView, boundary: int) -> bool:
-        """A candidate whose kind is restored less than average never pushes out a useful snapshot."""
-        return self.rates.relative(self.kind_of(view, boundary), boundary) < 1.0
+        """A candidate whose kind is restored less than average never pushes out a useful snapshot;
+        until the pool has seen restores to compare, interval marks are the insurance ones."""
+        kind = self.kind_of(view, boundary)
+        if not self.rates.has_restores():
+            return kind == "interval"
+        return self.rates.relative(kind, boundary) < 1.0
 
     def evict_kv_first(self, view: RequestView) -> int | None:
         self._learn_keys()
@@ -298,16 +309,17 @@ class AdaptiveHybridServePolicy(HybridServeV1Policy):
 
     def choose_victim(self, pool: SnapshotPool) -> int | None:
         for slot in pool.covered():
-            hits = next((c[4] for c in pool.candidates(EVICTION_WINDOW) if c[0] == slot), 0)
-            return self._retire(pool, slot, hits, False)
-        best_slot, best_value, best_hits, best_old = None, float("inf"), 0, False
+            hits, since = next(((c[4], c[3]) for c in pool.candidates(EVICTION_WINDOW) if c[0] == slot), (0, 0))
+            return self._retire(pool, slot, hits, since, False)
+        best_slot, best_value, best_hits, best_since, best_old = None, float("inf"), 0, 0, False
         horizon, clock, kv_present = self.horizon * max(pool.num_slots, 1), pool.clock, self.kv_present
         linear, quadratic = self.cost.linear_flops_per_token, self.cost.attention_flops_coeff
         priors: dict[tuple[str, int], float] = {}
         for slot, key, tokens, last_use, hits, paths, parent_tokens in pool.candidates(EVICTION_WINDOW):
             if not kv_present(key):
-                return self._retire(pool, slot, hits, False)
-            kind = self._labels.get(key) or self._inferred_kind(tokens)
+                return self._retire(pool, slot, hits, last_use, False)
+            label = self._labels.get(key)
+            kind = label[0] if label is not None else self._inferred_kind(tokens)
             bucket = (kind, tokens.bit_length())
             prior = priors.get(bucket)
             if prior is None:
@@ -316,8 +328,8 @@ class AdaptiveHybridServePolicy(HybridServeV1Policy):
             idle = (clock - last_use) / horizon
             value = saved * (prior + hits + (paths - 1 if paths > 1 else 0)) / (1.0 + idle)
             if value < best_value:
-                best_slot, best_value, best_hits, best_old = slot, value, hits, idle >= 1.0
-        return self._retire(pool, best_slot, best_hits, best_old) if best_slot is not None else None
+                best_slot, best_value, best_hits, best_since, best_old = slot, value, hits, last_use, idle >= 1.0
+        return self._retire(pool, best_slot, best_hits, best_since, best_old) if best_slot is not None else None
 
     def _inferred_kind(self, tokens: int) -> str:
         """The kind of a snapshot whose capture was not seen: request ends are the only ones inside a block."""
@@ -325,11 +337,13 @@ class AdaptiveHybridServePolicy(HybridServeV1Policy):
             return "end"
         return "interval" if self.interval and tokens % self.interval == 0 else "prompt"
 
-    def _retire(self, pool: SnapshotPool, slot: int, hits: int, old: bool) -> int:
-        """Learn from a victim's life (its restores), remember it as a ghost; returns the slot."""
+    def _retire(self, pool: SnapshotPool, slot: int, hits: int, last_use: int, old: bool) -> int:
+        """Learn from a victim's stay (restores per turnover of residence; its last use bounds an
+        unlabelled one's), remember it as a ghost; returns the slot."""
         key, tokens = pool.key_of(slot), pool.num_tokens_of(slot)
-        kind = self._labels.pop(key, None) or self._inferred_kind(tokens)
-        self.rates.observe(kind, tokens, float(hits))
+        kind, published = self._labels.pop(key, (self._inferred_kind(tokens), last_use))
+        residence = max(pool.clock - published, 1) / max(pool.num_slots, 1)
+        self.rates.observe(kind, tokens, float(hits), residence)
         self._ghosts[key] = _Ghost(kind, tokens, old)
         while len(self._ghosts) > pool.num_slots:
             self._ghosts.popitem(last=False)
@@ -355,7 +369,7 @@ class AdaptiveHybridServePolicy(HybridServeV1Policy):
             kind = self._pending.pop(pool.num_tokens_of(slot), None)
             if kind is None:
                 continue
-            self._labels[key] = kind
+            self._labels[key] = (kind, pool.clock)
             ghost = self._ghosts.pop(key, None)
             if ghost is not None:
                 self.rates.observe(ghost.kind, ghost.tokens, 1.0, 0.0)
@@ -372,7 +386,7 @@ def _normalised(values: list[float]) -> list[float]:
 
 
 _POLICIES: dict[str, type[CachePolicy]] = {
-    policy.name: policy for policy in (IntervalPolicy, LastBlockPolicy, MarconiPolicy, HybridServeV1Policy,
+    policy.name: policy for policy in (IntervalPolicy, LastBlockPolicy, MarconiPolicy, HybridServePolicy,
                                        AdaptiveHybridServePolicy)}
 
 

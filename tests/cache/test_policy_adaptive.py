@@ -1,4 +1,4 @@
-"""The adaptive default policy learns: restore rates per candidate kind (a kind never restored loses
+"""The adaptive policy (`hybridserve-adaptive`) learns: restore rates per candidate kind (a kind never restored loses
 value and stops displacing useful snapshots; a restored one gains), ghosts of evicted snapshots move
 the age horizon, and replays stay deterministic."""
 
@@ -23,10 +23,10 @@ COST = PrefixCost(1e9, 1e3, 1024, 1 << 20)
 BLOCK = 16
 
 
-def test_both_hybridserve_generations_are_selectable() -> None:
-    assert POLICY_NAMES[0] == "hybridserve" and "hybridserve-v1" in POLICY_NAMES
-    assert isinstance(make_policy("hybridserve", BLOCK, COST, 256), AdaptiveHybridServePolicy)
-    assert not isinstance(make_policy("hybridserve-v1", BLOCK, COST, 256), AdaptiveHybridServePolicy)
+def test_adaptive_policy_is_selectable_beside_the_default() -> None:
+    assert POLICY_NAMES[0] == "hybridserve" and "hybridserve-adaptive" in POLICY_NAMES
+    assert isinstance(make_policy("hybridserve-adaptive", BLOCK, COST, 256), AdaptiveHybridServePolicy)
+    assert not isinstance(make_policy("hybridserve", BLOCK, COST, 256), AdaptiveHybridServePolicy)
 
 
 def test_rates_start_even_and_follow_evidence() -> None:
@@ -55,7 +55,7 @@ def _published(pool: SnapshotPool, policy: AdaptiveHybridServePolicy, name: byte
 
 
 def _bound_policy(slots: int) -> tuple[SnapshotPool, AdaptiveHybridServePolicy]:
-    policy = make_policy("hybridserve", BLOCK, COST, 256)
+    policy = make_policy("hybridserve-adaptive", BLOCK, COST, 256)
     assert isinstance(policy, AdaptiveHybridServePolicy)
     pool = SnapshotPool(slots)
     policy.bind(BlockPool(8), pool)
@@ -100,8 +100,8 @@ def test_a_ghost_captured_again_counts_as_a_late_restore_and_moves_the_horizon()
 
 def test_adaptive_replay_is_deterministic() -> None:
     shape = model_shape("builtin")
-    config = SimConfig("hybridserve", 4096 * BLOCK * shape.cost.kv_bytes_per_token, 6 * shape.cost.snapshot_bytes,
-                       BLOCK, 32)
+    config = SimConfig("hybridserve-adaptive", 4096 * BLOCK * shape.cost.kv_bytes_per_token,
+                       6 * shape.cost.snapshot_bytes, BLOCK, 32)
 
     def replay() -> tuple[int, ...]:
         tokens = TraceTokens(workload_records("agent", 80, 16, seed=1), 16, shape.config.vocab_size)
