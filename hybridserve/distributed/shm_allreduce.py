@@ -140,8 +140,7 @@ class ShmAllReduce:
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, tag: int = FORWARD,
                    group: Any = None) -> torch.Tensor:
-        """Reduce `tensor` over the ranks in place and return it (every rank makes the same calls in
-        the same order); ShmAllReduceError once the ranks are out of step, and on every later call."""
+        """Reduce `tensor` over the ranks in place; ShmAllReduceError once they are out of step, and after."""
         dtype, code = tensor.dtype, _OPS.get(op)
         if code is None or (code != 0 and dtype != torch.int32) or dtype not in _DTYPES or not tensor.is_cpu:
             dist.all_reduce(tensor, op=op, group=group)

@@ -129,8 +129,7 @@ def plan_memory(cache: CacheConfig, inputs: PlanInputs, profile: Callable[[], in
 
 
 def _fraction_budget(fraction: float, start: DeviceMemory, inputs: PlanInputs, activation: int) -> int:
-    """Cache bytes under a memory fraction: of total device memory on CUDA (as vLLM), of the RAM
-    available at start on CPU; minus the weights and the activation peak."""
+    """Cache bytes: the fraction of CUDA memory (of RAM available on CPU) less weights and activations."""
     base = start.total_bytes if inputs.device.type == "cuda" else start.free_bytes
     requested = int(fraction * base)
     if inputs.device.type == "cuda" and requested > start.free_bytes:

@@ -23,8 +23,7 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """One sequence of a `RequestGroup`: `num_computed_tokens` of `token_ids` (prompt + generated) are
-    computed; reaching the end samples the next token."""
+    """One sequence of a `RequestGroup`: `num_computed_tokens` of `token_ids` (prompt + generated) are done."""
 
     request_id: str
     prompt: str | None

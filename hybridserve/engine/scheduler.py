@@ -124,8 +124,7 @@ class Scheduler:
             prefill_budget -= length
 
     def _prefill_budget(self, budget: int) -> int:
-        """Prefill tokens allowed this step: `max_prefill_tokens_during_decode` per request owed
-        prompt tokens, unless those outnumber the decoding ones (docs/serving.md, Scheduling)."""
+        """Prefill tokens allowed this step (docs/serving.md, Scheduling)."""
         cap = self.config.max_prefill_tokens_during_decode
         prefilling = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
         admissible = min(len(self.waiting), self.config.max_num_seqs - len(self.running))

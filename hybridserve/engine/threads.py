@@ -55,8 +55,7 @@ def configure_threads(num_threads: int | None) -> int:
 
 
 def started_process_environment() -> dict[str, str]:
-    """The OpenMP and oneDNN variables a process hybridserve starts gets before torch loads in it,
-    less those already set (an explicit OMP_WAIT_POLICY also keeps its own spin count)."""
+    """The OpenMP and oneDNN variables a process hybridserve starts gets, less those already set."""
     wanted = dict(ONEDNN_ENVIRONMENT)
     if "OMP_WAIT_POLICY" not in os.environ:
         wanted.update(OPENMP_ENVIRONMENT)
