@@ -6,6 +6,7 @@ tensor name, independent of parameter order); `save_checkpoint` writes a Hugging
 
 from __future__ import annotations
 
+import functools
 import json
 import zlib
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from hybridserve.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from hybridserve.models.qwen3_5 import Qwen3_5ForCausalLM
 from hybridserve.models.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, Tokenizer
 
 BUILTIN_MODEL_CONFIG = ModelConfig(
@@ -53,52 +55,15 @@ def builtin_tokenizer() -> Tokenizer:
 
 def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the text decoder's parameters (Hugging Face `Qwen3_5ForCausalLM`
-    names; `lm_head.weight` only when embeddings are not tied)."""
-    h = config.hidden_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
-    for i, layer_type in enumerate(config.layer_types):
-        prefix = f"model.layers.{i}."
-        mixer = _gdn_shapes(config) if layer_type == LINEAR_ATTENTION else _attention_shapes(config)
-        shapes.update({prefix + name: shape for name, shape in mixer.items()})
-        shapes.update({
-            prefix + "mlp.gate_proj.weight": (config.intermediate_size, h),
-            prefix + "mlp.up_proj.weight": (config.intermediate_size, h),
-            prefix + "mlp.down_proj.weight": (h, config.intermediate_size),
-            prefix + "input_layernorm.weight": (h,),
-            prefix + "post_attention_layernorm.weight": (h,),
-        })
-    shapes["model.norm.weight"] = (h,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    return shapes
+    names; `lm_head.weight` only when embeddings are not tied), read off the model on the meta device."""
+    return dict(_parameter_shapes(config))
 
 
-def _gdn_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h, heads = config.hidden_size, config.linear_num_value_heads
-    return {
-        "linear_attn.in_proj_qkv.weight": (config.gdn_conv_dim, h),
-        "linear_attn.in_proj_z.weight": (config.gdn_value_dim, h),
-        "linear_attn.in_proj_b.weight": (heads, h),
-        "linear_attn.in_proj_a.weight": (heads, h),
-        "linear_attn.conv1d.weight": (config.gdn_conv_dim, 1, config.linear_conv_kernel_dim),
-        "linear_attn.dt_bias": (heads,),
-        "linear_attn.A_log": (heads,),
-        "linear_attn.norm.weight": (config.linear_value_head_dim,),
-        "linear_attn.out_proj.weight": (h, config.gdn_value_dim),
-    }
-
-
-def _attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h, d = config.hidden_size, config.head_dim
-    q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
-    # q_proj also produces the per-head output gate, hence twice the query width.
-    out = {"q_proj": (2 * q_out, h), "k_proj": (kv_out, h), "v_proj": (kv_out, h), "o_proj": (h, q_out)}
-    shapes: dict[str, tuple[int, ...]] = {f"self_attn.{name}.weight": shape for name, shape in out.items()}
-    if config.attention_bias:
-        shapes.update({f"self_attn.{name}.bias": (shape[0],) for name, shape in out.items()})
-    shapes["self_attn.q_norm.weight"] = (d,)
-    shapes["self_attn.k_norm.weight"] = (d,)
-    return shapes
+@functools.lru_cache(maxsize=8)
+def _parameter_shapes(config: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(config, max_positions=1)
+    return tuple((name, tuple(parameter.shape)) for name, parameter in model.named_parameters())
 
 
 def builtin_init_tensor(

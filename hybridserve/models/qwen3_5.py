@@ -1,10 +1,9 @@
 """Qwen3.5 hybrid text decoder: Gated DeltaNet layers interleaved with gated full attention.
 
-Names equal the Hugging Face `Qwen3_5ForCausalLM` ones, so checkpoints load by name. The forward runs
-a flat `ForwardBatch` (decodes + prefill chunks) over paged KV and slot-indexed GDN state. New GDN
-states are returned as `StateWrite`s for the runner to commit after the forward succeeds; the C
-decode kernels update live slots in place and return undo records instead. The runner, not the
-model, chooses between this forward and the one-call C step (`engine/one_call_step.py`).
+Names equal the Hugging Face `Qwen3_5ForCausalLM` ones, so checkpoints load by name. The forward runs a
+flat `ForwardBatch` (decodes + prefill chunks) over paged KV and slot-indexed GDN state; new GDN states
+are `StateWrite`s the runner commits after the forward succeeds (the C decode kernel updates live slots
+in place and returns undo records instead).
 """
 
 from __future__ import annotations
@@ -263,19 +262,24 @@ class GatedDeltaNet(nn.Module):
     def _decode(self, projection: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch, ctx: ForwardContext
                 ) -> torch.Tensor:
         """Advance the decode group's state by one token; return its output [B, Hv, Dv] float32.
-        `projection` holds the in_proj output rows: conv inputs, z, b, a."""
-        group, layer = batch.decode, self.state_layer
-        assert group is not None
+        `projection` holds the in_proj output rows (conv inputs, z, b, a). Off the C kernel, PyTorch
+        ops (any device and dtype) compute the new states, written when the forward succeeds."""
+        group, layer, rows = batch.decode, self.state_layer, batch.num_decode
+        assert group is not None and self.in_proj is not None
         conv_live, recurrent_live = ctx.live_states.conv[layer], ctx.live_states.recurrent[layer]
         if self._native_applies(projection, conv_live, weight):
-            core = self._decode_native(projection[:batch.num_decode], weight, group, ctx, gated_norm=False)
-        else:
-            core, new_conv, new_state = self._decode_eager(projection[:batch.num_decode], weight, group.state_slots,
-                                                           conv_live, recurrent_live)
-            ctx.state_writes.append(StateWrite(layer, group.state_slots, new_conv, new_state))
-            if ctx.snapshot_sink is not None:
-                for row, snapshot_slot in group.captures:
-                    ctx.snapshot_sink.write(layer, snapshot_slot, new_conv[row], new_state[row])
+            return self._decode_native(projection[:rows], weight, group, ctx, gated_norm=False)
+        mixed, _, b, a = torch.split(projection[:rows], self.in_proj.widths, dim=-1)
+        beta, g = self._beta_and_decay(a, b)
+        conv_out, new_conv = causal_conv_decode(mixed, conv_live.index_select(0, group.state_slots), weight)
+        qk, v = torch.split(conv_out, [2 * self.key_dim, self.value_dim], dim=-1)
+        core, new_state = recurrent_gated_delta_step(
+            qk.view(rows, 2 * self.num_k_heads, self.head_k_dim), v.view(rows, self.num_v_heads, self.head_v_dim),
+            g, beta, recurrent_live.index_select(0, group.state_slots))
+        ctx.state_writes.append(StateWrite(layer, group.state_slots, new_conv, new_state))
+        if ctx.snapshot_sink is not None:
+            for row, snapshot_slot in group.captures:
+                ctx.snapshot_sink.write(layer, snapshot_slot, new_conv[row], new_state[row])
         return core
 
     def _decode_native(self, projection: torch.Tensor, weight: torch.Tensor, group: DecodeGroup,
@@ -296,21 +300,6 @@ class GatedDeltaNet(nn.Module):
                 ctx.snapshot_sink.write(layer, snapshot_slot, conv_live[slot], recurrent_live[slot])
         return core
 
-    def _decode_eager(self, projection: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor,
-                      conv_live: torch.Tensor, recurrent_live: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """PyTorch ops (any device and dtype): (output, new conv windows, new states); live state is only read."""
-        assert self.in_proj is not None
-        rows = projection.shape[0]
-        mixed, _, b, a = torch.split(projection, self.in_proj.widths, dim=-1)
-        beta, g = self._beta_and_decay(a, b)
-        conv_out, new_conv = causal_conv_decode(mixed, conv_live.index_select(0, slots), weight)
-        qk, v = torch.split(conv_out, [2 * self.key_dim, self.value_dim], dim=-1)
-        core, new_state = recurrent_gated_delta_step(
-            qk.view(rows, 2 * self.num_k_heads, self.head_k_dim), v.view(rows, self.num_v_heads, self.head_v_dim),
-            g, beta, recurrent_live.index_select(0, slots))
-        return core, new_conv, new_state
-
     def _native_applies(self, projection: torch.Tensor, conv_live: torch.Tensor, weight: torch.Tensor) -> bool:
         """The C kernels (decode, and prefill token by token) take float32 CPU inputs; the eager and
         chunked ops cover every other case."""
@@ -319,23 +308,16 @@ class GatedDeltaNet(nn.Module):
                 and weight.dtype == float32 and self.dt_bias.dtype == float32 and self.norm.weight.dtype == float32
                 and weight.is_contiguous() and native_kernels_enabled())
 
-    def _native_prefill_applies(self, mixed: torch.Tensor, weight: torch.Tensor) -> bool:
-        """The C prefill kernel takes float32 CPU inputs; a bfloat16 model's are widened for it (faster
-        than the chunked form)."""
-        dtypes = (torch.float32, torch.bfloat16)
-        return (mixed.device.type == "cpu" and mixed.dtype in dtypes and weight.dtype in dtypes
-                and native_kernels_enabled())
-
     def _prefill(self, chunk: PrefillChunk, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  weight: torch.Tensor, ctx: ForwardContext, core: torch.Tensor) -> None:
         layer, slot = self.state_layer, chunk.state_slot
         rows = slice(chunk.token_offset, chunk.token_offset + chunk.length)
         conv_state, initial_state = ctx.live_states.conv[layer, slot], ctx.live_states.recurrent[layer, slot]
         boundaries = [b for b, _ in chunk.captures]
-        x = mixed[rows]
-        if self._native_prefill_applies(mixed, weight):
-            # a bfloat16 model's inputs are widened for the kernel (float32 arithmetic, as its
-            # chunked form accumulates); its live conv state keeps bfloat16 (conv_state_after below)
+        x, dtypes = mixed[rows], (torch.float32, torch.bfloat16)
+        if mixed.device.type == "cpu" and mixed.dtype in dtypes and weight.dtype in dtypes and native_kernels_enabled():
+            # the C kernel on CPU: a bfloat16 model's inputs are widened for it (float32 arithmetic, as the
+            # chunked form accumulates; faster than it); its live conv state keeps bfloat16 (conv_state_after)
             result = ChunkedResult(*gdn_prefill_f32(x.float(), conv_state.float(), g[rows].contiguous(),
                                                     beta[rows].contiguous(), initial_state, weight.float(),
                                                     self.num_k_heads, L2_NORM_EPS,

@@ -111,13 +111,13 @@ class Tokenizer:
 
     def __init__(self, backend: BackendTokenizer, *, eos_token_ids: Iterable[int] = (), eos_token: str | None = None,
                  bos_token: str | None = None, chat_template: str | None = None) -> None:
-        self._backend = backend
-        self._eos_token_ids = _dedupe(eos_token_ids)
+        self.backend = backend  # the wrapped `tokenizers.Tokenizer`
+        self.eos_token_ids = _dedupe(eos_token_ids)  # tokenizer eos, generation config and merged extra ids
         self._eos_token = eos_token
         self._bos_token = bos_token
-        self._chat_template = chat_template
+        self.chat_template = chat_template  # Jinja source, if the model has one
         self._compiled_template: jinja2.Template | None = None
-        self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)  # added tokens included
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> Tokenizer:
@@ -188,79 +188,59 @@ class Tokenizer:
 
     def with_extra_eos_token_ids(self, ids: Iterable[int]) -> Tokenizer:
         """A copy whose eos ids are this tokenizer's plus `ids` (e.g. the model config's)."""
-        return Tokenizer(self._backend, eos_token_ids=(*self._eos_token_ids, *ids),
+        return Tokenizer(self.backend, eos_token_ids=(*self.eos_token_ids, *ids),
                          eos_token=self._eos_token, bos_token=self._bos_token,
-                         chat_template=self._chat_template)
+                         chat_template=self.chat_template)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; no BOS/EOS is added (special-token strings in it are matched)."""
-        return self._backend.encode(text, add_special_tokens=False).ids
+        return self.backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; ids outside the vocabulary (a padded model vocab) are dropped."""
-        size = self._vocab_size
+        size = self.vocab_size
         if not all(0 <= i < size for i in ids):
             ids = [int(i) for i in ids if 0 <= int(i) < size]
-        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a token string (e.g. a special token), None if absent."""
-        return self._backend.token_to_id(token)
+        return self.backend.token_to_id(token)
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
         """Render `messages` ([{role, content}, ...]) with the chat template into prompt text."""
-        if self._chat_template is None:
+        if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
         if self._compiled_template is None:
-            self._compiled_template = _compile_template(self._chat_template)
+            self._compiled_template = _compile_template(self.chat_template)
         return self._compiled_template.render(
             messages=list(messages), add_generation_prompt=add_generation_prompt,
             eos_token=self._eos_token or "", bos_token=self._bos_token or "", **kwargs,
         )
 
     @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """Ids that end generation (tokenizer eos, generation config and merged extra ids)."""
-        return self._eos_token_ids
-
-    @property
-    def chat_template(self) -> str | None:
-        """Jinja chat template source, if the model has one."""
-        return self._chat_template
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of ids the tokenizer knows (added tokens included)."""
-        return self._vocab_size
-
-    @property
     def special_token_ids(self) -> frozenset[int]:
         """Ids of the special added tokens."""
-        return frozenset(i for i, tok in self._backend.get_added_tokens_decoder().items() if tok.special)
-
-    @property
-    def backend(self) -> BackendTokenizer:
-        """The wrapped `tokenizers.Tokenizer`."""
-        return self._backend
+        return frozenset(i for i, tok in self.backend.get_added_tokens_decoder().items() if tok.special)
 
     def save(self, out_dir: str | Path) -> None:
         """Write `tokenizer.json` and a `tokenizer_config.json` that transformers can read."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self._backend.save(str(out / "tokenizer.json"))
+        self.backend.save(str(out / "tokenizer.json"))
         added = {
             str(i): {"content": tok.content, "special": tok.special, "normalized": tok.normalized,
                      "lstrip": tok.lstrip, "rstrip": tok.rstrip, "single_word": tok.single_word}
-            for i, tok in sorted(self._backend.get_added_tokens_decoder().items())
+            for i, tok in sorted(self.backend.get_added_tokens_decoder().items())
         }
         config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "eos_token": self._eos_token,
             "bos_token": self._bos_token,
             "pad_token": ENDOFTEXT if self.token_to_id(ENDOFTEXT) is not None else self._eos_token,
-            "chat_template": self._chat_template,
+            "chat_template": self.chat_template,
             "added_tokens_decoder": added,
             "model_max_length": 1 << 20,
         }
