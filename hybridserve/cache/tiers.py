@@ -12,7 +12,7 @@ implements; this module only decides what moves where and keeps the books.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 from hybridserve.cache.block_pool import BlockHash
@@ -188,11 +188,12 @@ class _Tier:
         self.used -= self.sizes.state_bytes + (len(gone) - 1) * self.sizes.kv_block_bytes
         return gone
 
-    def victims(self, keep: BlockHash) -> Iterator[JointEntry]:
-        """Evictable entries, least recently used first: written, not being read, not `keep`."""
-        for key, entry in list(self.entries.items()):
-            if key != keep and key in self.entries and not self.pins[key] and self.ready(entry):
-                yield entry
+    def victim(self, keep: BlockHash) -> JointEntry | None:
+        """The least recently used evictable entry: written, not being read, not `keep`."""
+        for key, entry in self.entries.items():
+            if key != keep and not self.pins[key] and self.ready(entry):
+                return entry
+        return None
 
     def stats(self) -> TierStats:
         """Occupancy and counters."""
@@ -321,9 +322,8 @@ class TieredCache:
 
     def _make_room(self, tier: _Tier, index: int, keep: BlockHash) -> bool:
         """Evict least recently used entries of `tier` (each cascades to the next tier) until it fits."""
-        victims = tier.victims(keep)
         while tier.used > tier.budget:
-            victim = next(victims, None)
+            victim = tier.victim(keep)
             if victim is None:
                 return False
             if index + 1 < len(self.tiers):

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from tqdm import tqdm
@@ -14,22 +14,67 @@ from hybridserve.cache.manager import JointCacheManager
 from hybridserve.cache.policy import make_policy
 from hybridserve.cache.snapshots import SnapshotPool
 from hybridserve.cache.state_slots import StateSlotPool
+from hybridserve.cache.tiers import DEVICE, ObjectSizes, TieredCache, TierObject, TierSpec
 from hybridserve.config import SchedulerConfig
 from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import Scheduler, blocks_for
 from hybridserve.sampling_params import SamplingParams
+from hybridserve.sim.links import DISK_LINK, HOST_LINK, Link
 from hybridserve.sim.shapes import ModelShape
 from hybridserve.sim.trace import TraceTokens
 
 
 class SimConfig(NamedTuple):
-    """One simulated cache: a policy under a KV and a snapshot budget (bytes)."""
+    """One simulated cache: a policy under a KV and a snapshot budget (bytes), and lower tiers
+    (host, disk: joint entries of state and KV, each with a byte budget; 0 = no such tier)."""
 
     policy: str
     kv_bytes: int
     snapshot_bytes: int
     block_size: int = 16
     interval: int = 256
+    host_bytes: int = 0
+    disk_bytes: int = 0
+    host_link: Link = HOST_LINK
+    disk_link: Link = DISK_LINK
+    write_through: bool = False
+
+
+class SimMover:
+    """The simulator's `TierMover`: every transfer completes at the next poll; it adds up the time
+    each would take on its link (promotions delay their request; demotions run beside the batch)."""
+
+    def __init__(self, links: dict[str, Link]) -> None:
+        self.links = links
+        self.promotion_seconds = 0.0
+        self.demotion_seconds = 0.0
+        self._done: list[tuple[int, bool]] = []
+
+    def _seconds(self, objects: Sequence[TierObject], tier: str) -> float:
+        """One transfer per tier an object comes from (or goes to), at that tier's link."""
+        by_tier: dict[str, int] = {}
+        for obj in objects:
+            far = obj.source if obj.source != DEVICE else tier
+            by_tier[far] = by_tier.get(far, 0) + obj.nbytes
+        return sum(self.links[name].seconds(nbytes) for name, nbytes in by_tier.items())
+
+    def start_demotion(self, ticket: int, tier: str, objects: Sequence[TierObject]) -> None:
+        """Count the copy down to `tier`."""
+        self.demotion_seconds += self._seconds(objects, tier)
+        self._done.append((ticket, True))
+
+    def start_promotion(self, ticket: int, objects: Sequence[TierObject]) -> None:
+        """Count the copy up to the device."""
+        self.promotion_seconds += self._seconds(objects, DEVICE)
+        self._done.append((ticket, True))
+
+    def discard(self, tier: str, keys: Sequence[str]) -> None:
+        """Nothing is stored."""
+
+    def poll(self) -> list[tuple[int, bool]]:
+        """Everything started so far is done."""
+        done, self._done = self._done, []
+        return done
 
 
 class SimResult(NamedTuple):
@@ -50,6 +95,9 @@ class SimResult(NamedTuple):
     snapshots_published: int
     seconds: float
     hits: tuple[int, ...] = ()   # cached prompt tokens of each replayed request, in order
+    tier_hit_tokens: tuple[tuple[str, int], ...] = ()  # (tier, hit tokens) with the device first
+    promotion_seconds: float = 0.0   # transfer time of every promotion (on its request's path)
+    demotion_seconds: float = 0.0    # transfer time of every demotion (beside the batch)
 
     @property
     def hit_rate(self) -> float:
@@ -77,7 +125,13 @@ class AccountingRun:
                                  max_prefill_tokens_during_decode=0)
         self.blocks = BlockPool(self.kv_blocks)
         self.snapshots = snapshot_pool(self.snapshot_slots)
-        self.cache = JointCacheManager(config.block_size, self.blocks, StateSlotPool(1), self.snapshots, policy)
+        specs = [TierSpec(name, budget) for name, budget in (("host", config.host_bytes), ("disk", config.disk_bytes))
+                 if budget > 0]
+        self.mover = SimMover({"host": config.host_link, "disk": config.disk_link})
+        tiers = TieredCache(specs, ObjectSizes(cost.snapshot_bytes, config.block_size * cost.kv_bytes_per_token),
+                            self.mover, config.write_through) if specs else None
+        self.cache = JointCacheManager(config.block_size, self.blocks, StateSlotPool(1), self.snapshots, policy,
+                                       tiers=tiers)
         self.scheduler = Scheduler(limits, self.cache)
         self.block_size = config.block_size
 
@@ -140,9 +194,11 @@ def simulate(tokens: TraceTokens, shape: ModelShape, config: SimConfig, progress
     if check:
         run.scheduler.check_integrity()
     snap = run.snapshots.stats()
+    by_tier = tuple((tier.name, tier.hit_tokens) for tier in run.cache.tier_stats())
     return SimResult(config, run.kv_blocks, run.snapshot_slots, len(order) - skipped, skipped, prompt_tokens,
                      hit_tokens, hit_requests, total_flops, saved_flops, snap.evicted_total,
-                     run.blocks.num_evictions, snap.published_total, time.perf_counter() - start, tuple(hits))
+                     run.blocks.num_evictions, snap.published_total, time.perf_counter() - start, tuple(hits),
+                     by_tier, run.mover.promotion_seconds, run.mover.demotion_seconds)
 
 
 def ceiling_hit_tokens(tokens: TraceTokens) -> tuple[int, int]:

@@ -125,3 +125,44 @@ def test_sim_oracle_rows_lie_between_the_policies_and_the_bound(tmp_path: Path) 
     for slots, row in oracle.items():
         assert online[slots]["token_hit_rate"] <= row["token_hit_rate"] <= row["slot_bound_token_hit_rate"] + 1e-9
     assert oracle[65]["token_hit_rate"] > 0
+
+
+def test_tiers_recover_what_one_device_slot_loses() -> None:
+    """A, B, C, then A, B, C again with one device snapshot slot: the device alone keeps only the
+    latest state and hits nothing; a host tier of about one joint entry plus a disk tier bring every
+    repeat's hit back (integrity checked), the hits by tier add up, and promotions cost link time."""
+    from hybridserve.sim.shapes import model_shape
+    from hybridserve.sim.simulator import SimConfig, simulate
+
+    shape = model_shape("builtin")
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]] * 2
+    entry = shape.cost.snapshot_bytes + 3 * 16 * shape.cost.kv_bytes_per_token
+    for policy in POLICY_NAMES:
+        alone = SimConfig(policy, 64 * 16 * shape.cost.kv_bytes_per_token, shape.cost.snapshot_bytes, 16, 32)
+        device = simulate(_tokens(prompts, input_length=40), shape, alone, check=True)
+        tiered = simulate(_tokens(prompts, input_length=40), shape,
+                          alone._replace(host_bytes=entry, disk_bytes=100 * entry), check=True)
+        by_tier = dict(tiered.tier_hit_tokens)
+        assert set(by_tier) == {"device", "host", "disk"} and sum(by_tier.values()) == tiered.hit_tokens
+        assert tiered.hit_tokens >= device.hit_tokens
+        assert (by_tier["host"] + by_tier["disk"] > 0) == (tiered.promotion_seconds > 0)
+        if policy in ("hybridserve", "interval", "last-block"):  # they snapshot the prompt mark (32)
+            assert device.hits == (0,) * 6 and tiered.hits == (0, 0, 0, 32, 32, 32)
+            assert by_tier["device"] == 0 and by_tier["disk"] > 0  # host holds one entry: the rest fell to disk
+
+
+def test_sim_command_prints_its_legend_and_tier_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sim.json"
+    code = main(["sim", "--trace", str(_branching_trace(tmp_path / "t.jsonl")), "--model-shape", "builtin",
+                 "--policies", "hybridserve", "--snapshot-budgets-gib", "0.001", "--host-budgets-gib", "0,0.01",
+                 "--disk-budgets-gib", "0.1", "--kv-budgets-gib", "0.01", "--block-size", "16",
+                 "--snapshot-interval", "32", "--block-tokens", "16", "--json", str(out), "--no-progress"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "columns:" in printed and "differ from `hybridserve serve`" in printed and "summary:" in printed
+    assert printed.count("  hybridserve: best") == 1
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["host_budget_gib"], row["disk_budget_gib"]) for row in rows] == [
+        (0, pytest.approx(0.1)), (pytest.approx(0.01), pytest.approx(0.1))]
+    for row in rows:
+        assert row["net_seconds_saved"] <= row["prefill_seconds_saved"]
