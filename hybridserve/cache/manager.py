@@ -464,8 +464,10 @@ class JointCacheManager:
         view = self._view(seq, entry)
         for boundary in self.policy.captures(view, start, length):
             key = self.boundary_key(seq, boundary)
-            reservation = self.snapshots.reserve(key, boundary, self._parent_key(entry, boundary),
-                                                 self.policy.is_opportunistic(view, boundary),
+            # An opportunistic capture must not push out a snapshot that still serves; with a lower
+            # tier the pushed-out snapshot is demoted and still serves, so it may take any slot.
+            opportunistic = self.tiers is None and self.policy.is_opportunistic(view, boundary)
+            reservation = self.snapshots.reserve(key, boundary, self._parent_key(entry, boundary), opportunistic,
                                                  branch=boundary == entry.branch_point)
             if reservation.status is ReserveStatus.RESERVED:
                 captures.append(reservation)
