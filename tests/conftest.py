@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton reads TRITON_INTERPRET when it is first imported, and transformers may import it (through
+# flash-linear-attention) before tests/kernels/test_triton_gdn.py runs: without a GPU, every Triton
+# kernel of the session runs on the interpreter. gpu_check.sh sets 0 to compile them on a GPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hybridserve.models.builtin import builtin_tokenizer
 from hybridserve.models.tokenizer import Tokenizer
