@@ -9,12 +9,14 @@ kernel runs where and how the build is keyed and flagged.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sysconfig
 import tempfile
@@ -90,9 +92,43 @@ def _cache_dir() -> Path:
     return Path(root) / "hybridserve" / "kernels"
 
 
+def _untrusted_reason(path: Path) -> str | None:
+    """Why `path` (a directory we load code from, or the library itself) could hold code another user
+    placed there: not ours (nor root's), a symbolic link, or writable by its group or others; None
+    when it is safe."""
+    info = path.lstat()
+    if stat.S_ISLNK(info.st_mode):
+        return f"{str(path)!r} is a symbolic link"
+    if info.st_uid not in (os.geteuid(), 0):
+        return f"{str(path)!r} is owned by another user (uid {info.st_uid})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{str(path)!r} is writable by its group or others (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def _private_kernel_dir() -> Path:
+    """The directory the kernels are built into and loaded from: the cache directory, created 0700,
+    when it and its parent (`hybridserve/`) are ours and not group- or world-writable; otherwise a
+    fresh private directory for this process (removed at exit), with one warning naming the cache
+    directory and the fix."""
+    cache = _cache_dir()
+    try:
+        cache.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        cache.mkdir(mode=0o700, exist_ok=True)
+        reason = _untrusted_reason(cache.parent) or _untrusted_reason(cache)
+    except OSError as exc:
+        reason = f"{str(cache)!r} cannot be created ({exc.strerror or exc})"
+    if reason is None:
+        return cache
+    fresh = Path(tempfile.mkdtemp(prefix="hybridserve-kernels-"))  # 0700, ours
+    atexit.register(shutil.rmtree, fresh, ignore_errors=True)
+    logger.warning("not loading C kernels from the cache: %s; building into %s for this process instead "
+                   "(fix: chown -R $USER and chmod 700 %s, or remove it)", reason, fresh, cache.parent)
+    return fresh
+
+
 def _build(compiler: str, target: Path) -> None:
     """Compile SOURCES to `target` atomically (a concurrent build of the same key is harmless)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
         subprocess.run([*compiler.split(), *CFLAGS, *map(str, SOURCES), "-o", str(partial), "-lm", "-lpthread"],
@@ -113,9 +149,9 @@ def _compiled_library() -> Path | None:
         sources = [source.read_text() for source in [*SOURCES, *HEADERS]]
         key = hashlib.sha256("\0".join([*sources, compiler, version, " ".join(CFLAGS),
                                         _cpu_signature()]).encode()).hexdigest()[:20]
-        target = _cache_dir() / f"kernels-{key}.so"
-        if not target.exists():
-            _build(compiler, target)
+        target = _private_kernel_dir() / f"kernels-{key}.so"
+        if not target.exists() or _untrusted_reason(target) is not None:
+            _build(compiler, target)  # replaces a library someone else could have written
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("building the C decode kernels failed; using eager PyTorch ops: %s", detail)
