@@ -5,7 +5,9 @@ pair of steady decode steps gives a ratio.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from hybridserve.bench.common import (
@@ -21,6 +23,7 @@ from hybridserve.bench.common import (
 )
 from hybridserve.bench.configs import StructuredBenchConfig
 from hybridserve.config import EngineConfig
+from hybridserve.engine import sampling
 from hybridserve.engine.engine import LLMEngine
 from hybridserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -75,31 +78,47 @@ class _Run:
 
 
 def _paired_steps(drivers: tuple[EngineDriver, EngineDriver], prompts: list[list[int]],
-                  cfg: StructuredBenchConfig) -> list[tuple[float, float]]:
-    """Alternate steps of the unconstrained and the constrained run; (free, constrained) times of
-    adjacent steady steps."""
+                  cfg: StructuredBenchConfig, mask_spent: list[float]) -> list[tuple[float, float, float]]:
+    """Alternate steps of the unconstrained and the constrained run; (free, constrained, mask) seconds
+    of adjacent steady steps, mask being what the constrained step spent in `mask_spent`'s calls."""
     free, constrained = _Run(drivers[0], prompts, _params(False, cfg)), _Run(drivers[1], prompts, _params(True, cfg))
-    pairs = []
+    steps = []
     while not (free.done and constrained.done):
         a = free.step() if not free.done else None
+        masked_before = mask_spent[0]
         b = constrained.step() if not constrained.done else None
         if a is not None and b is not None:
-            pairs.append((a, b))
-    return pairs
+            steps.append((a, b, mask_spent[0] - masked_before))
+    return steps
 
 
-def _time_mask(engine: LLMEngine, seconds: list[float]) -> None:
-    """Record the duration of every `TokenMasker.apply` call of `engine` into `seconds`."""
+@contextlib.contextmanager
+def _mask_clock(engine: LLMEngine) -> Iterator[list[float]]:
+    """While open, `engine`'s seconds in the calls that mask a constrained draw (`TokenMasker.bitmask`
+    in the engine, `apply_bitmask` in sampling), summed into a one-item list. Only calls made in this
+    process count: with tensor parallelism the workers' `apply_bitmask` is left out."""
+    spent = [0.0]
+
+    def clocked(function: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            begin = time.perf_counter()
+            try:
+                return function(*args)
+            finally:
+                spent[0] += time.perf_counter() - begin
+
+        return call
+
     masker = engine._masker  # noqa: SLF001 - benchmark instrumentation
     assert masker is not None
-    apply = masker.apply
-
-    def timed(*args: Any) -> None:
-        begin = time.perf_counter()
-        apply(*args)
-        seconds.append(time.perf_counter() - begin)
-
-    setattr(masker, "apply", timed)  # a timing wrapper with the same arguments
+    original_apply = sampling.apply_bitmask
+    setattr(masker, "bitmask", clocked(masker.bitmask))  # timing wrappers with the same arguments
+    setattr(sampling, "apply_bitmask", clocked(original_apply))
+    try:
+        yield spent
+    finally:
+        setattr(sampling, "apply_bitmask", original_apply)
+        delattr(masker, "bitmask")
 
 
 def run_structured_bench(engine_config: EngineConfig, cfg: StructuredBenchConfig) -> dict[str, Any]:
@@ -109,23 +128,20 @@ def run_structured_bench(engine_config: EngineConfig, cfg: StructuredBenchConfig
     vocab = engines[0].model_config.vocab_size
     first_compile_s = timed(lambda: engines[1].grammars.matcher(StructuredOutputsParams(json=EVENT_SCHEMA)),
                             engines[1].device)
-    mask_seconds: list[float] = []
-    _time_mask(engines[1], mask_seconds)
     rows = []
-    for batch in cfg.batch_sizes:
-        prompts = [random_token_ids(cfg.prompt_tokens, cfg.seed * 1009 + batch * 31 + j, vocab) for j in range(batch)]
-
-        def one_round(_: int) -> dict[str, list[Any]]:
-            mask_seconds.clear()
-            return {"pairs": _paired_steps(drivers, prompts, cfg), "masks": list(mask_seconds)}
-
-        samples = measured_rounds(cfg.warmup, cfg.iterations, one_round)
-        pairs, masks = samples.get("pairs", []), samples.get("masks", [])
-        free, constrained = median(a for a, _ in pairs), median(b for _, b in pairs)
-        ratio = median(b / a for a, b in pairs)
-        rows.append({"batch": batch, "unconstrained_step_ms": 1000 * free, "json_schema_step_ms": 1000 * constrained,
-                     "ratio": ratio, "mask_ms": 1000 * median(masks), "pairs_measured": len(pairs),
-                     "goal_met": ratio <= GOAL_RATIO})
+    with _mask_clock(engines[1]) as mask_spent:
+        for batch in cfg.batch_sizes:
+            prompts = [random_token_ids(cfg.prompt_tokens, cfg.seed * 1009 + batch * 31 + j, vocab)
+                       for j in range(batch)]
+            samples = measured_rounds(cfg.warmup, cfg.iterations,
+                                      lambda _: {"steps": _paired_steps(drivers, prompts, cfg, mask_spent)})
+            steps = samples.get("steps", [])
+            free, constrained = median(a for a, _, _ in steps), median(b for _, b, _ in steps)
+            ratio = median(b / a for a, b, _ in steps)
+            rows.append({"batch": batch, "unconstrained_step_ms": 1000 * free,
+                         "json_schema_step_ms": 1000 * constrained, "ratio": ratio,
+                         "mask_ms": 1000 * median(mask for _, _, mask in steps), "pairs_measured": len(steps),
+                         "goal_met": ratio <= GOAL_RATIO})
     finish(*engines)
     return result_header(cfg, engines[0]) | {"first_compile_ms": 1000 * first_compile_s,
                                              "compile_cache": engines[1].grammars.cache_info()._asdict(), "rows": rows}
