@@ -111,7 +111,7 @@ def _mask_clock(engine: LLMEngine) -> Iterator[list[float]]:
 
     masker = engine._masker  # noqa: SLF001 - benchmark instrumentation
     assert masker is not None
-    original_apply = sampling.apply_bitmask
+    original_apply = getattr(sampling, "apply_bitmask")  # imported there from structured_output
     setattr(masker, "bitmask", clocked(masker.bitmask))  # timing wrappers with the same arguments
     setattr(sampling, "apply_bitmask", clocked(original_apply))
     try:
