@@ -140,6 +140,8 @@ def parse_header(text: str) -> HeaderAbi:
         elif (struct := _STRUCT.match(statement)) is not None:
             fields = [field for part in struct["body"].split(";") if part.strip()
                       for field in _declarations(part, set(structs))]
+            if any(field.base == "void" and not field.pointers for field in fields):
+                raise KernelAbiError(f"{HEADER.name}: {struct['name']}: a void field")
             structs[struct["name"]] = tuple(fields)
         else:
             prototype = _prototype(statement, set(structs))
@@ -155,12 +157,18 @@ def header_abi() -> HeaderAbi:
     return parse_header(HEADER.read_text())
 
 
-def _argument_type(declaration: Declaration) -> Any:
-    """The ctypes type a function parameter or result of this C type is passed as."""
+def _ctype(declaration: Declaration, mirrors: dict[str, type[ctypes.Structure]]) -> Any:
+    """The ctypes type of a declaration, given the struct mirrors known here ({} for a function's
+    parameters and result): one pointer to a mirrored struct is typed (so a ctypes array can be assigned
+    to a field), other pointers are addresses, a mirrored struct by value is its mirror."""
+    if declaration.pointers == 1 and declaration.base in mirrors:
+        return ctypes.POINTER(mirrors[declaration.base])
     if declaration.pointers:
         return ctypes.c_void_p
+    if declaration.base in mirrors:
+        return mirrors[declaration.base]
     if declaration.base not in _SCALARS:
-        raise KernelAbiError(f"{declaration.name}: a struct passed by value ({declaration.base}) is not supported")
+        raise KernelAbiError(f"{declaration.name}: no ctypes type for {declaration.base} (a struct passed by value?)")
     return _SCALARS[declaration.base]
 
 
@@ -171,8 +179,8 @@ _EXACT_ARITY_FLAGS = 0 if sys.platform != "win32" else ctypes._FUNCFLAG_CDECL  #
 
 def function_type(prototype: Prototype) -> Any:
     """A ctypes function type of this prototype's types and exact arity (bind with `(name, cdll)`)."""
-    namespace = {"_argtypes_": tuple(_argument_type(param) for param in prototype.params),
-                 "_restype_": _argument_type(prototype.result), "_flags_": _EXACT_ARITY_FLAGS}
+    namespace = {"_argtypes_": tuple(_ctype(param, {}) for param in prototype.params),
+                 "_restype_": _ctype(prototype.result, {}), "_flags_": _EXACT_ARITY_FLAGS}
     return type(f"{prototype.name}_function", (ctypes._CFuncPtr,), namespace)  # type: ignore[attr-defined]
 
 
@@ -187,26 +195,12 @@ def bind(cdll: ctypes.CDLL, name: str, abi: HeaderAbi | None = None) -> Any:
         raise KernelAbiError(f"the kernels library does not export {name}, which {HEADER.name} declares") from exc
 
 
-def _field_type(declaration: Declaration, mirrors: dict[str, type[ctypes.Structure]]) -> Any:
-    """The ctypes type of a struct field: a typed pointer to a shared struct (so a ctypes array can be
-    assigned), other pointers as addresses, structs by value as their mirror."""
-    if declaration.pointers == 1 and declaration.base in mirrors:
-        return ctypes.POINTER(mirrors[declaration.base])
-    if declaration.pointers:
-        return ctypes.c_void_p
-    if declaration.base in mirrors:
-        return mirrors[declaration.base]
-    if declaration.base not in _SCALARS or declaration.base == "void":
-        raise KernelAbiError(f"field {declaration.name}: no ctypes type for {declaration.base}")
-    return _SCALARS[declaration.base]
-
-
 def _fields(struct: str, mirrors: dict[str, type[ctypes.Structure]]) -> list[tuple[str, Any]]:
     """A mirror's `_fields_`, from the header's declaration of `struct`."""
     abi = header_abi()
     if struct not in abi.structs:
         raise KernelAbiError(f"{HEADER.name} declares no struct {struct}")
-    return [(field.name, _field_type(field, mirrors)) for field in abi.structs[struct]]
+    return [(field.name, _ctype(field, mirrors)) for field in abi.structs[struct]]
 
 
 class Linear(ctypes.Structure):
@@ -253,21 +247,15 @@ def layout_problems(library: KernelLibrary, abi: HeaderAbi | None = None,
             if field.name not in mirrored:
                 problems.append(f"{name}.{field.name} is declared in {HEADER.name} but not in the ctypes mirror")
                 continue
-            problems += _field_problems(library, name, field.name, getattr(mirror, field.name))
-    return problems
-
-
-def _field_problems(library: KernelLibrary, struct: str, field: str, mirrored: Any) -> list[str]:
-    """How one mirrored field (a ctypes field descriptor) differs from the compiled one."""
-    offset = library.kernel_abi_field_offset(struct.encode(), field.encode())
-    size = library.kernel_abi_field_size(struct.encode(), field.encode())
-    if offset < 0:
-        return [f"{struct}.{field} has no row in csrc/abi_layout.c"]
-    problems = []
-    if offset != mirrored.offset:
-        problems.append(f"offsetof({struct}, {field}): {offset} compiled, {mirrored.offset} in the mirror")
-    if size != mirrored.size:
-        problems.append(f"sizeof({struct}.{field}): {size} compiled, {mirrored.size} in the mirror")
+            key, described = (name.encode(), field.name.encode()), getattr(mirror, field.name)
+            offset, size = library.kernel_abi_field_offset(*key), library.kernel_abi_field_size(*key)
+            if offset < 0:
+                problems.append(f"{name}.{field.name} has no row in csrc/abi_layout.c")
+                continue
+            if offset != described.offset:
+                problems.append(f"offsetof({name}, {field.name}): {offset} compiled, {described.offset} in the mirror")
+            if size != described.size:
+                problems.append(f"sizeof({name}.{field.name}): {size} compiled, {described.size} in the mirror")
     return problems
 
 
