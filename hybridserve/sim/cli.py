@@ -185,7 +185,9 @@ def sim_report(args: argparse.Namespace, shape: ModelShape, num_requests: int, c
         "demotion_seconds": r.demotion_seconds,
         "net_seconds_saved": r.saved_flops / prefill_flops - r.promotion_seconds, "kv_blocks": r.kv_blocks,
         "snapshot_slots": r.snapshot_slots, "requests": r.requests, "skipped": r.skipped,
-        "token_hit_rate": r.hit_rate, "slot_bound_token_hit_rate": bounds[r.snapshot_slots],
+        "token_hit_rate": r.hit_rate,
+        # the bound counts device slots only: it does not apply once a lower tier keeps states too
+        "slot_bound_token_hit_rate": None if r.config.host_bytes or r.config.disk_bytes else bounds[r.snapshot_slots],
         "request_hit_share": r.hit_requests / max(r.requests, 1),
         "prefill_flops_saved_share": r.saved_flops / max(r.prefill_flops, 1.0),
         "snapshot_evictions": r.snapshot_evictions, "kv_evictions": r.kv_evictions,
@@ -206,7 +208,7 @@ COLUMNS = (
     ("host/disk", "lower-tier budgets, GiB (0: none); each holds joint entries (state + prefix KV)"),
     ("token hit", "prompt tokens restored from the cache / all prompt tokens"),
     ("of ceiling", "token hit / the unbounded ceiling (a cache that keeps every computed state)"),
-    ("slot bound", "the most any policy with that many device slots and no lower tier can hit (bound.py)"),
+    ("slot bound", "the most any policy with that many device slots can hit (bound.py; '-' with lower tiers)"),
     ("req hit", "requests restoring anything / all requests (a hit of 1 block counts as much as 100)"),
     ("dev/host/disk", "token hits by the tier the state came from, % of prompt tokens"),
     ("net s saved", "prefill seconds the hits save at --prefill-tflops, minus every promotion's transfer time"),
@@ -237,7 +239,8 @@ def format_sim_report(report: dict[str, Any]) -> str:
         cells = [row["policy"], f"{row['kv_budget_gib']:g}", f"{row['snapshot_budget_gib']:g}",
                  f"{row['host_budget_gib']:g}/{row['disk_budget_gib']:g}", f"{row['token_hit_rate']:.2%}",
                  f"{row['token_hit_rate'] / ceiling:.1%}" if ceiling else "-",
-                 f"{row['slot_bound_token_hit_rate']:.2%}", f"{row['request_hit_share']:.1%}", shares,
+                 "-" if row["slot_bound_token_hit_rate"] is None else f"{row['slot_bound_token_hit_rate']:.2%}",
+                 f"{row['request_hit_share']:.1%}", shares,
                  f"{row['net_seconds_saved']:.1f}", str(row["snapshot_evictions"]), str(row["kv_evictions"])]
         lines.append("  ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
     lines.append("summary:")
