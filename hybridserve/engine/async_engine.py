@@ -72,6 +72,7 @@ class AsyncLLMEngine(CoreClient):
             if self._stopping:
                 raise EngineDeadError(self.dead_reason or "engine has been shut down")
             if self._thread is None:
+                self._heard_from_core()
                 self._thread = threading.Thread(target=self._run, name="hybridserve-engine", daemon=True)
                 self._thread.start()
 

@@ -12,6 +12,7 @@ import pickle
 import shutil
 import signal
 import socket
+import threading
 import time
 from collections import deque
 from typing import Any, Protocol
@@ -32,6 +33,9 @@ PARENT_CHECK_S = 1.0
 BURST_GAP_S = 0.003
 BURST_WINDOW_S = 0.03
 BURST_POLL_MS = 1
+# A thread of the core sends a `Heartbeat` this often while the loop runs, idle or inside a long
+# step; the client judges the core by the time since its last message (core_client.HEARTBEAT_TIMEOUT_S).
+HEARTBEAT_INTERVAL_S = 0.5
 SOCKET_DIR_PREFIX = "hybridserve-core-"  # the API process's socket directory (tempfile.mkdtemp prefix)
 
 
@@ -134,9 +138,11 @@ class SocketInputs:
 
 class EngineCore:
     """The busy loop around one `LLMEngine`, fed by `CoreInputs`; its typed output messages go to
-    a `MessageSink`. With a `parent_pid`, it stops when that process is no longer its parent."""
+    a `MessageSink`. With a `parent_pid`, it stops when that process is no longer its parent. While
+    `run` loops, a thread sends a `Heartbeat` every `heartbeat_interval_s` (None: no heartbeat)."""
 
-    def __init__(self, engine: Any, inputs: CoreInputs, outputs: MessageSink, parent_pid: int | None) -> None:
+    def __init__(self, engine: Any, inputs: CoreInputs, outputs: MessageSink, parent_pid: int | None,
+                 heartbeat_interval_s: float | None = HEARTBEAT_INTERVAL_S) -> None:
         self.engine = engine
         self.inputs = inputs
         self.outputs = outputs
@@ -148,25 +154,40 @@ class EngineCore:
         self._sent_waiting = -1  # the waiting count the API process last heard
         self._stopping = False
         self._next_parent_check = 0.0
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self._send_lock = threading.Lock()  # the loop and the heartbeat thread both send
 
     def send(self, message: core_messages.CoreOutput) -> None:
-        """Send one message to the API process (gone: the core stops)."""
+        """Send one message to the API process (gone: the core stops); any thread."""
         try:
-            self.outputs.send_message(message)
+            with self._send_lock:
+                self.outputs.send_message(message)
         except OSError:
             self._stopping = True
 
     def run(self) -> None:
-        """Loop until `Shutdown` or until the parent process is gone."""
-        while not self._stopping:
-            busy = self.engine.has_unfinished_requests()
-            self._drain_inputs(block=not busy)
-            if self._stopping or self._parent_gone():
-                break
-            self._report_waiting()
-            if self.engine.has_unfinished_requests():
-                self._step()
-        self._fail_all("engine core shut down")
+        """Loop until `Shutdown` or until the parent process is gone, beating meanwhile."""
+        loop_ended = threading.Event()
+        if self.heartbeat_interval_s is not None:  # a daemon: it may be blocked on a full socket
+            threading.Thread(target=self._beat, args=(loop_ended, self.heartbeat_interval_s),
+                             name="hybridserve-core-heartbeat", daemon=True).start()
+        try:
+            while not self._stopping:
+                busy = self.engine.has_unfinished_requests()
+                self._drain_inputs(block=not busy)
+                if self._stopping or self._parent_gone():
+                    break
+                self._report_waiting()
+                if self.engine.has_unfinished_requests():
+                    self._step()
+            self._fail_all("engine core shut down")
+        finally:
+            loop_ended.set()
+
+    def _beat(self, loop_ended: threading.Event, interval_s: float) -> None:
+        """The heartbeat thread: one `Heartbeat` per interval until the loop ends."""
+        while not loop_ended.wait(interval_s) and not self._stopping:
+            self.send(core_messages.Heartbeat())
 
     def _drain_inputs(self, block: bool) -> None:
         """Handle every waiting message (after waiting for one when `block`); from idle, gather a

@@ -37,38 +37,107 @@ from hybridserve.errors import (
     InvalidRequestError,
     error_from_kind,
 )
-from hybridserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams
+from hybridserve.sampling_params import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.2  # how often the reader thread and a starting client look up from the socket
 CALL_TIMEOUT_S = 60.0  # default wait for a utility call's answer
 MAX_OUTBOX_BYTES = 64 << 20  # default bound of the inputs queued for the core
+# `/health` and `/ready` fail when the core has sent nothing (its heartbeats included, every
+# core.HEARTBEAT_INTERVAL_S) for this long: a stopped or frozen core process
+HEARTBEAT_TIMEOUT_S = 3.0
+
+
+def _stop_strings(params: SamplingParams) -> list[str]:
+    """The request's stop strings as a list."""
+    stop = params.stop
+    return [] if not stop else [stop] if isinstance(stop, str) else list(stop)
+
+
+class _TextBuffer:
+    """A completion's growing text: appended in pieces, cut back by a stop string at the end, read
+    either as the part not handed out yet (`take`) or whole (`value`); each costs the text it
+    touches, not the whole text."""
+
+    __slots__ = ("_taken", "_taken_len", "_pending")
+
+    def __init__(self) -> None:
+        self._taken: list[str] = []  # text already handed out by `take`
+        self._taken_len = 0
+        self._pending = ""           # text not handed out yet (the new tokens' text, a held-back tail)
+
+    def __len__(self) -> int:
+        return self._taken_len + len(self._pending)
+
+    def append(self, text: str) -> None:
+        """Add text at the end."""
+        if text:
+            self._pending += text
+
+    def truncate(self, size: int) -> None:
+        """Keep the first `size` characters (a stop string cut the end)."""
+        if size >= len(self):
+            return
+        if size >= self._taken_len:
+            self._pending = self._pending[:size - self._taken_len]
+            return
+        whole = "".join(self._taken)[:size]  # cuts into text already handed out: only cumulative readers
+        self._taken, self._taken_len, self._pending = [whole], len(whole), ""
+
+    def take(self, holdback: int) -> str:
+        """The text not handed out yet, less its last `holdback` characters, now handed out."""
+        size = max(0, len(self._pending) - holdback)
+        taken, self._pending = self._pending[:size], self._pending[size:]
+        if taken:
+            self._taken.append(taken)
+            self._taken_len += len(taken)
+        return taken
+
+    def value(self) -> str:
+        """The whole text."""
+        if len(self._taken) > 1:
+            self._taken = ["".join(self._taken)]
+        return (self._taken[0] if self._taken else "") + self._pending
 
 
 @dataclasses.dataclass(slots=True)
 class _Completion:
-    """Accumulated state of one completion on the API side."""
+    """Accumulated state of one completion on the API side, and how much of it was handed out."""
 
     index: int
     logprobs: list[dict[int, float]] | None
     token_ids: list[int] = dataclasses.field(default_factory=list)
-    text: str = ""
+    text: _TextBuffer = dataclasses.field(default_factory=_TextBuffer)
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    taken_tokens: int = 0  # token ids (and logprob rows) handed out by `delta`
 
     def output(self) -> CompletionOutput:
-        return CompletionOutput(index=self.index, text=self.text, token_ids=list(self.token_ids),
+        """Everything so far (copies: a cumulative reader may keep it)."""
+        return CompletionOutput(index=self.index, text=self.text.value(), token_ids=list(self.token_ids),
                                 cumulative_logprob=self.cumulative_logprob,
                                 logprobs=None if self.logprobs is None else list(self.logprobs),
                                 finish_reason=self.finish_reason, stop_reason=self.stop_reason)
 
+    def delta(self, holdback: int) -> CompletionOutput:
+        """What is new since the previous `delta`: while unfinished, the text's last `holdback`
+        characters stay back (a stop string may still cut them)."""
+        start, self.taken_tokens = self.taken_tokens, len(self.token_ids)
+        text = self.text.take(0 if self.finish_reason is not None else holdback)
+        return CompletionOutput(index=self.index, text=text, token_ids=self.token_ids[start:],
+                                cumulative_logprob=self.cumulative_logprob,
+                                logprobs=None if self.logprobs is None else self.logprobs[start:],
+                                finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+
 
 class RequestStream:
-    """Async iterator over one request's cumulative `RequestOutput`s (`protocol.RequestOutputStream`):
-    built from the core's deltas when read, so a slow consumer coalesces steps; ends with the
-    finished output; an engine failure is raised."""
+    """Async iterator over one request's `RequestOutput`s (`protocol.RequestOutputStream`), built
+    from the core's deltas when read, so a slow consumer coalesces steps; ends with the finished
+    output; an engine failure is raised. With `RequestOutputKind.DELTA` each output holds only what
+    is new since the previous read (text, token ids, logprob rows), so a read costs what it carries;
+    otherwise each is cumulative."""
 
     def __init__(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                  loop: asyncio.AbstractEventLoop, arrival: float, tokenizer: Any = None) -> None:
@@ -81,6 +150,9 @@ class RequestStream:
         # the core detokenizes only requests with stop strings: the others' text is made here
         self._detokenizers = None if tokenizer is None or params.stop else \
             [IncrementalDetokenizer(tokenizer, params.skip_special_tokens) for _ in range(params.n)]
+        self._deltas = params.output_kind == RequestOutputKind.DELTA
+        # the core may cut up to a stop string's length less one of text it already sent
+        self._holdback = max((len(stop) for stop in _stop_strings(params)), default=1) - 1
         self._done = False
         self._error: BaseException | None = None
         self._cached = 0
@@ -96,9 +168,10 @@ class RequestStream:
             self._prompt_ids = delta.prompt_token_ids
         for part in delta.completions:
             comp = self._completions[part.index]
+            comp.token_ids += part.token_ids
             if self._detokenizers is None:
-                comp.token_ids += part.token_ids
-                comp.text = part.text if part.text_start == 0 else comp.text[:part.text_start] + part.text
+                comp.text.truncate(part.text_start)
+                comp.text.append(part.text)
             else:
                 self._detokenize(comp, part)
             if part.logprobs is not None and comp.logprobs is not None:
@@ -112,16 +185,14 @@ class RequestStream:
         self._signal()
 
     def _detokenize(self, comp: _Completion, part: core_messages.CompletionDelta) -> None:
-        """The completion's new tokens and their text: one detokenizer update per delta (with
+        """The text of the completion's new tokens: one detokenizer update per delta (with
         `stream_interval`, several tokens; the text equals per-token updates), a flush at the end."""
         assert self._detokenizers is not None
         detokenizer = self._detokenizers[comp.index]
-        comp.token_ids += part.token_ids
         if part.token_ids:
-            detokenizer.update(comp.token_ids)
+            comp.text.append(detokenizer.update(comp.token_ids))
         if part.finish_reason is not None:
-            detokenizer.finish(comp.token_ids)
-        comp.text = detokenizer.text
+            comp.text.append(detokenizer.finish(comp.token_ids))
 
     def fail(self, error: BaseException) -> None:
         """End the stream with an error (on the event loop)."""
@@ -157,8 +228,9 @@ class RequestStream:
             self.finished = True
             raise self._error
         self.finished = self._done
+        outputs = [c.delta(self._holdback) if self._deltas else c.output() for c in self._completions]
         return RequestOutput(request_id=self.request_id, prompt=self._prompt, prompt_token_ids=self._prompt_ids,
-                             outputs=[c.output() for c in self._completions], finished=self._done,
+                             outputs=outputs, finished=self._done,
                              num_cached_tokens=self._cached, metrics=dict(self._metrics))
 
 
@@ -167,7 +239,7 @@ class CoreClient(abc.ABC):
     admission, aborts, and the dispatch of the core's output messages into streams and futures.
     A subclass carries the messages to its core (`_encode`, `_send`) and hands back what it sends
     (`_dispatch`, on any thread). A utility call not answered within `call_timeout_s` raises
-    `TimeoutError`."""
+    `TimeoutError`; a core silent for `heartbeat_timeout_s` is reported by `health_problem`."""
 
     tokenizer: Any
     model_config: Any
@@ -186,6 +258,13 @@ class CoreClient(abc.ABC):
         self._pending_adds = 0
         self._dead_reason: str | None = None
         self._stopping = False
+        self.heartbeat_timeout_s = HEARTBEAT_TIMEOUT_S
+        self._last_heard: float | None = None  # monotonic time of the core's latest message
+
+    @property
+    @abc.abstractmethod
+    def is_running(self) -> bool:
+        """True while the core is up (whether it still answers: `health_problem`)."""
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -294,6 +373,25 @@ class CoreClient(abc.ABC):
         return self._dead_reason or ("engine has been shut down" if self._stopping else None)
 
     @property
+    def health_problem(self) -> str | None:
+        """Why `/health` and `/ready` fail now (None: healthy): the core stopped, or it has sent
+        nothing, not even a heartbeat, for `heartbeat_timeout_s` (stopped with SIGSTOP, frozen)."""
+        if self.dead_reason is not None:
+            return self.dead_reason
+        if not self.is_running:
+            return "engine is not running"
+        last = self._last_heard
+        silent_s = 0.0 if last is None else time.monotonic() - last
+        if silent_s > self.heartbeat_timeout_s:
+            return (f"engine core has sent no heartbeat for {silent_s:.1f} s (limit {self.heartbeat_timeout_s:g} s): "
+                    "it is stopped or frozen")
+        return None
+
+    def _heard_from_core(self) -> None:
+        """Note that the core is alive (any message from it, at start-up its first)."""
+        self._last_heard = time.monotonic()
+
+    @property
     def num_waiting_estimate(self) -> int:
         """Requests queued for admission plus those waiting inside the engine (approximate)."""
         return self._pending_adds + self._engine_waiting
@@ -311,6 +409,7 @@ class CoreClient(abc.ABC):
             logger.exception("engine core client: dispatch failed")
 
     def _dispatch(self, messages: list[Any]) -> None:
+        self._heard_from_core()
         items: list[tuple[RequestStream, Any]] = []  # (stream, its delta or error)
         with self._lock:
             for message in messages:
@@ -459,6 +558,7 @@ class EngineCoreClient(CoreClient):
         self.model_config = message.model_config
         self.max_model_len, self.max_request_tokens = message.max_model_len, message.max_request_tokens
         self.startup_stats = message.stats
+        self._heard_from_core()
         self._dispatch_guarded(messages[1:])  # no request exists yet: only the waiting count
 
     def _check_starting(self, deadline: float, exited: bool) -> None:

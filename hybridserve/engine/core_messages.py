@@ -187,7 +187,12 @@ class EngineDead(msgspec.Struct, tag="engine_dead", array_like=True):
     reason: str
 
 
-CoreOutput = Ready | StartupFailed | AddResult | UtilityResult | StepOutputs | StepFailed | EngineDead
+class Heartbeat(msgspec.Struct, tag="beat", array_like=True):
+    """The core is alive: sent every `core.HEARTBEAT_INTERVAL_S` by a thread of the core, so a
+    long step does not delay it but a stopped or frozen process does."""
+
+
+CoreOutput = Ready | StartupFailed | AddResult | UtilityResult | StepOutputs | StepFailed | EngineDead | Heartbeat
 
 
 def input_decoder() -> msgspec.msgpack.Decoder[CoreInput]:

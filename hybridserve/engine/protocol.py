@@ -42,6 +42,10 @@ class EngineClient(Protocol):
         """Why the engine stopped serving (None while it runs)."""
 
     @property
+    def health_problem(self) -> str | None:
+        """Why the health and readiness probes fail now (None: healthy)."""
+
+    @property
     def num_waiting_estimate(self) -> int:
         """Requests submitted and not yet running (approximate)."""
 

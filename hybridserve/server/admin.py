@@ -77,10 +77,11 @@ def install_admin_routes(app: FastAPI, serving: AdminServing) -> None:
         return json_response(VersionResponse(version=hybridserve.__version__))
 
     def require_running() -> None:
-        if not serving.engine.is_running:
-            reason = serving.engine.dead_reason
-            raise APIError(503, f"engine is not running: {reason}" if reason else "engine is not running",
-                           code="engine_unavailable")
+        """503 unless the engine serves and its core beats (`CoreClient.health_problem`)."""
+        problem = serving.engine.health_problem
+        if problem is not None:
+            message = problem if problem.startswith("engine is not running") else f"engine is not running: {problem}"
+            raise APIError(503, message, code="engine_unavailable")
 
     @app.get("/health")
     async def health() -> Response:

@@ -257,6 +257,7 @@ def test_core_death_fails_requests_and_health() -> None:
             assert "engine core process died" in json.loads(rest[-2][6:])["error"]["message"]
             assert rest[-1] == "data: [DONE]"
             assert httpx.get(f"{srv.url}/health").status_code == 503
+            assert httpx.get(f"{srv.url}/ready").status_code == 503
             again = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
             assert again.status_code == 503
             with pytest.raises(EngineDeadError):
@@ -688,4 +689,67 @@ def test_a_utility_call_times_out_and_leaves_nothing_pending() -> None:
         client.call_timeout_s = 60.0
         assert asyncio.run(client.call("max_model_len")) == 64
     finally:
+        client.shutdown()
+
+
+def test_a_stopped_core_fails_health_and_recovers() -> None:
+    """A core stopped with SIGSTOP sends no heartbeat: `/health` and `/ready` answer 503 within
+    the heartbeat bound; after SIGCONT both answer 200 again and requests are served."""
+    client = EngineCoreClient(tiny_config())
+    client.start()
+    pid = client.pid
+    assert pid is not None
+
+    def status(srv: ServerThread, route: str) -> int:
+        return httpx.get(f"{srv.url}{route}", timeout=30).status_code
+
+    try:
+        with ServerThread(build_app(client, model_name=MODEL), client) as srv:
+            assert status(srv, "/health") == 200 and status(srv, "/ready") == 200
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                wait_until(lambda: status(srv, "/health") == 503, timeout=60)
+                assert status(srv, "/ready") == 503
+                assert "no heartbeat" in httpx.get(f"{srv.url}/health").json()["error"]["message"]
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            wait_until(lambda: status(srv, "/health") == 200, timeout=60)
+            assert status(srv, "/ready") == 200
+            body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2}
+            assert httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        client.shutdown()
+
+
+def test_a_long_step_keeps_the_core_healthy() -> None:
+    """The heartbeat comes from a thread of the core, so one step that lasts longer than the
+    heartbeat bound does not look like a hung core."""
+    from types import SimpleNamespace
+
+    from hybridserve.engine.async_engine import AsyncLLMEngine
+
+    in_step, release = threading.Event(), threading.Event()
+    pending = [True]
+
+    def long_step() -> list[Any]:
+        in_step.set()
+        release.wait(60)
+        pending[0] = False
+        return []
+
+    engine = SimpleNamespace(tokenizer=None, max_model_len=64, num_waiting_requests=0,
+                             has_unfinished_requests=lambda: pending[0], step_groups=long_step)
+    client = AsyncLLMEngine(engine)
+    client.heartbeat_timeout_s = 4 * core_module.HEARTBEAT_INTERVAL_S
+    client.start()
+    try:
+        assert in_step.wait(30)
+        problems = []
+        for _ in range(int(3 * client.heartbeat_timeout_s / 0.05)):  # three bounds' worth of polls
+            problems.append(client.health_problem)
+            threading.Event().wait(0.05)
+        release.set()
+        assert problems == [None] * len(problems)
+    finally:
+        release.set()
         client.shutdown()
