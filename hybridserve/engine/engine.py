@@ -9,8 +9,12 @@ from typing import NamedTuple
 
 import torch
 
+from hybridserve.cache.block_pool import BlockPool, engine_block_hash
 from hybridserve.cache.manager import JointCacheManager
 from hybridserve.cache.policy import CachePolicy, PrefixCost, make_policy
+from hybridserve.cache.snapshots import SnapshotPool
+from hybridserve.cache.state_slots import StateSlotPool
+from hybridserve.cache.tiers import ObjectSizes, TierStats
 from hybridserve.config import EngineConfig, ModelConfig
 from hybridserve.distributed.executor import TensorParallelExecutor
 from hybridserve.distributed.launch import tensor_parallel_specs
@@ -24,6 +28,7 @@ from hybridserve.engine.scheduler import Scheduler, SchedulerOutput, blocks_for
 from hybridserve.engine.step_plan import ordered_requests, plan_step
 from hybridserve.engine.structured_output import GrammarCompiler, TokenMasker
 from hybridserve.engine.threads import apply_process_settings
+from hybridserve.engine.tier_mover import DeviceCachePools, EngineTierMover, build_engine_tiers, tiers_requested
 from hybridserve.engine.worker import WorkerSpec
 from hybridserve.errors import EngineDeadError, QueueFullError
 from hybridserve.layers.attention import PagedKVCache
@@ -94,10 +99,12 @@ class LLMEngine:
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.tensor_parallel_size = config.tensor_parallel_size
         self.dead_reason: str | None = None
+        if tiers_requested(config) and config.tensor_parallel_size != 1:
+            raise ValueError("lower cache tiers (--host-cache-memory, --disk-cache-dir) are not supported with "
+                             f"tensor_parallel_size={config.tensor_parallel_size} yet; use tensor_parallel_size=1")
         self.executor = self._start_executor()
-        self.cache = JointCacheManager.create(config.cache.block_size, self.num_kv_blocks,
-                                              config.scheduler.max_num_seqs, self.num_snapshot_slots,
-                                              self._cache_policy(), config.cache.block_hash)
+        self.tier_mover: EngineTierMover | None = None  # the lower cache tiers' mover, when any is on
+        self.cache = self._make_cache_manager()
         self.scheduler = Scheduler(config.scheduler, self.cache)
         self.requests: dict[str, RequestGroup] = {}
         self._finished_groups: dict[str, RequestGroup] = {}  # finished this step, awaiting their output
@@ -135,8 +142,36 @@ class LLMEngine:
             raise AttributeError("a tensor-parallel engine's runners live in its worker processes")
         return self.executor.worker.runner
 
+    def _make_cache_manager(self) -> JointCacheManager:
+        """The joint cache manager over the device pools, with the lower tiers the flags ask for."""
+        cache = self.config.cache
+        block_hash = engine_block_hash(cache.block_hash, cache.block_hash_seed, cache.disk_cache_dir)
+        if not tiers_requested(self.config):
+            return JointCacheManager.create(cache.block_size, self.num_kv_blocks, self.config.scheduler.max_num_seqs,
+                                            self.num_snapshot_slots, self._cache_policy(), block_hash)
+        runner = self.runner
+        if runner.snapshots is None:
+            raise ValueError("lower cache tiers need the prefix cache (snapshot slots); prefix_cache_mib is 0")
+        tiers, self.tier_mover = build_engine_tiers(
+            self.config, model_config=self.model_config, dtype=self.dtype, device=self.device,
+            tokenizer_json=self.tokenizer.backend.to_str(), weights=runner.model.state_dict(),
+            pools=DeviceCachePools(runner.kv_cache, runner.snapshots),
+            sizes=ObjectSizes(self.bytes_per_snapshot, self.kv_bytes_per_block))
+        return JointCacheManager(cache.block_size, BlockPool(self.num_kv_blocks),
+                                 StateSlotPool(self.config.scheduler.max_num_seqs),
+                                 SnapshotPool(self.num_snapshot_slots), self._cache_policy(), block_hash, tiers=tiers)
+
+    def tier_stats(self) -> list[TierStats]:
+        """Hits by cache tier (the device first) and each lower tier's occupancy and transfers."""
+        return self.cache.tier_stats()
+
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (a no-op with TP=1); the engine cannot step afterwards."""
+        """Stop the tensor-parallel workers; finish the lower tiers' queued writes and close their
+        stores (the disk directory's lock goes); the engine cannot step afterwards."""
+        if self.tier_mover is not None:
+            self.tier_mover.close()
+            self.tier_mover = None
+            self.dead_reason = self.dead_reason or "the engine was shut down"
         if self.tensor_parallel_size > 1:
             self.executor.shutdown()
             self.dead_reason = self.dead_reason or "the engine was shut down"
@@ -296,6 +331,7 @@ class LLMEngine:
         self._finished_groups.clear()
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        self.cache.poll_tiers()  # settle finished tier transfers (promoted objects land on the device here)
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
@@ -347,22 +383,43 @@ class LLMEngine:
             return sampling_spec(request, error=f"grammar mask failed: {exc}")
 
     def _fork_children(self, parent: Request, count: int) -> list[Request | None]:
-        """Fork `count` unforked sequences from `parent`; one without room is queued instead (None)."""
+        """Fork `count` unforked sequences from `parent`; one without room is queued instead, one
+        whose fork raised ends alone with "error" (None for both)."""
         group = self.requests.get(parent.request_id)
         if count <= 0 or group is None:
             return []
         children: list[Request | None] = []
         for child in group.unforked[:count]:
-            fork = self.scheduler.fork(parent, child)
-            if fork is None:
-                self.scheduler.add(child)  # no room now: it prefills on its own later
-                self._released.append((child.request_id, child.index))
+            try:
+                children.append(self._fork_child(parent, child))
+            except Exception:  # noqa: BLE001 - only this child fails; its parent and the batch go on
+                logger.exception("forking sequence %d of request %s failed", child.index, child.request_id)
+                self._fail_unstarted(child)
                 children.append(None)
-                continue
-            self.executor.fork(fork)
-            children.append(child)
         del group.unforked[:count]
         return children
+
+    def _fork_child(self, parent: Request, child: Request) -> Request | None:
+        """Fork one child from `parent` (None: no room now, so it is queued to prefill alone later)."""
+        fork = self.scheduler.fork(parent, child)
+        if fork is None:
+            self.scheduler.add(child)
+            self._released.append((child.request_id, child.index))
+            return None
+        self.executor.fork(fork)
+        return child
+
+    def _fail_unstarted(self, child: Request) -> None:
+        """End a child whose fork raised with "error": what the fork took is freed when it runs."""
+        if child.status is RequestStatus.RUNNING:
+            self._finish(child, "error", flush=False)
+            return
+        child.status, child.finish_reason = RequestStatus.FINISHED, "error"
+        self._released.append((child.request_id, child.index))
+        group = self.requests.get(child.request_id)
+        if group is not None and group.is_finished:
+            del self.requests[child.request_id]
+            self._finished_groups[child.request_id] = group
 
     def _take_draw(self, request: Request, draw: SampledToken | str, now: float) -> None:
         """Accept a sampled token and apply the stop rules; "error" if the draw failed or accepting it raised."""
@@ -516,7 +573,15 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions, "weight_bytes": self.weight_bytes,
             "heap_free_bytes": allocator_free_bytes() if self.device.type == "cpu" else 0,
             "snapshots_reserved": usage.snapshots_reserved, "snapshots_pinned": usage.snapshots_pinned,
+            **self._tier_gauges(),
         }
+
+    def _tier_gauges(self) -> dict[str, float]:
+        """`tier_<name>_<counter>` per lower tier (none without tiers): `TierStats` fields."""
+        if self.tier_mover is None:
+            return {}
+        return {f"tier_{tier.name}_{name}": value for tier in self.tier_stats()[1:]
+                for name, value in tier._asdict().items() if name != "name"}
 
     def check_integrity(self) -> None:
         """Assert pool accounting is consistent; when idle, every block and slot is free again."""

@@ -1,0 +1,259 @@
+"""The engine's `TierMover` (hybridserve/cache/tiers.py): moves joint-cache objects between the
+device pools (GDN snapshot slots, KV blocks) and the lower tiers' stores, one `StoreMover` per tier.
+
+- Demotion from the device: the slot's or block's tensors are copied into CPU tensors at once (the
+  contract: a device source is read before the next forward, which may reuse the slot or block);
+  the store writes them on its mover's thread.
+- Demotion from another tier (a cascade, e.g. host -> disk): a get on the source tier's mover, then,
+  when it arrives, a put on the target's. Each mover runs in order, so a later discard of the source
+  object cannot overtake the read.
+- Promotion: a get per object; when a ticket's objects have all arrived and match the device layout
+  (names, shapes, dtypes) they are copied into the device slot and blocks in `poll()`, which the
+  engine calls between steps, never while a forward runs. Any missing or malformed object fails the
+  whole ticket and nothing is written.
+
+Events come back from each `StoreMover` in the order operations were submitted to it, so each mover
+keeps a FIFO of what its operations were for.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from hybridserve.cache.state_tensors import GDNStateTensors
+from hybridserve.cache.store_mover import StoreMover, TierEvent
+from hybridserve.cache.tier_store import Payload, TierStores, TierStoreStats, build_tier_stores, engine_fingerprint
+from hybridserve.cache.tiers import DEVICE, KV, STATE, ObjectSizes, TieredCache, TierObject, TierSpec
+from hybridserve.config import EngineConfig, ModelConfig
+from hybridserve.layers.attention import PagedKVCache
+
+logger = logging.getLogger(__name__)
+
+Purpose = Literal["write", "read-for-write", "read", "delete"]
+
+
+@dataclass
+class _Pending:
+    """What one submitted store operation is for."""
+
+    purpose: Purpose
+    ticket: int | None
+    key: str
+    obj: TierObject | None = None
+    target: str = ""  # the tier a read-for-write feeds
+    index: int = 0    # the object's position in its ticket
+
+
+@dataclass
+class _Ticket:
+    """A ticket in flight: operations outstanding, whether all went well, payloads read so far."""
+
+    promotion: bool
+    objects: tuple[TierObject, ...]
+    outstanding: int = 0
+    ok: bool = True
+    payloads: dict[int, Payload] = field(default_factory=dict)  # object index -> payload (promotions)
+
+
+class DeviceCachePools:
+    """The device tensors the tiers move: snapshot slots (GDN conv + recurrent, every layer) and KV
+    blocks (every attention layer's keys and values)."""
+
+    def __init__(self, kv_cache: PagedKVCache, snapshots: GDNStateTensors) -> None:
+        self.kv_cache = kv_cache
+        self.snapshots = snapshots
+
+    def read(self, kind: str, index: int) -> Payload:
+        """CPU copies of snapshot slot / KV block `index` (a synchronous copy)."""
+        return {name: view.to("cpu", copy=True) for name, view in self._views(kind, index).items()}
+
+    def write(self, kind: str, index: int, payload: Mapping[str, torch.Tensor]) -> None:
+        """Copy a verified payload into snapshot slot / KV block `index`."""
+        for name, view in self._views(kind, index).items():
+            view.copy_(payload[name])
+
+    def matches(self, kind: str, payload: Mapping[str, torch.Tensor]) -> bool:
+        """Whether `payload` has exactly the tensor names, shapes and dtypes of one `kind` object."""
+        views = self._views(kind, 0)
+        return set(payload) == set(views) and all(
+            payload[name].shape == view.shape and payload[name].dtype == view.dtype for name, view in views.items())
+
+    def _views(self, kind: str, index: int) -> dict[str, torch.Tensor]:
+        if kind == STATE:
+            return {"conv": self.snapshots.conv[:, index], "recurrent": self.snapshots.recurrent[:, index]}
+        if kind == KV:
+            size = self.kv_cache.block_size
+            rows = slice(index * size, (index + 1) * size)
+            return {"keys": self.kv_cache.keys[:, rows], "values": self.kv_cache.values[:, rows]}
+        raise ValueError(f"unknown tier object kind {kind!r}")
+
+
+class EngineTierMover:
+    """`TierMover` over the device pools and one `StoreMover` per lower tier (TP=1)."""
+
+    def __init__(self, pools: DeviceCachePools, stores: TierStores) -> None:
+        self.pools = pools
+        self.stores = stores
+        self.movers: dict[str, StoreMover] = {}
+        for store in (stores.host, stores.disk):
+            if store is not None:
+                self.movers[store.tier] = StoreMover(store)
+        self._pending: dict[str, deque[_Pending]] = {name: deque() for name in self.movers}
+        self._tickets: dict[int, _Ticket] = {}
+        self._finished: list[tuple[int, bool]] = []
+        self.store_evictions: list[str] = []  # object keys a store dropped itself (the disk's own LRU)
+
+    @property
+    def tier_names(self) -> list[str]:
+        """The lower tiers, highest first."""
+        return list(self.movers)
+
+    # -- TierMover ------------------------------------------------------------------------------
+
+    def start_demotion(self, ticket: int, tier: str, objects: Sequence[TierObject]) -> None:
+        """Copy device sources out now; queue the puts (and the reads of tier sources)."""
+        record = self._open(ticket, False, objects)
+        for obj in objects:
+            if obj.source == DEVICE:
+                if obj.device_index is None:
+                    raise ValueError(f"device object {obj.key} has no device index")
+                payload = self.pools.read(obj.kind, obj.device_index)
+                self._submit(record, tier, _Pending("write", ticket, obj.key, obj), payload)
+            else:
+                self._submit(record, obj.source, _Pending("read-for-write", ticket, obj.key, obj, target=tier))
+        self._settle(ticket)
+
+    def start_promotion(self, ticket: int, objects: Sequence[TierObject]) -> None:
+        """Queue a read of each object from its source tier (copied to the device in `poll`)."""
+        record = self._open(ticket, True, objects)
+        for index, obj in enumerate(objects):
+            if obj.device_index is None or obj.source == DEVICE:
+                raise ValueError(f"promoted object {obj.key} needs a tier source and a device target")
+            self._submit(record, obj.source, _Pending("read", ticket, obj.key, obj, index=index))
+        self._settle(ticket)
+
+    def discard(self, tier: str, keys: Sequence[str]) -> None:
+        """Queue deletes behind everything already submitted to that tier's store."""
+        mover = self.movers[tier]
+        for key in keys:
+            self._pending[tier].append(_Pending("delete", None, key))
+            mover.submit_delete(key)
+
+    def poll(self) -> list[tuple[int, bool]]:
+        """Apply finished store operations; tickets done since the last poll. Promoted objects are
+        copied into the device here (the engine's thread, between steps)."""
+        for tier, mover in self.movers.items():
+            for event in mover.poll():
+                self._on_event(tier, event)
+        finished, self._finished = self._finished, []
+        return finished
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+
+    def _open(self, ticket: int, promotion: bool, objects: Sequence[TierObject]) -> _Ticket:
+        if ticket in self._tickets:
+            raise ValueError(f"tier ticket {ticket} is already in flight")
+        record = _Ticket(promotion, tuple(objects), outstanding=1)  # held open until all are submitted
+        self._tickets[ticket] = record
+        return record
+
+    def _submit(self, record: _Ticket, tier: str, pending: _Pending, payload: Payload | None = None) -> None:
+        """Submit one put or get; a refused submit (a full queue) fails the ticket."""
+        mover = self.movers.get(tier)
+        if mover is None:
+            logger.error("tier object %s names unknown tier %r", pending.key, tier)
+            record.ok = False
+            return
+        accepted = mover.submit_put(pending.key, payload) if payload is not None else mover.submit_get(pending.key)
+        if not accepted:
+            record.ok = False
+            return
+        record.outstanding += 1
+        self._pending[tier].append(pending)
+
+    def _settle(self, ticket: int) -> None:
+        """One outstanding operation of `ticket` is done; finish it when none remain."""
+        record = self._tickets[ticket]
+        record.outstanding -= 1
+        if record.outstanding:
+            return
+        del self._tickets[ticket]
+        if record.promotion and record.ok:
+            record.ok = self._install(record)
+        self._finished.append((ticket, record.ok))
+
+    def _on_event(self, tier: str, event: TierEvent) -> None:
+        pending = self._pending[tier].popleft()
+        if pending.key != event.key:
+            raise RuntimeError(f"tier {tier}: event for {event.key!r} while expecting {pending.key!r}")
+        self.store_evictions.extend(event.evicted)
+        if pending.purpose == "delete" or pending.ticket is None:
+            return
+        record = self._tickets[pending.ticket]
+        if not event.ok:
+            record.ok = False
+        elif pending.purpose == "read":
+            assert event.payload is not None
+            record.payloads[pending.index] = event.payload
+        elif pending.purpose == "read-for-write" and record.ok:
+            assert event.payload is not None
+            self._submit(record, pending.target, _Pending("write", pending.ticket, pending.key, pending.obj),
+                         event.payload)
+        self._settle(pending.ticket)
+
+    def _install(self, record: _Ticket) -> bool:
+        """Verify every promoted payload, then copy them all into the device (all or nothing)."""
+        for index, obj in enumerate(record.objects):
+            payload = record.payloads.get(index)
+            if payload is None or not self.pools.matches(obj.kind, payload):
+                logger.warning("tier object %s from %s does not match the device layout; promotion failed",
+                               obj.key, obj.source)
+                return False
+        for index, obj in enumerate(record.objects):
+            assert obj.device_index is not None
+            self.pools.write(obj.kind, obj.device_index, record.payloads[index])
+        return True
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def store_stats(self) -> list[TierStoreStats]:
+        """Each store's counters, highest tier first."""
+        return [mover.store.stats() for mover in self.movers.values()]
+
+    def close(self) -> None:
+        """Finish the queued writes (so write-back objects reach the disk), then close the stores."""
+        for mover in self.movers.values():
+            mover.close(drain=True)
+        self.stores.close()
+
+
+def tiers_requested(config: EngineConfig) -> bool:
+    """Whether any lower-tier flag is set (`--host-cache-memory`, `--disk-cache-dir`)."""
+    return bool(config.cache.host_cache_memory_bytes) or config.cache.disk_cache_dir is not None
+
+
+def build_engine_tiers(config: EngineConfig, *, model_config: ModelConfig, dtype: torch.dtype,
+                       device: torch.device, tokenizer_json: str, weights: Mapping[str, torch.Tensor],
+                       pools: DeviceCachePools, sizes: ObjectSizes) -> tuple[TieredCache, EngineTierMover]:
+    """The lower tiers the flags ask for, over the engine's device pools: the stores (the disk's
+    directory named by the model fingerprint), their movers and the logical `TieredCache`."""
+    if config.tensor_parallel_size != 1:
+        raise ValueError("lower cache tiers (--host-cache-memory, --disk-cache-dir) are not supported with "
+                         f"tensor_parallel_size={config.tensor_parallel_size} yet; use tensor_parallel_size=1")
+    if not config.cache.prefix_cache_enabled:
+        raise ValueError("lower cache tiers need the prefix cache (prefix_cache_mib must not be 0)")
+    fingerprint = engine_fingerprint(config, model_config=model_config, dtype=dtype,
+                                     tokenizer_json=tokenizer_json, weights=weights)
+    stores = build_tier_stores(config.cache, fingerprint=fingerprint, device=device)
+    mover = EngineTierMover(pools, stores)
+    specs = [TierSpec(store.tier, store.budget_bytes) for store in (stores.host, stores.disk) if store is not None]
+    if not specs:
+        mover.close()
+        raise ValueError("no lower tier has a budget (--host-cache-memory, or --disk-cache-dir with --disk-cache-size)")
+    return TieredCache(specs, sizes, mover, write_through=stores.write_policy == "write-through"), mover
