@@ -13,17 +13,7 @@ from typing import Any
 
 import torch
 
-from hybridserve.bench.common import (
-    EngineDriver,
-    common_prefix_length,
-    format_table,
-    greedy,
-    machine_line,
-    measured_rounds,
-    median,
-    random_token_ids,
-    timed,
-)
+from hybridserve.bench import common
 from hybridserve.bench.configs import DecodeBenchConfig
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
@@ -43,7 +33,7 @@ def variant_config(base: EngineConfig, variant: str) -> EngineConfig:
 
 def _median_seconds(work: Callable[[], object], device: torch.device, repeats: int) -> float:
     """Median seconds of `work()` over `repeats` runs after one discarded run."""
-    return median([timed(work, device) for _ in range(repeats + 1)][1:])
+    return common.median([common.timed(work, device) for _ in range(repeats + 1)][1:])
 
 
 def weight_read_seconds(num_bytes: int, device: torch.device | str = "cpu", repeats: int = 7) -> float:
@@ -75,22 +65,22 @@ def linears_seconds(engine: LLMEngine, repeats: int = 7) -> float:
 def measure_speed(engines: dict[str, LLMEngine], cfg: DecodeBenchConfig) -> dict[str, dict[str, float]]:
     """Alternating rounds over the engines: decode ms/token and the floor of each."""
     vocab = next(iter(engines.values())).model_config.vocab_size
-    drivers = {name: EngineDriver(engine, f"decode-{name}") for name, engine in engines.items()}
+    drivers = {name: common.EngineDriver(engine, f"decode-{name}") for name, engine in engines.items()}
 
     def one_round(round_index: int) -> dict[str, list[float]]:
-        prompt = random_token_ids(cfg.prompt_tokens, cfg.seed + round_index, vocab)
+        prompt = common.random_token_ids(cfg.prompt_tokens, cfg.seed + round_index, vocab)
         samples = {}
         for name, engine in engines.items():
-            steps = drivers[name].run(prompt, greedy(cfg.decode_tokens)).decode_step_s
-            samples[f"{name} decode"] = [1000 * median(steps)]
+            steps = drivers[name].run(prompt, common.greedy(cfg.decode_tokens)).decode_step_s
+            samples[f"{name} decode"] = [1000 * common.median(steps)]
             samples[f"{name} read"] = [1000 * weight_read_seconds(engine.weight_bytes, engine.device)]
             samples[f"{name} linears"] = [1000 * linears_seconds(engine)]
         return samples
 
-    samples = measured_rounds(cfg.warmup, cfg.iterations, one_round)
+    samples = common.measured_rounds(cfg.warmup, cfg.iterations, one_round)
     result = {}
     for name, engine in engines.items():
-        ms, read, linears = (median(samples[f"{name} {kind}"]) for kind in ("decode", "read", "linears"))
+        ms, read, linears = (common.median(samples[f"{name} {kind}"]) for kind in ("decode", "read", "linears"))
         result[name] = {"decode_ms_per_token": ms, "weight_read_ms": read, "weight_mib": engine.weight_bytes / 2**20,
                         "linears_ms": linears, "decode_over_floor": ms / read, "linears_over_floor": linears / read}
     return result
@@ -102,7 +92,7 @@ def measure_quality(reference: LLMEngine, engine: LLMEngine, cfg: DecodeBenchCon
     max_err, abs_err, positions, top1, margins = 0.0, 0.0, 0, 0, []
     agreed_prefix, exact = [], 0
     for index in range(cfg.quality_prompts):
-        prompt = random_token_ids(cfg.quality_prompt_tokens, 1000 + cfg.seed + index, vocab)
+        prompt = common.random_token_ids(cfg.quality_prompt_tokens, 1000 + cfg.seed + index, vocab)
         salt = f"quality-{index}-{time.monotonic_ns()}"  # no prefix hit: every position is computed
         ref_logits, logits = reference.prompt_logits(prompt, salt), engine.prompt_logits(prompt, salt)
         diff = (logits - ref_logits).abs()
@@ -114,17 +104,17 @@ def measure_quality(reference: LLMEngine, engine: LLMEngine, cfg: DecodeBenchCon
         margins.extend((best_two[:, 0] - best_two[:, 1]).tolist())
         ref_ids = _greedy_ids(reference, prompt, cfg.greedy_tokens)
         ids = _greedy_ids(engine, prompt, cfg.greedy_tokens)
-        agreed_prefix.append(common_prefix_length(ref_ids, ids))
+        agreed_prefix.append(common.common_prefix_length(ref_ids, ids))
         exact += ids == ref_ids
     return {"max_abs_logit_error": max_err, "mean_abs_logit_error": abs_err / positions,
-            "top1_agreement": top1 / positions, "float32_top1_margin_median": median(margins),
-            "greedy_agreed_tokens_median": median(agreed_prefix),
+            "top1_agreement": top1 / positions, "float32_top1_margin_median": common.median(margins),
+            "greedy_agreed_tokens_median": common.median(agreed_prefix),
             "greedy_exact": exact, "greedy_sequences": cfg.quality_prompts}
 
 
 def _greedy_ids(engine: LLMEngine, prompt: list[int], num_tokens: int) -> list[int]:
-    driver = EngineDriver(engine, f"greedy-{id(engine)}-{time.monotonic_ns()}")
-    return list(driver.run(prompt, greedy(num_tokens)).output.outputs[0].token_ids)
+    driver = common.EngineDriver(engine, f"greedy-{id(engine)}-{time.monotonic_ns()}")
+    return list(driver.run(prompt, common.greedy(num_tokens)).output.outputs[0].token_ids)
 
 
 def run_decode_bench(base: EngineConfig, cfg: DecodeBenchConfig) -> dict[str, Any]:
@@ -134,7 +124,7 @@ def run_decode_bench(base: EngineConfig, cfg: DecodeBenchConfig) -> dict[str, An
     reference = engines.get("float32")
     quality = {name: measure_quality(reference, engine, cfg) for name, engine in engines.items()
                if reference is not None and name != "float32"}
-    return {"machine": machine_line(), "config": asdict(cfg), "speed": speed, "quality": quality}
+    return {"machine": common.machine_line(), "config": asdict(cfg), "speed": speed, "quality": quality}
 
 
 def format_decode_report(result: dict[str, Any]) -> str:
@@ -143,14 +133,14 @@ def format_decode_report(result: dict[str, Any]) -> str:
                    f"{s['decode_ms_per_token']:.2f}", f"{s['linears_over_floor']:.2f}x",
                    f"{s['decode_over_floor']:.2f}x"] for name, s in result["speed"].items()]
     lines = [result["machine"], "batch-1 decode (offline engine), medians of alternating rounds:",
-             format_table(["weights", "MiB", "read once ms", "linears ms", "decode ms/token", "linears / read",
-                           "decode / read"], speed_rows)]
+             common.format_table(["weights", "MiB", "read once ms", "linears ms", "decode ms/token", "linears / read",
+                                  "decode / read"], speed_rows)]
     if result["quality"]:
         quality_rows = [[name, f"{q['max_abs_logit_error']:.4f}", f"{q['mean_abs_logit_error']:.5f}",
                          f"{100 * q['top1_agreement']:.2f}%", f"{q['float32_top1_margin_median']:.4f}",
                          f"{q['greedy_agreed_tokens_median']:.0f}",
                          f"{q['greedy_exact']}/{q['greedy_sequences']}"] for name, q in result["quality"].items()]
         lines += ["", "against float32 (prompt logits at every position; greedy continuations):",
-                  format_table(["weights", "max |dlogit|", "mean |dlogit|", "top-1 agree", "f32 top-1 margin",
-                                "greedy tokens agreed", "greedy exact"], quality_rows)]
+                  common.format_table(["weights", "max |dlogit|", "mean |dlogit|", "top-1 agree", "f32 top-1 margin",
+                                       "greedy tokens agreed", "greedy exact"], quality_rows)]
     return "\n".join(lines)

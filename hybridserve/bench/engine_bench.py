@@ -11,21 +11,7 @@ from typing import Any
 
 import torch
 
-from hybridserve.bench.common import (
-    EngineDriver,
-    alternate,
-    common_prefix_length,
-    finish,
-    format_table,
-    goal_mark,
-    greedy,
-    matmul_gflops,
-    measured_rounds,
-    median,
-    random_token_ids,
-    result_header,
-    timed,
-)
+from hybridserve.bench import common
 from hybridserve.bench.configs import EngineBenchConfig
 from hybridserve.config import LINEAR_ATTENTION, EngineConfig, ModelConfig
 from hybridserve.engine.engine import GDN_CHUNK_SIZE, LLMEngine
@@ -83,7 +69,7 @@ def reference_prefill_s(model: torch.nn.Module, ids: list[int]) -> float:
     """Seconds for one transformers forward over `ids` (last logits only, no cache)."""
     device = next(model.parameters()).device
     x = torch.tensor([ids], device=device)
-    return timed(lambda: model(input_ids=x, use_cache=False, logits_to_keep=1), device)
+    return common.timed(lambda: model(input_ids=x, use_cache=False, logits_to_keep=1), device)
 
 
 @torch.inference_mode()
@@ -104,43 +90,43 @@ def reference_decode(model: torch.nn.Module, ids: list[int], num_tokens: int) ->
 def run_engine_bench(engine_config: EngineConfig, cfg: EngineBenchConfig) -> dict[str, Any]:
     """Run (a)-(d) and return the figures (medians, ratios, goal checks) as a dict."""
     engine = LLMEngine(engine_config)
-    driver = EngineDriver(engine, "bench")
+    driver = common.EngineDriver(engine, "bench")
     vocab = engine.model_config.vocab_size
     model = load_reference_model(engine)
 
     def prefill_round(i: int) -> dict[str, list[float]]:
-        ids = random_token_ids(cfg.prompt_tokens, cfg.seed * 7919 + i, vocab)  # fresh: never cached
-        contenders = {"hybridserve_s": lambda: driver.run(ids, greedy(1)).ttft_s,
+        ids = common.random_token_ids(cfg.prompt_tokens, cfg.seed * 7919 + i, vocab)  # fresh: never cached
+        contenders = {"hybridserve_s": lambda: driver.run(ids, common.greedy(1)).ttft_s,
                       "transformers_s": lambda: reference_prefill_s(model, ids)}
-        times = {name: [contenders[name]()] for name in alternate(list(contenders), i)}
-        rates = matmul_gflops(cfg.matmul_size, cfg.matmul_repeats, engine.device, engine.dtype)
+        times = {name: [contenders[name]()] for name in common.alternate(list(contenders), i)}
+        rates = common.matmul_gflops(cfg.matmul_size, cfg.matmul_repeats, engine.device, engine.dtype)
         return {name: times[name] for name in contenders} | {"matmul_gflops": rates}
 
     def decode_round(i: int) -> dict[str, list[float]]:
         base = 1_000_003 + (cfg.seed * 101 + i) * cfg.batch_size
-        prompts = [random_token_ids(cfg.decode_prompt_tokens, base + j, vocab) for j in range(cfg.batch_size)]
+        prompts = [common.random_token_ids(cfg.decode_prompt_tokens, base + j, vocab) for j in range(cfg.batch_size)]
         hs_b1, hs_out = driver.decode_steps(prompts[:1], cfg.decode_tokens)
         hf_b1, hf_tokens = reference_decode(model, prompts[0], cfg.decode_tokens)
         return {"hybridserve_b1_s": hs_b1, "transformers_b1_s": hf_b1,
                 "hybridserve_batch_s": driver.decode_steps(prompts, cfg.decode_tokens)[0],
-                "greedy_match": [common_prefix_length(hs_out[0].outputs[0].token_ids, hf_tokens)]}
+                "greedy_match": [common.common_prefix_length(hs_out[0].outputs[0].token_ids, hf_tokens)]}
 
-    prefill = measured_rounds(cfg.warmup, cfg.iterations, prefill_round)
-    decode = measured_rounds(cfg.warmup, cfg.iterations, decode_round)
-    finish(engine)
+    prefill = common.measured_rounds(cfg.warmup, cfg.iterations, prefill_round)
+    decode = common.measured_rounds(cfg.warmup, cfg.iterations, decode_round)
+    common.finish(engine)
     return _summarize(engine, cfg, prefill, decode)
 
 
 def _summarize(engine: LLMEngine, cfg: EngineBenchConfig, prefill: dict[str, list[float]],
                decode: dict[str, Any]) -> dict[str, Any]:
-    hs_prefill, hf_prefill = median(prefill["hybridserve_s"]), median(prefill["transformers_s"])
-    hs_tok, hf_tok = median(decode["hybridserve_b1_s"]), median(decode["transformers_b1_s"])
-    batch_step = median(decode["hybridserve_batch_s"])
+    hs_prefill, hf_prefill = common.median(prefill["hybridserve_s"]), common.median(prefill["transformers_s"])
+    hs_tok, hf_tok = common.median(decode["hybridserve_b1_s"]), common.median(decode["transformers_b1_s"])
+    batch_step = common.median(decode["hybridserve_batch_s"])
     flops = prefill_flops(engine.model_config, cfg.prompt_tokens, GDN_CHUNK_SIZE)
-    matmul = median(prefill["matmul_gflops"])
+    matmul = common.median(prefill["matmul_gflops"])
     model_gflops = flops["total"] / hs_prefill / 1e9
     b1_tps, batch_tps = 1.0 / hs_tok, cfg.batch_size / batch_step
-    return result_header(cfg, engine) | {
+    return common.result_header(cfg, engine) | {
         "prefill": {"hybridserve_ttft_s": hs_prefill, "transformers_forward_s": hf_prefill,
                     "speedup": hf_prefill / hs_prefill, "goal": PREFILL_SPEEDUP_GOAL,
                     "met": hf_prefill / hs_prefill >= PREFILL_SPEEDUP_GOAL, "samples": prefill},
@@ -161,15 +147,16 @@ def format_engine_report(result: dict[str, Any]) -> str:
     rows = [
         [f"(a) cold prefill, {cfg['prompt_tokens']} tokens (s)", f"{p['hybridserve_ttft_s']:.2f}",
          f"{p['transformers_forward_s']:.2f}", f"{p['speedup']:.2f}x faster", f">= {p['goal']}x",
-         goal_mark(p["met"])],
+         common.goal_mark(p["met"])],
         ["(b) decode batch 1 (ms/token)", f"{d['hybridserve_ms_per_token']:.1f}",
-         f"{d['transformers_ms_per_token']:.1f}", f"{d['ratio']:.2f}", f"<= {d['goal']:.2f}", goal_mark(d["met"])],
+         f"{d['transformers_ms_per_token']:.1f}", f"{d['ratio']:.2f}", f"<= {d['goal']:.2f}",
+         common.goal_mark(d["met"])],
         [f"(c) decode batch {b['batch_size']} vs 1 (tokens/s)", f"{b['batch_tokens_per_s']:.0f} vs "
-         f"{b['b1_tokens_per_s']:.0f}", "-", f"{b['speedup']:.2f}x", f">= {b['goal']}x", goal_mark(b["met"])],
+         f"{b['b1_tokens_per_s']:.0f}", "-", f"{b['speedup']:.2f}x", f">= {b['goal']}x", common.goal_mark(b["met"])],
         ["(d) prefill model GFLOP/s / matmul GFLOP/s", f"{f['model_gflops']:.1f} / {f['matmul_gflops']:.1f}", "-",
-         f"{100 * f['fraction_of_matmul']:.0f}%", "-", goal_mark(None)],
+         f"{100 * f['fraction_of_matmul']:.0f}%", "-", common.goal_mark(None)],
     ]
-    table = format_table(["measure", "hybridserve", "transformers", "ratio", "goal", "status"], rows)
+    table = common.format_table(["measure", "hybridserve", "transformers", "ratio", "goal", "status"], rows)
     flops = f["prefill_flops"]
     notes = (f"engine: {result['engine']}\nmachine: {result['machine']}; medians of {cfg['iterations']} iterations "
              f"after {cfg['warmup']} warm-up(s), contenders alternated\n"

@@ -10,17 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from hybridserve.bench.common import (
-    EngineDriver,
-    finish,
-    format_table,
-    goal_mark,
-    measured_rounds,
-    median,
-    random_token_ids,
-    result_header,
-    timed,
-)
+from hybridserve.bench import common
 from hybridserve.bench.configs import StructuredBenchConfig
 from hybridserve.config import EngineConfig
 from hybridserve.engine import sampling
@@ -55,7 +45,7 @@ def _params(constrained: bool, cfg: StructuredBenchConfig) -> SamplingParams:
 class _Run:
     """One engine decoding one batch; `step()` records the time of steady decode steps."""
 
-    def __init__(self, driver: EngineDriver, prompts: list[list[int]], params: SamplingParams) -> None:
+    def __init__(self, driver: common.EngineDriver, prompts: list[list[int]], params: SamplingParams) -> None:
         self.engine = driver.engine
         self.ids = [driver.next_id() for _ in prompts]
         for request_id, prompt in zip(self.ids, prompts):
@@ -77,7 +67,7 @@ class _Run:
         return elapsed if steady else None
 
 
-def _paired_steps(drivers: tuple[EngineDriver, EngineDriver], prompts: list[list[int]],
+def _paired_steps(drivers: tuple[common.EngineDriver, common.EngineDriver], prompts: list[list[int]],
                   cfg: StructuredBenchConfig, mask_spent: list[float]) -> list[tuple[float, float, float]]:
     """Alternate steps of the unconstrained and the constrained run; (free, constrained, mask) seconds
     of adjacent steady steps, mask being what the constrained step spent in `mask_spent`'s calls."""
@@ -124,36 +114,37 @@ def _mask_clock(engine: LLMEngine) -> Iterator[list[float]]:
 def run_structured_bench(engine_config: EngineConfig, cfg: StructuredBenchConfig) -> dict[str, Any]:
     """Measure both modes at every batch size; returns the figures as a dict."""
     engines = (LLMEngine(engine_config), LLMEngine(engine_config))
-    drivers = (EngineDriver(engines[0], "free"), EngineDriver(engines[1], "json"))
+    drivers = (common.EngineDriver(engines[0], "free"), common.EngineDriver(engines[1], "json"))
     vocab = engines[0].model_config.vocab_size
-    first_compile_s = timed(lambda: engines[1].grammars.matcher(StructuredOutputsParams(json=EVENT_SCHEMA)),
-                            engines[1].device)
+    first_compile_s = common.timed(lambda: engines[1].grammars.matcher(StructuredOutputsParams(json=EVENT_SCHEMA)),
+                                   engines[1].device)
     rows = []
     with _mask_clock(engines[1]) as mask_spent:
         for batch in cfg.batch_sizes:
-            prompts = [random_token_ids(cfg.prompt_tokens, cfg.seed * 1009 + batch * 31 + j, vocab)
+            prompts = [common.random_token_ids(cfg.prompt_tokens, cfg.seed * 1009 + batch * 31 + j, vocab)
                        for j in range(batch)]
-            samples = measured_rounds(cfg.warmup, cfg.iterations,
-                                      lambda _: {"steps": _paired_steps(drivers, prompts, cfg, mask_spent)})
+            samples = common.measured_rounds(cfg.warmup, cfg.iterations,
+                                             lambda _: {"steps": _paired_steps(drivers, prompts, cfg, mask_spent)})
             steps = samples.get("steps", [])
-            free, constrained = median(a for a, _, _ in steps), median(b for _, b, _ in steps)
-            ratio = median(b / a for a, b, _ in steps)
+            free, constrained = common.median(a for a, _, _ in steps), common.median(b for _, b, _ in steps)
+            ratio = common.median(b / a for a, b, _ in steps)
             rows.append({"batch": batch, "unconstrained_step_ms": 1000 * free,
                          "json_schema_step_ms": 1000 * constrained, "ratio": ratio,
-                         "mask_ms": 1000 * median(mask for _, _, mask in steps), "pairs_measured": len(steps),
+                         "mask_ms": 1000 * common.median(mask for _, _, mask in steps), "pairs_measured": len(steps),
                          "goal_met": ratio <= GOAL_RATIO})
-    finish(*engines)
-    return result_header(cfg, engines[0]) | {"first_compile_ms": 1000 * first_compile_s,
-                                             "compile_cache": engines[1].grammars.cache_info()._asdict(), "rows": rows}
+    common.finish(*engines)
+    compile_cache = engines[1].grammars.cache_info()._asdict()
+    return common.result_header(cfg, engines[0]) | {"first_compile_ms": 1000 * first_compile_s,
+                                                    "compile_cache": compile_cache, "rows": rows}
 
 
 def format_structured_report(result: dict[str, Any]) -> str:
     """The figures as a text table."""
-    table = format_table(
+    table = common.format_table(
         ["batch", "unconstrained ms/step", "JSON schema ms/step", "paired ratio (median)", "mask ms/step",
          "pairs", f"goal <= {GOAL_RATIO}x"],
         [[r["batch"], f"{r['unconstrained_step_ms']:.2f}", f"{r['json_schema_step_ms']:.2f}", f"{r['ratio']:.3f}",
-          f"{r['mask_ms']:.3f}", r["pairs_measured"], goal_mark(r["goal_met"])] for r in result["rows"]])
+          f"{r['mask_ms']:.3f}", r["pairs_measured"], common.goal_mark(r["goal_met"])] for r in result["rows"]])
     cache = result["compile_cache"]
     return (f"{table}\n\nschema compiled once in {result['first_compile_ms']:.1f} ms; compile cache: "
             f"{cache['misses']} miss(es), {cache['hits']} hit(s)\n{result['engine']}\n{result['machine']}")

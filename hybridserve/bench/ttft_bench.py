@@ -9,18 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridserve.bench.common import (
-    EngineDriver,
-    alternate,
-    cache_on_off,
-    finish,
-    format_table,
-    goal_mark,
-    greedy,
-    median,
-    random_token_ids,
-    result_header,
-)
+from hybridserve.bench import common
 from hybridserve.bench.configs import TTFTBenchConfig
 from hybridserve.config import EngineConfig
 from hybridserve.engine.engine import LLMEngine
@@ -36,44 +25,46 @@ def _seed(cfg: TTFTBenchConfig, purpose: int, major: int, minor: int = 0, scale:
     return cfg.seed * 1_000_000_007 + purpose * 10_000_000 + major * scale + minor
 
 
-def _measure_row(off: EngineDriver, on: EngineDriver, cached: int, cfg: TTFTBenchConfig, vocab: int) -> dict[str, Any]:
+def _measure_row(off: common.EngineDriver, on: common.EngineDriver, cached: int, cfg: TTFTBenchConfig,
+                 vocab: int) -> dict[str, Any]:
     """Cold, warm and floor samples for prompts of `cached` + suffix tokens."""
-    prefix = random_token_ids(cached, _seed(cfg, 1, cached, scale=1), vocab)
+    prefix = common.random_token_ids(cached, _seed(cfg, 1, cached, scale=1), vocab)
 
     def prompt(i: int) -> list[int]:
-        return prefix + random_token_ids(cfg.suffix_tokens, _seed(cfg, 2, cached, i), vocab)
+        return prefix + common.random_token_ids(cfg.suffix_tokens, _seed(cfg, 2, cached, i), vocab)
 
-    on.run(prompt(-1), greedy(1))  # seeding: the only time "on" computes this prefix
+    on.run(prompt(-1), common.greedy(1))  # seeding: the only time "on" computes this prefix
     for w in range(cfg.warmup):
-        on.run(prompt(-2 - w), greedy(1))
+        on.run(prompt(-2 - w), common.greedy(1))
     row: dict[str, Any] = {"cached": cached, "prompt_tokens": cached + cfg.suffix_tokens,
                            "cold_s": [], "warm_s": [], "floor_s": [], "warm_cached_tokens": [],
                            "cold_cached_tokens": []}
     for i in range(cfg.iterations):
         runs = {"cold": (off, prompt(i)), "warm": (on, prompt(i)),
-                "floor": (off, random_token_ids(cfg.suffix_tokens, _seed(cfg, 3, cached, i), vocab))}
-        for kind in alternate(list(runs), i):
+                "floor": (off, common.random_token_ids(cfg.suffix_tokens, _seed(cfg, 3, cached, i), vocab))}
+        for kind in common.alternate(list(runs), i):
             driver, ids = runs[kind]
-            result = driver.run(ids, greedy(1))
+            result = driver.run(ids, common.greedy(1))
             row[f"{kind}_s"].append(result.ttft_s)
             if kind != "floor":
                 row[f"{kind}_cached_tokens"].append(result.output.num_cached_tokens)
     return row
 
 
-def _measure_throughput(off: EngineDriver, on: EngineDriver, cfg: TTFTBenchConfig, vocab: int) -> dict[str, Any]:
+def _measure_throughput(off: common.EngineDriver, on: common.EngineDriver, cfg: TTFTBenchConfig,
+                        vocab: int) -> dict[str, Any]:
     """No-reuse workload, ABBA order per round; every run uses prompts never seen before."""
     times: dict[str, list[float]] = {"off": [], "on": []}
     hits = 0
-    params = greedy(cfg.throughput_output_tokens)
+    params = common.greedy(cfg.throughput_output_tokens)
     for run, name in enumerate(("off", "on", "on", "off") * cfg.throughput_rounds):
-        prompts = [random_token_ids(cfg.throughput_prompt_tokens, _seed(cfg, 4, run, j, scale=10_000), vocab)
+        prompts = [common.random_token_ids(cfg.throughput_prompt_tokens, _seed(cfg, 4, run, j, scale=10_000), vocab)
                    for j in range(cfg.throughput_requests)]
         elapsed, outputs = (off if name == "off" else on).run_batch(prompts, params)
         times[name].append(elapsed)
         hits += sum(o.num_cached_tokens for o in outputs)
     tokens = cfg.throughput_requests * cfg.throughput_output_tokens
-    off_tps, on_tps = tokens / median(times["off"]), tokens / median(times["on"])
+    off_tps, on_tps = tokens / common.median(times["off"]), tokens / common.median(times["on"])
     return {"off_s": times["off"], "on_s": times["on"], "off_output_tokens_per_s": off_tps,
             "on_output_tokens_per_s": on_tps, "on_over_off": on_tps / off_tps, "cached_tokens": hits,
             "goal": THROUGHPUT_GOAL, "met": on_tps / off_tps >= THROUGHPUT_GOAL}
@@ -81,23 +72,24 @@ def _measure_throughput(off: EngineDriver, on: EngineDriver, cfg: TTFTBenchConfi
 
 def run_ttft_bench(engine_config: EngineConfig, cfg: TTFTBenchConfig) -> dict[str, Any]:
     """Measure every row, the floor and the throughput; returns figures and goal checks."""
-    on_engine, off_engine = (LLMEngine(config) for config in cache_on_off(engine_config))
-    off, on = EngineDriver(off_engine, "off"), EngineDriver(on_engine, "on")
+    on_engine, off_engine = (LLMEngine(config) for config in common.cache_on_off(engine_config))
+    off, on = common.EngineDriver(off_engine, "off"), common.EngineDriver(on_engine, "on")
     vocab = on_engine.model_config.vocab_size
     for driver in (off, on):  # warm-up of both engines' code paths on a throwaway prompt
-        driver.run(random_token_ids(cfg.suffix_tokens + min(cfg.cached_tokens), _seed(cfg, 3, -1), vocab), greedy(2))
+        warmup = common.random_token_ids(cfg.suffix_tokens + min(cfg.cached_tokens), _seed(cfg, 3, -1), vocab)
+        driver.run(warmup, common.greedy(2))
     rows = [_measure_row(off, on, cached, cfg, vocab) for cached in cfg.cached_tokens]
     throughput = _measure_throughput(off, on, cfg, vocab)
-    finish(off_engine, on_engine)
+    common.finish(off_engine, on_engine)
     return _summarize(rows, throughput, cfg, on_engine)
 
 
 def _summarize(rows: list[dict[str, Any]], throughput: dict[str, Any], cfg: TTFTBenchConfig,
                on_engine: LLMEngine) -> dict[str, Any]:
-    floor = median(s for row in rows for s in row["floor_s"])
+    floor = common.median(s for row in rows for s in row["floor_s"])
     for row in rows:
-        row["cold_p50_s"], row["warm_p50_s"] = median(row["cold_s"]), median(row["warm_s"])
-        row["floor_p50_s"] = median(row["floor_s"])  # measured interleaved with this row: same noise
+        row["cold_p50_s"], row["warm_p50_s"] = common.median(row["cold_s"]), common.median(row["warm_s"])
+        row["floor_p50_s"] = common.median(row["floor_s"])  # measured interleaved with this row: same noise
         row["warm_over_cold"] = row["warm_p50_s"] / row["cold_p50_s"]
         row["warm_over_floor"] = row["warm_p50_s"] / row["floor_p50_s"]
     warm = [row["warm_p50_s"] for row in rows]
@@ -111,8 +103,9 @@ def _summarize(rows: list[dict[str, Any]], throughput: dict[str, Any], cfg: TTFT
         "throughput_on_over_off": {"value": throughput["on_over_off"], "goal": THROUGHPUT_GOAL,
                                    "met": throughput["met"]},
     }
-    return result_header(cfg, on_engine) | {"rows": rows, "floor_p50_s": floor, "throughput": throughput,
-                                             "goals": goals, "prefix_cache": on_engine.prefix_cache_stats()._asdict()}
+    return common.result_header(cfg, on_engine) | {"rows": rows, "floor_p50_s": floor, "throughput": throughput,
+                                                   "goals": goals,
+                                                   "prefix_cache": on_engine.prefix_cache_stats()._asdict()}
 
 
 def format_ttft_report(result: dict[str, Any]) -> str:
@@ -121,10 +114,10 @@ def format_ttft_report(result: dict[str, Any]) -> str:
     rows = [[row["prompt_tokens"], row["cached"], f"{1e3 * row['cold_p50_s']:.0f}", f"{1e3 * row['warm_p50_s']:.1f}",
              f"{1e3 * row['floor_p50_s']:.1f}", f"{row['warm_over_cold']:.4f}", f"{row['warm_over_floor']:.2f}",
              _distinct(row["cold_cached_tokens"]), _distinct(row["warm_cached_tokens"])] for row in result["rows"]]
-    table = format_table(["prompt", "cached", "cold p50 ms", "warm p50 ms", "floor p50 ms", "warm/cold",
-                          "warm/floor", "cold num_cached", "warm num_cached"], rows)
+    table = common.format_table(["prompt", "cached", "cold p50 ms", "warm p50 ms", "floor p50 ms", "warm/cold",
+                                 "warm/floor", "cold num_cached", "warm num_cached"], rows)
     goals = [[name, f"{g['value']:.4f}", f"{'>=' if name.startswith('throughput') else '<='} {g['goal']}",
-              goal_mark(g["met"])] for name, g in result["goals"].items()]
+              common.goal_mark(g["met"])] for name, g in result["goals"].items()]
     tp = result["throughput"]
     lines = [
         table,
@@ -134,7 +127,7 @@ def format_ttft_report(result: dict[str, Any]) -> str:
         f"{cfg['throughput_output_tokens']} output tokens each): off {tp['off_output_tokens_per_s']:.1f} tok/s, "
         f"on {tp['on_output_tokens_per_s']:.1f} tok/s, on/off {tp['on_over_off']:.3f} "
         f"(cached tokens {tp['cached_tokens']})",
-        format_table(["goal", "value", "target", "status"], goals),
+        common.format_table(["goal", "value", "target", "status"], goals),
         f"engine (on): {result['engine']}\nmachine: {result['machine']}; p50 of {cfg['iterations']} iterations, "
         f"{cfg['warmup']} extra warm-up(s) per row, engines alternated",
     ]
