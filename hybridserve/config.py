@@ -176,6 +176,7 @@ class CacheConfig:
     memory_fraction: float | None = None
     snapshot_memory_share: float = 0.5
     block_hash: str = "xxh3_128"
+    block_hash_seed: int | None = None  # keys xxh3_128 (see cache/block_pool.py `engine_block_hash`)
     # Lower tiers of the joint cache (hybridserve/cache/tier_store.py): 0 / None keep them off.
     host_cache_memory_bytes: int = 0
     disk_cache_dir: str | None = None
@@ -195,6 +196,8 @@ class CacheConfig:
         _require(0.0 <= self.snapshot_memory_share < 1.0,
                  f"snapshot_memory_share must be in [0, 1), got {self.snapshot_memory_share}")
         _require(self.block_hash in BLOCK_HASHES, f"block_hash must be one of {BLOCK_HASHES}, got {self.block_hash!r}")
+        _require(self.block_hash_seed is None or 0 <= self.block_hash_seed < 1 << 64,
+                 "block_hash_seed must be an unsigned 64-bit integer")
         _require(self.snapshot_interval >= 1 and self.snapshot_interval % self.block_size == 0,
                  f"snapshot_interval ({self.snapshot_interval}) must be a positive multiple of "
                  f"block_size ({self.block_size})")

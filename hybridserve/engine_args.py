@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from hybridserve.cache.block_pool import parse_seed
 from hybridserve.config import (
     BLOCK_HASHES,
     DEFAULT_CPU_KV_CACHE_MIB,
@@ -44,7 +45,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
     parser.add_argument("--snapshot-memory-share", type=float, default=0.5,
                         help="share of planned cache memory given to GDN snapshots (the rest is KV)")
     parser.add_argument("--block-hash", default="xxh3_128", choices=BLOCK_HASHES,
-                        help="KV block hash: xxh3_128 (fast) or sha256 (collision-resistant)")
+                        help="KV block hash: xxh3_128 (fast, keyed by a secret seed) or sha256 (collision-resistant)")
+    parser.add_argument("--block-hash-seed", type=parse_seed, default=None, metavar="SEED",
+                        help="64-bit seed keying the xxh3_128 block hash (decimal or 0x-hex), for hashes stable "
+                             "across processes; default: $HYBRIDSERVE_BLOCK_HASH_SEED, else a seed file kept in "
+                             "--disk-cache-dir, else random per engine start")
     parser.add_argument("--host-cache-memory", default=None, metavar="SIZE",
                         help="host memory for a joint-cache tier below the device pools (e.g. 64GiB; pinned on "
                              "CUDA); off when unset")
@@ -108,6 +113,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         cache_policy=args.cache_policy,
                         kv_cache_memory_bytes=args.kv_cache_memory, memory_fraction=args.memory_fraction,
                         snapshot_memory_share=args.snapshot_memory_share, block_hash=args.block_hash,
+                        block_hash_seed=args.block_hash_seed,
                         host_cache_memory_bytes=_size_flag(args, "host-cache-memory") or 0,
                         disk_cache_dir=args.disk_cache_dir, disk_cache_size_bytes=_size_flag(args, "disk-cache-size"),
                         tier_write_policy=args.tier_write_policy)

@@ -41,13 +41,17 @@ SHM_ALLREDUCE = EnvVar(
 API_KEY = EnvVar(
     "HYBRIDSERVE_API_KEY", "str", "",
     "API key `hybridserve serve` requires when no --api-key or --api-key-file is given; empty: none")
+BLOCK_HASH_SEED = EnvVar(
+    "HYBRIDSERVE_BLOCK_HASH_SEED", "str", "",
+    "seed (decimal or 0x-hex, 64-bit) keying the xxh3_128 block hash, for hashes stable across processes; "
+    "empty: the --disk-cache-dir seed file, else a random seed per engine start")
 
 GDN_KERNELS = EnvVar(
     "HYBRIDSERVE_GDN_KERNELS", "str", "",
     "torch keeps the GDN layers on the PyTorch path on CUDA too; empty: the Triton kernels where they can run")
 
 ENVIRONMENT_VARIABLES: tuple[EnvVar, ...] = (NATIVE_KERNELS, AMX, ONE_CALL_STEP, HUGE_PAGES, SHM_ALLREDUCE, API_KEY,
-                                             GDN_KERNELS)
+                                             BLOCK_HASH_SEED, GDN_KERNELS)
 
 
 def read_flag(variable: EnvVar) -> bool:

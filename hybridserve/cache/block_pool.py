@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import secrets
+import stat
 import struct
 import sys
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple, Protocol
 
 import xxhash
+
+from hybridserve import envs
 
 BlockHash = bytes
 """A chained content hash of one full KV block and its whole prefix: 16 bytes (xxh3-128) or 32
@@ -28,6 +35,104 @@ class Hasher(Protocol):
 HASH_FUNCTIONS: dict[str, tuple[Callable[..., Hasher], int]] = {
     "xxh3_128": (xxhash.xxh3_128, 16), "sha256": (hashlib.sha256, 32)}
 """Block hash algorithms by name: (constructor taking the first bytes, digest size)."""
+
+SEED_FILE_NAME = "block-hash-seed"
+"""The file (mode 0600) in `--disk-cache-dir` that keeps the block hash seed stable across restarts."""
+
+
+@dataclass(frozen=True)
+class KeyedHash:
+    """xxh3_128 keyed by a secret 64-bit seed: without the seed, a client cannot choose inputs whose
+    block hashes collide (so one tenant cannot make another's prefix match its own blocks). Its
+    repr never shows the seed."""
+
+    seed: int = field(repr=False)
+    name: str = "xxh3_128"
+
+    def __post_init__(self) -> None:
+        if self.name != "xxh3_128":
+            raise ValueError(f"only xxh3_128 takes a seed, not {self.name!r}")
+        if not 0 <= self.seed < 1 << 64:
+            raise ValueError("the block hash seed must be an unsigned 64-bit integer")
+
+    def new(self, data: bytes = b"") -> Hasher:
+        """A hasher seeded with this key, fed `data` first."""
+        return xxhash.xxh3_128(data, seed=self.seed)
+
+    def key_id(self) -> str:
+        """A name for the seed that does not reveal it (for fingerprints of stored objects)."""
+        return hashlib.sha256(b"hybridserve-block-hash-seed" + self.seed.to_bytes(8, "little")).hexdigest()[:16]
+
+
+HashAlgorithm = str | KeyedHash
+"""A block hash: an algorithm name of `HASH_FUNCTIONS` (unkeyed), or a `KeyedHash`."""
+
+
+def _hash_function(algorithm: HashAlgorithm) -> tuple[Callable[..., Hasher], int]:
+    if isinstance(algorithm, KeyedHash):
+        return algorithm.new, 16
+    return HASH_FUNCTIONS[algorithm]
+
+
+def _seed_from_file(directory: Path) -> int:
+    """The seed kept in `directory` (created 0600 with a fresh random seed when missing); a file
+    another user could have written or read is refused with `ValueError`."""
+    path = directory / SEED_FILE_NAME
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "w") as out:
+            out.write(f"{secrets.randbits(64)}\n")
+    info = path.lstat()
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        raise ValueError(f"block hash seed file {str(path)!r} must be a regular file of this user with mode 0600")
+    try:
+        return int(path.read_text().strip())
+    except ValueError as error:
+        raise ValueError(f"block hash seed file {str(path)!r} does not hold an integer") from error
+
+
+def parse_seed(text: str) -> int:
+    """A seed given as decimal or 0x-hex text (`--block-hash-seed`, `HYBRIDSERVE_BLOCK_HASH_SEED`)."""
+    try:
+        seed = int(text.strip(), 0)
+    except ValueError as error:
+        raise ValueError(f"block hash seed must be an integer, got {text!r}") from error
+    if not 0 <= seed < 1 << 64:
+        raise ValueError("the block hash seed must be an unsigned 64-bit integer")
+    return seed
+
+
+def _stable_seed(seed: int | None, disk_cache_dir: str | None) -> int | None:
+    """`seed`, else `HYBRIDSERVE_BLOCK_HASH_SEED`, else the seed file in `disk_cache_dir`; None
+    when none is configured."""
+    if seed is None:
+        text = envs.read_str(envs.BLOCK_HASH_SEED).strip()
+        seed = parse_seed(text) if text else None
+    if seed is None and disk_cache_dir is not None:
+        seed = _seed_from_file(Path(disk_cache_dir).expanduser())
+    return seed
+
+
+def engine_block_hash(name: str, seed: int | None = None, disk_cache_dir: str | None = None) -> HashAlgorithm:
+    """The block hash an engine uses: SHA-256 as named, else xxh3_128 keyed by `seed`, else by
+    `HYBRIDSERVE_BLOCK_HASH_SEED`, else (with a disk tier, whose entries must match after a restart)
+    by the seed file in `disk_cache_dir`, else by a random seed drawn now (once per engine start)."""
+    if name != "xxh3_128":
+        return name
+    stable = _stable_seed(seed, disk_cache_dir)
+    return KeyedHash(secrets.randbits(64) if stable is None else stable)
+
+
+def block_hash_key_id(name: str, seed: int | None = None, disk_cache_dir: str | None = None) -> str | None:
+    """A name, not revealing it, for the seed `engine_block_hash` keys the hash with when that seed
+    is stable across processes (so stored objects are fingerprinted with it); None for SHA-256 or
+    a random per-start seed."""
+    stable = _stable_seed(seed, disk_cache_dir) if name == "xxh3_128" else None
+    return None if stable is None else KeyedHash(stable).key_id()
 
 _ROOT_TAG = b"\x00hybridserve-root"
 _PARENT_TAG = b"\x01"
@@ -72,26 +177,28 @@ def _encode_tokens(token_ids: Sequence[int]) -> bytes:
     return struct.pack("<Q", len(arr)) + arr.tobytes()
 
 
-def _digest(prefix: bytes, token_ids: Sequence[int], extra_keys: tuple[object, ...], algorithm: str) -> BlockHash:
-    hasher = HASH_FUNCTIONS[algorithm][0](prefix)
+def _digest(prefix: bytes, token_ids: Sequence[int], extra_keys: tuple[object, ...],
+            algorithm: HashAlgorithm) -> BlockHash:
+    hasher = _hash_function(algorithm)[0](prefix)
     hasher.update(_encode_tokens(token_ids))
     hasher.update(encode_extra_keys(extra_keys))
     return hasher.digest()
 
 
 def hash_block(
-    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple[object, ...] = (), algorithm: str = "xxh3_128"
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple[object, ...] = (),
+    algorithm: HashAlgorithm = "xxh3_128",
 ) -> BlockHash:
     """Chained hash of one block given its parent block's hash (``None`` for the first block); any
     difference in parent, tokens or extra keys (the cache salt) gives a different hash."""
-    size = HASH_FUNCTIONS[algorithm][1]
+    size = _hash_function(algorithm)[1]
     if parent is not None and len(parent) != size:
         raise ValueError(f"parent hash must be {size} bytes, got {len(parent)}")
     return _digest(_ROOT_TAG if parent is None else _PARENT_TAG + parent, token_ids, extra_keys, algorithm)
 
 
 def hash_tail(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple[object, ...] = (),
-              algorithm: str = "xxh3_128") -> BlockHash:
+              algorithm: HashAlgorithm = "xxh3_128") -> BlockHash:
     """Hash of a *partial* block after `parent`: names a prefix that ends inside a block (a request
     end), tagged apart from full-block hashes so it never matches a full one."""
     return _digest(_TAIL_TAG + (parent or b""), token_ids, extra_keys, algorithm)
@@ -102,7 +209,7 @@ def block_hashes_for(
     block_size: int,
     extra_keys: tuple[object, ...] = (),
     start: list[BlockHash] | None = None,
-    algorithm: str = "xxh3_128",
+    algorithm: HashAlgorithm = "xxh3_128",
 ) -> list[BlockHash]:
     """Hashes of every *full* block of ``token_ids``, as a new list. ``start`` holds already-computed
     hashes of leading blocks (not modified); only the remaining blocks are hashed."""
@@ -123,7 +230,7 @@ def block_hashes_for(
     data = memoryview(tokens)[8:]
     count = struct.pack("<Q", block_size)
     extra = encode_extra_keys(extra_keys)
-    new = HASH_FUNCTIONS[algorithm][0]
+    new = _hash_function(algorithm)[0]
     width = 8 * block_size
     for i in range(num_full - first):
         h = new(_ROOT_TAG if parent is None else _PARENT_TAG + parent)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from hybridserve.cache.block_pool import BlockHash, BlockPool, block_hashes_for, hash_tail
+from hybridserve.cache.block_pool import BlockHash, BlockPool, HashAlgorithm, block_hashes_for, hash_tail
 from hybridserve.cache.policy import CachePolicy, RequestView
 from hybridserve.cache.prefix_cache import PrefixCache, PrefixCacheStats, PrefixHit, PrefixLookup
 from hybridserve.cache.snapshots import Reservation, ReserveStatus, SnapshotPool, SnapshotPoolStats
@@ -124,7 +124,7 @@ class JointCacheManager:
 
     def __init__(self, block_size: int, block_pool: BlockPool, state_slots: StateSlotPool,
                  snapshots: SnapshotPool | None, policy: CachePolicy | None = None,
-                 block_hash: str = "xxh3_128", tiers: TieredCache | None = None) -> None:
+                 block_hash: HashAlgorithm = "xxh3_128", tiers: TieredCache | None = None) -> None:
         if snapshots is not None and policy is None:
             raise ValueError("a prefix cache needs a cache policy")
         if tiers is not None and snapshots is None:
@@ -153,7 +153,7 @@ class JointCacheManager:
 
     @classmethod
     def create(cls, block_size: int, num_blocks: int, num_state_slots: int, num_snapshot_slots: int,
-               policy: CachePolicy | None, block_hash: str = "xxh3_128") -> JointCacheManager:
+               policy: CachePolicy | None, block_hash: HashAlgorithm = "xxh3_128") -> JointCacheManager:
         """A manager with pools of these sizes; no snapshot slots disables the prefix cache."""
         snapshots = SnapshotPool(num_snapshot_slots) if num_snapshot_slots else None
         return cls(block_size, BlockPool(num_blocks), StateSlotPool(num_state_slots), snapshots,

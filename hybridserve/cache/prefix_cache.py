@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from hybridserve.cache.block_pool import BlockHash, BlockPool, hash_tail
+from hybridserve.cache.block_pool import BlockHash, BlockPool, HashAlgorithm, hash_tail
 from hybridserve.cache.snapshots import SnapshotPool
 
 
@@ -54,7 +54,7 @@ class PrefixCache:
         self._kv_only = self._snapshot_only = 0
 
     def lookup(self, block_hashes: list[BlockHash], token_ids: Sequence[int], extra_keys: tuple[object, ...],
-               algorithm: str = "xxh3_128") -> PrefixLookup:
+               algorithm: HashAlgorithm = "xxh3_128") -> PrefixLookup:
         """Deepest boundary b <= len(token_ids) - 1 whose KV and snapshot are both present, trying
         tails inside block j + 1, then the end of block j, for j from the KV match down. Pure:
         `record` it once the request is admitted, so retries do not inflate the stats."""
@@ -76,7 +76,7 @@ class PrefixCache:
         return PrefixLookup(PrefixHit(0, [], None), None, num_tokens, len(cached) * size, bool(cached), snapshot_only)
 
     def _tail_hit(self, parent: BlockHash | None, blocks: int, token_ids: Sequence[int],
-                  keys: tuple[tuple[object, ...], str], limit: int,
+                  keys: tuple[tuple[object, ...], HashAlgorithm], limit: int,
                   cached: list[int]) -> tuple[PrefixHit, BlockHash] | None:
         """The deepest cached tail after `blocks` full blocks that matches and has a snapshot
         (`keys`: the request's extra hash keys and hash algorithm)."""

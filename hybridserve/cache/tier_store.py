@@ -47,6 +47,7 @@ import xxhash
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from hybridserve.cache.block_pool import block_hash_key_id
 from hybridserve.cache.tier_dir import DiskCacheDirError, prepare_store_dir
 from hybridserve.config import CacheConfig, EngineConfig
 
@@ -604,11 +605,14 @@ def engine_fingerprint(config: EngineConfig, *, model_config: Any, dtype: torch.
     files = checkpoint_files(config.model) if config.model is not None else []
     if not files and weights is None:
         raise ValueError("the built-in model's fingerprint needs its weights")
+    # the seed keying the block hash (stable with a disk tier: its seed file), named without revealing it
+    key_id = block_hash_key_id(config.cache.block_hash, config.cache.block_hash_seed, config.cache.disk_cache_dir)
     return model_fingerprint(model_config=model_config, dtype=str(dtype), block_size=config.cache.block_size,
                              block_hash=config.cache.block_hash, weight_files=files,
                              weights=None if files else weights, tokenizer_json=tokenizer_json,
                              extra={"quantization": config.quantization,
-                                    "tensor_parallel_size": config.tensor_parallel_size})
+                                    "tensor_parallel_size": config.tensor_parallel_size,
+                                    "block_hash_key": key_id})
 
 
 # -- construction from the configuration ------------------------------------------------------------
