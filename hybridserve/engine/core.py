@@ -215,11 +215,55 @@ class EngineCore:
         return added
 
     def _handle(self, message: Any) -> None:
+        """Handle one input message; when that raises, answer its sender with the error and carry on."""
+        try:
+            self._handle_unguarded(message)
+        except Exception as exc:  # noqa: BLE001 - one message's failure is its sender's alone
+            logger.exception("engine core: handling %s failed", type(message).__name__)
+            self._answer_failure(message, exc)
+
+    def _answer_failure(self, message: Any, exc: Exception) -> None:
+        """Tell a failed message's sender: an add is refused (or, when already accepted, its
+        request ends with the error), a utility call raises, and a request whose abort raised is
+        ended with an error all the same."""
+        if isinstance(message, core_messages.AddRequest) and message.request_id in self._live:
+            self._end_with_error([message.request_id], f"adding the request failed: {exc}")
+        elif isinstance(message, core_messages.AddRequest):
+            self._drop([message.request_id])
+            self.send(core_messages.AddResult(message.request_id, error_kind(exc), str(exc)))
+        elif isinstance(message, core_messages.UtilityCall):
+            self.send(core_messages.UtilityResult(message.call_id, error_kind=error_kind(exc), message=str(exc)))
+        elif isinstance(message, core_messages.AbortRequests):
+            self._end_with_error(message.request_ids, f"aborting the request failed: {exc}")
+
+    def _end_with_error(self, request_ids: list[str], reason: str) -> None:
+        """End these requests after a failure: drop them, and their streams end with the error."""
+        self._drop(request_ids)
+        self.send(core_messages.StepFailed(list(request_ids), reason))
+
+    def _drop(self, request_ids: list[str]) -> None:
+        """Forget these requests here and drop them from the engine (best effort after a failure)."""
+        for request_id in request_ids:
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # noqa: BLE001 - best effort: the engine may keep it
+                logger.exception("engine core: dropping %s after a failure failed", request_id)
+            self.tracker.forget(request_id)
+            self._forget(request_id)
+
+    def _handle_unguarded(self, message: Any) -> None:
         if isinstance(message, core_messages.AddRequest):
             self._add(message)
         elif isinstance(message, core_messages.AbortRequests):
-            for request_id in message.request_ids:
-                self._abort(request_id)
+            failed: list[str] = []
+            for request_id in message.request_ids:  # each alone: one failure stops no other abort
+                try:
+                    self._abort(request_id)
+                except Exception:  # noqa: BLE001 - ended with an error below
+                    logger.exception("engine core: aborting %s failed", request_id)
+                    failed.append(request_id)
+            if failed:
+                self._end_with_error(failed, "aborting the request failed")
         elif isinstance(message, core_messages.UtilityCall):
             self._call(message)
         elif isinstance(message, core_messages.Shutdown):
@@ -232,11 +276,11 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - handed back to the caller
             self.send(core_messages.AddResult(message.request_id, error_kind(exc), str(exc)))
             return
-        self._live.add(message.request_id)
         if params.output_kind == RequestOutputKind.FINAL_ONLY:
             self._final_only.add(message.request_id)
         elif params.stream_interval > 1:
             self._intervals[message.request_id] = params.stream_interval
+        self._live.add(message.request_id)  # live: its sender has been told it is queued
         self.send(core_messages.AddResult(message.request_id))
 
     def _abort(self, request_id: str) -> None:

@@ -48,6 +48,7 @@ from hybridserve.engine.frames import FrameOutbox, FrameReceiver, FrameSender, e
 from hybridserve.errors import (
     EngineDeadError,
     EngineOverloadedError,
+    EngineStepError,
     InvalidRequestError,
 )
 from hybridserve.sampling_params import (
@@ -752,4 +753,64 @@ def test_a_long_step_keeps_the_core_healthy() -> None:
         assert problems == [None] * len(problems)
     finally:
         release.set()
+        client.shutdown()
+
+
+def test_a_failing_message_handler_answers_its_sender_and_the_core_runs_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every input handler is guarded: an add whose handling raises is refused, a utility call
+    whose handling raises raises, and a request whose abort raises is dropped all the same; the
+    core keeps serving the others, and nothing leaks."""
+    from hybridserve.engine.async_engine import AsyncLLMEngine
+    from hybridserve.engine.engine import LLMEngine
+
+    original_add, original_abort, original_call = EngineCore._add, EngineCore._abort, EngineCore._call
+
+    def failing_add(self: EngineCore, message: AddRequest) -> None:
+        if message.request_id == "bad-add-early":
+            raise RuntimeError("injected add failure")
+        original_add(self, message)  # accepted and answered, then the handler raises
+        if message.request_id == "bad-add-late":
+            raise RuntimeError("injected late add failure")
+
+    def failing_abort(self: EngineCore, request_id: str) -> None:
+        if request_id == "bad-abort":
+            raise RuntimeError("injected abort failure")
+        original_abort(self, request_id)
+
+    def failing_call(self: EngineCore, message: UtilityCall) -> None:
+        if message.method == "num_running_requests":
+            raise RuntimeError("injected call failure")
+        original_call(self, message)
+
+    monkeypatch.setattr(EngineCore, "_add", failing_add)
+    monkeypatch.setattr(EngineCore, "_abort", failing_abort)
+    monkeypatch.setattr(EngineCore, "_call", failing_call)
+    client = AsyncLLMEngine(LLMEngine(tiny_config()), max_waiting_requests=8)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    long = SamplingParams(max_tokens=5000, ignore_eos=True, temperature=0.0)
+
+    async def scenario() -> list[RequestOutput]:
+        with pytest.raises(RuntimeError, match="injected add failure"):
+            await client.add_request("bad-add-early", [300] * 8, greedy)
+        late = await client.add_request("bad-add-late", [300] * 8, long)
+        with pytest.raises(EngineStepError, match="injected late add failure"):
+            [output async for output in late]
+        with pytest.raises(RuntimeError, match="injected call failure"):
+            await client.call("num_running_requests")
+        stream = await client.add_request("bad-abort", [301] * 8, long)
+        await anext(stream)
+        client.abort("bad-abort")
+        survivors = [[o async for o in client.generate(f"ok-{i}", [302 + i] * 8, greedy)][-1] for i in range(2)]
+        await asyncio.to_thread(wait_until, lambda: client.engine.num_running_requests == 0)
+        return survivors
+
+    try:
+        survivors = asyncio.run(scenario())
+        assert client.num_waiting_estimate == 0
+        assert [len(out.outputs[0].token_ids) for out in survivors] == [4, 4]
+        assert all(out.outputs[0].finish_reason == "length" for out in survivors)
+        assert client.is_running and client.health_problem is None
+        assert asyncio.run(client.call("has_unfinished_requests")) is False
+        asyncio.run(client.check_integrity())
+    finally:
         client.shutdown()

@@ -274,3 +274,28 @@ def test_stream_of_a_failed_request_carries_an_error_event(monkeypatch: pytest.M
     good_events = [json.loads(event) for event in good[:-1]]
     assert good_events[-1]["choices"][0]["finish_reason"] == "length"
     assert not any("error" in event for event in good_events)
+
+
+def test_fork_failure_ends_only_the_forked_sequence(text_checkpoint: Path, reference: dict[str, RequestOutput],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runner fork that raises ends only the sequence being forked, with "error"; its parent
+    and every other request in the batch finish normally with the tokens of a run without it."""
+    engine = _engine(text_checkpoint)
+    forks = {"raised": 0}
+
+    def failing_fork(fork: object) -> None:
+        forks["raised"] += 1
+        raise RuntimeError("injected fork failure")
+
+    monkeypatch.setattr(engine.executor, "fork", failing_fork)
+    engine.add_request("forked", _prompt(30, seed=99), SamplingParams(n=2, max_tokens=12, temperature=0.0,
+                                                                       ignore_eos=True))
+    finished = _run(engine, PROMPTS)
+    assert forks["raised"] == 1
+    forked = finished.pop("forked")
+    assert [c.finish_reason for c in forked.outputs] == ["length", "error"], forked
+    assert len(forked.outputs[0].token_ids) == 12 and forked.outputs[1].token_ids == []
+    assert finished.keys() == reference.keys()
+    for request_id, ref in reference.items():
+        assert finished[request_id].outputs[0].token_ids == ref.outputs[0].token_ids, request_id
+        assert finished[request_id].outputs[0].finish_reason == "length"
