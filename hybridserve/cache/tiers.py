@@ -417,6 +417,19 @@ class TieredCache:
                 self.mover.discard(tier.name, tier.remove(record.entry.key))
         return record.entry
 
+    def ticket_entry(self, ticket: int) -> JointEntry:
+        """The joint entry a ticket in flight moves (the mover may record it beside the objects)."""
+        return self._tickets[ticket].entry
+
+    def adopt(self, tier: str, entry: JointEntry) -> bool:
+        """Take in, as most recently used and ready, an entry whose objects `tier`'s store already
+        holds (a disk directory found at start-up); False when it is there or does not fit."""
+        record = self._by_name[tier]
+        if entry.key in record.entries or record.used + record.entry_bytes(entry) > record.budget:
+            return False
+        record.add(entry)
+        return True
+
     def promotion_objects(self, ticket: int) -> tuple[TierObject, ...]:
         """The objects a promotion in flight loads."""
         return self._tickets[ticket].objects

@@ -14,6 +14,10 @@ device pools (GDN snapshot slots, KV blocks) and the lower tiers' stores, one `S
 
 Events come back from each `StoreMover` in the order operations were submitted to it, so each mover
 keeps a FIFO of what its operations were for.
+
+Restart: beside each state it writes to disk, the mover writes a small `meta-<hex>` object (the
+joint entry: prefix block hashes, boundary, tail length). At start-up the disk tier's entries are
+rebuilt from those whose state and KV objects are all present; other objects are deleted.
 """
 
 from __future__ import annotations
@@ -29,11 +33,24 @@ import torch
 from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.cache.store_mover import StoreMover, TierEvent
 from hybridserve.cache.tier_store import Payload, TierStores, TierStoreStats, build_tier_stores, engine_fingerprint
-from hybridserve.cache.tiers import DEVICE, KV, STATE, ObjectSizes, TieredCache, TierObject, TierSpec
+from hybridserve.cache.tiers import (
+    DEVICE,
+    KV,
+    STATE,
+    JointEntry,
+    ObjectSizes,
+    TieredCache,
+    TierObject,
+    TierSpec,
+    object_key,
+)
 from hybridserve.config import EngineConfig, ModelConfig
 from hybridserve.layers.attention import PagedKVCache
 
 logger = logging.getLogger(__name__)
+
+META = "meta"
+DISK = "disk"
 
 Purpose = Literal["write", "read-for-write", "read", "delete"]
 
@@ -108,6 +125,27 @@ class EngineTierMover:
         self._tickets: dict[int, _Ticket] = {}
         self._finished: list[tuple[int, bool]] = []
         self.store_evictions: list[str] = []  # object keys a store dropped itself (the disk's own LRU)
+        self.tiers: TieredCache | None = None   # bound after construction: the entries tickets move
+
+    def bind(self, tiers: TieredCache) -> None:
+        """The logical tiers this mover serves; the disk tier's surviving entries are adopted."""
+        self.tiers = tiers
+        disk = self.stores.disk
+        if disk is None:
+            return
+        keys = disk.keys()
+        present, kept = set(keys), set()
+        for key in keys:  # least recently used first, so recency survives the restart
+            entry = _meta_entry(key, disk.get(key)) if key.startswith(META + "-") else None
+            if entry is None:
+                continue
+            needed = {key, object_key(STATE, entry.key), *(object_key(KV, b) for b in entry.blocks)}
+            if needed <= present and tiers.adopt(DISK, entry):
+                kept |= needed
+        for key in keys:
+            if key not in kept:
+                disk.delete(key)
+        logger.info("disk cache tier: %d entries kept from an earlier run", tiers.stats()[-1].entries)
 
     @property
     def tier_names(self) -> list[str]:
@@ -127,6 +165,9 @@ class EngineTierMover:
                 self._submit(record, tier, _Pending("write", ticket, obj.key, obj), payload)
             else:
                 self._submit(record, obj.source, _Pending("read-for-write", ticket, obj.key, obj, target=tier))
+            if tier == DISK and obj.kind == STATE and self.tiers is not None:
+                meta = _meta_payload(self.tiers.ticket_entry(ticket))
+                self._submit(record, tier, _Pending("write", ticket, _meta_key(obj.key)), meta)
         self._settle(ticket)
 
     def start_promotion(self, ticket: int, objects: Sequence[TierObject]) -> None:
@@ -142,8 +183,9 @@ class EngineTierMover:
         """Queue deletes behind everything already submitted to that tier's store."""
         mover = self.movers[tier]
         for key in keys:
-            self._pending[tier].append(_Pending("delete", None, key))
-            mover.submit_delete(key)
+            for gone in (key, _meta_key(key)) if tier == DISK and key.startswith(STATE + "-") else (key,):
+                self._pending[tier].append(_Pending("delete", None, gone))
+                mover.submit_delete(gone)
 
     def poll(self) -> list[tuple[int, bool]]:
         """Apply finished store operations; tickets done since the last poll. Promoted objects are
@@ -233,6 +275,35 @@ class EngineTierMover:
         self.stores.close()
 
 
+def _meta_key(state_key: str) -> str:
+    """The disk key of a state object's entry description."""
+    return META + state_key.removeprefix(STATE)
+
+
+def _meta_payload(entry: JointEntry) -> Payload:
+    """A joint entry as tensors: its prefix block hashes (one row each) and (boundary, tail)."""
+    width = len(entry.key)
+    if any(len(block) != width for block in entry.blocks):
+        raise ValueError("block hashes of one entry differ in length")
+    blocks = torch.frombuffer(bytearray(b"".join(entry.blocks)), dtype=torch.uint8).reshape(len(entry.blocks), width)
+    return {"blocks": blocks.clone(), "tokens": torch.tensor([entry.num_tokens, entry.tail_tokens], dtype=torch.int64)}
+
+
+def _meta_entry(key: str, payload: Mapping[str, torch.Tensor] | None) -> JointEntry | None:
+    """The joint entry a meta object describes; None when it is unreadable or names another key."""
+    if payload is None or set(payload) != {"blocks", "tokens"} or payload["tokens"].shape != (2,):
+        return None
+    blocks = payload["blocks"]
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[0] == 0:
+        return None
+    hashes = tuple(bytes(row.tolist()) for row in blocks)
+    num_tokens, tail_tokens = (int(v) for v in payload["tokens"].tolist())
+    entry_key = hashes[-1]  # a boundary's key is its last block's hash, or its tail's
+    if key != _meta_key(object_key(STATE, entry_key)) or not 0 <= tail_tokens < num_tokens:
+        return None
+    return JointEntry(entry_key, num_tokens, hashes, tail_tokens)
+
+
 def tiers_requested(config: EngineConfig) -> bool:
     """Whether any lower-tier flag is set (`--host-cache-memory`, `--disk-cache-dir`)."""
     return bool(config.cache.host_cache_memory_bytes) or config.cache.disk_cache_dir is not None
@@ -256,4 +327,6 @@ def build_engine_tiers(config: EngineConfig, *, model_config: ModelConfig, dtype
     if not specs:
         mover.close()
         raise ValueError("no lower tier has a budget (--host-cache-memory, or --disk-cache-dir with --disk-cache-size)")
-    return TieredCache(specs, sizes, mover, write_through=stores.write_policy == "write-through"), mover
+    tiers = TieredCache(specs, sizes, mover, write_through=stores.write_policy == "write-through")
+    mover.bind(tiers)
+    return tiers, mover

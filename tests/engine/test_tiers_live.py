@@ -1,0 +1,127 @@
+"""Lower cache tiers in the live engine (TP=1): a device snapshot pool of two slots and a small KV
+pool push snapshots and KV down to host memory or disk; later turns are served from there, with
+outputs identical to the cache off, and a disk tier survives a restart of the engine."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.cache.tiers import TierStats
+from hybridserve.config import CacheConfig, EngineConfig
+from hybridserve.engine.engine import LLMEngine
+from tests.helpers.targets import CPU
+
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+SMALL_POOLS = {"kv_cache_mib": 2, "prefix_cache_mib": 2}  # 64 blocks of 16 tokens, two snapshot slots
+
+
+def _tokens(length: int, seed: int) -> list[int]:
+    return torch.randint(0, 4000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _llm(**kwargs: object) -> LLM:
+    return LLM(**CPU.engine_kwargs(), **kwargs)  # type: ignore[arg-type]  # keyword arguments of LLM
+
+
+def _conversations(llm: LLM) -> list[tuple[list[int], list[dict[int, float]] | None, int]]:
+    """Five interleaved multi-turn conversations and a branch off the first one's first turn, one
+    request at a time: (greedy tokens, logprobs, cached prompt tokens) per request."""
+    history = {c: _tokens(150 + 10 * c, seed=c) for c in range(5)}
+    first_turn = list(history[0])
+    results = []
+    for turn in range(3):
+        for c in range(5):
+            out = llm.generate([history[c]], PARAMS, use_tqdm=False)[0]
+            completion = out.outputs[0]
+            results.append((completion.token_ids, completion.logprobs, out.num_cached_tokens))
+            history[c] = history[c] + completion.token_ids + _tokens(20, seed=100 * turn + c)
+        llm.llm_engine.check_integrity()
+    branch = llm.generate([first_turn + _tokens(30, seed=999)], PARAMS, use_tqdm=False)[0]
+    results.append((branch.outputs[0].token_ids, branch.outputs[0].logprobs, branch.num_cached_tokens))
+    llm.llm_engine.check_integrity()
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[tuple[list[int], list[dict[int, float]] | None, int]]:
+    """The same requests with the prefix cache off."""
+    return _conversations(_llm(kv_cache_mib=2, prefix_cache_mib=0))
+
+
+def _assert_same_outputs(got: list[tuple[list[int], list[dict[int, float]] | None, int]],
+                         want: list[tuple[list[int], list[dict[int, float]] | None, int]]) -> None:
+    for (tokens, logprobs, _), (ref_tokens, ref_logprobs, _) in zip(got, want, strict=True):
+        assert tokens == ref_tokens
+        assert logprobs is not None and ref_logprobs is not None
+        for row, ref_row in zip(logprobs, ref_logprobs, strict=True):
+            assert row.keys() == ref_row.keys()
+            assert max(abs(row[t] - ref_row[t]) for t in row) <= CPU.logit_atol
+
+
+def _tier(llm: LLM, name: str) -> TierStats:
+    return next(stats for stats in llm.llm_engine.tier_stats() if stats.name == name)
+
+
+def test_host_tier_serves_later_turns_with_identical_outputs(reference: list) -> None:
+    llm = _llm(**SMALL_POOLS, host_cache_memory="64MiB")
+    results = _conversations(llm)
+    _assert_same_outputs(results, reference)
+    host = _tier(llm, "host")
+    assert host.demotions > 0 and host.promotions > 0
+    assert host.hits > 0 and host.hit_tokens >= 150 * host.hits
+    assert host.failed == 0
+    assert sum(cached for _, _, cached in results) >= host.hit_tokens
+    stats = llm.llm_engine.stats()
+    assert stats["tier_host_hits"] == host.hits and stats["tier_host_budget_bytes"] == 64 << 20
+    llm.llm_engine.shutdown()
+
+
+def _private_dir(path: Path) -> str:
+    path.mkdir(mode=0o700)
+    os.chmod(path, 0o700)
+    return str(path)
+
+
+def test_disk_tier_serves_later_turns_with_identical_outputs(reference: list, tmp_path: Path) -> None:
+    llm = _llm(**SMALL_POOLS, disk_cache_dir=_private_dir(tmp_path / "tiers"), disk_cache_size="64MiB")
+    results = _conversations(llm)
+    _assert_same_outputs(results, reference)
+    disk = _tier(llm, "disk")
+    assert disk.hits > 0 and disk.failed == 0
+    llm.llm_engine.shutdown()
+
+
+def test_disk_tier_survives_a_restart_and_ignores_another_dtype(tmp_path: Path) -> None:
+    directory = _private_dir(tmp_path / "tiers")
+    flags = {**SMALL_POOLS, "disk_cache_dir": directory, "disk_cache_size": "64MiB",
+             "tier_write_policy": "write-through"}
+    prompt = _tokens(400, seed=7)
+    first = _llm(**flags)
+    want = first.generate([prompt], PARAMS, use_tqdm=False)[0]
+    assert want.num_cached_tokens == 0
+    first.llm_engine.shutdown()
+
+    restarted = _llm(**flags)
+    got = restarted.generate([prompt], PARAMS, use_tqdm=False)[0]
+    assert got.num_cached_tokens >= 3 * len(prompt) // 4  # restored from the disk tier
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert _tier(restarted, "disk").hits == 1
+    restarted.llm_engine.check_integrity()
+    restarted.llm_engine.shutdown()
+
+    other_dtype = LLM(device=CPU.device, dtype="bfloat16", **flags)  # type: ignore[arg-type]
+    assert other_dtype.generate([prompt], PARAMS, use_tqdm=False)[0].num_cached_tokens == 0
+    assert _tier(other_dtype, "disk").hits == 0
+    other_dtype.llm_engine.shutdown()
+
+
+def test_tensor_parallel_engine_refuses_lower_tiers() -> None:
+    config = EngineConfig(**CPU.engine_kwargs(), tensor_parallel_size=2,
+                          cache=CacheConfig(host_cache_memory_bytes=1 << 20))
+    with pytest.raises(ValueError, match="not supported with tensor_parallel_size=2"):
+        LLMEngine(config)
