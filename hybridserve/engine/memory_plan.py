@@ -68,7 +68,6 @@ def _proc_bytes(path: str) -> dict[str, int]:
             name, _, rest = line.partition(":")
             if (fields := rest.split()) and fields[0].isdigit():
                 values[name] = int(fields[0]) * 1024
-
     return values
 
 

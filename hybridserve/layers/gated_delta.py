@@ -31,12 +31,10 @@ def l2_normalize(x: torch.Tensor, eps: float = L2_NORM_EPS, scale: float = 1.0) 
 
 def causal_conv_prefill(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv + SiLU over one sequence's chunk.
-
-    x: [T, C] conv inputs; conv_state: [C, K-1] inputs of the K-1 positions before the chunk;
-    weight: [C, K]. Returns (SiLU(conv) [T, C], window [C, T+K-1]) where window column j is the
-    input at position (start - (K-1) + j): the state at any boundary b is window[:, b-start : b-start+K-1].
-    """
+    """Depthwise causal conv + SiLU over one sequence's chunk: x [T, C] conv inputs, conv_state [C, K-1]
+    the inputs of the K-1 positions before the chunk, weight [C, K]. Returns (SiLU(conv) [T, C], window
+    [C, T+K-1]), window column j being the input at position (start - (K-1) + j): the state at any
+    boundary b is window[:, b-start : b-start+K-1]."""
     window = torch.cat([conv_state.to(x.dtype), x.t()], dim=1)
     out = F.conv1d(window.unsqueeze(0), weight.unsqueeze(1), groups=weight.shape[0])
     return F.silu(out[0].t()), window
@@ -147,11 +145,9 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
 
 def _state_inside_chunk(state: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, cum: torch.Tensor,
                         used: int, group: int) -> torch.Tensor:
-    """State after the first `used` (< chunk) tokens of a chunk that starts from `state`.
-
-    state [Hv, Dk, Dv]; k [Hk, C, Dk] (normalised); v_new [Hv, C, Dv] (the chunk's corrected
-    values); cum [Hv, C, 1] (cumulative log-decay). The same update as a chunk end, cut at `used`.
-    """
+    """State after the first `used` (< chunk) tokens of a chunk that starts from `state` [Hv, Dk, Dv]
+    (the same update as a chunk end, cut at `used`): k [Hk, C, Dk] normalised, v_new [Hv, C, Dv] the
+    chunk's corrected values, cum [Hv, C, 1] the cumulative log-decay."""
     last = cum[:, used - 1:used]                                               # [Hv, 1, 1]
     keys = k[:, :used].repeat_interleave(group, dim=0) * (last - cum[:, :used]).exp()
     return torch.baddbmm(state * last.exp(), keys.transpose(-1, -2), v_new[:, :used])

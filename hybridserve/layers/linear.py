@@ -214,8 +214,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _fused(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One contiguous tensor of `tensors` concatenated on dim 0; a single contiguous tensor is
-    returned as is (no copy)."""
+    """`tensors` concatenated on dim 0, contiguous; a single contiguous tensor as is (no copy)."""
     if len(tensors) == 1 and tensors[0].is_contiguous():
         return tensors[0]
     return torch.cat(tensors).contiguous()

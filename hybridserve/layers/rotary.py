@@ -34,6 +34,4 @@ class PartialRotaryEmbedding(nn.Module):
         half = self.rotary_dim // 2
         rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
         out = rot * cos + rotated * sin
-        if rest.shape[-1] == 0:
-            return out
-        return torch.cat([out, rest], dim=-1)
+        return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)

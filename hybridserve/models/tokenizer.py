@@ -47,13 +47,8 @@ _TRAINING_TEXT = Path(__file__).with_name("builtin_tokenizer_text.txt").read_tex
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2 byte-level alphabet: each byte maps to a printable unicode character."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
+    others = [b for b in range(256) if b not in printable]  # in byte order, after U+00FF
+    return {b: chr(b) for b in printable} | {b: chr(256 + extra) for extra, b in enumerate(others)}
 
 
 _ONSETS = ("", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "y", "z",
