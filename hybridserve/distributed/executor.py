@@ -13,12 +13,13 @@ import os
 import socket
 import time
 import weakref
+from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple, NoReturn, cast
 
 from hybridserve.cache.manager import Fork
-from hybridserve.distributed.worker import worker_main
+from hybridserve.distributed.worker import LOCAL_RENDEZVOUS, STORE_SCHEME, worker_main
 from hybridserve.engine.executor import StepFailedError, WorkerDiedError, unwrap
 from hybridserve.engine.step_plan import StepPlan
 from hybridserve.engine.threads import child_process_environment
@@ -27,6 +28,8 @@ from hybridserve.engine.worker import PlanResult, RankCapacity, StepReply, Worke
 __all__ = ["CommStats", "StepFailedError", "TensorParallelExecutor", "WorkerDiedError", "free_port"]
 logger = logging.getLogger(__name__)
 START_TIMEOUT_SECONDS = 600.0
+RENDEZVOUS_HOST = "127.0.0.1"
+RENDEZVOUS_TIMEOUT = timedelta(seconds=START_TIMEOUT_SECONDS)
 STOP_GRACE_SECONDS = 5.0
 
 
@@ -39,10 +42,24 @@ class CommStats(NamedTuple):
 
 
 def free_port() -> int:
-    """A free TCP port on this machine for the rendezvous of local workers."""
+    """A TCP port that was free a moment ago (another process may take it before the caller binds
+    it; the tensor-parallel rendezvous does not use this: see `_rendezvous_store`)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _rendezvous_store(specs: list[WorkerSpec]) -> tuple[Any, list[WorkerSpec]]:
+    """For locally spawned ranks (`LOCAL_RENDEZVOUS`): a `TCPStore` this process binds on port 0 and
+    holds (so no other process can take the port between choosing and binding it), and the specs
+    pointing at it; the ranks join it as clients. Other specs (torchrun's `env://`) pass through."""
+    if specs[0].init_method != LOCAL_RENDEZVOUS:
+        return None, specs
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # only where ranks are spawned
+
+    store = TCPStore(RENDEZVOUS_HOST, 0, None, True, timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False)
+    address = f"{STORE_SCHEME}{RENDEZVOUS_HOST}:{store.port}"
+    return store, [spec._replace(init_method=address) for spec in specs]
 
 
 class TensorParallelExecutor:
@@ -51,6 +68,8 @@ class TensorParallelExecutor:
     def __init__(self, specs: list[WorkerSpec]) -> None:
         """Start a process per spec (rank 0 first) and wait until each loaded its shard (else WorkerDiedError)."""
         context = multiprocessing.get_context("spawn")
+        # held for the executor's life: the ranks' group keeps using it after the rendezvous
+        self._store, specs = _rendezvous_store(specs)
         self.world_size = specs[0].world_size
         self.broadcast_commands = specs[0].broadcast_commands
         self.processes: list[Any] = []
@@ -182,6 +201,7 @@ class TensorParallelExecutor:
         for conn in self.conns:
             conn.close()
         self.conns = []
+        self._store = None  # the ranks are gone: release the rendezvous port
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # e.g. at interpreter shutdown

@@ -9,7 +9,7 @@ import torch
 
 from hybridserve.config import EngineConfig, ModelConfig
 from hybridserve.distributed.sharding import validate_tensor_parallel
-from hybridserve.distributed.worker import worker_main
+from hybridserve.distributed.worker import LOCAL_RENDEZVOUS, worker_main
 from hybridserve.engine.threads import available_cores
 from hybridserve.engine.worker import WorkerSpec
 
@@ -46,11 +46,8 @@ def tensor_parallel_specs(config: EngineConfig, model_config: ModelConfig, max_m
         return WorkerSpec(rank, world, init_method, config, model_config, max_model_len, threads, rank_device,
                           dtype_name, chunk_size, broadcast_commands=env is not None)
 
-    if env is None:
-        from hybridserve.distributed.executor import free_port
-
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        return [spec(rank, rank, init_method) for rank in range(world)]
+    if env is None:  # the executor binds the rendezvous store (port 0, held) and fills in its address
+        return [spec(rank, rank, LOCAL_RENDEZVOUS) for rank in range(world)]
     rank, _, local_rank, _ = env
     if rank != 0:
         worker_main(spec(rank, local_rank, "env://"), None)

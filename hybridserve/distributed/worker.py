@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # exported where distributed is built
 
 from hybridserve.distributed.shm_allreduce import CONTROL, ShmAllReduce
 from hybridserve.engine.threads import apply_process_settings
@@ -100,6 +101,25 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
+LOCAL_RENDEZVOUS = "local"
+"""The `init_method` of the specs of locally spawned ranks: the executor replaces it with the address
+of the rendezvous store it binds (`store://HOST:PORT`) before starting them."""
+STORE_SCHEME = "store://"
+
+
+def _join_group(backend: str, spec: WorkerSpec) -> None:
+    """Join the process group: through the controller's already-bound `TCPStore` (`store://HOST:PORT`,
+    as a client: no rank binds a port), else through `spec.init_method` (`env://` under torchrun)."""
+    if spec.init_method.startswith(STORE_SCHEME):
+        host, _, port = spec.init_method.removeprefix(STORE_SCHEME).rpartition(":")
+        store = TCPStore(host, int(port), None, False, timeout=COMPUTE_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.world_size,
+                                timeout=COMPUTE_TIMEOUT)
+        return
+    dist.init_process_group(backend, init_method=spec.init_method, rank=spec.rank,
+                            world_size=spec.world_size, timeout=COMPUTE_TIMEOUT)
+
+
 def worker_main(spec: WorkerSpec, conn: Connection | None, parent_pid: int | None = None) -> None:
     """Entry point of a rank's process: join the group, build the shard, report (or the error), serve."""
     if parent_pid is not None:
@@ -109,8 +129,7 @@ def worker_main(spec: WorkerSpec, conn: Connection | None, parent_pid: int | Non
         backend = "nccl" if spec.device.startswith("cuda") else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(torch.device(spec.device))
-        dist.init_process_group(backend, init_method=spec.init_method, rank=spec.rank,
-                                world_size=spec.world_size, timeout=COMPUTE_TIMEOUT)
+        _join_group(backend, spec)
         group = TorchRankGroup(torch.device(spec.device))
         worker = Worker(spec, group)
         if conn is not None:
