@@ -78,10 +78,13 @@ class StructuredOutputsParams:
 
 class RequestOutputKind(enum.IntEnum):
     """What a request's stream yields, as vLLM's enum of the same name: every step's cumulative
-    output, or only the final one (a non-streamed HTTP response, which then costs the API process
-    nothing per token)."""
+    output, only what is new since the previous read (DELTA: a streamed HTTP response, whose cost
+    per read then does not grow with the output; honoured by the async front ends' streams, the
+    synchronous `LLMEngine` answers cumulatively), or only the final one (a non-streamed HTTP
+    response, which then costs the API process nothing per token)."""
 
     CUMULATIVE = 0
+    DELTA = 1
     FINAL_ONLY = 2
 
 

@@ -60,35 +60,43 @@ class _TextBuffer:
     either as the part not handed out yet (`take`) or whole (`value`); each costs the text it
     touches, not the whole text."""
 
-    __slots__ = ("_taken", "_taken_len", "_pending")
+    __slots__ = ("_taken", "_taken_len", "_pending", "_pending_len")
 
     def __init__(self) -> None:
-        self._taken: list[str] = []  # text already handed out by `take`
+        self._taken: list[str] = []    # text already handed out by `take`
         self._taken_len = 0
-        self._pending = ""           # text not handed out yet (the new tokens' text, a held-back tail)
+        self._pending: list[str] = []  # text not handed out yet (the new tokens' text, a held-back tail)
+        self._pending_len = 0
 
     def __len__(self) -> int:
-        return self._taken_len + len(self._pending)
+        return self._taken_len + self._pending_len
 
     def append(self, text: str) -> None:
         """Add text at the end."""
         if text:
-            self._pending += text
+            self._pending.append(text)
+            self._pending_len += len(text)
+
+    def _set_pending(self, text: str) -> None:
+        self._pending, self._pending_len = ([text] if text else []), len(text)
 
     def truncate(self, size: int) -> None:
         """Keep the first `size` characters (a stop string cut the end)."""
         if size >= len(self):
             return
         if size >= self._taken_len:
-            self._pending = self._pending[:size - self._taken_len]
+            self._set_pending("".join(self._pending)[:size - self._taken_len])
             return
         whole = "".join(self._taken)[:size]  # cuts into text already handed out: only cumulative readers
-        self._taken, self._taken_len, self._pending = [whole], len(whole), ""
+        self._taken, self._taken_len = [whole], len(whole)
+        self._set_pending("")
 
     def take(self, holdback: int) -> str:
         """The text not handed out yet, less its last `holdback` characters, now handed out."""
-        size = max(0, len(self._pending) - holdback)
-        taken, self._pending = self._pending[:size], self._pending[size:]
+        pending = "".join(self._pending)
+        size = max(0, len(pending) - holdback)
+        taken = pending[:size]
+        self._set_pending(pending[size:])
         if taken:
             self._taken.append(taken)
             self._taken_len += len(taken)
@@ -96,9 +104,10 @@ class _TextBuffer:
 
     def value(self) -> str:
         """The whole text."""
-        if len(self._taken) > 1:
-            self._taken = ["".join(self._taken)]
-        return (self._taken[0] if self._taken else "") + self._pending
+        whole = "".join(self._taken) + "".join(self._pending)
+        self._taken, self._taken_len = [whole], len(whole)
+        self._set_pending("")
+        return whole
 
 
 @dataclasses.dataclass(slots=True)

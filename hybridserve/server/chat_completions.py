@@ -30,7 +30,14 @@ from hybridserve.server.protocol import (
 from hybridserve.server.reasoning_parser import THINK_END, prompt_opens_thinking, split_reasoning
 from hybridserve.server.serving import ChatOptions, ChoiceState, Job, OpenAIServing
 from hybridserve.server.tool_grammar import tool_call_grammar
-from hybridserve.server.tool_parser import TOOL_CALL_END, TOOL_CALL_START, ParsedToolCall, parse_tool_calls
+from hybridserve.server.tool_parser import (
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+    ParsedToolCall,
+    ToolCallPiece,
+    parse_forced_tool_calls,
+    parse_tool_calls,
+)
 
 
 class ChatServing(OpenAIServing):
@@ -54,8 +61,10 @@ class ChatServing(OpenAIServing):
         prompt_ids = await self._encode(text)
         max_tokens = self._max_tokens(len(prompt_ids), body.requested_max_tokens,
                                       body.requested_max_tokens is not None, default=None, param="messages")
+        forced = bool(body.tool_dicts) and (body.tool_choice == "required"
+                                            or isinstance(body.tool_choice, NamedToolChoice))
         options = ChatOptions(tools=body.tool_dicts, split_reasoning=self.context.reasoning_parser is not None,
-                              thinking_open=prompt_opens_thinking(text))
+                              thinking_open=prompt_opens_thinking(text), forced_tools=forced)
         job = self._job("chatcmpl", model, body, request, [prompt_ids], max_tokens, body.num_logprobs, [""],
                         structured, options)
         return await self._respond(job, body.stream, request)
@@ -96,6 +105,13 @@ class ChatServing(OpenAIServing):
     def _tool_call_id(job: Job, choice: int, call: int) -> str:
         return f"call_{job.request_id.rsplit('-', 1)[-1][:16]}_{choice}_{call}"
 
+    def _tool_call_piece(self, job: Job, choice: int, piece: ToolCallPiece) -> DeltaToolCall:
+        """A streamed piece of a call, as OpenAI sends it: the first with id, type and name."""
+        if piece.name is None:
+            return DeltaToolCall(index=piece.call_index, function=DeltaFunctionCall(arguments=piece.arguments))
+        return DeltaToolCall(index=piece.call_index, id=self._tool_call_id(job, choice, piece.call_index),
+                             type="function", function=DeltaFunctionCall(name=piece.name, arguments=piece.arguments))
+
     @staticmethod
     def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
         return "tool_calls" if has_calls and reason == "stop" else reason
@@ -109,7 +125,9 @@ class ChatServing(OpenAIServing):
                 split = split_reasoning(content, job.chat.thinking_open)
                 content, reasoning = split.content, split.reasoning
             parsed: list[ParsedToolCall] = []
-            if job.chat.tools:
+            if job.chat.forced_tools:  # all output is calls: none of it is content, even cut short
+                content, parsed = "", parse_forced_tool_calls(content, job.chat.tools)
+            elif job.chat.tools:
                 content, parsed = parse_tool_calls(content, job.chat.tools)
             calls = [ToolCallOut(id=self._tool_call_id(job, out.index, i),
                                  function=FunctionCallOut(name=c.name, arguments=c.arguments))
@@ -128,9 +146,9 @@ class ChatServing(OpenAIServing):
 
     def _stream_choice(self, job: Job, index: int, state: ChoiceState,
                        out: CompletionOutput) -> ChatStreamChoice | None:
-        """The reasoning, content and completed tool calls that `out` adds to one choice."""
+        """The reasoning, content and tool-call pieces that `out` (a delta) adds to one choice."""
         finished = out.finish_reason is not None
-        text = state.visible_text(out)
+        text = out.text
         delta = DeltaMessage()
         if state.reasoning is not None:
             reasoning_delta, text = state.reasoning.update(text, finished)
@@ -138,19 +156,17 @@ class ChatServing(OpenAIServing):
         if state.tools is not None:
             tools_delta = state.tools.update(text, finished)
             delta.content = tools_delta.content or None
-            delta.tool_calls = [DeltaToolCall(index=i, id=self._tool_call_id(job, index, i), type="function",
-                                              function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
-                                for i, c in tools_delta.tool_calls] or None
+            delta.tool_calls = [self._tool_call_piece(job, index, piece) for piece in tools_delta.tool_calls] or None
         else:
-            delta.content = state.advance(text) or None
+            delta.content = text or None
         empty = delta.content is None and delta.reasoning_content is None and not delta.tool_calls
         if not state.started:
             delta.role, state.started = "assistant", True
             delta.content = "" if empty else delta.content
         logprobs = None
         if job.num_logprobs is not None:
-            logprobs = self._logprobs(out, state.sent_tokens, job.num_logprobs)
-        state.sent_tokens = len(out.token_ids)
+            logprobs = self._logprobs(out, 0, job.num_logprobs)
+        state.sent_tokens += len(out.token_ids)
         if empty and delta.role is None and not finished and not (logprobs and logprobs.content):
             return None
         has_calls = state.tools is not None and state.tools.num_calls > 0

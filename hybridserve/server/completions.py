@@ -70,12 +70,12 @@ class CompletionServing(OpenAIServing):
         if not state.started:
             echo = job.echo_texts[index // job.params.n]
             prefix, state.started, state.text_offset = echo, True, len(echo)
-        text = prefix + state.text_delta(out)
+        text = prefix + out.text  # `out` is a delta: only what is new
         logprobs = None
         if job.num_logprobs is not None:
-            logprobs = self._logprobs(out, state.sent_tokens, job.num_logprobs, state.text_offset)
+            logprobs = self._logprobs(out, 0, job.num_logprobs, state.text_offset)
             state.text_offset += sum(len(token) for token in logprobs.tokens)
-        state.sent_tokens = len(out.token_ids)
+        state.sent_tokens += len(out.token_ids)
         finished = out.finish_reason is not None
         if not text and not finished and not (logprobs and logprobs.tokens):
             return None

@@ -83,10 +83,12 @@ class RequestTracker:
         self._num_tokens = 0
         self._done = False
 
-    def observe(self, output: RequestOutput) -> None:
+    def observe(self, output: RequestOutput, delta: bool = False) -> None:
         """Record TTFT / inter-token latency for tokens new since the last call (over all of the
-        request's completions)."""
+        request's completions); `delta` when `output` holds only what is new (a DELTA stream)."""
         num_tokens = sum(len(o.token_ids) for o in output.outputs)
+        if delta:
+            num_tokens += self._num_tokens
         new = num_tokens - self._num_tokens
         if new > 0:
             now = time.monotonic()
@@ -104,15 +106,16 @@ class RequestTracker:
             self._last_time = now
             self._num_tokens = num_tokens
         if output.finished:
-            self.finish(output)
+            self.finish(output, delta)
 
-    def finish(self, output: RequestOutput) -> None:
-        """Count tokens and the finish reason once."""
+    def finish(self, output: RequestOutput, delta: bool = False) -> None:
+        """Count tokens and the finish reason once (`delta`: the tokens seen by `observe`)."""
         if self._done:
             return
         self._done = True
         self._metrics.prompt_tokens.inc(len(output.prompt_token_ids))
-        self._metrics.generation_tokens.inc(sum(len(o.token_ids) for o in output.outputs))
+        generated = self._num_tokens if delta else sum(len(o.token_ids) for o in output.outputs)
+        self._metrics.generation_tokens.inc(generated)
         self._metrics.e2e.observe(time.monotonic() - self._arrival)
         for completion in output.outputs:
             self._metrics.success.labels(finished_reason=completion.finish_reason or "unknown").inc()

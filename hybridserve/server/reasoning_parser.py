@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from hybridserve.server.tool_parser import partial_suffix, stream_delta
+from hybridserve.server.tool_parser import partial_suffix
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -43,15 +43,50 @@ def split_reasoning(text: str, thinking_open: bool, *, final: bool = True) -> Re
 
 
 class ReasoningStream:
-    """Incremental splitter over one choice's cumulative text."""
+    """Incremental splitter over one choice's text, fed what is new each step: the work per step is
+    the new text plus a short held-back tail (a partial `</think>`, newlines that may end the
+    reasoning). It agrees with `split_reasoning` except for an output that closes `</think>`
+    without having opened one (neither in the prompt nor at its start): a stream sends it as content."""
 
     def __init__(self, thinking_open: bool) -> None:
         self.thinking_open = thinking_open
-        self.sent_reasoning = ""
+        self._phase = "start"  # "start": undecided; "reasoning"; "content"
+        self._held = ""        # text not sent yet
+        self._strip_lead = True  # newlines still to be dropped at the start of the current part
 
     def update(self, text: str, final: bool) -> ReasoningSplit:
-        """(new reasoning delta, cumulative content so far)."""
-        split = split_reasoning(text, self.thinking_open, final=final)
-        reasoning = split.reasoning.rstrip("\n")  # newlines before </think> may not belong to the reasoning
-        delta, self.sent_reasoning = stream_delta(self.sent_reasoning, reasoning)
-        return ReasoningSplit(delta, split.content)
+        """(reasoning delta, content delta) for the new `text`; `final` when the output is complete."""
+        held = self._held + text
+        self._held = ""
+        if self._phase == "start":
+            stripped = held.lstrip()
+            if not final and (not stripped or THINK_START.startswith(stripped)):
+                self._held = held  # could still become an opening <think>
+                return ReasoningSplit("", "")
+            if stripped.startswith(THINK_START):
+                self._phase, held = "reasoning", stripped[len(THINK_START):]
+            else:
+                self._phase = "reasoning" if self.thinking_open else "content"
+                self._strip_lead = self.thinking_open
+        if self._phase == "content":
+            return ReasoningSplit("", self._content(held))
+        return self._reasoning(held, final)
+
+    def _content(self, text: str) -> str:
+        if self._strip_lead:
+            text = text.lstrip("\n")
+            self._strip_lead = not text
+        return text
+
+    def _reasoning(self, held: str, final: bool) -> ReasoningSplit:
+        if self._strip_lead:
+            held = held.lstrip("\n")
+            self._strip_lead = not held
+        end = held.find(THINK_END)
+        if end >= 0:
+            self._phase, self._strip_lead = "content", True
+            return ReasoningSplit(held[:end].rstrip("\n"), self._content(held[end + len(THINK_END):]))
+        keep = 0 if final else partial_suffix(held, THINK_END)
+        sendable = held[:len(held) - keep].rstrip("\n")  # newlines before </think> are not reasoning
+        self._held = "" if final else held[len(sendable):]
+        return ReasoningSplit(sendable, "")

@@ -59,7 +59,7 @@ from hybridserve.server.protocol import (
 )
 from hybridserve.server.reasoning_parser import REASONING_PARSERS, ReasoningStream
 from hybridserve.server.sse import EventStreamResponse, SendEvent, TextChunkTemplate, sse_event
-from hybridserve.server.tool_parser import ToolCallStream, stream_delta
+from hybridserve.server.tool_parser import ToolCallStream
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,7 @@ class ChatOptions:
     tools: list[dict[str, Any]] | None     # parse tool calls against these (None: no parsing)
     split_reasoning: bool                   # a reasoning parser is configured
     thinking_open: bool                     # the prompt ends inside an open <think> block
+    forced_tools: bool = False              # tool_choice "required" or a named function: all output is calls
 
 
 @dataclasses.dataclass
@@ -139,10 +140,10 @@ class Job:
 
 @dataclasses.dataclass
 class ChoiceState:
-    """What has been streamed so far for one choice."""
+    """What has been streamed so far for one choice. A streamed job's engine outputs are deltas
+    (`RequestOutputKind.DELTA`: new text and tokens only; the stream holds back text a stop string
+    may still cut), so each chunk costs what it carries."""
 
-    holdback: int = 0
-    sent_text: str = ""
     sent_tokens: int = 0
     text_offset: int = 0
     started: bool = False
@@ -152,30 +153,13 @@ class ChoiceState:
 
     @classmethod
     def for_job(cls, job: Job) -> ChoiceState:
-        """A fresh state; the last characters stay back while they may start a stop string."""
-        state = cls(holdback=max((len(stop) for stop in job.params.stop or ()), default=1) - 1)
+        """A fresh state, with the reasoning and tool-call parsers the job asks for."""
+        state = cls()
         if job.chat is not None and job.chat.split_reasoning:
             state.reasoning = ReasoningStream(job.chat.thinking_open)
         if job.chat is not None and job.chat.tools:
-            state.tools = ToolCallStream(job.chat.tools)
+            state.tools = ToolCallStream(job.chat.tools, forced=job.chat.forced_tools)
         return state
-
-    def visible_text(self, output: CompletionOutput) -> str:
-        """The text that may be sent: while unfinished, the last `holdback` characters stay back
-        (they may be the start of a stop string that the engine will cut)."""
-        text = output.text
-        if output.finish_reason is None and self.holdback:
-            text = text[:max(len(self.sent_text), len(text) - self.holdback)]
-        return text
-
-    def advance(self, text: str) -> str:
-        """What `text` adds to the text sent so far, now counted as sent."""
-        delta, self.sent_text = stream_delta(self.sent_text, text)
-        return delta
-
-    def text_delta(self, output: CompletionOutput) -> str:
-        """New visible text since the last chunk."""
-        return self.advance(self.visible_text(output))
 
 
 def json_response(model: BaseModel, status: int = 200) -> Response:
@@ -334,6 +318,7 @@ class OpenAIServing:
             if not body.stream:  # the response is built from the final output alone
                 params.output_kind = RequestOutputKind.FINAL_ONLY
             else:
+                params.output_kind = RequestOutputKind.DELTA
                 params.stream_interval = self.context.stream_interval
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
@@ -411,8 +396,10 @@ class OpenAIServing:
         ticket.release()
         self._abort_unfinished(streams)
 
-    def _usage(self, job: Job, finals: Sequence[RequestOutput | None]) -> UsageInfo:
-        completion = sum(len(o.token_ids) for f in finals if f is not None for o in f.outputs)
+    def _usage(self, job: Job, finals: Sequence[RequestOutput | None], completion: int | None = None) -> UsageInfo:
+        """Token counts; `completion` given by a stream (its outputs were deltas), else counted."""
+        if completion is None:
+            completion = sum(len(o.token_ids) for f in finals if f is not None for o in f.outputs)
         cached = sum(f.num_cached_tokens for f in finals if f is not None)
         prompt = sum(len(ids) for ids in job.prompts)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
@@ -423,7 +410,7 @@ class OpenAIServing:
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
 
     def _token_entries(self, output: CompletionOutput, start: int, k: int) -> list[TokenEntry]:
-        """(token text, its logprob, top-k alternatives) for generated tokens from `start` on."""
+        """(token text, its logprob, top-k alternatives) for `output`'s tokens from `start` on."""
         entries = []
         table = output.logprobs or []
         for i in range(start, len(output.token_ids)):
@@ -446,7 +433,7 @@ class OpenAIServing:
         lasts: list[RequestOutput | None] = [None] * len(streams)
 
         async def on_output(prompt_index: int, output: RequestOutput) -> None:
-            trackers[prompt_index].observe(output)
+            trackers[prompt_index].observe(output, delta=True)
             lasts[prompt_index] = output
             for out in output.outputs:
                 index = job.choice_index(prompt_index, out.index)
@@ -458,10 +445,9 @@ class OpenAIServing:
                 state.done = out.finish_reason is not None
                 if (state.started and state.reasoning is None and state.tools is None and job.num_logprobs is None
                         and not state.done):  # the common chunk: new text alone, without pydantic
-                    text = state.text_delta(out)
-                    state.sent_tokens = len(out.token_ids)
-                    if text:
-                        await send_event(text_only.event(index, text))
+                    state.sent_tokens += len(out.token_ids)
+                    if out.text:
+                        await send_event(text_only.event(index, out.text))
                     continue
                 choice = self._stream_choice(job, index, state, out)
                 if choice is not None:
@@ -477,7 +463,8 @@ class OpenAIServing:
                 async for prompt_index, output in merge_streams(streams):
                     await on_output(prompt_index, output)
             if job.include_usage:
-                await send_event(sse_event(self._chunk(job, [], self._usage(job, lasts))))
+                completion = sum(state.sent_tokens for state in states.values())
+                await send_event(sse_event(self._chunk(job, [], self._usage(job, lasts, completion))))
         except (EngineStepError, EngineDeadError) as exc:
             await send_event(sse_event(json.loads(engine_error(exc).envelope())))
         finally:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 TOOL_CALL_START = "<tool_call>"
@@ -122,25 +122,226 @@ def parse_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None = None
     return ToolCallParse(joined.strip() if calls and strip else joined, calls)
 
 
+FUNCTION_START = "<function="
+FUNCTION_END = "</function>"
+PARAMETER_START = "<parameter="
+PARAMETER_END = "</parameter>"
+
+
+class ToolCallPiece(NamedTuple):
+    """A streamed piece of call number `call_index`: its first piece names the function (`name`;
+    `arguments` "" for the XML form, all of them for a Hermes JSON block), the later ones carry
+    argument text; the pieces' arguments joined are the call's JSON arguments."""
+
+    call_index: int
+    name: str | None
+    arguments: str
+
+
 class ToolCallDelta(NamedTuple):
-    """What a stream step adds: content text and newly completed calls (with their index)."""
+    """What a stream step adds: content text and tool-call pieces (one per call at most)."""
 
     content: str
-    tool_calls: list[tuple[int, ParsedToolCall]]
+    tool_calls: list[ToolCallPiece]
 
 
 class ToolCallStream:
-    """Incremental parser over one choice's cumulative text."""
+    """Incremental tool-call parser over one choice's text, fed what is new each step; the work per
+    step is the new text plus a short held-back tail (a partial marker), or the parameter or
+    Hermes block being read.
 
-    def __init__(self, tools: Sequence[Mapping[str, Any]] | None) -> None:
+    A call is announced (its id and name) once `<function=NAME>` is read, and its arguments follow
+    one complete parameter at a time: `{"k": v`, `, "k2": v2`, ... and `}` when `</tool_call>`
+    closes it. Text between parameters is dropped, and a repeated parameter name is sent twice
+    (JSON readers keep the last, as `parse_tool_calls` does). A Hermes JSON block is sent whole
+    when it closes; one that does not parse stays content. With `forced` (`tool_choice` "required"
+    or a named function: the grammar makes all output calls) no content is ever sent. At the end
+    (`final`, also when generation stopped by length), a call cut short is closed with the
+    parameters it completed; an unfinished block that named no function yet is content, or
+    dropped when `forced`."""
+
+    def __init__(self, tools: Sequence[Mapping[str, Any]] | None, forced: bool = False) -> None:
         self.tools = tools
-        self.sent_content = ""
-        self.num_calls = 0
+        self.forced = forced
+        self.types = parameter_types(tools)
+        self.num_calls = 0       # calls announced so far
+        self._state = "text"     # "text", "block" (before the function), "function", "parameter", "after", "raw"
+        self._held = ""          # unread text: a partial marker, or the part being read
+        self._name = ""          # the current call's function name
+        self._params = 0         # parameters sent for the current call
+        self._param = ""         # the parameter being read
+        self._parts: list[str] = []  # a parameter's value or a raw block, in pieces
+        self._tail = ""          # the last characters of `_parts`, where a closing marker may begin
+        self._content: list[str] = []
+        self._pieces: dict[int, ToolCallPiece] = {}  # this step's pieces, one per call
 
     def update(self, text: str, final: bool) -> ToolCallDelta:
-        """Deltas since the last call; `final` when the text is complete."""
-        parsed = parse_tool_calls(text, self.tools, final=final, strip=False)
-        delta, self.sent_content = stream_delta(self.sent_content, parsed.content)
-        new_calls = list(enumerate(parsed.tool_calls))[self.num_calls:]
-        self.num_calls = len(parsed.tool_calls)
-        return ToolCallDelta(delta, new_calls)
+        """Deltas for the new `text`; `final` when the output is complete."""
+        self._held += text
+        while self._step():
+            pass
+        if final:
+            self._finish()
+        content = "" if self.forced else "".join(self._content)
+        pieces = list(self._pieces.values())
+        self._content, self._pieces = [], {}
+        return ToolCallDelta(content, pieces)
+
+    # ------------------------------------------------------------------ states
+    def _step(self) -> bool:
+        """Advance over `_held` once; False when it needs more text."""
+        states: dict[str, Callable[[], bool]] = {
+            "text": self._in_text, "block": self._in_block, "function": self._in_function,
+            "parameter": self._in_parameter, "after": self._in_after, "raw": self._in_raw}
+        return states[self._state]()
+
+    def _in_text(self) -> bool:
+        start = self._held.find(TOOL_CALL_START)
+        if start < 0:
+            keep = partial_suffix(self._held, TOOL_CALL_START)
+            self._content.append(self._held[:len(self._held) - keep])
+            self._held = self._held[len(self._held) - keep:]
+            return False
+        self._content.append(self._held[:start])
+        self._held, self._state = self._held[start + len(TOOL_CALL_START):], "block"
+        return True
+
+    def _in_block(self) -> bool:
+        body = self._held.lstrip()
+        if body.startswith(FUNCTION_START):
+            close = body.find(">")
+            if close < 0 or "\n" in body[:close]:
+                return self._raw() if close >= 0 or "\n" in body else False
+            self._name, self._params = body[len(FUNCTION_START):close].strip(), 0
+            self._held, self._state = body[close + 1:], "function"
+            self._piece(self.num_calls, self._name, "")
+            self.num_calls += 1
+            return True
+        if not body or FUNCTION_START.startswith(body):
+            return False
+        return self._raw()
+
+    def _raw(self) -> bool:
+        """Read the block whole (Hermes JSON, or malformed markup) until `</tool_call>`."""
+        self._state, self._parts, self._tail = "raw", [], ""
+        return True
+
+    def _in_function(self) -> bool:
+        body = self._held.lstrip()
+        if body.startswith(PARAMETER_START):
+            close = body.find(">")
+            if close < 0:
+                return False
+            self._param = body[len(PARAMETER_START):close].strip()
+            self._held, self._state, self._parts, self._tail = body[close + 1:], "parameter", [], ""
+            return True
+        if body.startswith(FUNCTION_END):
+            self._held, self._state = body[len(FUNCTION_END):], "after"
+            return True
+        if body.startswith(TOOL_CALL_END):  # a call without </function>
+            self._held, self._state = body, "after"
+            return True
+        if not body or any(m.startswith(body) for m in (PARAMETER_START, FUNCTION_END, TOOL_CALL_END)):
+            self._held = body
+            return False
+        stray = body.find("<", 1)  # text between parameters: dropped
+        self._held = body[stray:] if stray > 0 else ""
+        return stray > 0
+
+    def _in_parameter(self) -> bool:
+        value = self._read_until(PARAMETER_END)
+        if value is None:
+            return False
+        if value.startswith("\n"):
+            value = value[1:]
+        if value.endswith("\n"):
+            value = value[:-1]
+        self._send_parameter(self._param, _convert_value(value, self.types.get(self._name, {}).get(self._param)))
+        self._state = "function"
+        return True
+
+    def _in_after(self) -> bool:
+        body = self._held.lstrip()
+        if body.startswith(TOOL_CALL_END):
+            self._close_call()
+            self._held, self._state = body[len(TOOL_CALL_END):], "text"
+            return True
+        if not body or TOOL_CALL_END.startswith(body):
+            self._held = body
+            return False
+        stray = body.find("<", 1)
+        self._held = body[stray:] if stray > 0 else ""
+        return stray > 0
+
+    def _in_raw(self) -> bool:
+        body = self._read_until(TOOL_CALL_END)
+        if body is None:
+            return False
+        call = parse_block(body, self.types)
+        if call is None:
+            self._content.append(TOOL_CALL_START + body + TOOL_CALL_END)
+        else:
+            self._piece(self.num_calls, call.name, call.arguments)
+            self.num_calls += 1
+        self._state = "text"
+        return True
+
+    # ------------------------------------------------------------------ helpers
+    def _read_until(self, marker: str) -> str | None:
+        """Everything read in this state up to `marker` once it has come, with `_held` then the
+        text after it; None before (the text is kept in pieces, and only the new text and the
+        last characters before it, where the marker may have begun, are searched)."""
+        new, self._held = self._held, ""
+        window = self._tail + new
+        found = window.find(marker)
+        if found < 0:
+            self._parts.append(new)
+            self._tail = window[-(len(marker) - 1):]
+            return None
+        cut = found - len(self._tail)  # where the marker starts in `new` (negative: in earlier text)
+        whole = "".join(self._parts) + new
+        before = whole[:len(whole) - len(new) + cut]
+        self._held, self._parts, self._tail = new[cut + len(marker):], [], ""
+        return before
+
+    def _piece(self, index: int, name: str | None, arguments: str) -> None:
+        earlier = self._pieces.get(index)
+        self._pieces[index] = ToolCallPiece(index, name, arguments) if earlier is None else \
+            earlier._replace(arguments=earlier.arguments + arguments)
+
+    def _send_parameter(self, key: str, value: Any) -> None:
+        separator = "{" if self._params == 0 else ", "
+        self._params += 1
+        self._piece(self.num_calls - 1, None,
+                    f"{separator}{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}")
+
+    def _close_call(self) -> None:
+        self._piece(self.num_calls - 1, None, "}" if self._params else "{}")
+
+    def _finish(self) -> None:
+        """The output ended: flush or close whatever is open."""
+        state, held = self._state, self._held
+        self._held, self._state = "", "text"
+        if state == "text":
+            self._content.append(held)
+        elif state in ("function", "parameter", "after"):
+            self._close_call()  # cut short: the parameters it completed
+        elif state == "block":
+            self._content.append(TOOL_CALL_START + held)
+        elif state == "raw":
+            self._content.append(TOOL_CALL_START + "".join(self._parts) + held)
+        self._parts, self._tail = [], ""
+
+
+def parse_forced_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None) -> list[ParsedToolCall]:
+    """The calls of a forced output (`tool_choice` "required" or named), read as a stream reads
+    them: no content, a call cut short closed with the parameters it completed."""
+    stream = ToolCallStream(tools, forced=True)
+    delta = stream.update(text, final=True)
+    calls: dict[int, list[str]] = {}
+    names: dict[int, str] = {}
+    for piece in delta.tool_calls:
+        if piece.name is not None:
+            names[piece.call_index] = piece.name
+        calls.setdefault(piece.call_index, []).append(piece.arguments)
+    return [ParsedToolCall(names[i], "".join(calls[i])) for i in sorted(names)]
