@@ -8,6 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from hybridserve.cache.tiers import TierStats
 from hybridserve.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
 from hybridserve.engine.engine import LLMEngine, PrefixCacheReport
 from hybridserve.models.tokenizer import Tokenizer
@@ -133,6 +134,11 @@ class LLM:
     def prefix_cache_stats(self) -> PrefixCacheReport:
         """Joint prefix cache counters: queries, hits, misses by kind, snapshot residency."""
         return self.llm_engine.prefix_cache_stats()
+
+    def tier_stats(self) -> list[TierStats]:
+        """Per cache tier (the device first, then host and disk when on): hits, hit tokens,
+        occupancy, promotions, demotions, evictions and failed transfers."""
+        return self.llm_engine.tier_stats()
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

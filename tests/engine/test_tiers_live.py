@@ -64,7 +64,7 @@ def _assert_same_outputs(got: list[tuple[list[int], list[dict[int, float]] | Non
 
 
 def _tier(llm: LLM, name: str) -> TierStats:
-    return next(stats for stats in llm.llm_engine.tier_stats() if stats.name == name)
+    return next(stats for stats in llm.tier_stats() if stats.name == name)
 
 
 def test_host_tier_serves_later_turns_with_identical_outputs(reference: list) -> None:
@@ -93,6 +93,17 @@ def test_disk_tier_serves_later_turns_with_identical_outputs(reference: list, tm
     _assert_same_outputs(results, reference)
     disk = _tier(llm, "disk")
     assert disk.hits > 0 and disk.failed == 0
+    llm.llm_engine.shutdown()
+
+
+def test_host_cascades_to_disk_and_disk_serves(reference: list, tmp_path: Path) -> None:
+    llm = _llm(**SMALL_POOLS, host_cache_memory="4MiB",
+               disk_cache_dir=_private_dir(tmp_path / "tiers"), disk_cache_size="64MiB")
+    results = _conversations(llm)
+    _assert_same_outputs(results, reference)
+    host, disk = _tier(llm, "host"), _tier(llm, "disk")
+    assert host.evictions > 0 and disk.demotions > 0  # host entries pushed down to disk
+    assert host.hits + disk.hits > 0 and host.failed == disk.failed == 0
     llm.llm_engine.shutdown()
 
 
