@@ -11,8 +11,10 @@ import logging
 import multiprocessing
 import os
 import socket
+import sys
 import time
 import weakref
+from collections.abc import Iterator
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
@@ -49,6 +51,27 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@contextlib.contextmanager
+def _main_module_not_reimported() -> Iterator[None]:
+    """While a rank process is started: hide where `__main__` came from, so the spawned child does
+    not import the caller's script again (as `__mp_main__`). A rank needs nothing from it (its target
+    and spec live in hybridserve), and re-running a script's top level there would start another
+    engine: `LLM(tensor_parallel_size=2)` then works in a script without an
+    `if __name__ == "__main__":` guard, and a guarded script's imports are not repeated per rank."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    hidden: dict[str, Any] = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__dict__["__spec__"] = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(hidden)
+
+
 def _rendezvous_store(specs: list[WorkerSpec]) -> tuple[Any, list[WorkerSpec]]:
     """For locally spawned ranks (`LOCAL_RENDEZVOUS`): a `TCPStore` this process binds on port 0 and
     holds (so no other process can take the port between choosing and binding it), and the specs
@@ -83,8 +106,8 @@ class TensorParallelExecutor:
             parent, child = context.Pipe()
             process = context.Process(target=worker_main, args=(spec, child, os.getpid()),
                                       name=f"hybridserve-tp{spec.rank}", daemon=False)
-            with child_process_environment():  # OpenMP settings before torch loads in the child
-                process.start()
+            with child_process_environment(), _main_module_not_reimported():
+                process.start()  # OpenMP settings before torch loads in the child
             child.close()
             self.processes.append(process)
             self.conns.append(parent)
