@@ -96,6 +96,7 @@ def test_disk_tier_serves_later_turns_with_identical_outputs(reference: list, tm
     llm.llm_engine.shutdown()
 
 
+@pytest.mark.slow  # the cascade path on top of the host and disk cases above
 def test_host_cascades_to_disk_and_disk_serves(reference: list, tmp_path: Path) -> None:
     llm = _llm(**SMALL_POOLS, host_cache_memory="4MiB",
                disk_cache_dir=_private_dir(tmp_path / "tiers"), disk_cache_size="64MiB")
