@@ -183,9 +183,8 @@ class Tokenizer:
 
     def with_extra_eos_token_ids(self, ids: Iterable[int]) -> Tokenizer:
         """A copy whose eos ids are this tokenizer's plus `ids` (e.g. the model config's)."""
-        return Tokenizer(self.backend, eos_token_ids=(*self.eos_token_ids, *ids),
-                         eos_token=self._eos_token, bos_token=self._bos_token,
-                         chat_template=self.chat_template)
+        return Tokenizer(self.backend, eos_token_ids=(*self.eos_token_ids, *ids), eos_token=self._eos_token,
+                         bos_token=self._bos_token, chat_template=self.chat_template)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; no BOS/EOS is added (special-token strings in it are matched)."""
