@@ -9,7 +9,15 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from hybridserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -522,15 +530,25 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaFunctionCall(BaseModel):
+class _WithoutNulls(BaseModel):
+    """A model whose unset (None) fields are left out of its JSON, as OpenAI's stream pieces are:
+    its clients merge pieces field by field, and a null `type` would overwrite "function"."""
+
+    @model_serializer(mode="wrap")
+    def _drop_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(_WithoutNulls):
     """Function part of a streamed tool call."""
 
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(BaseModel):
-    """A tool call in a chat stream chunk (index identifies the call across chunks)."""
+class DeltaToolCall(_WithoutNulls):
+    """A tool call in a chat stream chunk (index identifies the call across chunks; the first
+    piece of a call carries its id, type and name, the later ones argument text only)."""
 
     index: int
     id: str | None = None

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 from pydantic import BaseModel, Field
 
 from hybridserve.engine.async_engine import AsyncLLMEngine
@@ -148,6 +149,50 @@ def test_streamed_tool_call(client: openai.OpenAI) -> None:
         finish = chunk.choices[0].finish_reason or finish
     assert name == "get_weather" and finish == "tool_calls"
     _check_weather_arguments(arguments)
+
+
+def test_streamed_tool_call_arguments_come_in_pieces_the_client_assembles(client: openai.OpenAI) -> None:
+    kwargs = {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER],
+              "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "max_tokens": 120,
+              "temperature": 1.0, "seed": 5}
+    state = ChatCompletionStreamState()
+    argument_pieces = 0
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        state.handle_chunk(chunk)
+        for call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            argument_pieces += bool(call.function and call.function.arguments)
+            assert (call.id is not None) == (call.function.name is not None)  # id, type and name come first
+    streamed = state.get_final_completion().choices[0].message.tool_calls
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    assert argument_pieces >= 2  # one parameter at a time, then the closing brace
+    assert [(c.function.name, c.function.arguments) for c in streamed] == \
+        [(c.function.name, c.function.arguments) for c in whole]
+    _check_weather_arguments(streamed[0].function.arguments)
+
+
+def test_forced_tool_calls_never_leak_markup(client: openai.OpenAI) -> None:
+    # tool_choice "required" with the default parallel_tool_calls: calls follow each other until
+    # max_tokens cuts one; its markup must not turn into content, streamed or not
+    finishes = []
+    for seed in range(4):
+        kwargs = {"model": MODEL, "messages": [{"role": "user", "content": "What time is it?"}],
+                  "tools": [WEATHER, TIME], "tool_choice": "required", "max_tokens": 40, "temperature": 1.0,
+                  "seed": seed}
+        whole = client.chat.completions.create(**kwargs).choices[0]
+        assert not whole.message.content and whole.message.tool_calls
+        state = ChatCompletionStreamState()
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            state.handle_chunk(chunk)
+            for choice in chunk.choices:
+                assert "<" not in (choice.delta.content or "")
+        streamed = state.current_completion_snapshot.choices[0]  # the final parse refuses a "length" finish
+        assert not streamed.message.content and streamed.finish_reason == whole.finish_reason
+        assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []] == \
+            [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        for call in whole.message.tool_calls:
+            json.loads(call.function.arguments)
+        finishes.append(whole.finish_reason)
+    assert "length" in finishes  # the case that leaked: a call cut by max_tokens
 
 
 def test_reasoning_content(client: openai.OpenAI, server: ServerThread) -> None:
