@@ -40,6 +40,7 @@ from hybridserve.sampling_params import CompletionOutput, RequestOutput, Samplin
 logger = logging.getLogger(__name__)
 MIB = 1 << 20
 MAX_FAILED_STEPS = 3  # a request in this many consecutive failed forwards is finished with "error"
+TIER_WAIT_S = 0.002    # an idle step waits this long for a lower tier's transfer instead of spinning
 GDN_CHUNK_SIZE = 64   # chunked gated-delta prefill; snapshots are taken at any position inside a chunk
 
 
@@ -334,6 +335,8 @@ class LLMEngine:
         self.cache.poll_tiers()  # settle finished tier transfers (promoted objects land on the device here)
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
+            if self.tier_mover is not None and self.tier_mover.busy:
+                self.tier_mover.wait(TIER_WAIT_S)  # the waiting requests' state is on its way up
             return []
         plan = plan_step(scheduled, self._draws, self._released)
         self._released = []

@@ -196,6 +196,20 @@ class EngineTierMover:
         finished, self._finished = self._finished, []
         return finished
 
+    @property
+    def busy(self) -> bool:
+        """Whether any ticket is in flight."""
+        return bool(self._tickets)
+
+    def wait(self, timeout: float) -> None:
+        """Block up to `timeout` seconds for the next store event (an idle engine waiting on a
+        promotion sleeps here instead of spinning); events are kept for the next `poll()`."""
+        for tier, mover in self.movers.items():
+            if self._pending[tier]:
+                for event in mover.poll(timeout):
+                    self._on_event(tier, event)
+                return
+
     # -- bookkeeping ----------------------------------------------------------------------------
 
     def _open(self, ticket: int, promotion: bool, objects: Sequence[TierObject]) -> _Ticket:
