@@ -1,0 +1,121 @@
+"""`python -m benchmarks.stream_cost`: CPU time the API process spends per streamed token, for a
+short and a long stream (issue 36's goal: per-token cost at 8k within 1.2x of that at 512).
+
+It starts `hybridserve serve` (the built-in model unless `--model`), whose engine core runs in a
+child process, and streams completions with `ignore_eos` from this process. The API process's own
+CPU time (user + system of all its threads, not its children) is read from /proc before and after
+each stream; the core's forward passes are not in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (its threads, not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14 and 15)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_ready(url: str, server: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Poll `/health` until it answers 200 (the server exiting first is an error)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"hybridserve serve exited with {server.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("the server did not become healthy")
+
+
+def stream_tokens(client: httpx.Client, url: str, model: str, tokens: int) -> tuple[int, int]:
+    """Stream one completion of exactly `tokens` tokens; (tokens reported by usage, events read)."""
+    body = {"model": model, "prompt": "Count on:", "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    events, used = 0, 0
+    with client.stream("POST", f"{url}/v1/completions", json=body, timeout=None) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events += 1
+            chunk = json.loads(line[len("data: "):])
+            if chunk.get("usage"):
+                used = chunk["usage"]["completion_tokens"]
+    return used, events
+
+
+def measure(args: argparse.Namespace) -> dict[str, object]:
+    """Run the server and the streams; the per-token CPU of each length and their ratio."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    longest = max(args.lengths)
+    command = [sys.executable, "-c", "from hybridserve.cli import main; main()", "serve", "--port", str(port),
+               "--served-model-name", "m", "--max-model-len", str(longest + 64), "--device", "cpu", *args.serve_args]
+    if args.model:
+        command += ["--model", args.model]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_ready(url, server, args.start_timeout_s)
+        per_token: dict[int, list[float]] = {length: [] for length in args.lengths}
+        with httpx.Client() as client:
+            stream_tokens(client, url, "m", 16)  # warm-up: first-request paths out of the way
+            for _ in range(args.rounds):
+                for length in args.lengths:
+                    before = process_cpu_s(server.pid)
+                    used, events = stream_tokens(client, url, "m", length)
+                    spent = process_cpu_s(server.pid) - before
+                    if used != length:
+                        raise RuntimeError(f"asked for {length} tokens, got {used}")
+                    per_token[length].append(spent / length)
+                    print(f"{length:>6} tokens: {spent:.3f} CPU s in the API process, "
+                          f"{1e6 * spent / length:.1f} us/token ({events} events)", flush=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    medians = {length: statistics.median(values) for length, values in per_token.items()}
+    shortest = min(args.lengths)
+    return {"us_per_token": {length: round(1e6 * value, 2) for length, value in medians.items()},
+            "ratio_longest_to_shortest": round(medians[longest] / medians[shortest], 3),
+            "rounds": args.rounds, "command": "hybridserve " + " ".join(command[3:])}
+
+
+def main() -> None:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 8192], help="streamed tokens per run")
+    parser.add_argument("--rounds", type=int, default=3, help="runs per length (the median is reported)")
+    parser.add_argument("--model", default=None, help="model directory (default: the built-in model)")
+    parser.add_argument("--start-timeout-s", type=float, default=600.0)
+    parser.add_argument("serve_args", nargs=argparse.REMAINDER, help="more `hybridserve serve` flags, after --")
+    args = parser.parse_args()
+    args.serve_args = [a for a in args.serve_args if a != "--"]
+    print(json.dumps(measure(args), indent=2))
+
+
+if __name__ == "__main__":
+    main()
