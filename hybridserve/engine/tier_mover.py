@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 META = "meta"
 DISK = "disk"
+DISK_OBJECT_OVERHEAD = 1024  # bound on a disk object's bytes beyond its tensors (header, key, safetensors header)
 
 Purpose = Literal["write", "read-for-write", "read", "delete"]
 
@@ -124,7 +125,7 @@ class EngineTierMover:
         self._pending: dict[str, deque[_Pending]] = {name: deque() for name in self.movers}
         self._tickets: dict[int, _Ticket] = {}
         self._finished: list[tuple[int, bool]] = []
-        self.store_evictions: list[str] = []  # object keys a store dropped itself (the disk's own LRU)
+        self.store_evicted = 0  # objects a store dropped itself (the disk's own LRU; their entries then miss)
         self.tiers: TieredCache | None = None   # bound after construction: the entries tickets move
 
     def bind(self, tiers: TieredCache) -> None:
@@ -248,7 +249,7 @@ class EngineTierMover:
         pending = self._pending[tier].popleft()
         if pending.key != event.key:
             raise RuntimeError(f"tier {tier}: event for {event.key!r} while expecting {pending.key!r}")
-        self.store_evictions.extend(event.evicted)
+        self.store_evicted += len(event.evicted)
         if pending.purpose == "delete" or pending.ticket is None:
             return
         record = self._tickets[pending.ticket]
@@ -318,6 +319,14 @@ def _meta_entry(key: str, payload: Mapping[str, torch.Tensor] | None) -> JointEn
     return JointEntry(entry_key, num_tokens, hashes, tail_tokens)
 
 
+def _disk_logical_budget(budget_bytes: int, sizes: ObjectSizes) -> int:
+    """The disk tier's budget as the logical layer counts it (tensor bytes only): room is left for
+    each object's file overhead and each state's meta object, so the store's own LRU eviction
+    (which would leave entries with a missing object) stays a backstop."""
+    smallest = min(sizes.state_bytes, sizes.kv_block_bytes)
+    return budget_bytes * smallest // (smallest + 2 * DISK_OBJECT_OVERHEAD)
+
+
 def tiers_requested(config: EngineConfig) -> bool:
     """Whether any lower-tier flag is set (`--host-cache-memory`, `--disk-cache-dir`)."""
     return bool(config.cache.host_cache_memory_bytes) or config.cache.disk_cache_dir is not None
@@ -337,7 +346,9 @@ def build_engine_tiers(config: EngineConfig, *, model_config: ModelConfig, dtype
                                      tokenizer_json=tokenizer_json, weights=weights)
     stores = build_tier_stores(config.cache, fingerprint=fingerprint, device=device)
     mover = EngineTierMover(pools, stores)
-    specs = [TierSpec(store.tier, store.budget_bytes) for store in (stores.host, stores.disk) if store is not None]
+    specs = [TierSpec(stores.host.tier, stores.host.budget_bytes)] if stores.host is not None else []
+    if stores.disk is not None:
+        specs.append(TierSpec(stores.disk.tier, _disk_logical_budget(stores.disk.budget_bytes, sizes)))
     if not specs:
         mover.close()
         raise ValueError("no lower tier has a budget (--host-cache-memory, or --disk-cache-dir with --disk-cache-size)")
