@@ -24,7 +24,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
         parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
                             help="model directory (Hugging Face layout); same as --model")
     parser.add_argument("--model", default=None,
-                        help="model directory (Hugging Face layout); the built-in model when omitted")
+                        help="model directory (Hugging Face layout) or Hub id (org/name, fetched through "
+                             "huggingface_hub; HF_HUB_OFFLINE=1: its cache only); the built-in model when omitted")
     parser.add_argument("--prefix-cache-mib", type=float, default=None,
                         help="memory for GDN state snapshots of the joint prefix cache (0 disables it); when "
                              f"unset, planned (see --memory-fraction), or {DEFAULT_CPU_PREFIX_CACHE_MIB:g} on CPU")

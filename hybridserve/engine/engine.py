@@ -3,6 +3,7 @@ apply | revert -> sample -> stop checks), outputs and stats."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import NamedTuple
@@ -33,7 +34,7 @@ from hybridserve.engine.worker import WorkerSpec
 from hybridserve.errors import EngineDeadError, QueueFullError
 from hybridserve.layers.attention import PagedKVCache
 from hybridserve.models.builtin import BUILTIN_MODEL_CONFIG, builtin_tokenizer
-from hybridserve.models.loader import read_model_config
+from hybridserve.models.loader import read_model_config, resolve_model
 from hybridserve.models.tokenizer import Tokenizer
 from hybridserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams
 
@@ -92,6 +93,8 @@ class LLMEngine:
     """Owns tokenizer, model runner and scheduler; not thread-safe (drive it from one thread)."""
 
     def __init__(self, config: EngineConfig) -> None:
+        if config.model is not None:  # a Hub id becomes its local snapshot (ranks and stores read the path)
+            config = dataclasses.replace(config, model=resolve_model(config.model))
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)

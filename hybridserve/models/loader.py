@@ -7,6 +7,8 @@ name and shape is checked before anything is copied.
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,11 @@ PROGRESS_MIN_BYTES = 256 * 1024 * 1024
 _IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.")
 _MULTIMODAL_TEXT_PREFIX = "model.language_model."
 _MAX_NAMES_IN_ERROR = 20
+# a Hub repository id: an optional owner, then a name (letters, digits, '-', '_', '.')
+_HUB_ID = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*")
+HUB_FILE_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.txt", "*.model")
+"""The files of a Hub snapshot the engine reads (config, weights and their index, tokenizer, chat
+template); the rest of a repository (other weight formats, images) is not downloaded."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,44 @@ def _model_dir(model_dir: str | Path) -> Path:
     if not path.is_dir():
         raise ValueError(f"model directory {str(path)!r} does not exist")
     return path
+
+
+def _hub_offline() -> bool:
+    """Whether `HF_HUB_OFFLINE` asks for the local Hugging Face cache only (read now, not at import)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def is_hub_id(model: str) -> bool:
+    """Whether `model` is spelled like a Hugging Face Hub repository id (`org/name` or `name`), as
+    opposed to a filesystem path (absolute, `./`, `~`, or more than one separator)."""
+    return bool(_HUB_ID.fullmatch(model)) and ".." not in model
+
+
+def resolve_model(model: str) -> str:
+    """The local directory of `model`: itself when it is a directory; for a Hub id (`org/name`), the
+    snapshot `huggingface_hub` downloads into (or, offline with `HF_HUB_OFFLINE=1`, finds in) its
+    cache. Raises a one-line `ValueError` naming the local-directory alternative otherwise."""
+    path = Path(model).expanduser()
+    if path.is_dir() or not is_hub_id(model):
+        return str(_model_dir(path))
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+    except ImportError:  # pragma: no cover - a dependency of tokenizers, so normally present
+        raise ValueError(f"model {model!r} is not a local directory and huggingface_hub is not installed; "
+                         "pass a model directory (Hugging Face layout)") from None
+    offline = _hub_offline()
+    try:
+        return str(snapshot_download(model, allow_patterns=list(HUB_FILE_PATTERNS), local_files_only=offline))
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled, HfHubHTTPError, OSError, ValueError) as error:
+        if offline:
+            where = "in the local Hugging Face cache (HF_HUB_OFFLINE is set: nothing is downloaded)"
+        else:
+            detail = str(error).strip().splitlines()
+            where = f"on the Hugging Face Hub ({detail[0] if detail else type(error).__name__})"
+        raise ValueError(f"model {model!r} is not a local directory and could not be found {where}; "
+                         f"download it where the Hub is reachable (`hf download {model} --local-dir DIR`) "
+                         "and pass --model DIR") from None
 
 
 def load_weights(
