@@ -18,6 +18,14 @@ from hybridserve.config import (
 )
 
 
+def _seed_flag(text: str) -> int:
+    """`--block-hash-seed`'s value, with the reason in argparse's error when it is not a seed."""
+    try:
+        return parse_seed(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: bool = False) -> None:
     """Add model, device and pool-size flags (defaults shown with ArgumentDefaultsHelpFormatter)."""
     if model_positional:
@@ -47,7 +55,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
                         help="share of planned cache memory given to GDN snapshots (the rest is KV)")
     parser.add_argument("--block-hash", default="xxh3_128", choices=BLOCK_HASHES,
                         help="KV block hash: xxh3_128 (fast, keyed by a secret seed) or sha256 (collision-resistant)")
-    parser.add_argument("--block-hash-seed", type=parse_seed, default=None, metavar="SEED",
+    parser.add_argument("--block-hash-seed", type=_seed_flag, default=None, metavar="SEED",
                         help="64-bit seed keying the xxh3_128 block hash (decimal or 0x-hex), for hashes stable "
                              "across processes; default: $HYBRIDSERVE_BLOCK_HASH_SEED, else a seed file kept in "
                              "--disk-cache-dir, else random per engine start")

@@ -98,3 +98,11 @@ def test_seed_flag_reaches_the_config() -> None:
     add_engine_arguments(parser)
     args = parser.parse_args(["--block-hash-seed", "0xff"])
     assert engine_config_from_args(args).cache.block_hash_seed == 255
+
+
+def test_bad_seed_flag_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--block-hash-seed", "-1"])
+    assert "64-bit" in capsys.readouterr().err
