@@ -52,7 +52,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def _main_module_not_reimported() -> Iterator[None]:
+def main_module_not_reimported() -> Iterator[None]:
     """While a rank process is started: hide where `__main__` came from, so the spawned child does
     not import the caller's script again (as `__mp_main__`). A rank needs nothing from it (its target
     and spec live in hybridserve), and re-running a script's top level there would start another
@@ -106,7 +106,7 @@ class TensorParallelExecutor:
             parent, child = context.Pipe()
             process = context.Process(target=worker_main, args=(spec, child, os.getpid()),
                                       name=f"hybridserve-tp{spec.rank}", daemon=False)
-            with child_process_environment(), _main_module_not_reimported():
+            with child_process_environment(), main_module_not_reimported():
                 process.start()  # OpenMP settings before torch loads in the child
             child.close()
             self.processes.append(process)

@@ -33,10 +33,10 @@ def test_tensor_parallel_in_a_script_without_a_main_guard(tmp_path: Path) -> Non
 
 
 def test_main_module_is_restored_after_start() -> None:
-    from hybridserve.distributed.executor import _main_module_not_reimported
+    from hybridserve.distributed.executor import main_module_not_reimported
 
     main = sys.modules["__main__"]
     before = (main.__dict__.get("__file__"), main.__dict__.get("__spec__"))
-    with _main_module_not_reimported():
+    with main_module_not_reimported():
         assert getattr(main, "__spec__", None) is None and not hasattr(main, "__file__")
     assert (main.__dict__.get("__file__"), main.__dict__.get("__spec__")) == before
