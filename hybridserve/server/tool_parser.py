@@ -1,6 +1,7 @@
 """Qwen3.5 tool-call markup (`<tool_call><function=NAME><parameter=K>V</parameter>...`, V raw text
 for string parameters and JSON otherwise; or Hermes' JSON form) -> OpenAI `tool_calls`. A block
-that does not close or parse stays content: parsing never raises. `ToolCallStream` parses a stream.
+that does not close or parse stays content: parsing never raises. `ToolCallStream` parses a stream
+incrementally and sends each call in pieces; `parse_forced_tool_calls` reads a forced output.
 """
 
 from __future__ import annotations
@@ -74,11 +75,6 @@ def parse_block(body: str, types: Mapping[str, Mapping[str, Any]]) -> ParsedTool
     if not isinstance(given, dict) or not isinstance(call.get("name"), str):
         return None
     return ParsedToolCall(call["name"], json.dumps(given, ensure_ascii=False))
-
-
-def stream_delta(sent: str, text: str) -> tuple[str, str]:
-    """(what `text` adds to `sent`, the new sent text); nothing when `text` does not extend `sent`."""
-    return (text[len(sent):], text) if text.startswith(sent) else ("", sent)
 
 
 def partial_suffix(text: str, marker: str) -> int:

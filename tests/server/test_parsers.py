@@ -162,3 +162,16 @@ def test_reasoning_stream_agrees_with_the_whole_text_split(text: str, thinking_o
         reasoning, content = reasoning + delta, content + new_content
     whole = split_reasoning(text, thinking_open)
     assert (reasoning, content) == (whole.reasoning.rstrip("\n"), whole.content)  # a stream drops trailing newlines
+
+
+@pytest.mark.timeout(60)
+def test_streams_do_bounded_work_per_piece() -> None:
+    # a long string argument and long reasoning, fed a character at a time: re-parsing the whole
+    # text each step (what a quadratic stream does) would not finish in the time limit
+    value = "x" * 200_000
+    text = f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{value}\n</parameter>\n</function>\n</tool_call>"
+    content, calls = _feed(ToolCallStream(TOOLS), text, 1)
+    assert content == "" and json.loads(calls[0][1]) == {"city": value}
+    stream = ReasoningStream(thinking_open=True)
+    reasoning = "".join(stream.update(char, final=False).reasoning for char in value)
+    assert reasoning + stream.update("</think>", final=True).reasoning == value
