@@ -71,10 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def served_model_names(args: argparse.Namespace) -> list[str]:
-    """`--served-model-name`, else the model directory's name, else the built-in model's name."""
+    """`--served-model-name`, else a Hub id as given (`org/name`, as vLLM serves it), else the model
+    directory's name, else the built-in model's name."""
     if args.served_model_name:
         return list(args.served_model_name)
     model = model_from_args(args)
+    if model and not Path(model).expanduser().is_dir() and model.count("/") == 1 \
+            and not model.startswith(("/", ".", "~")):
+        return [model]
     if model:
         return [Path(model).resolve().name]
     return [BUILTIN_MODEL_NAME]

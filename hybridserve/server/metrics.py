@@ -52,6 +52,20 @@ _COUNTERS = (
     ("snapshots_skipped", "snapshots_skipped", "Snapshot captures skipped (pool full or disabled)."),
 )
 
+# Per lower cache tier (engine stats keys `tier_<tier>_<field>`), one family labelled by tier.
+_TIER_GAUGES = {"budget_bytes": "Byte budget of the cache tier.", "used_bytes": "Bytes held in the cache tier.",
+                "entries": "Joint entries (state + prefix KV) in the cache tier.",
+                "kv_objects": "KV block objects in the cache tier."}
+_TIER_COUNTERS = {
+    "hits": "Lookups served from the cache tier.", "hit_tokens": "Prompt tokens served from the cache tier.",
+    "promotions": "Promotions from the cache tier to the device.", "promoted_bytes": "Bytes promoted from the tier.",
+    "promoted_objects": "Objects promoted from the tier.", "demotions": "Demotions into the cache tier.",
+    "demoted_bytes": "Bytes demoted into the tier.", "demoted_objects": "Objects demoted into the tier.",
+    "evictions": "Joint entries evicted from the tier.",
+    "dropped": "Demotions the tier refused (too large, no room, no source).",
+    "failed": "Transfers that failed (corrupt, truncated or missing objects: counted misses).",
+}
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -71,6 +85,25 @@ class EngineStatsCollector(Collector):
         for name, key, doc in _COUNTERS:
             if key in stats:
                 yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(stats[key]))
+        yield from _tier_families(stats)
+
+
+def _tier_families(stats: dict[str, float]) -> Iterator[Metric]:
+    """`hybridserve_tier_<field>{tier=...}` from the engine's `tier_<tier>_<field>` keys."""
+    by_field: dict[str, list[tuple[str, float]]] = {}
+    for key, value in stats.items():
+        tier, _, field = key.removeprefix("tier_").partition("_")
+        if key.startswith("tier_") and (field in _TIER_GAUGES or field in _TIER_COUNTERS):
+            by_field.setdefault(field, []).append((tier, float(value)))
+    for field, samples in by_field.items():
+        family: GaugeMetricFamily | CounterMetricFamily
+        if field in _TIER_GAUGES:
+            family = GaugeMetricFamily(f"{PREFIX}_tier_{field}", _TIER_GAUGES[field], labels=["tier"])
+        else:
+            family = CounterMetricFamily(f"{PREFIX}_tier_{field}", _TIER_COUNTERS[field], labels=["tier"])
+        for tier, value in samples:
+            family.add_metric([tier], value)
+        yield family
 
 
 class RequestTracker:

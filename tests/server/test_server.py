@@ -499,6 +499,7 @@ def test_serve_arguments() -> None:
     assert config.model is None and config.cache.snapshot_interval == 256 and config.scheduler.max_num_seqs == 32
     assert served_model_names(build_parser().parse_args(["/models/Qwen3.5-0.8B"])) == ["Qwen3.5-0.8B"]
     assert served_model_names(build_parser().parse_args(["--model", "/models/Qwen3.5-0.8B"])) == ["Qwen3.5-0.8B"]
+    assert served_model_names(build_parser().parse_args(["Qwen/Qwen3.5-0.8B"])) == ["Qwen/Qwen3.5-0.8B"]
     aliased = build_parser().parse_args(["--served-model-name", "a", "b", "--model", "/m/x"])
     assert served_model_names(aliased) == ["a", "b"] and engine_config_from_args(aliased).model == "/m/x"
     assert "(default: 127.0.0.1)" in build_parser().format_help()
@@ -592,3 +593,23 @@ def test_completion_prompt_shapes_and_ignored_fields() -> None:
     chat = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [{"role": "user", "content": "x", "bar": 2}], "baz": 3})
     assert sorted(chat.ignored_fields()) == ["baz", "messages[0].bar"]
+
+
+def test_tier_stats_become_one_labelled_family_per_field() -> None:
+    """The engine's `tier_<tier>_<field>` keys scrape as `hybridserve_tier_<field>{tier=...}`;
+    unknown tier fields and non-tier keys are not turned into tier metrics."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from hybridserve.server.metrics import EngineStatsCollector
+
+    collector = EngineStatsCollector()
+    collector.stats = {"tier_host_hits": 3, "tier_disk_hits": 1, "tier_host_used_bytes": 100,
+                       "tier_host_not_a_field": 7, "kv_blocks_free": 5}
+    registry = CollectorRegistry()
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    assert 'hybridserve_tier_hits_total{tier="host"} 3.0' in text
+    assert 'hybridserve_tier_hits_total{tier="disk"} 1.0' in text
+    assert 'hybridserve_tier_used_bytes{tier="host"} 100.0' in text
+    assert "not_a_field" not in text
+    assert "# TYPE hybridserve_tier_used_bytes gauge" in text
