@@ -52,12 +52,23 @@ def wait_ready(url: str, server: subprocess.Popen[bytes], timeout_s: float) -> N
     raise TimeoutError("the server did not become healthy")
 
 
-def stream_tokens(client: httpx.Client, url: str, model: str, tokens: int) -> tuple[int, int]:
-    """Stream one completion of exactly `tokens` tokens; (tokens reported by usage, events read)."""
-    body = {"model": model, "prompt": "Count on:", "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def stream_tokens(client: httpx.Client, url: str, model: str, tokens: int, chat_tools: bool) -> tuple[int, int]:
+    """Stream one completion of exactly `tokens` tokens; (tokens reported by usage, events read).
+    `chat_tools`: a chat completion with a tool offered (`tool_choice` auto), so every chunk goes
+    through the tool-call parser."""
+    body: dict[str, object] = {"model": model, "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
+                               "stream": True, "stream_options": {"include_usage": True}}
+    if chat_tools:
+        body.update(messages=[{"role": "user", "content": "Count on."}], tools=[TOOL])
+    else:
+        body["prompt"] = "Count on:"
+    route = "chat/completions" if chat_tools else "completions"
     events, used = 0, 0
-    with client.stream("POST", f"{url}/v1/completions", json=body, timeout=None) as response:
+    with client.stream("POST", f"{url}/v1/{route}", json=body, timeout=None) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -75,7 +86,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     url = f"http://127.0.0.1:{port}"
     longest = max(args.lengths)
     command = [sys.executable, "-c", "from hybridserve.cli import main; main()", "serve", "--port", str(port),
-               "--served-model-name", "m", "--max-model-len", str(longest + 64), "--device", "cpu", *args.serve_args]
+               "--served-model-name", "m", "--max-model-len", str(longest + 1024), "--device", "cpu", *args.serve_args]
     if args.model:
         command += ["--model", args.model]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -83,11 +94,11 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
         wait_ready(url, server, args.start_timeout_s)
         per_token: dict[int, list[float]] = {length: [] for length in args.lengths}
         with httpx.Client() as client:
-            stream_tokens(client, url, "m", 16)  # warm-up: first-request paths out of the way
+            stream_tokens(client, url, "m", 16, args.chat_tools)  # warm-up: first-request paths out of the way
             for _ in range(args.rounds):
                 for length in args.lengths:
                     before = process_cpu_s(server.pid)
-                    used, events = stream_tokens(client, url, "m", length)
+                    used, events = stream_tokens(client, url, "m", length, args.chat_tools)
                     spent = process_cpu_s(server.pid) - before
                     if used != length:
                         raise RuntimeError(f"asked for {length} tokens, got {used}")
@@ -101,7 +112,8 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     shortest = min(args.lengths)
     return {"us_per_token": {length: round(1e6 * value, 2) for length, value in medians.items()},
             "ratio_longest_to_shortest": round(medians[longest] / medians[shortest], 3),
-            "rounds": args.rounds, "command": "hybridserve " + " ".join(command[3:])}
+            "rounds": args.rounds, "route": "chat with tools" if args.chat_tools else "completions",
+            "command": "hybridserve " + " ".join(command[3:])}
 
 
 def main() -> None:
@@ -109,6 +121,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 8192], help="streamed tokens per run")
     parser.add_argument("--rounds", type=int, default=3, help="runs per length (the median is reported)")
+    parser.add_argument("--chat-tools", action="store_true", help="stream chat completions with a tool offered")
     parser.add_argument("--model", default=None, help="model directory (default: the built-in model)")
     parser.add_argument("--start-timeout-s", type=float, default=600.0)
     parser.add_argument("serve_args", nargs=argparse.REMAINDER, help="more `hybridserve serve` flags, after --")
