@@ -244,11 +244,12 @@ def test_stream_of_a_failed_request_carries_an_error_event(monkeypatch: pytest.M
     from tests.helpers.live_server import ServerThread
 
     poison_token = 4095
-    victims: set[int] = set()  # the poisoned request's live state slot
+    victims: set[tuple] = set()  # the poisoned request's sampling key (its slot is reused after it ends)
 
     def chosen(plan: StepPlan, chunk: PlanChunk, draws: int) -> bool:
-        victims.update(c.state_slot for c in plan.chunks if c.start == 0 and c.token_ids[0] == poison_token)
-        return chunk.state_slot in victims and draws == 2
+        victims.update(c.sampling[0].key for c in plan.chunks
+                       if c.start == 0 and c.sampling and c.token_ids[0] == poison_token)
+        return chunk.sampling[0].key in victims and draws == 2
 
     _poison_draws(monkeypatch, chosen, float("inf"))
     config = EngineConfig(device="cpu", dtype="float32", cache=CacheConfig(kv_cache_mib=16, prefix_cache_mib=0))
