@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 
 from hybridserve.cache.state_tensors import GDNStateTensors
-from hybridserve.cache.store_mover import StoreMover, TierEvent
+from hybridserve.cache.store_mover import DEFAULT_MAX_PENDING, StoreMover, TierEvent
 from hybridserve.cache.tier_store import Payload, TierStores, TierStoreStats, build_tier_stores, engine_fingerprint
 from hybridserve.cache.tiers import (
     DEVICE,
@@ -119,9 +119,13 @@ class EngineTierMover:
         self.pools = pools
         self.stores = stores
         self.movers: dict[str, StoreMover] = {}
+        # A promotion submits a get per KV block of its prefix at once, and a refused submit fails its
+        # ticket: the queue must hold every object the device pools can hand over (twice: a cascade's
+        # read and its write), or every prefix deeper than the default bound would miss.
+        max_pending = max(DEFAULT_MAX_PENDING, 2 * (pools.kv_cache.num_blocks + pools.snapshots.num_slots))
         for store in (stores.host, stores.disk):
             if store is not None:
-                self.movers[store.tier] = StoreMover(store)
+                self.movers[store.tier] = StoreMover(store, max_pending=max_pending)
         self._pending: dict[str, deque[_Pending]] = {name: deque() for name in self.movers}
         self._tickets: dict[int, _Ticket] = {}
         self._finished: list[tuple[int, bool]] = []

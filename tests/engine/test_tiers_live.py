@@ -163,3 +163,23 @@ def test_tensor_parallel_engine_refuses_lower_tiers() -> None:
                           cache=CacheConfig(host_cache_memory_bytes=1 << 20))
     with pytest.raises(ValueError, match="not supported with tensor_parallel_size=2"):
         LLMEngine(config)
+
+
+def test_a_prefix_deeper_than_the_store_queue_restores_from_host() -> None:
+    """A promotion submits one get per KV block of its prefix at once: a prefix of more blocks than
+    the store mover's default queue bound must still come back whole from the host tier."""
+    from hybridserve.cache.store_mover import DEFAULT_MAX_PENDING
+
+    depth = (DEFAULT_MAX_PENDING + 16) * 16  # KV blocks of 16 tokens
+    llm = _llm(kv_cache_mib=4, prefix_cache_mib=2, snapshot_interval=depth, cache_policy="interval",
+               host_cache_memory="128MiB")
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    prefix = _tokens(depth, seed=7)
+    first = llm.generate([prefix + _tokens(8, seed=8)], params, use_tqdm=False)[0]
+    for seed in (9, 10):  # as long as the prefix: push its snapshot and KV down to the host tier
+        llm.generate([_tokens(depth + 8, seed=seed)], params, use_tqdm=False)
+    again = llm.generate([prefix + _tokens(8, seed=8)], params, use_tqdm=False)[0]
+    host = _tier(llm, "host")
+    assert again.num_cached_tokens == depth and host.hits >= 1 and host.failed == 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    llm.llm_engine.check_integrity()
