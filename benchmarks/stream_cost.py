@@ -12,14 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
+
+from hybridserve.bench.serve_client import ServerProcess
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -28,28 +26,6 @@ def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of process `pid` (its threads, not its children)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14 and 15)
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_ready(url: str, server: subprocess.Popen[bytes], timeout_s: float) -> None:
-    """Poll `/health` until it answers 200 (the server exiting first is an error)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"hybridserve serve exited with {server.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("the server did not become healthy")
 
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -82,38 +58,30 @@ def stream_tokens(client: httpx.Client, url: str, model: str, tokens: int, chat_
 
 def measure(args: argparse.Namespace) -> dict[str, object]:
     """Run the server and the streams; the per-token CPU of each length and their ratio."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     longest = max(args.lengths)
-    command = [sys.executable, "-c", "from hybridserve.cli import main; main()", "serve", "--port", str(port),
-               "--served-model-name", "m", "--max-model-len", str(longest + 1024), "--device", "cpu", *args.serve_args]
-    if args.model:
-        command += ["--model", args.model]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_ready(url, server, args.start_timeout_s)
-        per_token: dict[int, list[float]] = {length: [] for length in args.lengths}
-        with httpx.Client() as client:
-            stream_tokens(client, url, "m", 16, args.chat_tools)  # warm-up: first-request paths out of the way
-            for _ in range(args.rounds):
-                for length in args.lengths:
-                    before = process_cpu_s(server.pid)
-                    used, events = stream_tokens(client, url, "m", length, args.chat_tools)
-                    spent = process_cpu_s(server.pid) - before
-                    if used != length:
-                        raise RuntimeError(f"asked for {length} tokens, got {used}")
-                    per_token[length].append(spent / length)
-                    print(f"{length:>6} tokens: {spent:.3f} CPU s in the API process, "
-                          f"{1e6 * spent / length:.1f} us/token ({events} events)", flush=True)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    serve_args = ["--served-model-name", "m", "--max-model-len", str(longest + 1024), "--device", "cpu",
+                  *args.serve_args, *(["--model", args.model] if args.model else [])]
+    per_token: dict[int, list[float]] = {length: [] for length in args.lengths}
+    with ServerProcess(serve_args, start_timeout_s=args.start_timeout_s) as server, httpx.Client() as client:
+        assert server.proc is not None
+        pid = server.proc.pid
+        stream_tokens(client, server.url, "m", 16, args.chat_tools)  # warm-up: first-request paths out of the way
+        for _ in range(args.rounds):
+            for length in args.lengths:
+                before = process_cpu_s(pid)
+                used, events = stream_tokens(client, server.url, "m", length, args.chat_tools)
+                spent = process_cpu_s(pid) - before
+                if used != length:
+                    raise RuntimeError(f"asked for {length} tokens, got {used}")
+                per_token[length].append(spent / length)
+                print(f"{length:>6} tokens: {spent:.3f} CPU s in the API process, "
+                      f"{1e6 * spent / length:.1f} us/token ({events} events)", flush=True)
     medians = {length: statistics.median(values) for length, values in per_token.items()}
     shortest = min(args.lengths)
     return {"us_per_token": {length: round(1e6 * value, 2) for length, value in medians.items()},
             "ratio_longest_to_shortest": round(medians[longest] / medians[shortest], 3),
             "rounds": args.rounds, "route": "chat with tools" if args.chat_tools else "completions",
-            "command": "hybridserve " + " ".join(command[3:])}
+            "command": "hybridserve serve " + " ".join(serve_args)}
 
 
 def main() -> None:
