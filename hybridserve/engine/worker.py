@@ -18,6 +18,7 @@ from hybridserve.engine.memory_plan import MemoryPlan, PlanInputs, device_memory
 from hybridserve.engine.runner import ModelRunner
 from hybridserve.engine.sampling import SampledToken, Sampler
 from hybridserve.engine.step_plan import StepPlan
+from hybridserve.layers import native
 from hybridserve.layers.attention import PagedKVCache
 from hybridserve.models.builtin import builtin_init_tensor, parameter_shapes, rare_token_ids
 from hybridserve.models.loader import load_weights
@@ -121,6 +122,8 @@ class Worker:
                                   num_snapshot_slots=self.capacity.num_snapshot_slots, dtype=self.dtype,
                                   device=self.device)
         self.sampler = Sampler(spec.config.seed, self.device)
+        if self.device.type == "cpu":  # readiness means the kernels are built, not built on first use
+            native.prepare_kernels()
 
     # -- start-up ------------------------------------------------------------------------------
     def _load_weights(self) -> None:

@@ -52,6 +52,12 @@ _INT64 = (torch.int64,)
 _Dims = int | tuple[int, ...] | None  # a tensor's number of dimensions, or its exact shape
 
 
+def prepare_kernels() -> bool:
+    """Build (first time only) and load the CPU kernels now, so that start-up pays for the compile
+    and the first request does not; False where they are switched off or cannot be built."""
+    return native_kernels_enabled()
+
+
 def native_kernels_enabled() -> bool:
     """Whether the C kernels may be used: not disabled by the environment, and compiled (a failed
     build or an interface mismatch is logged once per process)."""

@@ -152,3 +152,15 @@ def test_logit_bias(llm: LLM) -> None:
     assert out.outputs[0].token_ids == [favourite] * 3
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate("x", SamplingParams(logit_bias={10**6: 1.0}))
+
+
+def test_start_up_builds_the_kernels_before_the_first_request() -> None:
+    """`LLM()` (and so the server's readiness) returns with the CPU kernels loaded: the first request
+    must not pay for compiling them."""
+    from hybridserve.layers import native
+
+    if not native.native_kernels_enabled():
+        pytest.skip("the C kernels are switched off or cannot be built here")
+    native._library.cache_clear()
+    LLM(kv_cache_mib=4, prefix_cache_mib=0)
+    assert native._library.cache_info().currsize == 1
