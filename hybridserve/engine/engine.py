@@ -40,7 +40,7 @@ from hybridserve.sampling_params import CompletionOutput, RequestOutput, Samplin
 
 logger = logging.getLogger(__name__)
 MIB = 1 << 20
-MAX_FAILED_STEPS = 3  # a request in this many consecutive failed forwards is finished with "error"
+MAX_FAILED_STEPS = 3  # a request whose forward fails this many times in a row, run alone, ends with "error"
 TIER_WAIT_S = 0.002    # an idle step waits this long for a lower tier's transfer instead of spinning
 GDN_CHUNK_SIZE = 64   # chunked gated-delta prefill; snapshots are taken at any position inside a chunk
 

@@ -1,6 +1,8 @@
 """Continuous-batching scheduler with joint prefix-cache admission (tensor-free): running requests
 first, oldest first, then admissions while budget, slots and blocks allow. Each step is a transaction
-(`schedule`, then `apply` or `revert`; docs/prefix-cache.md, Transactions)."""
+(`schedule`, then `apply` or `revert`; docs/prefix-cache.md, Transactions). After a failed forward
+of several requests, each of them runs alone until it succeeds (suspects), so only a request that
+fails alone is charged the failure."""
 
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class Scheduler:
         self.block_size = cache.block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.suspects: list[Request] = []  # requests of a failed batch, each to run alone once
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
@@ -89,12 +92,44 @@ class Scheduler:
         return output
 
     def _fill(self, output: SchedulerOutput) -> None:
+        self.suspects = [r for r in self.suspects if r.status is not RequestStatus.FINISHED]
+        if not self.suspects:
+            self._fill_batch(output, frozenset())
+        elif not self._fill_alone(output, self.suspects[0]):
+            # the suspect cannot start now: run the others (never a suspect) so resources come back
+            self._fill_batch(output, frozenset(id(r) for r in self.suspects))
+
+    def _fill_alone(self, output: SchedulerOutput, request: Request) -> bool:
+        """A step of `request` only (False, nothing taken, when it cannot be admitted now)."""
+        chunks, restores, preempted = output
+        budget = self.config.max_num_batched_tokens
+        if request.status is RequestStatus.WAITING:
+            if len(self.running) >= self.config.max_num_seqs:
+                return False
+            restore = self.cache.admit(request)
+            if restore is None:
+                return False
+            self.waiting.remove(request)
+            self._start(request, restore, restores, chunks, budget)
+            return True
+        remaining = request.num_tokens - request.num_computed_tokens
+        length = 1 if remaining == 1 else min(remaining, budget)
+        new_blocks = self._grow(request, request.num_computed_tokens + length, preempted)
+        if new_blocks is not None:
+            self._add_chunk(chunks, request, length, new_blocks)
+        return True
+
+    def _fill_batch(self, output: SchedulerOutput, skip: frozenset[int]) -> None:
+        """Running requests first, then admissions, leaving out the requests whose id is in `skip`."""
         budget = self.config.max_num_batched_tokens
         prefill_budget = self._prefill_budget(budget)
         chunks, restores, preempted = output
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if id(request) in skip:
+                index += 1
+                continue
             remaining = request.num_tokens - request.num_computed_tokens
             length = 1 if remaining == 1 else min(remaining, budget, prefill_budget)
             if length == 0:
@@ -108,20 +143,24 @@ class Scheduler:
             prefill_budget -= length if remaining > 1 else 0
             index += 1
         while (self.waiting and min(budget, prefill_budget) > 0 and not preempted
-               and len(self.running) < self.config.max_num_seqs):
+               and len(self.running) < self.config.max_num_seqs and id(self.waiting[0]) not in skip):
             restore = self.cache.admit(self.waiting[0])
             if restore is None:
                 break
-            request = self.waiting.popleft()
-            request.num_computed_tokens = restore.num_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            restores.append(restore)
-            remaining = request.num_tokens - request.num_computed_tokens
-            length = min(remaining, budget, prefill_budget)
-            self._add_chunk(chunks, request, length, [])
+            length = self._start(self.waiting.popleft(), restore, restores, chunks, min(budget, prefill_budget))
             budget -= length
             prefill_budget -= length
+
+    def _start(self, request: Request, restore: Restore, restores: list[Restore], chunks: list[ScheduledChunk],
+               budget: int) -> int:
+        """Run an admitted request from its restore: its first chunk, of at most `budget` tokens."""
+        request.num_computed_tokens = restore.num_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        restores.append(restore)
+        length = min(request.num_tokens - request.num_computed_tokens, budget)
+        self._add_chunk(chunks, request, length, [])
+        return length
 
     def _prefill_budget(self, budget: int) -> int:
         """Prefill tokens allowed this step (docs/serving.md, Scheduling)."""
@@ -190,6 +229,8 @@ class Scheduler:
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = restore.num_tokens
         to_sample = []
+        ran = {id(chunk.request) for chunk in output.chunks}
+        self.suspects = [r for r in self.suspects if id(r) not in ran]
         for chunk in output.chunks:
             request = chunk.request
             request.num_computed_tokens += chunk.length
@@ -200,8 +241,13 @@ class Scheduler:
         return to_sample
 
     def revert(self, output: SchedulerOutput) -> None:
-        """Undo `schedule` after a failed forward: nothing the step took stays taken."""
-        self._undo(output, count_failure=True)
+        """Undo `schedule` after a failed forward: nothing the step took stays taken. A request that
+        ran alone is charged the failure; the requests of a failed batch become suspects instead."""
+        requests = list({id(chunk.request): chunk.request for chunk in output.chunks}.values())
+        if len(requests) > 1:
+            known = {id(r) for r in self.suspects}
+            self.suspects += [r for r in requests if id(r) not in known]
+        self._undo(output, count_failure=len(requests) == 1)
 
     def _undo(self, output: SchedulerOutput, count_failure: bool) -> None:
         """Give back everything `output` holds; `count_failure` charges its requests a failed step."""
@@ -230,3 +276,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Pools consistent, and every block and slot reference held by exactly the running requests."""
         self.cache.check_integrity(self.running, list(self.waiting))
+        queued = {id(r) for r in [*self.running, *self.waiting]}
+        live = [r for r in self.suspects if r.status is not RequestStatus.FINISHED]
+        if any(id(r) not in queued for r in live):
+            raise AssertionError("a suspect request is neither running nor waiting")

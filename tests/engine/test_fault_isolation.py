@@ -303,3 +303,27 @@ def test_fork_failure_ends_only_the_forked_sequence(text_checkpoint: Path, refer
     for request_id, ref in reference.items():
         assert finished[request_id].outputs[0].token_ids == ref.outputs[0].token_ids, request_id
         assert finished[request_id].outputs[0].finish_reason == "length"
+
+
+def test_a_forward_that_always_fails_with_one_request_ends_only_that_request(
+        text_checkpoint: Path, reference: dict[str, RequestOutput], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward raises whenever one request's prompt is in it: its batch-mates become suspects that
+    each run alone once and go on; only the request that fails alone is charged, and ends "error"."""
+    marker = 299  # below every other prompt's token ids
+    prompts = dict(PROMPTS, r3=PROMPTS["r3"][:20] + [marker] + PROMPTS["r3"][21:])
+    assert all(marker not in prompt for name, prompt in prompts.items() if name != "r3")
+    original = ModelRunner.execute_plan
+    failures = {"n": 0}
+
+    def failing(self: ModelRunner, plan: StepPlan, restored: bool = False) -> ForwardResult:
+        if any(marker in chunk.token_ids for chunk in plan.chunks):
+            failures["n"] += 1
+            raise RuntimeError("injected forward failure")
+        return original(self, plan, restored)
+
+    monkeypatch.setattr(ModelRunner, "execute_plan", failing)
+    engine = _engine(text_checkpoint)
+    finished = _run(engine, prompts)
+    assert failures["n"] >= engine_module.MAX_FAILED_STEPS
+    _assert_only_victim_failed(finished, reference, "r3")
+    assert finished["r3"].outputs[0].token_ids == [] and not engine.scheduler.suspects
