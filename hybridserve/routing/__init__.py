@@ -1,0 +1,1 @@
+"""Routing requests across engine replicas by joint-cache hits (plain Python: no torch, no ray)."""

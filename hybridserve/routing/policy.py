@@ -1,0 +1,111 @@
+"""Choosing a replica from its joint-hit depth and its load.
+
+Loads are each replica's outstanding work in prefill-token equivalents (uncached prompt tokens
+plus output tokens of what it was sent and has not finished; `OutstandingWork` keeps that count
+for a router), so a hit's saved tokens and a queue's length are in one unit. A replica's cost for a
+request is its load minus what its hit saves (`hit_weight` tokens of queue per hit token, and a
+`hit_bonus` for holding a useful hit at all, which keeps a conversation where its states are).
+The cheapest replica wins; one loaded past `max_load_ratio` times the mean (plus the bonus) is
+not chosen for its hit, so one hot conversation cannot pile onto one replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+JOINT_HIT = "joint_hit"
+LOAD_FALLBACK = "load_fallback"
+NO_HIT = "no_hit"
+REASONS = (JOINT_HIT, LOAD_FALLBACK, NO_HIT)
+
+
+class RoutingDecision(NamedTuple):
+    """Where a request goes and why: "joint_hit" (the deepest useful hit), "load_fallback" (a useful
+    hit existed, load sent it elsewhere) or "no_hit" (no useful hit: the least loaded)."""
+
+    replica: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Thresholds of `choose_replica` (loads in prefill-token equivalents)."""
+
+    min_hit_tokens: int = 256        # a shallower hit is not worth routing for
+    min_hit_share: float = 0.05      # ... nor one covering less of the prompt than this share
+    hit_weight: float = 1.0          # queued tokens a replica may carry per hit token it saves
+    hit_bonus: float = 4096.0        # extra queued tokens tolerated for holding a useful hit at all
+    max_load_ratio: float = 1.5      # past this times the mean load (+ hit_bonus), a hit does not attract
+
+    def __post_init__(self) -> None:
+        if self.min_hit_tokens < 0 or self.min_hit_share < 0 or self.hit_weight < 0 or self.hit_bonus < 0:
+            raise ValueError("router thresholds must be >= 0")
+        if self.max_load_ratio < 1:
+            raise ValueError(f"max_load_ratio must be >= 1, got {self.max_load_ratio}")
+
+    def useful(self, depth: int, prompt_tokens: int) -> bool:
+        """Whether a hit of `depth` tokens is worth routing a `prompt_tokens` prompt for."""
+        return depth > 0 and depth >= self.min_hit_tokens and depth >= self.min_hit_share * prompt_tokens
+
+
+def choose_replica(depths: Mapping[str, int], loads: Mapping[str, float], prompt_tokens: int,
+                   config: RouterConfig, turn: int = 0) -> RoutingDecision:
+    """The replica for a prompt among those in `loads` (a replica missing from `depths` has no
+    hit). Ties go to the first in `loads`' order rotated by `turn` (pass a counter so idle replicas
+    share the no-hit traffic)."""
+    names = list(loads)
+    if not names:
+        raise ValueError("no replica to route to")
+    shift = turn % len(names)
+    order = names[shift:] + names[:shift]
+    cap = max(prompt_tokens - 1, 0)
+    depth = {name: min(depths.get(name, 0), cap) for name in order}
+    least = min(order, key=lambda name: (loads[name], -depth[name]))
+    deepest = max(depth.values())
+    if not config.useful(deepest, prompt_tokens):
+        return RoutingDecision(least, NO_HIT)
+    limit = config.max_load_ratio * sum(loads.values()) / len(order) + config.hit_bonus
+
+    def cost(name: str) -> float:
+        if not config.useful(depth[name], prompt_tokens) or loads[name] > limit:
+            return loads[name]
+        return loads[name] - config.hit_weight * depth[name] - config.hit_bonus
+
+    choice = min(order, key=lambda name: (cost(name), -depth[name], loads[name]))
+    return RoutingDecision(choice, JOINT_HIT if depth[choice] == deepest else LOAD_FALLBACK)
+
+
+class OutstandingWork:
+    """A router's count of each replica's outstanding work: add a request when it is routed (its
+    uncached prompt tokens plus its output budget), finish it when its response ends."""
+
+    def __init__(self) -> None:
+        self._loads: dict[str, float] = {}
+        self._requests: dict[str, tuple[str, float]] = {}
+
+    def add_replica(self, replica: str) -> None:
+        """Start counting `replica` (idle)."""
+        self._loads.setdefault(replica, 0.0)
+
+    def remove_replica(self, replica: str) -> None:
+        """Stop counting `replica` and forget its requests."""
+        self._loads.pop(replica, None)
+        self._requests = {key: value for key, value in self._requests.items() if value[0] != replica}
+
+    def start(self, request_id: str, replica: str, work: float) -> None:
+        """`request_id` went to `replica` carrying `work` tokens."""
+        self.add_replica(replica)
+        self._loads[replica] += work
+        self._requests[request_id] = (replica, work)
+
+    def finish(self, request_id: str) -> None:
+        """`request_id` ended (finished, failed or aborted); unknown ids are ignored."""
+        entry = self._requests.pop(request_id, None)
+        if entry is not None and entry[0] in self._loads:
+            self._loads[entry[0]] = max(0.0, self._loads[entry[0]] - entry[1])
+
+    def loads(self) -> dict[str, float]:
+        """Outstanding work per replica."""
+        return dict(self._loads)
