@@ -59,7 +59,7 @@ from hybridserve.sampling_params import (
     StructuredOutputsParams,
 )
 from hybridserve.server.app import build_app
-from tests.helpers.live_server import ServerThread, tiny_config, wait_until
+from tests.helpers.live_server import ServerThread, random_ids, tiny_config, wait_until
 
 MODEL = "tiny"
 VOCAB = 4096
@@ -821,3 +821,42 @@ def test_a_failing_message_handler_answers_its_sender_and_the_core_runs_on(monke
         asyncio.run(client.check_integrity())
     finally:
         client.shutdown()
+
+
+def test_metrics_and_tokenize_flood_during_a_long_prefill(core: EngineCoreClient, server: ServerThread) -> None:
+    """Scrapes of `/metrics` (each a call to the core) and `/tokenize` requests from eight clients at
+    once, while a long prompt prefills: every one is answered, `/health` keeps answering (the bound
+    only catches a freeze), and the long request finishes normally."""
+    long_body = {"model": MODEL, "prompt": random_ids(91, 3000), "max_tokens": 8, "ignore_eos": True}
+    results: dict[str, Any] = {}
+    long_thread = threading.Thread(target=lambda: results.update(
+        long=httpx.post(f"{server.url}/v1/completions", json=long_body, timeout=120)))
+    long_thread.start()
+    statuses: list[int] = []
+
+    def flood(worker: int) -> None:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            for i in range(40):
+                if i % 2:
+                    statuses.append(client.get("/metrics").status_code)
+                else:
+                    body = {"model": MODEL, "prompt": f"flood {worker} {i} " * 50}
+                    statuses.append(client.post("/tokenize", json=body).status_code)
+
+    flooders = [threading.Thread(target=flood, args=(w,)) for w in range(8)]
+    for thread in flooders:
+        thread.start()
+    health_seconds = []
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        while any(thread.is_alive() for thread in flooders):
+            start = time.monotonic()
+            assert client.get("/health").status_code == 200
+            health_seconds.append(time.monotonic() - start)
+            time.sleep(0.05)
+    for thread in [*flooders, long_thread]:
+        thread.join(120)
+    assert statuses == [200] * 320
+    assert max(health_seconds) < 5  # a frozen loop would stall it for the whole flood
+    choice = results["long"].json()["choices"][0]
+    assert results["long"].status_code == 200 and choice["finish_reason"] == "length"
+    check_clean(core)
