@@ -69,6 +69,7 @@ def build_app(engine: EngineClient, *, model_name: str | Sequence[str], api_key:
     _preload_stream_backend()
     app = FastAPI(title="hybridserve", lifespan=_lifespan(engine, shutdown_engine),
                   openapi_url="/openapi.json", docs_url=None, redoc_url=None)
+    app.state.metrics = context.metrics  # more collectors may join its registry (hybridserve.replicas)
     install_error_handlers(app)
     install_completion_routes(app, CompletionServing(context))
     install_chat_routes(app, ChatServing(context))

@@ -60,6 +60,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-process", default="on", choices=("on", "off"),
                         help="on: run the engine core in its own process (API process: HTTP, JSON, SSE); "
                              "off: run it on a thread of the API process")
+    parser.add_argument("--replicas", type=int, default=None, metavar="N",
+                        help="run N engine replicas on Ray Serve (a local instance, or the cluster at "
+                             "$RAY_ADDRESS) behind this endpoint, routed by joint-cache hits; needs "
+                             "`pip install hybridserve[ray]` (docs/serving.md, Replicas on Ray Serve)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,6 +148,10 @@ def run_server(args: argparse.Namespace) -> int:
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(args.log_level.upper())  # also when the caller configured logging already
+    if getattr(args, "replicas", None) is not None:  # N engines on Ray Serve behind this endpoint
+        from hybridserve.replicas.launch import serve_replicas
+
+        return serve_replicas(args)
     try:
         config = engine_config_from_args(args)
         names = served_model_names(args)
