@@ -18,7 +18,8 @@ from hybridserve.cache.policy import CachePolicy, RequestView
 from hybridserve.cache.prefix_cache import PrefixCache, PrefixCacheStats, PrefixHit, PrefixLookup
 from hybridserve.cache.snapshots import Reservation, ReserveStatus, SnapshotPool, SnapshotPoolStats
 from hybridserve.cache.state_slots import StateSlotPool
-from hybridserve.cache.tiers import DEVICE, JointEntry, TieredCache, TierHit, TierObject, TierStats
+from hybridserve.cache.tiers import DEVICE, DiscoveryQuery, JointEntry, TieredCache, TierHit, TierObject, TierStats
+from hybridserve.routing.summary import JointBoundary
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -99,6 +100,8 @@ class _SequenceCache:
     snapshot_key: BlockHash | None = None      # ... and its key (the parent of the next one taken)
     lookup_counted: bool = False               # its admission is in the prefix-cache stats
     hashes: list[BlockHash] = field(default_factory=list)  # full-block hashes computed so far
+    remote_lookup: int | None = None           # its discovery lookup in the shared tier, in flight
+    remote_looked_up: bool = False             # ... done once per sequence
 
 
 @dataclass(eq=False)
@@ -142,13 +145,14 @@ class JointCacheManager:
             self.prefix_cache = PrefixCache(block_pool, snapshots, block_size)
         self._sequences: dict[int, _SequenceCache] = {}
         self.tiers = tiers
-        # With tiers: the prefix of each published (and reserved) device snapshot, to demote it whole.
+        # The prefix of each published (and reserved) device snapshot: to demote it whole (tiers), and
+        # to tell which snapshots are joint hits now (`joint_boundaries`).
         self._paths: dict[BlockHash, JointEntry] = {}
         self._reserved_paths: dict[BlockHash, JointEntry] = {}
         self._promotions: dict[int, _Promotion] = {}    # by ticket
         self._promotion_of: dict[int, int] = {}         # id(owner) -> ticket
         self.device_hits = self.device_hit_tokens = 0
-        if tiers is not None and snapshots is not None:
+        if snapshots is not None:
             snapshots.on_evict = self._on_snapshot_evicted
 
     @classmethod
@@ -284,9 +288,10 @@ class JointCacheManager:
             current = self._promotions[ticket]
             return (current, False) if current.done else (None, True)
         lookup = self._lookup(seq)
-        hit = self._tier_lookup(seq, lookup.hit.num_tokens if lookup is not None else 0)
+        depth = lookup.hit.num_tokens if lookup is not None else 0
+        hit = self._tier_lookup(seq, depth)
         if hit is None:
-            return None, False
+            return None, self._discover(seq, depth)
         if any(p.hit.entry.key == hit.entry.key for p in self._promotions.values()):
             return None, True
         promotion = self._start_promotion(seq, hit)
@@ -307,6 +312,30 @@ class JointCacheManager:
             return hash_tail(parent, seq.token_ids[blocks * size:blocks * size + length], extra, self.block_hash)
 
         return self.tiers.lookup(hashes, seq.num_tokens - 1, deeper_than, size, tail_key)
+
+    def _discover(self, seq: CacheSequence, deeper_than: int) -> bool:
+        """Whether `seq` must wait for a discovery lookup in the shared tier's store (entries other
+        replicas wrote): started once per sequence when its hit is at least a block short of its
+        prompt; a found entry lands in the shared tier's books, and the next admit promotes it."""
+        assert self.tiers is not None
+        entry = self._entry(seq)
+        if entry.remote_lookup is not None and self.tiers.discovering(entry.remote_lookup):
+            return True
+        entry.remote_lookup = None
+        limit = seq.num_tokens - 1
+        if entry.remote_looked_up or self.tiers.discovery is None or limit - deeper_than < self.block_size:
+            return False
+        entry.remote_looked_up = True
+        size, extra, algorithm = self.block_size, self._extra_keys(seq), self.block_hash
+        hashes = tuple(self.block_hashes(seq, seq.num_tokens // size))
+        tokens = tuple(seq.token_ids[:limit])  # a copy: the lookup hashes tails on the store's thread
+
+        def tail_key(blocks: int, length: int) -> BlockHash:
+            parent = hashes[blocks - 1] if blocks else None
+            return hash_tail(parent, tokens[blocks * size:blocks * size + length], extra, algorithm)
+
+        entry.remote_lookup = self.tiers.discover(DiscoveryQuery(hashes, limit, deeper_than, size, tail_key))
+        return entry.remote_lookup is not None
 
     def _start_promotion(self, seq: CacheSequence, hit: TierHit) -> _Promotion | None:
         """Reserve a snapshot slot and the KV blocks the device lacks for `hit`, hold the device's
@@ -397,18 +426,17 @@ class JointCacheManager:
         return JointEntry(key, boundary, blocks, partial)
 
     def _note_reserved(self, seq: CacheSequence, reservation: Reservation) -> None:
-        if self.tiers is not None and reservation.status is ReserveStatus.RESERVED:
+        if reservation.status is ReserveStatus.RESERVED:
             self._reserved_paths[reservation.key] = self._joint_entry(seq, reservation.num_tokens, reservation.key)
 
     def _publish(self, reservation: Reservation) -> None:
-        """Publish a reserved snapshot; with tiers, note its prefix (and copy it down in write-through)."""
+        """Publish a reserved snapshot and note its prefix (with tiers, copy it down in write-through)."""
         self._snapshot_pool().publish(reservation)
-        if self.tiers is None:
-            return
         joint = self._reserved_paths.pop(reservation.key)
         self._paths[reservation.key] = joint
-        if self.tiers.write_through:
-            self.tiers.demote(joint, reservation.slot, self.block_pool.lookup)
+        if self.tiers is None:
+            return
+        self.tiers.publish(joint, reservation.slot, self.block_pool.lookup)  # write-through, and to a shared tier
 
     def _abort(self, reservation: Reservation) -> None:
         self._snapshot_pool().abort(reservation)
@@ -421,6 +449,22 @@ class JointCacheManager:
         joint = self._paths.pop(key, None)
         if joint is not None and self.tiers is not None:
             self.tiers.demote(joint, slot, self.block_pool.lookup)
+
+    def joint_boundaries(self) -> list[JointBoundary]:
+        """Every boundary a lookup could hit now, for routing (tensor-free): each published device
+        snapshot whose prefix KV blocks (its tail block included) are all present, then each ready
+        entry of the lower tiers, fastest tier first."""
+        out: list[JointBoundary] = []
+        if self.snapshots is not None:
+            present = self.block_pool.lookup
+            for key, joint in self._paths.items():
+                if self.snapshots.lookup(key) is not None and all(present(block) is not None for block in joint.blocks):
+                    out.append(JointBoundary(key, joint.parent, joint.num_tokens, DEVICE))
+        if self.tiers is not None:
+            for tier in self.tiers.tiers:
+                out += [JointBoundary(entry.key, entry.parent, entry.num_tokens, tier.name)
+                        for entry in tier.entries.values() if tier.ready(entry)]
+        return out
 
     def tier_stats(self) -> list[TierStats]:
         """Hits by tier (the device first) and each lower tier's occupancy and transfer counters."""
@@ -489,7 +533,7 @@ class JointCacheManager:
         here (with tiers, it goes down a tier with its prefix, this block included)."""
         if self.snapshots is not None:
             slot = self.snapshots.lookup(block_hash)
-            if self.snapshots.evict(block_hash) and slot is not None and self.tiers is not None:
+            if self.snapshots.evict(block_hash) and slot is not None:
                 self._on_snapshot_evicted(block_hash, slot)
 
     def commit_restore(self, restore: Restore) -> None:
@@ -674,6 +718,7 @@ class JointCacheManager:
         self.state_slots.check_integrity()
         if self.snapshots is not None:
             self.snapshots.check_integrity()
+            assert self._paths.keys() == set(self.snapshots.published_keys()), "device snapshot prefixes out of step"
         held: dict[int, int] = {}
         for seq in running:
             entry = self._sequences.get(id(seq))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,6 +36,7 @@ from hybridserve.layers.attention import PagedKVCache
 from hybridserve.models.builtin import BUILTIN_MODEL_CONFIG, builtin_tokenizer
 from hybridserve.models.loader import read_model_config, resolve_model
 from hybridserve.models.tokenizer import Tokenizer
+from hybridserve.routing.summary import encode_summary, hash_identity
 from hybridserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -168,6 +169,12 @@ class LLMEngine:
     def tier_stats(self) -> list[TierStats]:
         """Hits by cache tier (the device first) and each lower tier's occupancy and transfers."""
         return self.cache.tier_stats()
+
+    def routing_summary(self, epoch: int) -> dict[str, Any]:
+        """This replica's joint boundaries as a router reads them (`hybridserve.routing.summary`):
+        keyed by its block hash, tagged with `epoch` (newer replaces older at the router)."""
+        return encode_summary(self.cache.joint_boundaries(), self.config.cache.block_size, epoch,
+                              hash_identity(self.cache.block_hash))
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers; finish the lower tiers' queued writes and close their
