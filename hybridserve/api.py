@@ -39,16 +39,17 @@ class LLM:
                  num_threads: int | None = None, quantization: str | None = None,
                  tensor_parallel_size: int = 1, host_cache_memory: int | str | None = None,
                  disk_cache_dir: str | None = None, disk_cache_size: int | str | None = None,
-                 tier_write_policy: str = "write-back") -> None:
+                 tier_write_policy: str = "write-back", remote_cache_url: str | None = None,
+                 block_hash_seed: int | None = None) -> None:
         memory = parse_size(str(kv_cache_memory)) if kv_cache_memory is not None else None
         cache = CacheConfig(block_size=block_size, kv_cache_mib=kv_cache_mib, prefix_cache_mib=prefix_cache_mib,
                             snapshot_interval=snapshot_interval, kv_cache_memory_bytes=memory,
                             memory_fraction=memory_fraction, snapshot_memory_share=snapshot_memory_share,
-                            block_hash=block_hash, cache_policy=cache_policy,
+                            block_hash=block_hash, block_hash_seed=block_hash_seed, cache_policy=cache_policy,
                             host_cache_memory_bytes=parse_size(str(host_cache_memory)) if host_cache_memory else 0,
                             disk_cache_dir=disk_cache_dir,
                             disk_cache_size_bytes=parse_size(str(disk_cache_size)) if disk_cache_size else None,
-                            tier_write_policy=tier_write_policy)
+                            tier_write_policy=tier_write_policy, remote_cache_url=remote_cache_url)
         scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                     max_model_len=max_model_len,
                                     max_prefill_tokens_during_decode=max_prefill_tokens_during_decode)

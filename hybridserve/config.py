@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from hybridserve.cache.tier_dir import check_disk_cache_dir  # torch-free; raises a ValueError
 
@@ -41,6 +42,30 @@ def parse_size(text: str) -> int:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def redact_url(url: str) -> str:
+    """`url` without its password (for logs and errors)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def check_remote_cache_url(url: str) -> None:
+    """`ValueError` unless `url` is `redis://[:PASSWORD@]HOST[:PORT][/DB]` (or `rediss://`, `unix://`)."""
+    parts = urlsplit(url)
+    _require(parts.scheme in ("redis", "rediss", "unix"),
+             f"--remote-cache-url must be redis://HOST:PORT/DB, got {redact_url(url)!r}")
+    _require(parts.scheme == "unix" or bool(parts.hostname), f"--remote-cache-url names no host: {redact_url(url)!r}")
+    database = parts.path.strip("/")
+    _require(parts.scheme == "unix" or not database or database.isdigit(),
+             f"--remote-cache-url's database must be a number, got {database!r}")
+    try:
+        parts.port
+    except ValueError as error:
+        raise ValueError(f"--remote-cache-url: {error}") from None
 
 
 @dataclass(frozen=True)
@@ -182,6 +207,7 @@ class CacheConfig:
     disk_cache_dir: str | None = None
     disk_cache_size_bytes: int | None = None
     tier_write_policy: str = "write-back"
+    remote_cache_url: str | None = None  # the shared remote tier (cache/remote_store.py): redis://HOST:PORT/DB
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
@@ -210,6 +236,8 @@ class CacheConfig:
                  f"host cache memory must be >= 0 bytes, got {self.host_cache_memory_bytes}")
         _require(self.tier_write_policy in TIER_WRITE_POLICIES,
                  f"tier write policy must be one of {', '.join(TIER_WRITE_POLICIES)}, got {self.tier_write_policy!r}")
+        if self.remote_cache_url is not None:
+            check_remote_cache_url(self.remote_cache_url)
         if self.disk_cache_dir is None:
             _require(self.disk_cache_size_bytes is None, "--disk-cache-size needs --disk-cache-dir")
             return

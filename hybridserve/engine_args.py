@@ -70,6 +70,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
     parser.add_argument("--tier-write-policy", default="write-back", choices=TIER_WRITE_POLICIES,
                         help="write-back: copy an entry to a lower tier when it is evicted from the one above; "
                              "write-through: copy it when it is cached")
+    parser.add_argument("--remote-cache-url", default=None, metavar="URL",
+                        help="redis://HOST:PORT/DB of a Redis server shared by replicas as the last joint-cache "
+                             "tier (each published entry is written through; other replicas' entries are found "
+                             "at admission); needs --block-hash-seed, the same on every replica; off when unset")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for the forward (when unset: every available core, idle OpenMP "
                              "workers sleeping; all cores but one if torch was imported before hybridserve)")
@@ -125,7 +129,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         block_hash_seed=args.block_hash_seed,
                         host_cache_memory_bytes=_size_flag(args, "host-cache-memory") or 0,
                         disk_cache_dir=args.disk_cache_dir, disk_cache_size_bytes=_size_flag(args, "disk-cache-size"),
-                        tier_write_policy=args.tier_write_policy)
+                        tier_write_policy=args.tier_write_policy, remote_cache_url=args.remote_cache_url)
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 max_model_len=args.max_model_len, max_waiting_requests=args.max_waiting_requests,
                                 max_prefill_tokens_during_decode=args.max_prefill_tokens_during_decode)

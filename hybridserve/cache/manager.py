@@ -18,7 +18,7 @@ from hybridserve.cache.policy import CachePolicy, RequestView
 from hybridserve.cache.prefix_cache import PrefixCache, PrefixCacheStats, PrefixHit, PrefixLookup
 from hybridserve.cache.snapshots import Reservation, ReserveStatus, SnapshotPool, SnapshotPoolStats
 from hybridserve.cache.state_slots import StateSlotPool
-from hybridserve.cache.tiers import DEVICE, JointEntry, TieredCache, TierHit, TierObject, TierStats
+from hybridserve.cache.tiers import DEVICE, DiscoveryQuery, JointEntry, TieredCache, TierHit, TierObject, TierStats
 from hybridserve.routing.summary import JointBoundary
 
 
@@ -100,6 +100,8 @@ class _SequenceCache:
     snapshot_key: BlockHash | None = None      # ... and its key (the parent of the next one taken)
     lookup_counted: bool = False               # its admission is in the prefix-cache stats
     hashes: list[BlockHash] = field(default_factory=list)  # full-block hashes computed so far
+    remote_lookup: int | None = None           # its discovery lookup in the shared tier, in flight
+    remote_looked_up: bool = False             # ... done once per sequence
 
 
 @dataclass(eq=False)
@@ -286,9 +288,10 @@ class JointCacheManager:
             current = self._promotions[ticket]
             return (current, False) if current.done else (None, True)
         lookup = self._lookup(seq)
-        hit = self._tier_lookup(seq, lookup.hit.num_tokens if lookup is not None else 0)
+        depth = lookup.hit.num_tokens if lookup is not None else 0
+        hit = self._tier_lookup(seq, depth)
         if hit is None:
-            return None, False
+            return None, self._discover(seq, depth)
         if any(p.hit.entry.key == hit.entry.key for p in self._promotions.values()):
             return None, True
         promotion = self._start_promotion(seq, hit)
@@ -309,6 +312,30 @@ class JointCacheManager:
             return hash_tail(parent, seq.token_ids[blocks * size:blocks * size + length], extra, self.block_hash)
 
         return self.tiers.lookup(hashes, seq.num_tokens - 1, deeper_than, size, tail_key)
+
+    def _discover(self, seq: CacheSequence, deeper_than: int) -> bool:
+        """Whether `seq` must wait for a discovery lookup in the shared tier's store (entries other
+        replicas wrote): started once per sequence when its hit is at least a block short of its
+        prompt; a found entry lands in the shared tier's books, and the next admit promotes it."""
+        assert self.tiers is not None
+        entry = self._entry(seq)
+        if entry.remote_lookup is not None and self.tiers.discovering(entry.remote_lookup):
+            return True
+        entry.remote_lookup = None
+        limit = seq.num_tokens - 1
+        if entry.remote_looked_up or self.tiers.discovery is None or limit - deeper_than < self.block_size:
+            return False
+        entry.remote_looked_up = True
+        size, extra, algorithm = self.block_size, self._extra_keys(seq), self.block_hash
+        hashes = tuple(self.block_hashes(seq, seq.num_tokens // size))
+        tokens = tuple(seq.token_ids[:limit])  # a copy: the lookup hashes tails on the store's thread
+
+        def tail_key(blocks: int, length: int) -> BlockHash:
+            parent = hashes[blocks - 1] if blocks else None
+            return hash_tail(parent, tokens[blocks * size:blocks * size + length], extra, algorithm)
+
+        entry.remote_lookup = self.tiers.discover(DiscoveryQuery(hashes, limit, deeper_than, size, tail_key))
+        return entry.remote_lookup is not None
 
     def _start_promotion(self, seq: CacheSequence, hit: TierHit) -> _Promotion | None:
         """Reserve a snapshot slot and the KV blocks the device lacks for `hit`, hold the device's
@@ -409,8 +436,7 @@ class JointCacheManager:
         self._paths[reservation.key] = joint
         if self.tiers is None:
             return
-        if self.tiers.write_through:
-            self.tiers.demote(joint, reservation.slot, self.block_pool.lookup)
+        self.tiers.publish(joint, reservation.slot, self.block_pool.lookup)  # write-through, and to a shared tier
 
     def _abort(self, reservation: Reservation) -> None:
         self._snapshot_pool().abort(reservation)

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -27,7 +27,7 @@ from hybridserve.cache.tier_store import ObjectStore, Payload, key_to_filename, 
 
 logger = logging.getLogger(__name__)
 
-OpKind = Literal["put", "get", "delete"]
+OpKind = Literal["put", "get", "delete", "call"]
 DEFAULT_MAX_PENDING = 64
 
 
@@ -35,7 +35,7 @@ DEFAULT_MAX_PENDING = 64
 class TierEvent:
     """A finished operation: `payload` is the tensors of a successful get (else None), `nbytes`
     what was moved, `seconds` from submit to completion, `evicted` the keys the store dropped to
-    make room for a put."""
+    make room for a put, `result` what a call returned."""
 
     key: str
     kind: OpKind
@@ -44,6 +44,7 @@ class TierEvent:
     nbytes: int
     seconds: float
     evicted: tuple[str, ...] = ()
+    result: Any = None
 
 
 @dataclass
@@ -65,6 +66,7 @@ class _Op:
     payload: Mapping[str, torch.Tensor] | None
     ready: Any
     submitted: float
+    call: Callable[[], Any] | None = None
 
 
 def _ready_event(payload: Mapping[str, torch.Tensor]) -> Any:
@@ -103,6 +105,11 @@ class StoreMover:
     def submit_get(self, key: str) -> bool:
         """Queue a read of `key`; its event carries the payload. False (counted) when full."""
         return self._submit(_Op("get", key, None, None, time.perf_counter()), bounded=True)
+
+    def submit_call(self, key: str, call: Callable[[], Any]) -> bool:
+        """Queue `call` (a store operation beyond put/get/delete, e.g. a remote lookup) in order
+        with the rest; its event carries the result under the label `key`. False when full."""
+        return self._submit(_Op("call", key, None, None, time.perf_counter(), call), bounded=True)
 
     def submit_delete(self, key: str) -> None:
         """Queue the removal of `key` (after the operations queued before it; never refused)."""
@@ -184,11 +191,15 @@ class StoreMover:
             if op.kind == "get":
                 payload = self.store.get(op.key)
                 return self._event(op, payload is not None, payload, payload_nbytes(payload) if payload else 0)
+            if op.kind == "call":
+                assert op.call is not None
+                return self._event(op, True, None, 0, result=op.call())
             return self._event(op, self.store.delete(op.key), None, 0)
         except Exception:  # a store bug must not kill the thread and leave the engine waiting
             logger.exception("tier %s: %s of %r failed", self.store.tier, op.kind, op.key)
             return self._event(op, False, None, 0)
 
     @staticmethod
-    def _event(op: _Op, ok: bool, payload: Payload | None, nbytes: int, evicted: tuple[str, ...] = ()) -> TierEvent:
-        return TierEvent(op.key, op.kind, ok, payload, nbytes, time.perf_counter() - op.submitted, evicted)
+    def _event(op: _Op, ok: bool, payload: Payload | None, nbytes: int, evicted: tuple[str, ...] = (),
+               result: Any = None) -> TierEvent:
+        return TierEvent(op.key, op.kind, ok, payload, nbytes, time.perf_counter() - op.submitted, evicted, result)

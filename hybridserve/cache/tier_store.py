@@ -81,6 +81,7 @@ class TierStoreStats:
     corrupt_misses: int = 0  # checksum, truncation, bad header or wrong version
     missing_misses: int = 0  # indexed, but the file was gone
     evictions: int = 0  # objects the store dropped itself to stay within budget
+    errors: int = 0  # commands that failed on the connection (the remote store down or hung)
     transfer_seconds: float = 0.0  # time spent in puts and gets
 
 
@@ -596,10 +597,11 @@ def model_fingerprint(*, model_config: Any, dtype: str, block_size: int, block_h
 
 
 def engine_fingerprint(config: EngineConfig, *, model_config: Any, dtype: torch.dtype, tokenizer_json: str,
-                       weights: Mapping[str, torch.Tensor] | None = None) -> str:
+                       weights: Mapping[str, torch.Tensor] | None = None, with_seed: bool = True) -> str:
     """`model_fingerprint` of an engine: its checkpoint files when `config.model` is a directory,
     else `weights` (the built-in model's state dict); the quantization and the tensor-parallel size
-    are part of it (they change what the stored tensors hold)."""
+    are part of it (they change what the stored tensors hold). `with_seed=False` leaves the
+    block-hash key out (the remote store's check that replicas of one model share a seed)."""
     from hybridserve.models.loader import checkpoint_files  # the loader, not needed by the stores
 
     files = checkpoint_files(config.model) if config.model is not None else []
@@ -607,6 +609,8 @@ def engine_fingerprint(config: EngineConfig, *, model_config: Any, dtype: torch.
         raise ValueError("the built-in model's fingerprint needs its weights")
     # the seed keying the block hash (stable with a disk tier: its seed file), named without revealing it
     key_id = block_hash_key_id(config.cache.block_hash, config.cache.block_hash_seed, config.cache.disk_cache_dir)
+    if not with_seed:
+        key_id = "any"
     return model_fingerprint(model_config=model_config, dtype=str(dtype), block_size=config.cache.block_size,
                              block_hash=config.cache.block_hash, weight_files=files,
                              weights=None if files else weights, tokenizer_json=tokenizer_json,
@@ -625,19 +629,41 @@ class TierStores:
     host: HostStore | None = None
     disk: DiskStore | None = None
     write_policy: str = "write-back"
+    remote: ObjectStore | None = None  # a `RemoteStore` (hybridserve/cache/remote_store.py)
 
     def close(self) -> None:
         """Close every store."""
-        for store in (self.host, self.disk):
+        for store in (self.host, self.disk, self.remote):
             if store is not None:
                 store.close()
 
+    def in_order(self) -> list[ObjectStore]:
+        """The stores that are on, highest tier first (host, disk, remote)."""
+        return [store for store in (self.host, self.disk, self.remote) if store is not None]
 
-def build_tier_stores(config: CacheConfig, *, fingerprint: str, device: torch.device | None = None) -> TierStores:
-    """The host and disk stores of `config` (`--host-cache-memory`, `--disk-cache-dir`,
-    `--disk-cache-size`); `DiskCacheDirError` when the directory cannot be used."""
+
+def build_tier_stores(config: CacheConfig, *, fingerprint: str, device: torch.device | None = None,
+                      model_id: str | None = None, key_id: str | None = None) -> TierStores:
+    """The host, disk and remote stores of `config` (`--host-cache-memory`, `--disk-cache-dir`,
+    `--disk-cache-size`, `--remote-cache-url`); `DiskCacheDirError` when the directory cannot be
+    used, `RemoteStoreError` when the remote store cannot be reached. `model_id` (the fingerprint
+    without the block-hash key) and `key_id` let the remote store warn about replicas whose seeds differ."""
     host = HostStore(config.host_cache_memory_bytes, device=device) if config.host_cache_memory_bytes else None
     disk = None
     if config.disk_cache_dir is not None and config.disk_cache_size_bytes:
         disk = DiskStore(config.disk_cache_dir, fingerprint, config.disk_cache_size_bytes, device=device)
-    return TierStores(host=host, disk=disk, write_policy=config.tier_write_policy)
+    remote = None
+    if config.remote_cache_url is not None:
+        try:  # the redis client is an optional dependency, needed only with the flag
+            from hybridserve.cache.remote_store import RemoteStore
+        except ImportError as error:
+            raise ValueError(f"--remote-cache-url needs the redis client ({error}): "
+                             "pip install 'hybridserve[remote]'") from None
+        try:
+            remote = RemoteStore(config.remote_cache_url, fingerprint, device=device, model_id=model_id, key_id=key_id)
+        except BaseException:
+            for store in (host, disk):
+                if store is not None:
+                    store.close()
+            raise
+    return TierStores(host=host, disk=disk, write_policy=config.tier_write_policy, remote=remote)

@@ -30,10 +30,14 @@ def object_key(kind: str, key: BlockHash) -> str:
 
 
 class TierSpec(NamedTuple):
-    """One lower tier: its name (e.g. "host", "disk") and byte budget."""
+    """One lower tier: its name (e.g. "host", "disk", "remote") and byte budget. A `shared` tier (the
+    last one; a store other replicas also use) gets every published entry written through, is never
+    told to delete what its books let go (other replicas may need it: the store evicts on its own),
+    and finds entries other replicas wrote by discovery."""
 
     name: str
     budget_bytes: int
+    shared: bool = False
 
 
 class ObjectSizes(NamedTuple):
@@ -92,6 +96,29 @@ class TierMover(Protocol):
         """Tickets finished since the last poll, each with whether every object arrived intact."""
 
 
+class DiscoveryQuery(NamedTuple):
+    """A lookup in a shared tier's store for entries other replicas wrote: the deepest entry at a
+    boundary in (deeper_than, limit] on a prompt's path, after `j` of its full blocks
+    (`block_hashes`), at a tail of `t` tokens (key `tail_key(j, t)`) or at the end of block `j`."""
+
+    block_hashes: tuple[BlockHash, ...]
+    limit: int
+    deeper_than: int
+    block_size: int
+    tail_key: Callable[[int, int], BlockHash]
+
+
+class Discovery(Protocol):
+    """What the engine implements to search a shared tier's store (asynchronously)."""
+
+    def start_lookup(self, lookup: int, query: DiscoveryQuery) -> bool:
+        """Start looking up `query`; False when it cannot start now (the caller goes on without)."""
+
+    def poll_lookups(self) -> list[tuple[int, JointEntry | None, bool]]:
+        """Lookups finished since the last poll: (lookup, the entry found or None, whether the
+        store answered)."""
+
+
 class TierHit(NamedTuple):
     """A lookup's answer: the tier (highest first) holding the deepest ready entry."""
 
@@ -118,6 +145,8 @@ class TierStats(NamedTuple):
     evictions: int
     dropped: int   # demotions refused: too large for the tier, no room, or an object with no source
     failed: int    # transfers the mover reported failed (a corrupt, truncated or missing object: a miss)
+    lookups: int = 0     # discovery lookups (a shared tier: entries other replicas wrote)
+    discovered: int = 0  # ... that found an entry, adopted into this tier's books
 
 
 class _Tier:
@@ -126,7 +155,7 @@ class _Tier:
     def __init__(self, spec: TierSpec, sizes: ObjectSizes) -> None:
         if spec.budget_bytes < 0:
             raise ValueError(f"tier {spec.name}: budget must be >= 0, got {spec.budget_bytes}")
-        self.name, self.budget = spec
+        self.name, self.budget, self.shared = spec
         self.sizes = sizes
         self.entries: OrderedDict[BlockHash, JointEntry] = OrderedDict()  # first = least recently used
         self.kv: dict[BlockHash, int] = {}                               # block hash -> entries needing it
@@ -136,7 +165,7 @@ class _Tier:
         self.used = 0
         self.hits = self.hit_tokens = self.promotions = self.promoted_bytes = self.promoted_objects = 0
         self.demotions = self.demoted_bytes = self.demoted_objects = self.evictions = 0
-        self.dropped = self.failed = 0
+        self.dropped = self.failed = self.lookups = self.discovered = 0
 
     def entry_bytes(self, entry: JointEntry) -> int:
         """Bytes `entry` would add here (its state and the KV blocks this tier lacks)."""
@@ -200,7 +229,7 @@ class _Tier:
         return TierStats(self.name, self.budget, self.used, len(self.entries), len(self.kv), self.hits,
                          self.hit_tokens, self.promotions, self.promoted_bytes, self.promoted_objects,
                          self.demotions, self.demoted_bytes, self.demoted_objects, self.evictions,
-                         self.dropped, self.failed)
+                         self.dropped, self.failed, self.lookups, self.discovered)
 
 
 class _Ticket(NamedTuple):
@@ -220,12 +249,14 @@ class TieredCache:
     `demote` at publish), otherwise on its eviction (write-back)."""
 
     def __init__(self, specs: Sequence[TierSpec], sizes: ObjectSizes, mover: TierMover,
-                 write_through: bool = False) -> None:
+                 write_through: bool = False, discovery: Discovery | None = None) -> None:
         if not specs:
             raise ValueError("a tiered cache needs at least one lower tier")
         names = [spec.name for spec in specs]
         if len(set(names)) != len(names) or DEVICE in names:
             raise ValueError(f"tier names must be distinct and not {DEVICE!r}: {names}")
+        if any(spec.shared for spec in specs[:-1]):
+            raise ValueError("only the last tier may be shared")
         self.tiers = [_Tier(spec, sizes) for spec in specs]
         self._by_name = {tier.name: tier for tier in self.tiers}
         self.sizes = sizes
@@ -233,6 +264,10 @@ class TieredCache:
         self.write_through = write_through
         self._tickets: dict[int, _Ticket] = {}
         self._next_ticket = 1
+        self.shared = self.tiers[-1] if self.tiers[-1].shared else None
+        self.discovery = discovery if self.shared is not None else None
+        self._lookups: set[int] = set()  # discovery lookups in flight
+        self._next_lookup = 1
 
     @property
     def names(self) -> list[str]:
@@ -328,7 +363,7 @@ class TieredCache:
                 return False
             if index + 1 < len(self.tiers):
                 self.demote(victim, None, _nowhere, into=index + 1)
-            self.mover.discard(tier.name, tier.remove(victim.key))
+            self._discard(tier, tier.remove(victim.key))
             tier.evictions += 1
         return True
 
@@ -374,9 +409,69 @@ class TieredCache:
                     for block, target in kv_targets]
         return self._start(True, tier, hit.entry, objects)
 
+    def _discard(self, tier: _Tier, keys: list[str]) -> None:
+        """Tell the mover to delete objects no entry of `tier` needs; a shared tier's objects stay
+        (other replicas may need them; the store's own eviction bounds it)."""
+        if not tier.shared:
+            self.mover.discard(tier.name, keys)
+
+    def publish(self, entry: JointEntry, state_slot: int | None, device_blocks: DeviceBlocks) -> None:
+        """A device snapshot was published: copy it down now with `write_through`, and write it
+        through to the shared tier (so a replica that dies has already shared it)."""
+        if self.write_through:
+            self.demote(entry, state_slot, device_blocks)
+        if self.shared is not None and entry.key not in self.shared.entries:
+            self.demote(entry, state_slot, device_blocks, into=len(self.tiers) - 1)
+
+    def discover(self, query: DiscoveryQuery) -> int | None:
+        """Start a discovery lookup in the shared tier's store; its id (poll until `discovering` is
+        False: a found entry is then in the shared tier's books), or None when none can start."""
+        if self.discovery is None or self.shared is None:
+            return None
+        lookup = self._next_lookup
+        self._next_lookup += 1
+        self.shared.lookups += 1
+        if not self.discovery.start_lookup(lookup, query):
+            self.shared.failed += 1
+            return None
+        self._lookups.add(lookup)
+        return lookup
+
+    def discovering(self, lookup: int) -> bool:
+        """Whether discovery lookup `lookup` is still in flight."""
+        return lookup in self._lookups
+
+    def _settle_lookups(self) -> None:
+        """Adopt what finished discovery lookups found into the shared tier's books."""
+        if self.discovery is None or self.shared is None:
+            return
+        for lookup, entry, answered in self.discovery.poll_lookups():
+            self._lookups.discard(lookup)
+            if not answered:
+                self.shared.failed += 1
+            elif entry is not None and self._adopt_shared(entry):
+                self.shared.discovered += 1
+
+    def _adopt_shared(self, entry: JointEntry) -> bool:
+        """Take a discovered entry into the shared tier's books (ready: its objects are in the
+        store), making room by forgetting the least recently used ones."""
+        tier = self.shared
+        assert tier is not None
+        if entry.key in tier.entries:
+            tier.entries.move_to_end(entry.key)
+            return True
+        if tier.entry_bytes(entry) > tier.budget:
+            return False
+        tier.add(entry)
+        if not self._make_room(tier, len(self.tiers) - 1, keep=entry.key):
+            tier.remove(entry.key)
+            return False
+        return True
+
     def poll(self) -> list[tuple[int, bool]]:
-        """Settle what the mover finished: demotions here; promotions are returned as (ticket, ok)
-        for the caller, which completes each with `complete_promotion`."""
+        """Settle what the mover finished: demotions and discovery lookups here; promotions are
+        returned as (ticket, ok) for the caller, which completes each with `complete_promotion`."""
+        self._settle_lookups()
         promotions = []
         for ticket, ok in self.mover.poll():
             record = self._tickets.get(ticket)
@@ -399,7 +494,7 @@ class TieredCache:
         tier.failed += 1
         lost = {key for _, key in written}
         for entry in [e for e in tier.entries.values() if e.key in lost or lost.intersection(e.blocks)]:
-            self.mover.discard(tier.name, tier.remove(entry.key))
+            self._discard(tier, tier.remove(entry.key))
 
     def complete_promotion(self, ticket: int, ok: bool) -> JointEntry:
         """A promotion finished: unpin its entry; a failed one (corrupt or missing object) drops the
@@ -414,7 +509,7 @@ class TieredCache:
         if not ok:
             tier.failed += 1
             if record.entry.key in tier.entries and not tier.pins[record.entry.key]:
-                self.mover.discard(tier.name, tier.remove(record.entry.key))
+                self._discard(tier, tier.remove(record.entry.key))
         return record.entry
 
     def ticket_entry(self, ticket: int) -> JointEntry:
@@ -443,7 +538,7 @@ class TieredCache:
         dropped = 0
         for tier in self.tiers:
             if key in tier.entries and not tier.pins[key]:
-                self.mover.discard(tier.name, tier.remove(key))
+                self._discard(tier, tier.remove(key))
                 dropped += 1
         return dropped
 

@@ -15,6 +15,11 @@ device pools (GDN snapshot slots, KV blocks) and the lower tiers' stores, one `S
 Events come back from each `StoreMover` in the order operations were submitted to it, so each mover
 keeps a FIFO of what its operations were for.
 
+Remote (shared) tier: a demotion's objects are puts like any other; once all of a ticket's puts
+succeeded, the entry is indexed in the store (`RemoteStore.publish_entry`) so other replicas find it.
+A discovery lookup (`start_lookup`) runs `RemoteStore.find_entry` on the remote mover's thread, in
+order with its puts and gets; `poll_lookups` hands back what it found.
+
 Restart: beside each state it writes to disk, the mover writes a small `meta-<hex>` object (the
 joint entry: prefix block hashes, boundary, tail length). At start-up the disk tier's entries are
 rebuilt from those whose state and KV objects are all present; other objects are deleted.
@@ -30,6 +35,7 @@ from typing import Literal
 
 import torch
 
+from hybridserve.cache.block_pool import block_hash_key_id
 from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.cache.store_mover import DEFAULT_MAX_PENDING, StoreMover, TierEvent
 from hybridserve.cache.tier_store import Payload, TierStores, TierStoreStats, build_tier_stores, engine_fingerprint
@@ -37,6 +43,7 @@ from hybridserve.cache.tiers import (
     DEVICE,
     KV,
     STATE,
+    DiscoveryQuery,
     JointEntry,
     ObjectSizes,
     TieredCache,
@@ -44,16 +51,18 @@ from hybridserve.cache.tiers import (
     TierSpec,
     object_key,
 )
-from hybridserve.config import EngineConfig, ModelConfig
+from hybridserve.config import EngineConfig, ModelConfig, redact_url
 from hybridserve.layers.attention import PagedKVCache
 
 logger = logging.getLogger(__name__)
 
 META = "meta"
 DISK = "disk"
+REMOTE = "remote"
+REMOTE_BOOKS_BUDGET = 1 << 40  # the remote tier's logical budget when the server sets no maxmemory
 DISK_OBJECT_OVERHEAD = 1024  # bound on a disk object's bytes beyond its tensors (header, key, safetensors header)
 
-Purpose = Literal["write", "read-for-write", "read", "delete"]
+Purpose = Literal["write", "read-for-write", "read", "delete", "index", "lookup"]
 
 
 @dataclass
@@ -74,7 +83,9 @@ class _Ticket:
 
     promotion: bool
     objects: tuple[TierObject, ...]
+    tier: str = ""  # a demotion's target tier
     outstanding: int = 0
+    reads: int = 0  # a cascade's reads from another tier not yet arrived
     ok: bool = True
     payloads: dict[int, Payload] = field(default_factory=dict)  # object index -> payload (promotions)
 
@@ -123,12 +134,13 @@ class EngineTierMover:
         # ticket: the queue must hold every object the device pools can hand over (twice: a cascade's
         # read and its write), or every prefix deeper than the default bound would miss.
         max_pending = max(DEFAULT_MAX_PENDING, 2 * (pools.kv_cache.num_blocks + pools.snapshots.num_slots))
-        for store in (stores.host, stores.disk):
-            if store is not None:
-                self.movers[store.tier] = StoreMover(store, max_pending=max_pending)
+        for store in stores.in_order():
+            self.movers[store.tier] = StoreMover(store, max_pending=max_pending)
         self._pending: dict[str, deque[_Pending]] = {name: deque() for name in self.movers}
         self._tickets: dict[int, _Ticket] = {}
         self._finished: list[tuple[int, bool]] = []
+        self._lookups = 0  # discovery lookups in flight
+        self._found: list[tuple[int, JointEntry | None, bool]] = []
         self.store_evicted = 0  # objects a store dropped itself (the disk's own LRU; their entries then miss)
         self.tiers: TieredCache | None = None   # bound after construction: the entries tickets move
 
@@ -162,6 +174,7 @@ class EngineTierMover:
     def start_demotion(self, ticket: int, tier: str, objects: Sequence[TierObject]) -> None:
         """Copy device sources out now; queue the puts (and the reads of tier sources)."""
         record = self._open(ticket, False, objects)
+        record.tier = tier
         for obj in objects:
             if obj.source == DEVICE:
                 if obj.device_index is None:
@@ -169,10 +182,13 @@ class EngineTierMover:
                 payload = self.pools.read(obj.kind, obj.device_index)
                 self._submit(record, tier, _Pending("write", ticket, obj.key, obj), payload)
             else:
+                record.reads += 1
                 self._submit(record, obj.source, _Pending("read-for-write", ticket, obj.key, obj, target=tier))
             if tier == DISK and obj.kind == STATE and self.tiers is not None:
                 meta = _meta_payload(self.tiers.ticket_entry(ticket))
                 self._submit(record, tier, _Pending("write", ticket, _meta_key(obj.key)), meta)
+        if tier == REMOTE and not record.reads:
+            self._index_remote(record, ticket)
         self._settle(ticket)
 
     def start_promotion(self, ticket: int, objects: Sequence[TierObject]) -> None:
@@ -183,6 +199,26 @@ class EngineTierMover:
                 raise ValueError(f"promoted object {obj.key} needs a tier source and a device target")
             self._submit(record, obj.source, _Pending("read", ticket, obj.key, obj, index=index))
         self._settle(ticket)
+
+    def start_lookup(self, lookup: int, query: DiscoveryQuery) -> bool:
+        """Queue a discovery lookup on the remote store's thread; False when there is no remote
+        tier or its queue is full."""
+        store, mover = self.stores.remote, self.movers.get(REMOTE)
+        find_entry = getattr(store, "find_entry", None)
+        if mover is None or find_entry is None:
+            return False
+        label = f"lookup-{lookup}"
+        if not mover.submit_call(label, lambda: find_entry(query)):
+            return False
+        self._pending[REMOTE].append(_Pending("lookup", lookup, label))
+        self._lookups += 1
+        return True
+
+    def poll_lookups(self) -> list[tuple[int, JointEntry | None, bool]]:
+        """Discovery lookups finished since the last call: (lookup, entry or None, answered)."""
+        self.poll_events()
+        found, self._found = self._found, []
+        return found
 
     def discard(self, tier: str, keys: Sequence[str]) -> None:
         """Queue deletes behind everything already submitted to that tier's store."""
@@ -195,16 +231,20 @@ class EngineTierMover:
     def poll(self) -> list[tuple[int, bool]]:
         """Apply finished store operations; tickets done since the last poll. Promoted objects are
         copied into the device here (the engine's thread, between steps)."""
-        for tier, mover in self.movers.items():
-            for event in mover.poll():
-                self._on_event(tier, event)
+        self.poll_events()
         finished, self._finished = self._finished, []
         return finished
 
+    def poll_events(self) -> None:
+        """Apply every store event that has arrived (kept for `poll` and `poll_lookups`)."""
+        for tier, mover in self.movers.items():
+            for event in mover.poll():
+                self._on_event(tier, event)
+
     @property
     def busy(self) -> bool:
-        """Whether any ticket is in flight."""
-        return bool(self._tickets)
+        """Whether any ticket or discovery lookup is in flight."""
+        return bool(self._tickets) or self._lookups > 0
 
     def wait(self, timeout: float) -> None:
         """Block up to `timeout` seconds for the next store event (an idle engine waiting on a
@@ -249,15 +289,37 @@ class EngineTierMover:
             record.ok = self._install(record)
         self._finished.append((ticket, record.ok))
 
+    def _index_remote(self, record: _Ticket, ticket: int) -> None:
+        """Queue, behind a remote demotion's puts, the index of its entry (other replicas find it
+        by it): written only once every object of the entry is in the store, so it never names a
+        partial entry; part of the ticket, so the entry is ready only once discoverable."""
+        publish_entry = getattr(self.stores.remote, "publish_entry", None)
+        if publish_entry is None or self.tiers is None:
+            record.ok = False
+            return
+        entry = self.tiers.ticket_entry(ticket)
+        label = f"entry-{entry.key.hex()}"
+        if not self.movers[REMOTE].submit_call(label, lambda: publish_entry(entry)):
+            record.ok = False
+            return
+        record.outstanding += 1
+        self._pending[REMOTE].append(_Pending("index", ticket, label))
+
     def _on_event(self, tier: str, event: TierEvent) -> None:
         pending = self._pending[tier].popleft()
         if pending.key != event.key:
             raise RuntimeError(f"tier {tier}: event for {event.key!r} while expecting {pending.key!r}")
         self.store_evicted += len(event.evicted)
+        if pending.purpose == "lookup":
+            assert pending.ticket is not None
+            self._lookups -= 1
+            entry, answered = event.result if event.ok else (None, False)
+            self._found.append((pending.ticket, entry, answered))
+            return
         if pending.purpose == "delete" or pending.ticket is None:
             return
         record = self._tickets[pending.ticket]
-        if not event.ok:
+        if not event.ok or (pending.purpose == "index" and not event.result):
             record.ok = False
         elif pending.purpose == "read":
             assert event.payload is not None
@@ -266,6 +328,10 @@ class EngineTierMover:
             assert event.payload is not None
             self._submit(record, pending.target, _Pending("write", pending.ticket, pending.key, pending.obj),
                          event.payload)
+        if pending.purpose == "read-for-write":
+            record.reads -= 1
+            if not record.reads and record.ok and record.tier == REMOTE:
+                self._index_remote(record, pending.ticket)  # behind the cascade's last write
         self._settle(pending.ticket)
 
     def _install(self, record: _Ticket) -> bool:
@@ -332,8 +398,21 @@ def _disk_logical_budget(budget_bytes: int, sizes: ObjectSizes) -> int:
 
 
 def tiers_requested(config: EngineConfig) -> bool:
-    """Whether any lower-tier flag is set (`--host-cache-memory`, `--disk-cache-dir`)."""
-    return bool(config.cache.host_cache_memory_bytes) or config.cache.disk_cache_dir is not None
+    """Whether any lower-tier flag is set (`--host-cache-memory`, `--disk-cache-dir`, `--remote-cache-url`)."""
+    cache = config.cache
+    return bool(cache.host_cache_memory_bytes) or cache.disk_cache_dir is not None or cache.remote_cache_url is not None
+
+
+def _check_shared_seed(config: EngineConfig) -> str | None:
+    """The block-hash key id replicas sharing the remote store must agree on; `ValueError` when
+    the hash is keyed by a seed drawn at random per start (no two replicas would ever match)."""
+    cache = config.cache
+    key_id = block_hash_key_id(cache.block_hash, cache.block_hash_seed, None)
+    if cache.block_hash == "xxh3_128" and key_id is None:
+        raise ValueError(f"--remote-cache-url {redact_url(cache.remote_cache_url or '')} needs --block-hash-seed "
+                         "(or $HYBRIDSERVE_BLOCK_HASH_SEED): every replica sharing the store must hash blocks "
+                         "with the same seed")
+    return key_id
 
 
 def build_engine_tiers(config: EngineConfig, *, model_config: ModelConfig, dtype: torch.dtype,
@@ -342,20 +421,29 @@ def build_engine_tiers(config: EngineConfig, *, model_config: ModelConfig, dtype
     """The lower tiers the flags ask for, over the engine's device pools: the stores (the disk's
     directory named by the model fingerprint), their movers and the logical `TieredCache`."""
     if config.tensor_parallel_size != 1:
-        raise ValueError("lower cache tiers (--host-cache-memory, --disk-cache-dir) are not supported with "
+        raise ValueError("lower cache tiers (--host-cache-memory, --disk-cache-dir, --remote-cache-url) are not "
+                         "supported with "
                          f"tensor_parallel_size={config.tensor_parallel_size} yet; use tensor_parallel_size=1")
     if not config.cache.prefix_cache_enabled:
         raise ValueError("lower cache tiers need the prefix cache (prefix_cache_mib must not be 0)")
+    key_id = _check_shared_seed(config) if config.cache.remote_cache_url is not None else None
     fingerprint = engine_fingerprint(config, model_config=model_config, dtype=dtype,
                                      tokenizer_json=tokenizer_json, weights=weights)
-    stores = build_tier_stores(config.cache, fingerprint=fingerprint, device=device)
+    model_id = None
+    if config.cache.remote_cache_url is not None:
+        model_id = engine_fingerprint(config, model_config=model_config, dtype=dtype, tokenizer_json=tokenizer_json,
+                                      weights=weights, with_seed=False)
+    stores = build_tier_stores(config.cache, fingerprint=fingerprint, device=device, model_id=model_id, key_id=key_id)
     mover = EngineTierMover(pools, stores)
     specs = [TierSpec(stores.host.tier, stores.host.budget_bytes)] if stores.host is not None else []
     if stores.disk is not None:
         specs.append(TierSpec(stores.disk.tier, _disk_logical_budget(stores.disk.budget_bytes, sizes)))
+    if stores.remote is not None:
+        specs.append(TierSpec(stores.remote.tier, stores.remote.budget_bytes or REMOTE_BOOKS_BUDGET, shared=True))
     if not specs:
         mover.close()
         raise ValueError("no lower tier has a budget (--host-cache-memory, or --disk-cache-dir with --disk-cache-size)")
-    tiers = TieredCache(specs, sizes, mover, write_through=stores.write_policy == "write-through")
+    tiers = TieredCache(specs, sizes, mover, write_through=stores.write_policy == "write-through",
+                        discovery=mover if stores.remote is not None else None)
     mover.bind(tiers)
     return tiers, mover

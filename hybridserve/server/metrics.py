@@ -64,6 +64,8 @@ _TIER_COUNTERS = {
     "evictions": "Joint entries evicted from the tier.",
     "dropped": "Demotions the tier refused (too large, no room, no source).",
     "failed": "Transfers that failed (corrupt, truncated or missing objects: counted misses).",
+    "lookups": "Discovery lookups in the shared (remote) tier's store.",
+    "discovered": "Discovery lookups that found an entry another replica wrote.",
 }
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
