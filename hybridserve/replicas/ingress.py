@@ -18,12 +18,14 @@ from hybridserve.server.app import build_app
 class Ingress:
     """Holds the replica deployment's handle (its router runs in this process) and builds the app."""
 
-    async def __init__(self, replicas: Any, app_options: dict[str, Any]) -> None:
-        self.client = await ReplicaEngineClient.connect(replicas)
+    def __init__(self, replicas: Any, app_options: dict[str, Any]) -> None:
+        self.replicas = replicas
         self.app_options = app_options
 
-    def __serve_build_asgi_app__(self) -> FastAPI:
-        """The HTTP app (Serve calls this once, after the constructor)."""
-        app = build_app(self.client, **self.app_options)
+    async def __serve_build_asgi_app__(self) -> FastAPI:
+        """The HTTP app (Serve calls this once, after the constructor), over a client that one
+        replica described."""
+        client = await ReplicaEngineClient.connect(self.replicas)
+        app = build_app(client, **self.app_options)
         app.state.metrics.registry.register(ReplicaMetricsCollector())
         return app

@@ -76,19 +76,18 @@ def _router_config(name: str, config: EngineConfig, stats_period_s: float,
                    router_config: dict[str, Any] | None) -> Any:
     from ray.serve.config import RequestRouterConfig
 
-    timing = {"request_routing_stats_period_s": stats_period_s,
-              "request_routing_stats_timeout_s": max(10.0, 5 * stats_period_s)}
+    options: dict[str, Any] = {"request_routing_stats_period_s": stats_period_s,
+                               "request_routing_stats_timeout_s": max(10.0, 5 * stats_period_s)}
     if name == "round-robin":  # classes by import path: Serve imports them where the handle lives
-        return RequestRouterConfig(request_router_class="ray.serve.experimental.round_robin_router.RoundRobinRouter",
-                                   **timing)
-    if name == "pow2":
-        return RequestRouterConfig(**timing)
-    if name != "joint":
+        options["request_router_class"] = "ray.serve.experimental.round_robin_router.RoundRobinRouter"
+    elif name == "joint":
+        options["request_router_class"] = "hybridserve.replicas.router.JointCacheRouter"
+        options["request_router_kwargs"] = {
+            "block_size": config.cache.block_size, "block_hash": config.cache.block_hash,
+            "block_hash_seed": config.cache.block_hash_seed, "router_config": dict(router_config or {})}
+    elif name != "pow2":
         raise ReplicaSetupError(f"unknown router {name!r} (known: {', '.join(ROUTERS)})")
-    kwargs = {"block_size": config.cache.block_size, "block_hash": config.cache.block_hash,
-              "block_hash_seed": config.cache.block_hash_seed, "router_config": dict(router_config or {})}
-    return RequestRouterConfig(request_router_class="hybridserve.replicas.router.JointCacheRouter",
-                               request_router_kwargs=kwargs, **timing)
+    return RequestRouterConfig(**options)
 
 
 def build_app(config: EngineConfig, *, num_replicas: int, model_name: str | Sequence[str],
@@ -157,7 +156,8 @@ def serve_replicas(args: argparse.Namespace) -> int:
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False,
                  logging_level=logging.WARNING, log_to_driver=args.log_level == "debug")
     try:
-        check_resources(args.replicas, replica_resources(config), ray.cluster_resources())
+        cluster: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
+        check_resources(args.replicas, replica_resources(config), cluster)
         app = build_app(config, num_replicas=args.replicas, model_name=names, api_keys=api_keys,
                         reasoning_parser=args.reasoning_parser, stream_interval=args.stream_interval,
                         max_body_bytes=args.max_body_bytes, engine_process=args.engine_process == "on",
