@@ -40,8 +40,9 @@ def endpoints() -> Iterator[tuple[str, str]]:
         yield replicas, single
 
 
-def _interleaved(url: str) -> list[tuple[str, int]]:
-    """Two conversations of three turns, their turns alternating: (reply, cached tokens) per request."""
+def _interleaved(url: str) -> tuple[list[tuple[str, int]], list[dict[str, str]]]:
+    """Two conversations of three turns, their turns alternating: (reply, cached tokens) per request,
+    and the first conversation's messages."""
     first, second = [], []
     messages_a: list[dict[str, str]] = []
     messages_b: list[dict[str, str]] = []
@@ -52,7 +53,7 @@ def _interleaved(url: str) -> list[tuple[str, int]]:
             reply = body["choices"][0]["message"]["content"]
             messages.append({"role": "assistant", "content": reply})
             out.append((reply, int(body["usage"]["prompt_tokens_details"]["cached_tokens"])))
-    return first + second
+    return first + second, messages_a
 
 
 def _completions(url: str, stream: bool) -> list[str]:
@@ -75,8 +76,9 @@ def _completions(url: str, stream: bool) -> list[str]:
 def test_two_replicas_serve_like_one_engine(endpoints: tuple[str, str]) -> None:
     replicas, single = endpoints
     # later turns land on the replica holding the conversation: the same cached tokens as one engine
-    expected = _interleaved(single)
-    assert _interleaved(replicas) == expected
+    expected, _ = _interleaved(single)
+    results, messages = _interleaved(replicas)
+    assert results == expected
     later_turns = [cached for index, (_, cached) in enumerate(expected) if index % 3]
     assert all(cached > 0 for cached in later_turns), expected
     # greedy outputs identical to one engine, streamed or not
@@ -91,6 +93,13 @@ def test_two_replicas_serve_like_one_engine(endpoints: tuple[str, str]) -> None:
              what="queries on every replica")
     rates = metric(replicas, "hybridserve_replica_prefix_cache_hit_rate")
     assert len(rates) == NUM_REPLICAS and all(0 <= rate <= 1 for rate in rates.values())
+    # once the replicas' summaries are in, a conversation's next turn is routed as a joint hit
+    wait_for(lambda: sum(metric(replicas, "hybridserve_replica_prefix_cache_queries_total").values()) == 10,
+             what="stats after the last request")
+    joint_hits = decisions.get('{reason="joint_hit"}', 0)
+    body = chat(replicas, [*messages, {"role": "user", "content": user_text(103)}])
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert metric(replicas, "hybridserve_router_decisions_total")['{reason="joint_hit"}'] == joint_hits + 1
 
 
 def test_start_up_errors_are_one_line(endpoints: tuple[str, str], caplog: pytest.LogCaptureFixture,
