@@ -412,6 +412,10 @@ class BlockPool:
         """Block currently holding ``block_hash`` (in use or free-cached), else ``None``."""
         return self._index.get(block_hash)
 
+    def holds_all(self, hashes: Iterable[BlockHash]) -> bool:
+        """Whether a block holds each of `hashes` now (in use or free-cached); no references taken."""
+        return all(map(self._index.__contains__, hashes))
+
     def longest_cached_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
         """Block ids for the longest run of leading ``hashes`` that are all present (no references
         taken: :meth:`touch` them)."""

@@ -456,9 +456,8 @@ class JointCacheManager:
         entry of the lower tiers, fastest tier first."""
         out: list[JointBoundary] = []
         if self.snapshots is not None:
-            present = self.block_pool.lookup
             for key, joint in self._paths.items():
-                if self.snapshots.lookup(key) is not None and all(present(block) is not None for block in joint.blocks):
+                if self.snapshots.lookup(key) is not None and self.block_pool.holds_all(joint.blocks):
                     out.append(JointBoundary(key, joint.parent, joint.num_tokens, DEVICE))
         if self.tiers is not None:
             for tier in self.tiers.tiers:
