@@ -18,6 +18,7 @@ class _ReplicaView:
     def __init__(self, epoch: int, boundaries: dict[BlockHash, JointBoundary]) -> None:
         self.epoch = epoch
         self.boundaries = boundaries
+        self.deepest = max((b.num_tokens for b in boundaries.values()), default=0)
 
 
 class JointIndex:
@@ -35,6 +36,7 @@ class JointIndex:
         self._known: dict[str, None] = {}                       # every replica named, in order
         self._holders: dict[BlockHash, dict[str, int]] = {}     # key -> {replica: tokens}
         self._tail_lengths: dict[BlockHash, Counter[int]] = {}  # parent (b"" at the root) -> tail lengths
+        self._deepest = 0                                       # no boundary lies deeper (no need to hash past it)
 
     @property
     def replicas(self) -> list[str]:
@@ -79,21 +81,23 @@ class JointIndex:
         self._known.pop(replica, None)
 
     def _add(self, replica: str, epoch: int, boundaries: Iterable[JointBoundary]) -> None:
-        view = _ReplicaView(epoch, {})
+        by_key: dict[BlockHash, JointBoundary] = {}
         for boundary in boundaries:
-            if boundary.key in view.boundaries:
+            if boundary.key in by_key:
                 continue
-            view.boundaries[boundary.key] = boundary
+            by_key[boundary.key] = boundary
             self._holders.setdefault(boundary.key, {})[replica] = boundary.num_tokens
             length = boundary.num_tokens % self.block_size
             if length:
                 self._tail_lengths.setdefault(boundary.parent or b"", Counter())[length] += 1
-        self._views[replica] = view
+        self._views[replica] = _ReplicaView(epoch, by_key)
+        self._deepest = max(view.deepest for view in self._views.values())
 
     def _drop(self, replica: str) -> None:
         view = self._views.pop(replica, None)
         if view is None:
             return
+        self._deepest = max((other.deepest for other in self._views.values()), default=0)
         for key, boundary in view.boundaries.items():
             holders = self._holders[key]
             del holders[replica]
@@ -118,7 +122,7 @@ class JointIndex:
             return depths
         size, algorithm = self.block_size, self.algorithm
         extra: tuple[object, ...] = () if cache_salt is None else (cache_salt,)
-        full = limit // size
+        full = min(limit, self._deepest) // size
         hashes = block_hashes_for(token_ids[:full * size], size, extra, algorithm=algorithm)
         left = len(depths)
         holders_of, tail_lengths = self._holders.get, self._tail_lengths
