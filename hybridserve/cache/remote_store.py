@@ -84,6 +84,8 @@ class RemoteStore:
         self._stream = _cuda_copy_stream(device)
         self._lock = threading.Lock()
         self._down_until = 0.0
+        self._outage = False
+        self.generation = 0  # outages survived: the server may have lost its contents in each
         try:
             self._client.ping()
             self.budget_bytes = self._server_budget()
@@ -264,19 +266,20 @@ class RemoteStore:
 
     def _call(self, command: Callable[[], Any]) -> Any:
         """Run one command (or pipeline); `_FAILED` when the store is down or fails (counted), and
-        skip the server for `RETRY_AFTER_S` after a connection failure."""
+        skip the server for `RETRY_AFTER_S` after a connection failure. The first success after an
+        outage bumps `generation` (the engine then forgets its books of the store)."""
         if time.monotonic() < self._down_until:
             with self._lock:
                 self._stats.errors += 1
             return _FAILED
         try:
-            return command()
+            result = command()
         except (redis.ConnectionError, redis.TimeoutError) as error:
             with self._lock:
                 self._stats.errors += 1
-                first = self._down_until == 0.0 or time.monotonic() - self._down_until > RETRY_AFTER_S
             self._down_until = time.monotonic() + RETRY_AFTER_S
-            if first:
+            if not self._outage:
+                self._outage = True
                 logger.warning("remote cache store %s is unavailable (%s): misses until it returns", self.url, error)
             return _FAILED
         except redis.RedisError as error:
@@ -284,6 +287,11 @@ class RemoteStore:
                 self._stats.errors += 1
             logger.warning("remote cache store %s: %s", self.url, error)
             return _FAILED
+        if self._outage:
+            self._outage = False
+            self.generation += 1
+            logger.warning("remote cache store %s is back", self.url)
+        return result
 
 
 class _Failed:

@@ -118,6 +118,10 @@ class Discovery(Protocol):
         """Lookups finished since the last poll: (lookup, the entry found or None, whether the
         store answered)."""
 
+    def store_came_back(self) -> bool:
+        """Whether the shared store returned from an outage since the last call (it may have lost
+        what it held, so the books of it are forgotten)."""
+
 
 class TierHit(NamedTuple):
     """A lookup's answer: the tier (highest first) holding the deepest ready entry."""
@@ -445,12 +449,22 @@ class TieredCache:
         """Adopt what finished discovery lookups found into the shared tier's books."""
         if self.discovery is None or self.shared is None:
             return
+        if self.discovery.store_came_back():
+            self._forget_shared()
         for lookup, entry, answered in self.discovery.poll_lookups():
             self._lookups.discard(lookup)
             if not answered:
                 self.shared.failed += 1
             elif entry is not None and self._adopt_shared(entry):
                 self.shared.discovered += 1
+
+    def _forget_shared(self) -> None:
+        """Drop from the shared tier's books every entry not being read or written (no deletes: the
+        store may still hold them; discovery finds them again)."""
+        tier = self.shared
+        assert tier is not None
+        for entry in [e for e in tier.entries.values() if not tier.pins[e.key] and tier.ready(e)]:
+            tier.remove(entry.key)
 
     def _adopt_shared(self, entry: JointEntry) -> bool:
         """Take a discovered entry into the shared tier's books (ready: its objects are in the
@@ -493,8 +507,14 @@ class TieredCache:
             return
         tier.failed += 1
         lost = {key for _, key in written}
+        stale: set[BlockHash] = set()
+        if tier.shared:  # objects the books hold may be gone from the store too (its own eviction)
+            stale = {record.entry.key, *record.entry.blocks} - lost
         for entry in [e for e in tier.entries.values() if e.key in lost or lost.intersection(e.blocks)]:
             self._discard(tier, tier.remove(entry.key))
+        for entry in [e for e in tier.entries.values()  # forgotten (rewritten when next published), not read now
+                      if (e.key in stale or stale.intersection(e.blocks)) and not tier.pins[e.key]]:
+            tier.remove(entry.key)
 
     def complete_promotion(self, ticket: int, ok: bool) -> JointEntry:
         """A promotion finished: unpin its entry; a failed one (corrupt or missing object) drops the

@@ -140,6 +140,7 @@ class EngineTierMover:
         self._tickets: dict[int, _Ticket] = {}
         self._finished: list[tuple[int, bool]] = []
         self._lookups = 0  # discovery lookups in flight
+        self._remote_generation = 0  # the remote store's outages seen
         self._found: list[tuple[int, JointEntry | None, bool]] = []
         self.store_evicted = 0  # objects a store dropped itself (the disk's own LRU; their entries then miss)
         self.tiers: TieredCache | None = None   # bound after construction: the entries tickets move
@@ -219,6 +220,13 @@ class EngineTierMover:
         self.poll_events()
         found, self._found = self._found, []
         return found
+
+    def store_came_back(self) -> bool:
+        """Whether the remote store returned from an outage since the last call."""
+        generation = getattr(self.stores.remote, "generation", 0)
+        came_back = generation != self._remote_generation
+        self._remote_generation = generation
+        return bool(came_back)
 
     def discard(self, tier: str, keys: Sequence[str]) -> None:
         """Queue deletes behind everything already submitted to that tier's store."""
