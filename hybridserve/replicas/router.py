@@ -71,7 +71,7 @@ class JointCacheRouter(FIFOMixin, RequestRouter):
             names.add(name)
             self.index.add_replica(name)
             self._work.add_replica(name)
-            self._take_stats(name, replica.routing_stats)
+            self.take_stats(name, replica.routing_stats)
         for name in set(self._stats) | set(self.hints.replicas()):
             if name not in names:
                 self._forget(name)
@@ -81,7 +81,9 @@ class JointCacheRouter(FIFOMixin, RequestRouter):
         super().on_replica_actor_died(replica_id)
         self._forget(replica_name(replica_id))
 
-    def _take_stats(self, name: str, routing_stats: dict[str, Any] | None) -> None:
+    def take_stats(self, name: str, routing_stats: dict[str, Any] | None) -> None:
+        """Take what a replica published (`EngineReplica.record_routing_stats`): its summary into the
+        index (an older epoch or a malformed one is ignored), its engine stats for the metrics."""
         if not routing_stats:
             return  # not published yet, or the last call failed: keep the previous view
         summary = routing_stats.get("summary")
@@ -138,8 +140,8 @@ class JointCacheRouter(FIFOMixin, RequestRouter):
         decision = choose_replica(depths, loads, len(token_ids), self.config, self._turn)
         self._turn += 1
         reason = decision.reason
-        if reason == "joint_hit" and joint.get(decision.replica, 0) < depths[decision.replica]:
-            reason = REASON_RECENT
+        if reason == "joint_hit" and not self.config.useful(joint.get(decision.replica, 0), len(token_ids)):
+            reason = REASON_RECENT  # only the recent route made it a useful hit
         return decision.replica, reason, hashes, depths
 
     # ------------------------------------------------------------- bookkeeping
