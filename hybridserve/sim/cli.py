@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybridserve.config import POLICY_NAMES
 from hybridserve.sim.links import DISK_LINK, HOST_LINK, PREFILL_FLOPS
+from hybridserve.sim.routing_report import ROUTERS, run_routing
 from hybridserve.sim.trace import TRACE_BLOCK_TOKENS, default_trace_path
 
 if TYPE_CHECKING:
@@ -64,6 +65,16 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--oracle", action="store_true",
                         help="add a clairvoyant reference row per budget: the same cache admitting only states a "
                              "later request restores, evicting the one restored last (hybridserve/sim/oracle.py)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="route the trace across N replicas, each with 1/N of every budget (give one policy, "
+                             "the first of --policies, and one value per budget flag: the totals), and compare "
+                             "--router choices against one replica holding it all (hybridserve/sim/routing.py)")
+    parser.add_argument("--router", default=",".join(ROUTERS),
+                        help=f"comma-separated routers with --replicas: {', '.join(ROUTERS)}")
+    parser.add_argument("--summary-period-s", type=float, default=1.0,
+                        help="trace seconds between the replicas' joint-boundary summaries (the router's staleness)")
+    parser.add_argument("--utilization", type=float, default=0.7,
+                        help="replica service rate: the trace's cold work keeps all replicas this busy on average")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(handler=run_sim)
 
@@ -127,6 +138,8 @@ def run_sim(args: argparse.Namespace) -> int:
     else:
         records = read_trace(args.trace, args.num_requests, args.block_tokens)
     tokens = TraceTokens(records, args.block_tokens, shape.config.vocab_size)
+    if args.replicas != 1:
+        return run_routing(args, shape, tokens, policies[0], snapshot_budgets, kv_budgets, tier_budgets, links)
     start = time.perf_counter()
     ceiling, prompt_tokens = ceiling_hit_tokens(tokens)
     print(f"[sim] {len(records)} requests, {prompt_tokens} prompt tokens, tokens built in "

@@ -27,11 +27,11 @@ from tqdm import tqdm
 from hybridserve.routing.index import JointIndex
 from hybridserve.routing.policy import RouterConfig, choose_replica
 from hybridserve.routing.summary import encode_summary, hash_identity
+from hybridserve.sim.routing_report import ROUTERS
 from hybridserve.sim.shapes import ModelShape
 from hybridserve.sim.simulator import AccountingRun, SimConfig
 from hybridserve.sim.trace import TraceTokens
 
-ROUTERS = ("round-robin", "least-load", "session", "joint")
 SINGLE = "single"
 """The reference row: one replica holding the whole budget."""
 
@@ -63,6 +63,7 @@ class RoutingResult(NamedTuple):
     predicted_exact: float = 0.0    # joint: share of requests whose hit equals the depth the router saw
     route_seconds: float = 0.0      # time spent choosing replicas (index lookups and policy)
     seconds: float = 0.0
+    routes: tuple[int, ...] = ()    # the replica of each replayed request, in order
 
     @property
     def hit_rate(self) -> float:
@@ -172,6 +173,7 @@ def simulate_routing(tokens: TraceTokens, shape: ModelShape, config: RoutingSimC
     rate = service_rate(tokens, count, config.utilization)
     busy_until = [0.0] * count
     work = [0.0] * count
+    routes: list[int] = []
     start = time.perf_counter()
     prompt_tokens = hit_tokens = skipped = exact = 0
     total_flops = saved_flops = wait = route_seconds = 0.0
@@ -194,6 +196,7 @@ def simulate_routing(tokens: TraceTokens, shape: ModelShape, config: RoutingSimC
         route_seconds += time.perf_counter() - began
         hit = runs[replica].serve(str(index), prompt, output)
         router.dirty.add(replica)
+        routes.append(replica)
         exact += hit == router.last_depth
         cost = len(prompt) - hit + len(output)
         begin = max(busy_until[replica], now)
@@ -211,4 +214,4 @@ def simulate_routing(tokens: TraceTokens, shape: ModelShape, config: RoutingSimC
     return RoutingResult(config, served, skipped, prompt_tokens, hit_tokens, total_flops, saved_flops, tuple(work),
                          wait / max(served, 1), tuple(sorted(router.reasons.items())),
                          exact / max(served, 1) if config.router == "joint" else 0.0, route_seconds,
-                         time.perf_counter() - start)
+                         time.perf_counter() - start, tuple(routes))
