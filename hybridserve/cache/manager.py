@@ -290,8 +290,10 @@ class JointCacheManager:
         lookup = self._lookup(seq)
         depth = lookup.hit.num_tokens if lookup is not None else 0
         hit = self._tier_lookup(seq, depth)
+        if self._discover(seq, hit.entry.num_tokens if hit is not None else depth):
+            return None, True  # the shared store may hold more than this replica: wait for its answer
         if hit is None:
-            return None, self._discover(seq, depth)
+            return None, False
         if any(p.hit.entry.key == hit.entry.key for p in self._promotions.values()):
             return None, True
         promotion = self._start_promotion(seq, hit)

@@ -11,7 +11,8 @@ import pytest
 
 from hybridserve.cache.block_pool import block_hashes_for
 from hybridserve.cache.tiers import DiscoveryQuery, JointEntry, TieredCache, TierSpec
-from tests.cache.test_tiers import BLOCK, SIZES, FakeDevice, FakeMover, _entry, _seed_device
+from hybridserve.config import POLICY_NAMES
+from tests.cache.test_tiers import BLOCK, SIZES, FakeDevice, FakeMover, _entry, _replay, _seed_device, _workload
 
 
 class SharedMover(FakeMover):
@@ -36,15 +37,22 @@ class FakeDiscovery:
         self.answers: list[tuple[int, JointEntry | None, bool]] = []
 
     def start_lookup(self, lookup: int, query: DiscoveryQuery) -> bool:
-        found = None
-        for blocks in range(min(len(query.block_hashes), query.limit // query.block_size), 0, -1):
+        """Every boundary on the path, deepest first (tails before the block end below them)."""
+        size, found = query.block_size, None
+        for blocks in range(min(len(query.block_hashes), query.limit // size), -1, -1):
             prefix = query.block_hashes[:blocks]
-            if blocks * query.block_size > query.deeper_than and f"state-{prefix[-1].hex()}" in self.shared \
-                    and all(f"kv-{block.hex()}" in self.shared for block in prefix):
-                found = JointEntry(prefix[-1], blocks * query.block_size, tuple(prefix), 0)
-                break
+            candidates = [JointEntry(key, blocks * size + t, (*prefix, key), t)
+                          for t in range(size - 1, 0, -1) for key in [query.tail_key(blocks, t)]]
+            if blocks:
+                candidates.append(JointEntry(prefix[-1], blocks * size, tuple(prefix), 0))
+            for entry in candidates:
+                if query.deeper_than < entry.num_tokens <= query.limit and self._whole(entry):
+                    found = found or entry
         self.answers.append((lookup, found, True))
         return True
+
+    def _whole(self, entry: JointEntry) -> bool:
+        return f"state-{entry.key.hex()}" in self.shared and all(f"kv-{b.hex()}" in self.shared for b in entry.blocks)
 
     def poll_lookups(self) -> list[tuple[int, JointEntry | None, bool]]:
         answers, self.answers = self.answers, []
@@ -139,3 +147,42 @@ def test_an_outage_or_a_failed_write_makes_the_books_forget_without_deleting() -
     assert remote.failed == 1 and remote.entries == 0  # the short entry shares its blocks: forgotten
     assert not [key for tier, key in mover.discarded if tier == "remote"]
     one.check_integrity()
+
+
+def test_the_remote_tier_scrapes_as_tier_families_with_lookups() -> None:
+    """`/metrics`: the remote tier's counters, discovery lookups included, in the
+    `hybridserve_tier_<field>{tier="remote"}` families (as `engine.stats()` flattens them)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from hybridserve.server.metrics import EngineStatsCollector
+
+    shared: dict[str, tuple[int, ...]] = {}
+    tiers, _, _, _ = _replica(shared)
+    tiers.discover(_query(list(range(64))))
+    tiers.poll()
+    collector = EngineStatsCollector()
+    collector.stats = {f"tier_{s.name}_{k}": v for s in tiers.stats() for k, v in s._asdict().items() if k != "name"}
+    registry = CollectorRegistry()
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    assert 'hybridserve_tier_lookups_total{tier="remote"} 1.0' in text
+    assert 'hybridserve_tier_discovered_total{tier="remote"} 0.0' in text
+    assert 'hybridserve_tier_promoted_bytes_total{tier="remote"} 0.0' in text
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_a_second_replica_restores_what_the_first_published(policy: str) -> None:
+    """Replica one serves a workload of chats and branches; replica two, with a cold device, serves
+    it again: its hits come from the shared store by discovery, the fake engine checks every
+    restored state and block against the request's tokens, and integrity holds after every step."""
+    workload = _workload(5, 30)
+    shared: dict[str, tuple[int, ...]] = {}
+    one, _, _, device_one = _replica(shared)
+    first = _replay(policy, 1, one, workload, 2, device_one)
+    two, mover, _, device_two = _replica(shared)
+    second = _replay(policy, 1, two, workload, 2, device_two)
+    remote = two.stats()[1]
+    assert remote.discovered > 0 and remote.hits > 0 and remote.failed == 0
+    assert sum(second.values()) >= sum(first.values())  # it starts with everything one published
+    assert not [key for tier, key in mover.discarded if tier == "remote"]
+    two.check_integrity()
