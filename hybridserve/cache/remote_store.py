@@ -98,12 +98,18 @@ class RemoteStore:
     # -- start-up -------------------------------------------------------------------------------
 
     def _server_budget(self) -> int:
-        """The server's `maxmemory` (0 means unbounded: the logical books then bound themselves)."""
+        """The server's `maxmemory` (0 means unbounded: the logical books then bound themselves);
+        a warning when the server will not evict on its own (it would refuse writes once full)."""
         try:
-            value = self._client.config_get("maxmemory").get("maxmemory", "0")
+            config = self._client.config_get("maxmemory*")
         except redis.ResponseError:  # CONFIG disabled (a managed server)
             return 0
-        return int(value or 0)
+        budget = int(config.get("maxmemory") or 0)
+        if not budget or not str(config.get("maxmemory-policy", "")).startswith("allkeys-"):
+            logger.warning("remote cache store %s: set maxmemory and maxmemory-policy allkeys-lru, so the server "
+                           "evicts old entries itself (now maxmemory=%s, policy=%s)", self.url, budget,
+                           config.get("maxmemory-policy"))
+        return budget
 
     def _check_seed(self, model_id: str, key_id: str | None) -> None:
         """Record this engine's block-hash key under the model (fingerprinted without it) and warn

@@ -224,3 +224,18 @@ def test_discovery_finds_the_deepest_whole_entry_on_the_path(redis_server: Redis
         salted[j - 1] if j else None, tokens[j * 16:j * 16 + t], ("tenant-b",))))
     assert entry is None
     store.close()
+
+
+@requires_redis
+def test_the_budget_is_the_servers_maxmemory_and_a_server_that_never_evicts_is_named(
+        redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    import redis
+
+    store = _store(redis_server.url)
+    assert store.budget_bytes == 256 << 20 and "maxmemory-policy" not in caplog.text
+    store.close()
+    client = redis.Redis.from_url(redis_server.url)
+    client.config_set("maxmemory-policy", "noeviction")
+    client.close()
+    _store(redis_server.url).close()
+    assert "set maxmemory and maxmemory-policy allkeys-lru" in caplog.text
