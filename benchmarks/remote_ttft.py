@@ -4,7 +4,8 @@ serve the previous one, restored from the shared remote tier (a local redis-serv
 Built-in model, greedy, `max_tokens=1`: TTFT is the wall time of one `LLM.generate` call. Each round
 draws a new conversation: turn one (`--prefix-tokens` tokens) runs on replica A, whose end state and
 prefix KV are written through to the store; turn two (turn one, its answer and `--fresh-tokens` new
-tokens) is then timed three ways, in an order that rotates per round:
+tokens) is then timed three ways, the cold run's place rotating per round (the device run always
+precedes the remote one, so replica A never restores B's deeper end-of-turn-two entry):
 
 - cold: an engine with the prefix cache off recomputes it all;
 - remote: replica B, which never saw the conversation, finds turn one's entry in the store
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 MODES = ("cold", "remote", "device")
+ORDERS = (("cold", "device", "remote"), ("device", "cold", "remote"), ("device", "remote", "cold"))
 SEED = 0x5EED
 LOGPROB_ATOL = 1e-4  # float32 on the CPU: restored and recomputed logprobs agree to rounding
 
@@ -148,7 +150,7 @@ def run_remote_ttft(prefix_tokens: int = 4096, fresh_tokens: int = 64, rounds: i
             bench = RemoteBench(url, prefix_tokens, fresh_tokens, kv_cache_mib, prefix_cache_mib)
             try:
                 for index in range(rounds + 1):
-                    order = MODES[index % len(MODES):] + MODES[:index % len(MODES)]
+                    order = ORDERS[index % len(ORDERS)]
                     rows = bench.round(1000 * (index + 1), order)
                     for mode in MODES:
                         identical = identical and _same_output(rows[mode], rows["cold"])
