@@ -6,7 +6,11 @@ for a router), so a hit's saved tokens and a queue's length are in one unit. A r
 request is its load minus what its hit saves (`hit_weight` tokens of queue per hit token, and a
 `hit_bonus` for holding a useful hit at all, which keeps a conversation where its states are).
 The cheapest replica wins; one loaded past `max_load_ratio` times the mean (plus the bonus) is
-not chosen for its hit, so one hot conversation cannot pile onto one replica.
+not chosen for its hit, so conversations cannot pile onto one replica. A hit token weighs several
+queued tokens (`hit_weight`): queued work is shared by a batch, while a recomputed prefix is this
+request's alone, and a conversation that moves leaves its states behind for every later turn; the
+ratio cap, not the weight, is what keeps the replicas even. The defaults were chosen on the
+simulator's workload families (docs/benchmarks.md, issue 38).
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ class RouterConfig:
 
     min_hit_tokens: int = 256        # a shallower hit is not worth routing for
     min_hit_share: float = 0.05      # ... nor one covering less of the prompt than this share
-    hit_weight: float = 1.0          # queued tokens a replica may carry per hit token it saves
-    hit_bonus: float = 4096.0        # extra queued tokens tolerated for holding a useful hit at all
-    max_load_ratio: float = 1.5      # past this times the mean load (+ hit_bonus), a hit does not attract
+    hit_weight: float = 8.0          # queued tokens a replica may carry per hit token it saves
+    hit_bonus: float = 1024.0        # extra queued tokens tolerated for holding a useful hit at all
+    max_load_ratio: float = 1.25     # past this times the mean load (+ hit_bonus), a hit does not attract
 
     def __post_init__(self) -> None:
         if self.min_hit_tokens < 0 or self.min_hit_share < 0 or self.hit_weight < 0 or self.hit_bonus < 0:

@@ -75,6 +75,9 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
                         help="trace seconds between the replicas' joint-boundary summaries (the router's staleness)")
     parser.add_argument("--utilization", type=float, default=0.7,
                         help="replica service rate: the trace's cold work keeps all replicas this busy on average")
+    parser.add_argument("--load-half-life-s", type=float, default=60.0,
+                        help="a replica's load is its queued work plus the work sent to it recently, decayed with "
+                             "this half-life (trace seconds; 0: queued work only)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(handler=run_sim)
 

@@ -5,7 +5,9 @@ total budgets, so N replicas and one big cache compare at the same total cache. 
 trace's arrival timestamps; each replica serves its requests first come, first served at a fixed
 rate, so queues build when arrivals bunch. A request's work is its uncached prompt tokens plus its
 output tokens (prefill-token equivalents: a proxy that ignores batching); a replica's load at an
-arrival is the work still queued on it. The rate is set so the trace's cold work (no cache hits)
+arrival is the work still queued on it, plus (with `load_half_life`) the work sent to it recently,
+decayed: at moderate utilization queues stay short, and the queue alone cannot tell a replica that
+keeps attracting conversations from an idle one. The rate is set so the trace's cold work (no cache hits)
 would keep the replicas `utilization` busy on average. A request's cache effects land at its
 arrival (its queueing delay is not modelled in the cache), one request at a time in trace order.
 
@@ -44,6 +46,7 @@ class RoutingSimConfig(NamedTuple):
     router: str
     summary_period: float = 1.0      # seconds of trace time between summary refreshes (joint)
     utilization: float = 0.7         # cold work / capacity of all replicas together
+    load_half_life: float = 60.0     # > 0: load adds the work sent recently, decayed with this half-life (s)
     router_config: RouterConfig = RouterConfig()
 
 
@@ -173,6 +176,7 @@ def simulate_routing(tokens: TraceTokens, shape: ModelShape, config: RoutingSimC
     rate = service_rate(tokens, count, config.utilization)
     busy_until = [0.0] * count
     work = [0.0] * count
+    recent, last = [0.0] * count, 0.0
     routes: list[int] = []
     start = time.perf_counter()
     prompt_tokens = hit_tokens = skipped = exact = 0
@@ -188,7 +192,9 @@ def simulate_routing(tokens: TraceTokens, shape: ModelShape, config: RoutingSimC
             continue
         if on_request is not None:
             on_request(index)
-        loads = [max(0.0, until - now) * rate for until in busy_until]
+        decay = 0.5 ** ((now - last) / config.load_half_life) if config.load_half_life else 0.0
+        recent, last = [value * decay for value in recent], now
+        loads = [max(0.0, until - now) * rate + value for until, value in zip(busy_until, recent)]
         if config.router == "joint":
             router.refresh(now)  # the replicas' side: not router time
         began = time.perf_counter()
@@ -203,6 +209,7 @@ def simulate_routing(tokens: TraceTokens, shape: ModelShape, config: RoutingSimC
         wait += begin - now
         busy_until[replica] = begin + cost / rate
         work[replica] += cost
+        recent[replica] += cost
         prompt_tokens += len(prompt)
         hit_tokens += hit
         total_flops += shape.cost.prefill_flops(len(prompt))

@@ -41,8 +41,8 @@ def run_routing(args: argparse.Namespace, shape: ModelShape, tokens: TraceTokens
 
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
-    if args.summary_period_s < 0 or args.utilization <= 0:
-        raise ValueError("--summary-period-s must be >= 0 and --utilization > 0")
+    if args.summary_period_s < 0 or args.utilization <= 0 or args.load_half_life_s < 0:
+        raise ValueError("--summary-period-s and --load-half-life-s must be >= 0, --utilization > 0")
     routers = _routers(args.router)
     host, disk = _one(tier_budgets, "--host-budgets-gib/--disk-budgets-gib")
     cache = SimConfig(policy, int(_one(kv_budgets, "--kv-budgets-gib") * GIB),
@@ -50,7 +50,8 @@ def run_routing(args: argparse.Namespace, shape: ModelShape, tokens: TraceTokens
                       args.snapshot_interval, int(host * GIB), int(disk * GIB), links[0], links[1], args.write_through)
     results = []
     for router, replicas in [(SINGLE, 1)] + [(name, args.replicas) for name in routers]:
-        config = RoutingSimConfig(cache, replicas, router, args.summary_period_s, args.utilization)
+        config = RoutingSimConfig(cache, replicas, router, args.summary_period_s, args.utilization,
+                                  args.load_half_life_s)
         result = simulate_routing(tokens, shape, config, progress=not args.no_progress)
         print(f"[sim] {router} x{replicas}: {result.hit_rate:.2%} hit, balance {result.balance:.2f} "
               f"({result.seconds:.1f} s)", file=sys.stderr, flush=True)
@@ -82,7 +83,8 @@ def routing_report(args: argparse.Namespace, shape: ModelShape, results: list[Ro
             "kv_budget_gib": config.cache.kv_bytes / GIB, "snapshot_budget_gib": config.cache.snapshot_bytes / GIB,
             "host_budget_gib": config.cache.host_bytes / GIB, "disk_budget_gib": config.cache.disk_bytes / GIB,
             "block_size": config.cache.block_size, "block_tokens": args.block_tokens,
-            "summary_period_s": config.summary_period, "utilization": config.utilization, "rows": rows}
+            "summary_period_s": config.summary_period, "utilization": config.utilization,
+            "load_half_life_s": config.load_half_life, "rows": rows}
 
 
 COLUMNS = (
@@ -105,7 +107,8 @@ def format_routing_report(report: dict[str, Any]) -> str:
              f"{report['kv_budget_gib']:g} GiB, snapshots {report['snapshot_budget_gib']:g} GiB, host "
              f"{report['host_budget_gib']:g} GiB, disk {report['disk_budget_gib']:g} GiB; "
              f"block {report['block_size']}; "
-             f"summaries every {report['summary_period_s']:g} s; cold utilization {report['utilization']:g}",
+             f"summaries every {report['summary_period_s']:g} s; cold utilization {report['utilization']:g}; "
+             f"load = queued work + recent work (half-life {report['load_half_life_s']:g} s)",
              "columns:"]
     lines += [f"  {name:>17}: {meaning}" for name, meaning in COLUMNS]
     widths = [11, 8, 9, 9, 15, 13, 8, 17, 6, 8]

@@ -46,9 +46,9 @@ def test_budgets_are_split_evenly() -> None:
 
 def test_routers_place_requests_as_they_say() -> None:
     tokens = _tokens()
-    results = {router: simulate_routing(tokens, SHAPE, RoutingSimConfig(_cache(40), 4, router, 0.0, 0.7, SCALED),
-                                        check=True)
+    configs = {router: RoutingSimConfig(_cache(40), 4, router, 0.0, router_config=SCALED)
                for router in ("round-robin", "least-load", "session", "joint")}
+    results = {router: simulate_routing(tokens, SHAPE, config, check=True) for router, config in configs.items()}
     assert results["round-robin"].routes[:8] == (0, 1, 2, 3, 0, 1, 2, 3)
     roots: dict[int, int] = {}
     by_conversation: dict[int, set[int]] = {}
@@ -66,7 +66,7 @@ def test_routers_place_requests_as_they_say() -> None:
 
 
 def test_stale_summaries_still_route_and_are_counted() -> None:
-    stale = simulate_routing(_tokens(), SHAPE, RoutingSimConfig(_cache(40), 4, "joint", 1e9, 0.7, SCALED))
+    stale = simulate_routing(_tokens(), SHAPE, RoutingSimConfig(_cache(40), 4, "joint", 1e9, router_config=SCALED))
     assert dict(stale.reasons).get("joint_hit", 0) == 0  # one summary, taken before anything was cached
     assert stale.predicted_exact < 1.0
 
