@@ -33,10 +33,11 @@ def _free_port() -> int:
 class RedisServer:
     """A private redis-server process (no persistence, LRU eviction under `maxmemory`)."""
 
-    def __init__(self, directory: Path, maxmemory: str = "256mb") -> None:
+    def __init__(self, directory: Path, maxmemory: str = "256mb", extra: tuple[str, ...] = ()) -> None:
         assert REDIS_SERVER is not None
         self.directory = directory
         self.maxmemory = maxmemory
+        self.extra = extra
         self.port = _free_port()
         self.process: subprocess.Popen[bytes] | None = None
         self.start()
@@ -52,14 +53,14 @@ class RedisServer:
         self.process = subprocess.Popen(
             [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
              "--save", "", "--appendonly", "no", "--maxmemory", self.maxmemory,
-             "--maxmemory-policy", "allkeys-lru"],
+             "--maxmemory-policy", "allkeys-lru", *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
                     sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
+                    if sock.recv(64).startswith((b"+PONG", b"-NOAUTH")):
                         return
             except OSError:
                 time.sleep(0.02)
@@ -239,3 +240,45 @@ def test_the_budget_is_the_servers_maxmemory_and_a_server_that_never_evicts_is_n
     client.close()
     _store(redis_server.url).close()
     assert "set maxmemory and maxmemory-policy allkeys-lru" in caplog.text
+
+
+@requires_redis
+def test_a_password_in_the_url_authenticates(tmp_path: Path) -> None:
+    from hybridserve.cache.remote_store import RemoteStoreError
+
+    server = RedisServer(tmp_path, extra=("--requirepass", "s3cret"))
+    try:
+        host = f"127.0.0.1:{server.port}/0"
+        store = _store(f"redis://:s3cret@{host}")
+        assert store.put("kv-1", _payload(7)).ok and store.get("kv-1") is not None
+        store.close()
+        with pytest.raises(RemoteStoreError, match=r"redis://:\*\*\*@127.0.0.1") as caught:
+            _store(f"redis://:wrong@{host}")
+        assert "wrong" not in str(caught.value)
+    finally:
+        server.stop()
+
+
+@requires_redis
+def test_a_hung_server_costs_a_timeout_never_a_hang(redis_server: RedisServer,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import signal
+
+    from hybridserve.cache import remote_store
+
+    monkeypatch.setattr(remote_store, "SOCKET_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(remote_store, "RETRY_AFTER_S", 0.05)
+    store = _store(redis_server.url)
+    assert store.put("kv-1", _payload(8)).ok
+    assert redis_server.process is not None
+    os.kill(redis_server.process.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert store.get("kv-1") is None
+        assert time.monotonic() - start < 1.5
+    finally:
+        os.kill(redis_server.process.pid, signal.SIGCONT)
+    time.sleep(0.1)
+    assert store.get("kv-1") is not None and store.generation == 1  # back: the engine forgets its books
+    store.close()
