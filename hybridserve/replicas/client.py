@@ -18,13 +18,21 @@ from hybridserve.sampling_params import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+SUBMIT_ATTEMPTS = 3  # a request whose replica is lost before it accepted is submitted again this often
 SUMMED_STATS_SKIP = ("bytes_per_snapshot",)  # per-replica constants: reported once, not summed
+
+
+def replica_lost(exc: BaseException) -> bool:
+    """Whether a call failed because its replica died or could not be reached."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    return isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError))
 
 
 def engine_error(exc: BaseException) -> BaseException:
     """The engine error a failed replica call stands for: the replica's own hybridserve or value
     error as raised there, a dead or unreachable replica as `EngineDeadError`."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+    from ray.exceptions import RayTaskError
 
     if isinstance(exc, RayTaskError):
         cause = exc.cause if isinstance(exc.cause, BaseException) else None
@@ -32,7 +40,7 @@ def engine_error(exc: BaseException) -> BaseException:
             return cause
     if isinstance(exc, (HybridServeError, ValueError)):
         return exc
-    if isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError)):
+    if replica_lost(exc):
         return EngineDeadError(f"engine replica lost: {type(exc).__name__}")
     return EngineDeadError(f"engine replica failed: {type(exc).__name__}: {exc}")
 
@@ -132,24 +140,31 @@ class ReplicaEngineClient:
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           cache_salt: str | None = None) -> ReplicaStream:
-        """Submit to the replica the router chooses, once its engine accepted the request."""
+        """Submit to the replica the router chooses, once its engine accepted the request; a replica
+        lost before accepting it (nothing was sent to the client yet) is tried again elsewhere."""
         if self._stopped:
             raise EngineDeadError("the ingress has been shut down")
         prompt_ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
-        response = self._streaming.generate.remote(request_id, prompt_ids, params, cache_salt)
-        stream = ReplicaStream(request_id, response, self._forget)
-        try:
-            first = await response.__anext__()
-        except asyncio.CancelledError:
-            response.cancel()
-            raise
-        except Exception as exc:
-            raise engine_error(exc) from exc
-        if first != ACCEPTED:
-            response.cancel()
-            raise EngineDeadError(f"engine replica answered {type(first).__name__} before accepting")
-        self._streams[request_id] = stream
-        return stream
+        for attempt in range(1, SUBMIT_ATTEMPTS + 1):
+            response = self._streaming.generate.remote(request_id, prompt_ids, params, cache_salt)
+            try:
+                first = await response.__anext__()
+            except asyncio.CancelledError:
+                response.cancel()
+                raise
+            except Exception as exc:
+                if attempt < SUBMIT_ATTEMPTS and replica_lost(exc):
+                    logger.warning("request %s: engine replica lost before accepting it, submitting again",
+                                   request_id)
+                    continue
+                raise engine_error(exc) from exc
+            if first != ACCEPTED:
+                response.cancel()
+                raise EngineDeadError(f"engine replica answered {type(first).__name__} before accepting")
+            stream = ReplicaStream(request_id, response, self._forget)
+            self._streams[request_id] = stream
+            return stream
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:

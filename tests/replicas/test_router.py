@@ -157,3 +157,90 @@ def test_replica_failures_map_to_engine_errors() -> None:
     lost = engine_error(ActorDiedError())
     assert isinstance(lost, EngineDeadError) and "replica lost" in str(lost)
     assert isinstance(engine_error(RuntimeError("boom")), EngineDeadError)
+
+
+class FakeResponse:
+    """A streaming handle call's response: yields `items`, raising any that is an exception."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = list(items)
+        self.cancelled = False
+
+    async def __anext__(self) -> Any:
+        if not self.items:
+            raise StopAsyncIteration
+        item = self.items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeHandle:
+    """The replica deployment's handle as `ReplicaEngineClient` uses it: one response per call."""
+
+    def __init__(self, responses: list[FakeResponse]) -> None:
+        self.responses = responses
+        self.calls = 0
+        self.generate = self
+
+    def options(self, stream: bool) -> FakeHandle:
+        return self
+
+    def remote(self, *args: Any) -> FakeResponse:
+        self.calls += 1
+        return self.responses.pop(0)
+
+
+def _client(responses: list[FakeResponse]) -> tuple[Any, FakeHandle]:
+    from hybridserve.replicas.client import ReplicaEngineClient
+
+    handle = FakeHandle(responses)
+    description = {"tokenizer": None, "model_config": None, "max_model_len": 64, "max_request_tokens": 64}
+    return ReplicaEngineClient(handle, description), handle
+
+
+def test_client_resubmits_when_a_replica_is_lost_before_accepting() -> None:
+    from hybridserve.replicas.replica import ACCEPTED
+    from hybridserve.sampling_params import CompletionOutput, RequestOutput
+
+    final = RequestOutput("r", None, [1, 2], [CompletionOutput(0, "x", [3], None, None, "length")], finished=True)
+    client, handle = _client([FakeResponse([ActorDiedError()]), FakeResponse([ACCEPTED, final])])
+
+    async def run() -> list[Any]:
+        stream = await client.add_request("r", [1, 2], SamplingParams(max_tokens=1))
+        return [output async for output in stream]
+
+    assert asyncio.run(run()) == [final]
+    assert handle.calls == 2 and not client._streams
+
+
+def test_client_fails_a_stream_whose_replica_dies_with_engine_dead() -> None:
+    from hybridserve.replicas.replica import ACCEPTED
+
+    lost_mid_stream = FakeResponse([ACCEPTED, ActorDiedError()])
+    refused = FakeResponse([RayTaskError("generate", "tb", InvalidRequestError("bad prompt"))])
+    client, handle = _client([lost_mid_stream, refused])
+
+    async def run() -> None:
+        stream = await client.add_request("a", [1], SamplingParams(max_tokens=1))
+        with pytest.raises(EngineDeadError, match="replica lost"):
+            await stream.__anext__()
+        assert stream.finished
+        with pytest.raises(InvalidRequestError, match="bad prompt"):  # the replica's own error, not retried
+            await client.add_request("b", [1], SamplingParams(max_tokens=1))
+
+    asyncio.run(run())
+    assert handle.calls == 2
+    # an abort cancels the call of a running stream
+    running = FakeResponse([ACCEPTED])
+    client, _ = _client([running])
+
+    async def abort() -> None:
+        await client.add_request("c", [1], SamplingParams(max_tokens=1))
+        client.abort("c")
+
+    asyncio.run(abort())
+    assert running.cancelled
