@@ -15,7 +15,8 @@ simulator's workload families (docs/benchmarks.md, issue 38).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -83,19 +84,30 @@ def choose_replica(depths: Mapping[str, int], loads: Mapping[str, float], prompt
 
 class OutstandingWork:
     """A router's count of each replica's outstanding work: add a request when it is routed (its
-    uncached prompt tokens plus its output budget), finish it when its response ends."""
+    uncached prompt tokens plus its output budget), finish it when its response ends. With
+    `half_life` > 0 (seconds of `clock`), a replica's load also carries the work sent to it
+    recently, decayed, as `hybridserve sim --load-half-life-s` models it: when queues stay short,
+    the outstanding work alone cannot tell a replica that attracts every conversation from an idle one."""
 
-    def __init__(self) -> None:
+    def __init__(self, half_life: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if half_life < 0:
+            raise ValueError(f"half_life must be >= 0, got {half_life}")
+        self.half_life = half_life
+        self._clock = clock
         self._loads: dict[str, float] = {}
+        self._recent: dict[str, float] = {}
+        self._recent_at = clock()
         self._requests: dict[str, tuple[str, float]] = {}
 
     def add_replica(self, replica: str) -> None:
         """Start counting `replica` (idle)."""
         self._loads.setdefault(replica, 0.0)
+        self._recent.setdefault(replica, 0.0)
 
     def remove_replica(self, replica: str) -> None:
         """Stop counting `replica` and forget its requests."""
         self._loads.pop(replica, None)
+        self._recent.pop(replica, None)
         self._requests = {key: value for key, value in self._requests.items() if value[0] != replica}
 
     def start(self, request_id: str, replica: str, work: float) -> None:
@@ -103,6 +115,9 @@ class OutstandingWork:
         self.add_replica(replica)
         self._loads[replica] += work
         self._requests[request_id] = (replica, work)
+        if self.half_life:
+            self._decay()
+            self._recent[replica] += work
 
     def finish(self, request_id: str) -> None:
         """`request_id` ended (finished, failed or aborted); unknown ids are ignored."""
@@ -111,5 +126,14 @@ class OutstandingWork:
             self._loads[entry[0]] = max(0.0, self._loads[entry[0]] - entry[1])
 
     def loads(self) -> dict[str, float]:
-        """Outstanding work per replica."""
-        return dict(self._loads)
+        """Outstanding work per replica (plus its decayed recent work with a half-life)."""
+        if not self.half_life:
+            return dict(self._loads)
+        self._decay()
+        return {replica: load + self._recent[replica] for replica, load in self._loads.items()}
+
+    def _decay(self) -> None:
+        now = self._clock()
+        factor = 0.5 ** (max(0.0, now - self._recent_at) / self.half_life)
+        self._recent = {replica: value * factor for replica, value in self._recent.items()}
+        self._recent_at = now

@@ -72,3 +72,19 @@ def test_outstanding_work_counts_routed_requests_until_they_end() -> None:
     work.remove_replica("b")
     work.finish("r2")
     assert work.loads() == {"a": 10.0}
+
+
+def test_outstanding_work_with_a_half_life_remembers_recent_work() -> None:
+    now = [0.0]
+    work = OutstandingWork(half_life=10.0, clock=lambda: now[0])
+    work.start("r1", "a", 100.0)
+    work.finish("r1")
+    work.add_replica("b")
+    assert work.loads() == {"a": 100.0, "b": 0.0}   # finished, but sent just now
+    now[0] = 10.0
+    assert work.loads() == {"a": pytest.approx(50.0), "b": 0.0}
+    work.start("r2", "b", 30.0)
+    now[0] = 20.0
+    assert work.loads() == {"a": pytest.approx(25.0), "b": pytest.approx(30.0 + 15.0)}
+    with pytest.raises(ValueError):
+        OutstandingWork(half_life=-1.0)
