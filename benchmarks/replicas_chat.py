@@ -136,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.replicas_chat", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory (default: the built-in model)")
-    parser.add_argument("--conversations", type=int, default=12)
+    parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--message-tokens", type=int, default=300)
+    parser.add_argument("--message-tokens", type=int, default=150)
     parser.add_argument("--reply-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--kv-cache-mib", type=float, default=16.0, help="per replica (one replica: twice)")
