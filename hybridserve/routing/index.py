@@ -124,26 +124,37 @@ class JointIndex:
         extra: tuple[object, ...] = () if cache_salt is None else (cache_salt,)
         full = min(limit, self._deepest) // size
         hashes = block_hashes_for(token_ids[:full * size], size, extra, algorithm=algorithm)
+        # Only positions whose block hash some replica holds, or that some tail follows, need a look:
+        # find them with C-level set operations, then walk them deepest first.
+        position = {block_hash: blocks for blocks, block_hash in enumerate(hashes, 1)}
+        ends = self._holders.keys() & position.keys()
+        parents = self._tail_lengths.keys() & position.keys()
+        candidates = sorted({position[h] for h in ends} | {position[h] for h in parents}, reverse=True)
+        if b"" in self._tail_lengths:
+            candidates.append(0)  # tails at the root
         left = len(depths)
-        holders_of, tail_lengths = self._holders.get, self._tail_lengths
-        for blocks in range(full, -1, -1):
+        for blocks in candidates:
             parent = hashes[blocks - 1] if blocks else None
-            lengths = tail_lengths.get(parent or b"")
-            start = blocks * size
-            if lengths:
-                for length in sorted(lengths, reverse=True):
-                    if start + length > limit:
-                        continue
-                    holders = holders_of(hash_tail(parent, token_ids[start:start + length], extra, algorithm))
-                    if holders:
-                        left -= _assign(depths, holders, start + length)
-            if blocks:
-                holders = holders_of(hashes[blocks - 1])
-                if holders:
-                    left -= _assign(depths, holders, start)
+            if blocks == 0 or parent in parents:
+                left -= self._tail_depths(depths, token_ids, parent, blocks * size, limit, extra)
+            if blocks and parent in ends:
+                left -= _assign(depths, self._holders[hashes[blocks - 1]], blocks * size)
             if left == 0:
                 break
         return depths
+
+    def _tail_depths(self, depths: dict[str, int], token_ids: Sequence[int], parent: BlockHash | None, start: int,
+                     limit: int, extra: tuple[object, ...]) -> int:
+        """Assign the tails after `parent` (which ends at token `start`) on this prompt's path, deepest
+        first; how many replicas got their first depth."""
+        first = 0
+        for length in sorted(self._tail_lengths[parent or b""], reverse=True):
+            if start + length > limit:
+                continue
+            holders = self._holders.get(hash_tail(parent, token_ids[start:start + length], extra, self.algorithm))
+            if holders:
+                first += _assign(depths, holders, start + length)
+        return first
 
 
 def _assign(depths: dict[str, int], holders: dict[str, int], num_tokens: int) -> int:

@@ -4,6 +4,7 @@ engine then reports (device snapshots and the host tier), and another tenant's p
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -23,6 +24,12 @@ def _predict_and_run(llm: LLM, index: JointIndex, epoch: int, prompt: list[int],
                      salt: str | None = None) -> tuple[int, int, list[int]]:
     """(predicted depth, reported cached tokens, output tokens) of one request after a fresh summary."""
     engine = llm.llm_engine
+    # a tier entry is published once its write has landed: settle writes in flight first, so the
+    # summary and the admission see the same entries (a live router sees late ones a summary later)
+    deadline = time.monotonic() + 30
+    while engine.tier_mover is not None and engine.tier_mover.busy and time.monotonic() < deadline:
+        engine.tier_mover.wait(0.5)
+        engine.cache.poll_tiers()
     summary = json.loads(json.dumps(engine.routing_summary(epoch)))  # as it crosses a process boundary
     assert index.update("replica", summary)
     predicted = index.depths(prompt, salt)["replica"]
