@@ -25,6 +25,8 @@ INSTALL_HINT = "pip install hybridserve[ray]"
 MAX_ONGOING_REQUESTS = 1024  # per replica: the engine queues and batches, Serve need not hold requests back
 HEALTH_CHECK_PERIOD_S = 2.0
 DEFAULT_STATS_PERIOD_S = 1.0  # how often a replica publishes its summary (Serve's routing stats period)
+# a replica failing with one of these at start-up means a bad model or bad flags (exit code 2)
+CONFIGURATION_ERRORS = ("ValueError", "OSError", "FileNotFoundError", "InvalidRequestError")
 
 
 class ReplicaSetupError(ValueError):
@@ -170,26 +172,41 @@ def serve_replicas(args: argparse.Namespace) -> int:
 
 
 def _run_until_stopped(serve: Any, app: Any, args: argparse.Namespace, names: list[str], started_ray: bool) -> int:
+    if threading.current_thread() is threading.main_thread():  # also during start-up: Ray's own handler
+        signal.signal(signal.SIGTERM, _raise_system_exit)       # would end the process without cleaning up
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(app, name=APP_NAME, route_prefix="/")
-    except Exception as exc:  # a replica that cannot start: Serve's error names the deployment
-        logger.error("cannot start the replicas: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        _stop_serve(serve, started_ray)
-        return 1
-    logger.info("serving %s on http://%s:%d with %d replicas (Ray Serve)", ", ".join(names), args.host, args.port,
-                args.replicas)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _raise_system_exit)
-    try:
+        try:
+            serve.start(http_options={"host": args.host, "port": args.port})
+            serve.run(app, name=APP_NAME, route_prefix="/")
+        except Exception as exc:  # a replica that cannot start: the engine's own error, as Serve recorded it
+            reason = (failed_deployment_reason(serve) or str(exc).strip() or type(exc).__name__).splitlines()[-1]
+            logger.error("cannot start the replicas: %s", reason)
+            return 2 if reason.startswith(CONFIGURATION_ERRORS) else 1  # as `serve` without replicas
+        logger.info("serving %s on http://%s:%d with %d replicas (Ray Serve)", ", ".join(names), args.host,
+                    args.port, args.replicas)
         while True:
             time.sleep(1.0)
     except (KeyboardInterrupt, SystemExit):
-        pass
+        return 0
     finally:
         _stop_serve(serve, started_ray)
         logger.info("replicas stopped")
-    return 0
+
+
+def failed_deployment_reason(serve: Any) -> str | None:
+    """The last line of the error a failed deployment of the app recorded (its replica's
+    exception, e.g. the engine's memory plan refusing the flags), or None."""
+    try:
+        application = serve.status().applications.get(APP_NAME)
+    except Exception:  # the status only makes a better message; the caller has one already
+        return None
+    if application is None:
+        return None
+    for deployment in application.deployments.values():
+        lines = [line for line in str(deployment.message).splitlines() if line.strip()]
+        if str(deployment.status).endswith("DEPLOY_FAILED") and lines:
+            return lines[-1].strip()
+    return None
 
 
 def _stop_serve(serve: Any, started_ray: bool) -> None:
