@@ -182,8 +182,8 @@ def _run_until_stopped(serve: Any, app: Any, args: argparse.Namespace, names: li
             reason = (failed_deployment_reason(serve) or str(exc).strip() or type(exc).__name__).splitlines()[-1]
             logger.error("cannot start the replicas: %s", reason)
             return 2 if reason.startswith(CONFIGURATION_ERRORS) else 1  # as `serve` without replicas
-        logger.info("serving %s on http://%s:%d with %d replicas (Ray Serve)", ", ".join(names), args.host,
-                    args.port, args.replicas)
+        logger.info("serving %s on http://%s:%d with %d engine replica(s) on Ray Serve", ", ".join(names),
+                    args.host, args.port, args.replicas)
         while True:
             time.sleep(1.0)
     except (KeyboardInterrupt, SystemExit):

@@ -4,6 +4,7 @@ server to compare it with, and the requests the replica tests send to both."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -44,6 +45,7 @@ def replica_cluster(num_cpus: int = NUM_REPLICAS, **options: Any) -> Iterator[st
 
     from hybridserve.replicas import build_app as build_replicas
 
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report from a test cluster
     ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     try:
         port = free_port()
