@@ -49,15 +49,15 @@ class JointCacheRouter(FIFOMixin, RequestRouter):
         self.block_size = block_size
         self.index = JointIndex(block_size, algorithm)
         self.config = RouterConfig(**(router_config or {}))
-        self.hints = RecentRoutes(block_size, algorithm, hint_ttl_s)
+        self.hints = RecentRoutes(block_size, hint_ttl_s)
         self._lock = threading.Lock()  # the metrics reader runs on another thread
         self._decisions: collections.Counter[str] = collections.Counter()
         self._stats: dict[str, dict[str, float]] = {}
         self._in_flight: collections.Counter[str] = collections.Counter()
         self._work = OutstandingWork()  # loads: prefill-token equivalents sent and not finished
         self._turn = 0  # rotates ties among idle replicas
-        # internal id of a generate call being routed -> (reason, prompt hashes, work if uncached, depths)
-        self._pending: dict[str, tuple[str, list[bytes], float, dict[str, int]]] = {}
+        # internal id of a generate call being routed -> (reason, prompt hint hashes, work if uncached, depths)
+        self._pending: dict[str, tuple[str, list[int], float, dict[str, int]]] = {}
         self._routed: dict[str, str] = {}  # internal id of a generate call in flight -> replica name
         registry.register(self)
 
@@ -131,8 +131,8 @@ class JointCacheRouter(FIFOMixin, RequestRouter):
         return [[first]] + [[replica] for replica in by_load if replica is not first]
 
     def _decide(self, token_ids: Sequence[int], cache_salt: str | None,
-                loads: dict[str, float]) -> tuple[str, str, list[bytes], dict[str, int]]:
-        """(replica, reason, the prompt's block hashes, depths) for one prompt among the `loads` replicas."""
+                loads: dict[str, float]) -> tuple[str, str, list[int], dict[str, int]]:
+        """(replica, reason, the prompt's hint hashes, depths) for one prompt among the `loads` replicas."""
         joint = self.index.depths(token_ids, cache_salt)
         hashes = self.hints.hashes(token_ids, cache_salt)
         recent = self.hints.depths(hashes)

@@ -114,11 +114,14 @@ def test_router_tolerates_a_malformed_summary() -> None:
 
 def test_recent_routes_expire_and_stay_per_tenant() -> None:
     now = [0.0]
-    routes = RecentRoutes(BLOCK, engine_block_hash("xxh3_128", SEED), ttl_s=5, max_hashes=4, clock=lambda: now[0])
-    prompt = random_ids(4, 100)
+    routes = RecentRoutes(BLOCK, ttl_s=5, max_hashes=4, clock=lambda: now[0])
+    chunk = routes.chunk_tokens
+    prompt = random_ids(4, 6 * chunk + 10)
     routes.add("a", routes.hashes(prompt, None))
-    assert routes.depths(routes.hashes(prompt + [1, 2], None)) == {"a": 6 * BLOCK}
-    assert routes.depths(routes.hashes(prompt[:2 * BLOCK + 1], None)) == {}  # only the last 4 hashes are kept
+    assert routes.depths(routes.hashes(prompt + [1, 2], None)) == {"a": 6 * chunk}
+    assert routes.depths(routes.hashes(prompt[:3 * chunk + 1], None)) == {"a": 3 * chunk}
+    assert routes.depths(routes.hashes(prompt[:2 * chunk + 1], None)) == {}  # only the last 4 hashes are kept
+    assert routes.depths(routes.hashes(prompt[:chunk] + [7] + prompt[chunk + 1:], None)) == {}  # diverged early
     assert routes.depths(routes.hashes(prompt, "other tenant")) == {}
     now[0] = 6.0
     assert routes.depths(routes.hashes(prompt, None)) == {}
