@@ -25,9 +25,13 @@ NUM_REPLICAS = 2
 APP = "hybridserve-test"
 
 
-def replica_config() -> Any:
-    """The tiny engine each replica runs (one thread each: two replicas share a 2-core machine)."""
-    return dataclasses.replace(tiny_config(), num_threads=1)
+def replica_config(remote_cache_url: str | None = None) -> Any:
+    """The tiny engine each replica runs (one thread each: two replicas share a 2-core machine), with
+    the shared store at `remote_cache_url` when given."""
+    config = dataclasses.replace(tiny_config(), num_threads=1)
+    if remote_cache_url is None:
+        return config
+    return dataclasses.replace(config, cache=dataclasses.replace(config.cache, remote_cache_url=remote_cache_url))
 
 
 def free_port() -> int:
@@ -38,8 +42,10 @@ def free_port() -> int:
 
 
 @contextmanager
-def replica_cluster(num_cpus: int = NUM_REPLICAS, **options: Any) -> Iterator[str]:
-    """A local Ray instance serving `NUM_REPLICAS` replicas; yields the endpoint's URL."""
+def replica_cluster(num_cpus: int = NUM_REPLICAS, remote_cache_url: str | None = None,
+                    **options: Any) -> Iterator[str]:
+    """A local Ray instance serving `NUM_REPLICAS` replicas (sharing the store at `remote_cache_url`
+    when given); yields the endpoint's URL."""
     import ray
     from ray import serve
 
@@ -50,8 +56,8 @@ def replica_cluster(num_cpus: int = NUM_REPLICAS, **options: Any) -> Iterator[st
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = build_replicas(replica_config(), num_replicas=NUM_REPLICAS, model_name=MODEL, api_keys=list(KEYS),
-                             stats_period_s=0.5, **options)
+        app = build_replicas(replica_config(remote_cache_url), num_replicas=NUM_REPLICAS, model_name=MODEL,
+                             api_keys=list(KEYS), stats_period_s=0.5, **options)
         serve.run(app, name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
