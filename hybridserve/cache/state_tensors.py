@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from hybridserve.config import ModelConfig
+from hybridserve.layers.huge_pages import zeros_touched_as_used
 
 
 class GDNStateTensors:
@@ -15,11 +16,12 @@ class GDNStateTensors:
     def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         layers = len(config.gdn_layer_ids)
         self.num_slots = num_slots
-        # zeros, not empty: every page is faulted in now, not by the first snapshot saved to a fresh slot.
-        self.conv = torch.zeros((layers, num_slots, config.gdn_conv_dim, config.linear_conv_kernel_dim - 1),
-                                dtype=dtype, device=device)
-        self.recurrent = torch.zeros((layers, num_slots, config.linear_num_value_heads, config.linear_key_head_dim,
-                                      config.linear_value_head_dim), dtype=torch.float32, device=device)
+        # zeros committed as used: a pool sized for the worst case costs only the slots written so far
+        self.conv = zeros_touched_as_used((layers, num_slots, config.gdn_conv_dim, config.linear_conv_kernel_dim - 1),
+                                          dtype, device)
+        self.recurrent = zeros_touched_as_used((layers, num_slots, config.linear_num_value_heads,
+                                                config.linear_key_head_dim, config.linear_value_head_dim),
+                                               torch.float32, device)
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
 import gc
 import logging
 import sys
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _RETAIN_BYTES = 1 << 30
+_DEFAULT_THRESHOLD_BYTES = 128 << 10  # glibc's initial mmap and trim thresholds
 
 
 class _MallInfo2(ctypes.Structure):
@@ -54,6 +57,35 @@ def retain_freed_activation_memory() -> bool:
     if not ok:
         logger.debug("mallopt refused the allocator thresholds")
     return ok
+
+
+@contextlib.contextmanager
+def freed_memory_returned() -> Iterator[None]:
+    """While inside, large blocks are mapped on their own and freed ones go back to the system at
+    once (glibc's default thresholds), so start-up's temporaries (weights being repacked) do not pile
+    up; on the way out the serving thresholds of `retain_freed_activation_memory` are set again."""
+    libc = _libc()
+    if libc is None:
+        yield
+        return
+    try:
+        libc.mallopt(_M_MMAP_THRESHOLD, _DEFAULT_THRESHOLD_BYTES)
+        libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_THRESHOLD_BYTES)
+        yield
+    finally:
+        retain_freed_activation_memory()
+
+
+def give_back_freed_memory() -> bool:
+    """Return the heap that start-up (weight loading, the profiling forward) freed to the system
+    (`malloc_trim`), so a process holds its weights and the pools it uses, not their scaffolding;
+    False without glibc."""
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 def freeze_startup_heap() -> int:

@@ -3,6 +3,7 @@ rank otherwise; only the `RankGroup` differs): builds its model, plans memory, e
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from hybridserve.cache.manager import Fork, blocks_for
 from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.config import EngineConfig, ModelConfig
 from hybridserve.distributed.sharding import local_config, read_shard, shard_spec
+from hybridserve.engine.memory import freed_memory_returned, give_back_freed_memory
 from hybridserve.engine.memory_plan import MemoryPlan, PlanInputs, device_memory, plan_memory, profile_forward
 from hybridserve.engine.runner import ModelRunner
 from hybridserve.engine.sampling import SampledToken, Sampler
@@ -112,9 +114,10 @@ class Worker:
         self.dtype = getattr(torch, spec.dtype)
         self.local = local_config(spec.model_config, spec.world_size)
         memory_at_start = device_memory(self.device)
-        self.model = Qwen3_5ForCausalLM(self.local, chunk_size=spec.chunk_size, max_positions=spec.max_model_len,
-                                        all_reduce=self.group.model_all_reduce)
-        self._load_weights()
+        with freed_memory_returned() if self.device.type == "cpu" else contextlib.nullcontext():
+            self.model = Qwen3_5ForCausalLM(self.local, chunk_size=spec.chunk_size,
+                                            max_positions=spec.max_model_len, all_reduce=self.group.model_all_reduce)
+            self._load_weights()
         self.capacity = self._agree_capacity(memory_at_start)
         self.runner = ModelRunner(self.model, num_kv_blocks=self.capacity.num_kv_blocks,
                                   block_size=spec.config.cache.block_size,
@@ -124,6 +127,7 @@ class Worker:
         self.sampler = Sampler(spec.config.seed, self.device)
         if self.device.type == "cpu":  # readiness means the kernels are built, not built on first use
             native.prepare_kernels()
+            give_back_freed_memory()
 
     # -- start-up ------------------------------------------------------------------------------
     def _load_weights(self) -> None:

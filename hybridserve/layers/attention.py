@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from hybridserve.layers.huge_pages import zeros_touched_as_used
+
 
 class PagedKVCache:
     """Physical KV pages for all full-attention layers."""
@@ -17,8 +19,8 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys = zeros_touched_as_used(shape, dtype, device)
+        self.values = zeros_touched_as_used(shape, dtype, device)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -1,6 +1,7 @@
-"""CPU weights in transparent huge pages (Linux): one anonymous region advised MADV_HUGEPAGE before
-its first touch (THP's usual `madvise` mode), the large weight storages copied into it one at a time.
-Elsewhere (not Linux, THP `never`, not CPU) nothing moves; docs/cpu-kernels.md says why.
+"""CPU memory in anonymous mappings: weights in transparent huge pages (Linux; one region advised
+MADV_HUGEPAGE before its first touch, THP's usual `madvise` mode, the large weight storages copied
+into it one at a time; elsewhere nothing moves; docs/cpu-kernels.md says why), and cache pools whose
+pages are committed only when first written.
 """
 
 from __future__ import annotations
@@ -46,6 +47,22 @@ def huge_page_buffer(num_bytes: int) -> torch.Tensor:
     except (AttributeError, OSError):  # no THP in this kernel: ordinary pages, same contents
         pass
     return whole[start:start + num_bytes]
+
+
+def zeros_touched_as_used(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros whose memory is committed page by page on first write: on CPU an anonymous mapping
+    (the kernel hands out zero pages lazily), so a pool sized for the worst case costs only what
+    is used; elsewhere `torch.zeros`."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = 1
+    for size in shape:
+        count *= size
+    num_bytes = count * torch.empty((), dtype=dtype).element_size()
+    if num_bytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    mapping = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def move_to_huge_pages(tensors: Iterable[tuple[object, str, torch.Tensor]],

@@ -7,10 +7,15 @@ name and shape is checked before anything is copied.
 
 from __future__ import annotations
 
+import ctypes
+import io
+import json
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -112,14 +117,50 @@ def load_weights(
                     disable=not show_progress or total_bytes <= PROGRESS_MIN_BYTES)
     with torch.no_grad(), progress:
         for file in files:
-            with safe_open(str(file), framework="pt") as handle:
+            data_start, header = _safetensors_header(file)
+            with safe_open(str(file), framework="pt") as handle, file.open("rb", buffering=0) as stream:
                 for entry in (e for e in entries if e.file == file):
                     if entry.spec is None:
-                        targets[entry.target].copy_(handle.get_tensor(entry.source))
+                        _read_into(stream, data_start, header[entry.source], targets[entry.target])
                     else:
                         part = read_shard(handle.get_slice(entry.source), entry.shape, entry.spec)
                         targets[entry.target].copy_(part)
                     progress.update(1)
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _safetensors_header(file: Path) -> tuple[int, dict[str, Any]]:
+    """Where a safetensors file's data starts, and its header (name -> dtype, shape, data offsets)."""
+    with file.open("rb") as stream:
+        size = int.from_bytes(stream.read(8), "little")
+        header = json.loads(stream.read(size))
+    if not isinstance(header, dict):
+        raise ValueError(f"{file}: the safetensors header is not an object")
+    return 8 + size, header
+
+
+def _read_into(stream: io.FileIO, data_start: int, info: dict[str, Any], target: torch.Tensor) -> None:
+    """Read one whole tensor's bytes from the file with plain reads (no mapping, so the file's pages
+    never count towards the process's memory), straight into `target` when it is a contiguous CPU
+    tensor of the file's dtype, else through one temporary of that tensor's size."""
+    begin, end = info["data_offsets"]
+    dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+    if dtype is None or sys.byteorder != "little":
+        raise ValueError(f"cannot read tensor dtype {info['dtype']!r} on this machine")
+    direct = target.dtype == dtype and target.device.type == "cpu" and target.is_contiguous()
+    buffer = target if direct else torch.empty(end - begin, dtype=torch.uint8)
+    if buffer.numel() * buffer.element_size() != end - begin:
+        raise ValueError(f"tensor of {end - begin} bytes does not fit its target of shape {tuple(target.shape)}")
+    stream.seek(data_start + begin)
+    view = (ctypes.c_char * (end - begin)).from_address(buffer.data_ptr())
+    if end > begin and stream.readinto(view) != end - begin:
+        raise ValueError("the safetensors file is truncated")
+    if not direct:
+        target.copy_(buffer.view(dtype).reshape(info["shape"]))
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:

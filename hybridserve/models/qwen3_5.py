@@ -411,11 +411,15 @@ class Qwen3_5ForCausalLM(nn.Module):
         dropped so every weight is held once (tied embeddings: one matrix for lookup and head)."""
         if self.head is not None:
             return
-        for module in list(self.modules()):
-            if isinstance(module, (GatedAttention, GatedDeltaNet, MLP)):
-                module.pack(quantization)
-            elif isinstance(module, ZeroCenteredRMSNorm):
+        # listing only what packs: a list of every module would keep each replaced linear alive
+        # until the loop ends, so all of the model's weights would exist twice at once
+        packs = (GatedAttention, GatedDeltaNet, MLP, ZeroCenteredRMSNorm)
+        packing = [m for m in self.modules() if isinstance(m, packs)]
+        for module in packing:
+            if isinstance(module, ZeroCenteredRMSNorm):
                 module.pack()
+            else:
+                module.pack(quantization)
         if self.config.tie_word_embeddings:
             self.head = PackedLinear([self.model.embed_tokens], allow_repack=False)
         else:
