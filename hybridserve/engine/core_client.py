@@ -29,6 +29,7 @@ from hybridserve.engine import core_messages
 from hybridserve.engine.core import SOCKET_DIR_PREFIX, run_engine_core
 from hybridserve.engine.detokenizer import IncrementalDetokenizer
 from hybridserve.engine.frames import FrameOutbox, FrameReceiver, encode_frame
+from hybridserve.engine.protocol import generate_outputs
 from hybridserve.engine.threads import child_process_environment
 from hybridserve.errors import (
     EngineDeadError,
@@ -359,13 +360,8 @@ class CoreClient(abc.ABC):
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until the request finishes; leaving early aborts it."""
-        stream = await self.add_request(request_id, prompt, params, cache_salt)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            if not stream.finished:
-                self.abort(request_id)
+        async for output in generate_outputs(self, request_id, prompt, params, cache_salt):
+            yield output
 
     async def stats(self) -> dict[str, float]:
         """The engine's `stats()` dict, read between steps."""

@@ -74,3 +74,16 @@ class EngineClient(Protocol):
 
     async def check_integrity(self) -> None:
         """Run the engine's pool integrity checks (`AssertionError` on a violation)."""
+
+
+async def generate_outputs(client: EngineClient, request_id: str, prompt: str | list[int], params: SamplingParams,
+                           cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+    """`EngineClient.generate` for any client: submit, yield outputs until the request finishes, and
+    abort it when the caller leaves early."""
+    stream = await client.add_request(request_id, prompt, params, cache_salt)
+    try:
+        async for output in stream:
+            yield output
+    finally:
+        if not stream.finished:
+            client.abort(request_id)

@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from hybridserve.engine.protocol import generate_outputs
 from hybridserve.errors import EngineDeadError, HybridServeError
 from hybridserve.replicas.registry import active_routers
 from hybridserve.replicas.replica import ACCEPTED
@@ -169,13 +170,8 @@ class ReplicaEngineClient:
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submit and yield outputs until the request finishes; leaving early aborts it."""
-        stream = await self.add_request(request_id, prompt, params, cache_salt)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            if not stream.finished:
-                self.abort(request_id)
+        async for output in generate_outputs(self, request_id, prompt, params, cache_salt):
+            yield output
 
     def abort(self, request_id: str) -> None:
         """Abort a request (unknown or finished ids are a no-op)."""

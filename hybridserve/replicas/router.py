@@ -24,7 +24,7 @@ from hybridserve.cache.block_pool import engine_block_hash
 from hybridserve.replicas import registry
 from hybridserve.replicas.hints import DEFAULT_TTL_S, RecentRoutes
 from hybridserve.routing.index import JointIndex
-from hybridserve.routing.policy import OutstandingWork, RouterConfig, choose_replica
+from hybridserve.routing.policy import LOAD_HALF_LIFE_S, OutstandingWork, RouterConfig, choose_replica
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,9 @@ class JointCacheRouter(FIFOMixin, RequestRouter):
         self._decisions: collections.Counter[str] = collections.Counter()
         self._stats: dict[str, dict[str, float]] = {}
         self._in_flight: collections.Counter[str] = collections.Counter()
-        self._work = OutstandingWork()  # loads: prefill-token equivalents sent and not finished
+        # loads: prefill-token equivalents sent and not finished, plus recent work decayed, as in the sim
+        # the policy's defaults were chosen with (`hybridserve sim --load-half-life-s`)
+        self._work = OutstandingWork(half_life=LOAD_HALF_LIFE_S)
         self._turn = 0  # rotates ties among idle replicas
         # internal id of a generate call being routed -> (reason, prompt hint hashes, work if uncached, depths)
         self._pending: dict[str, tuple[str, list[int], float, dict[str, int]]] = {}

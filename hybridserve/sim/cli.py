@@ -12,6 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from hybridserve.config import POLICY_NAMES
+from hybridserve.routing.policy import LOAD_HALF_LIFE_S
 from hybridserve.sim.links import DISK_LINK, HOST_LINK, PREFILL_FLOPS
 from hybridserve.sim.routing_report import ROUTERS, run_routing
 from hybridserve.sim.trace import TRACE_BLOCK_TOKENS, default_trace_path
@@ -75,7 +76,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
                         help="trace seconds between the replicas' joint-boundary summaries (the router's staleness)")
     parser.add_argument("--utilization", type=float, default=0.7,
                         help="replica service rate: the trace's cold work keeps all replicas this busy on average")
-    parser.add_argument("--load-half-life-s", type=float, default=60.0,
+    parser.add_argument("--load-half-life-s", type=float, default=LOAD_HALF_LIFE_S,
                         help="a replica's load is its queued work plus the work sent to it recently, decayed with "
                              "this half-life (trace seconds; 0: queued work only)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")

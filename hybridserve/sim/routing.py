@@ -27,7 +27,7 @@ from typing import NamedTuple
 from tqdm import tqdm
 
 from hybridserve.routing.index import JointIndex
-from hybridserve.routing.policy import RouterConfig, choose_replica
+from hybridserve.routing.policy import LOAD_HALF_LIFE_S, RouterConfig, choose_replica
 from hybridserve.routing.summary import encode_summary, hash_identity
 from hybridserve.sim.routing_report import ROUTERS
 from hybridserve.sim.shapes import ModelShape
@@ -46,7 +46,7 @@ class RoutingSimConfig(NamedTuple):
     router: str
     summary_period: float = 1.0      # seconds of trace time between summary refreshes (joint)
     utilization: float = 0.7         # cold work / capacity of all replicas together
-    load_half_life: float = 60.0     # > 0: load adds the work sent recently, decayed with this half-life (s)
+    load_half_life: float = LOAD_HALF_LIFE_S  # > 0: load adds the work sent recently, decayed (half-life, s)
     router_config: RouterConfig = RouterConfig()
 
 
