@@ -32,16 +32,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
+from benchmarks.tier_ttft import _same_output, _tokens  # the same prompts and output check as the tier benchmark
 
 MODES = ("cold", "remote", "device")
 ORDERS = (("cold", "device", "remote"), ("device", "cold", "remote"), ("device", "remote", "cold"))
 SEED = 0x5EED
-LOGPROB_ATOL = 1e-4  # float32 on the CPU: restored and recomputed logprobs agree to rounding
-
-
-def _tokens(length: int, seed: int) -> list[int]:
-    return torch.randint(0, 4000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def start_redis(directory: Path, maxmemory: str = "1gb") -> tuple[subprocess.Popen[bytes], str]:
@@ -127,14 +122,6 @@ class RemoteBench:
         for llm in (self.a, self.b, self.cold):
             llm.llm_engine.shutdown()
 
-
-def _same_output(row: dict[str, Any], reference: dict[str, Any]) -> bool:
-    if row["token"] != reference["token"]:
-        return False
-    for got, want in zip(row["logprobs"], reference["logprobs"], strict=True):
-        if got.keys() != want.keys() or max(abs(got[t] - want[t]) for t in got) > LOGPROB_ATOL:
-            return False
-    return True
 
 
 def run_remote_ttft(prefix_tokens: int = 4096, fresh_tokens: int = 64, rounds: int = 3, kv_cache_mib: float = 16,
