@@ -12,6 +12,11 @@ from pathlib import Path
 
 import pytest
 
+# What a start-up costs whatever the model's size (tokenizer, kernel library, thread stacks, allocator
+# arenas): with the built-in model's 111 MiB of weights it is a noticeable share of the bound, and it
+# varied by ~12 MiB between a lone run and the full suite on the same host.
+FIXED_OVERHEAD = 32 << 20
+
 PROBE = """
 import gc, json, sys
 def status(field):
@@ -53,5 +58,5 @@ def test_start_up_memory_is_the_weights_not_the_pools(source: str, builtin_check
     sizes = _measure("" if source == "builtin" else str(builtin_checkpoint))
     growth, peak = sizes["after"] - sizes["before"], sizes["peak"] - sizes["before"]
     assert sizes["pools"] > 4 * sizes["weights"]  # the pools are large: committing them would break the bound
-    assert growth <= 1.25 * sizes["weights"], sizes
-    assert peak <= 1.3 * sizes["weights"], sizes
+    assert growth <= 1.25 * sizes["weights"] + FIXED_OVERHEAD, sizes
+    assert peak <= 1.3 * sizes["weights"] + FIXED_OVERHEAD, sizes
