@@ -13,10 +13,11 @@ from typing import Any
 
 from hybridserve.errors import SamplingParamsTypeError
 
-__all__ = ["MAX_N", "MAX_STREAM_INTERVAL", "CompletionOutput", "RequestOutput", "RequestOutputKind",
+__all__ = ["MAX_LOGPROBS", "MAX_N", "MAX_STREAM_INTERVAL", "CompletionOutput", "RequestOutput", "RequestOutputKind",
            "SamplingParams", "SamplingParamsTypeError", "StructuredOutputsParams"]
 
 MAX_N = 64
+MAX_LOGPROBS = 20  # top alternatives per token of `logprobs` and `prompt_logprobs`, at most
 MAX_STREAM_INTERVAL = 1 << 16  # tokens between two outputs of a stream, at most
 
 
@@ -96,7 +97,10 @@ class SamplingParams:
     `max_tokens=None` generates up to the context length. `stop` strings end generation and are cut
     from the text; `stop_token_ids` end it on those tokens. `logprobs=k` returns, for every
     generated token, its log-probability and the top-k alternatives. `logit_bias` adds a bias to
-    the logits of the given token ids before sampling. `output_kind=RequestOutputKind.FINAL_ONLY`
+    the logits of the given token ids before sampling. `prompt_logprobs=k` returns, for every prompt
+    token after the first, its log-probability given the tokens before it and the top-k
+    alternatives (such a request takes no prefix from the cache: its prompt is computed whole).
+    `output_kind=RequestOutputKind.FINAL_ONLY`
     makes a request's stream yield only its final output. `stream_interval=k` makes a cumulative
     stream yield the first token, then an output once at least k new tokens have come, and the
     final one (SGLang's `--stream-interval`): fewer, larger outputs, cheaper per token to consume.
@@ -123,6 +127,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stream_interval: int = 1
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -173,7 +178,10 @@ class SamplingParams:
              "stop_token_ids must be non-negative integers"),
             (0 <= self.min_tokens <= (max_tokens if max_tokens is not None else self.min_tokens),
              f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs!r}"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
             (-2 <= self.frequency_penalty <= 2,
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
@@ -232,7 +240,8 @@ _FIELD_TYPES: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str], ...] = (
     (("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"),
      _is_number, "a number"),
     (("n", "top_k", "min_tokens", "stream_interval"), _is_int, "an integer"),
-    (("max_tokens", "seed", "logprobs"), lambda value: value is None or _is_int(value), "an integer or None"),
+    (("max_tokens", "seed", "logprobs", "prompt_logprobs"), lambda value: value is None or _is_int(value),
+     "an integer or None"),
 )
 
 
@@ -269,7 +278,9 @@ class RequestOutput:
     """State of one request after an engine step: its `n` completions in `outputs`.
 
     `finished` is set once every completion has finished. `num_cached_tokens` is the prompt
-    prefix restored from the joint prefix cache (0 on a cold start). `metrics` holds
+    prefix restored from the joint prefix cache (0 on a cold start). `prompt_logprobs`, when
+    `SamplingParams.prompt_logprobs` asked for them: None for the first prompt token, then per
+    prompt token a dict token id -> log-probability (that token plus the top-k). `metrics` holds
     `arrival_time` and `first_token_time` (time.monotonic seconds).
     """
 
@@ -280,3 +291,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -231,12 +231,15 @@ class JointCacheManager:
         if self.state_slots.num_free_slots == 0:
             return None
         entry = self._entry(seq)  # a waiting sequence's record keeps its hashes across retries
+        # A sequence that must compute its whole prompt (e.g. for prompt logprobs) takes no hit;
+        # what it computes is registered and published as any cold start's.
+        bypass = bool(getattr(seq, "skips_prefix_cache", False))
         promotion = None
-        if self.tiers is not None:
+        if self.tiers is not None and not bypass:
             promotion, waiting = self._promote_for(seq)
             if waiting:
                 return None  # its restore is on its way from a lower tier; the others run
-        lookup = self._lookup(seq)
+        lookup = None if bypass else self._lookup(seq)
         hit = lookup.hit if lookup is not None else PrefixHit(0, [], None)
         num_hit_blocks = len(hit.block_ids)
         held = hit.block_ids + ([hit.tail_block] if hit.tail_block is not None else [])

@@ -85,17 +85,17 @@ class DeltaTracker:
         """The delta of a group a step touched; a finished group is forgotten."""
         first = group.first
         sent = self._sent.get(group.request_id)
-        prompt_ids = None
+        prompt_ids = prompt_logprobs = None
         if sent is None:
             sent = self._sent[group.request_id] = [_Sent() for _ in group.sequences]
-            prompt_ids = first.prompt_token_ids
+            prompt_ids, prompt_logprobs = first.prompt_token_ids, first.prompt_logprobs
         completions = [mark.delta(seq) for seq, mark in zip(group.sequences, sent)]
         finished = group.is_finished
         if finished:
             del self._sent[group.request_id]
         first_tokens = [s.first_token_time for s in group.sequences if s.first_token_time is not None]
         return core_messages.RequestDelta(group.request_id, completions, finished, first.num_cached_tokens or 0,
-                            min(first_tokens) if first_tokens else None, prompt_ids)
+                            min(first_tokens) if first_tokens else None, prompt_ids, prompt_logprobs)
 
 
 class MessageSink(Protocol):

@@ -156,6 +156,8 @@ class RequestStream:
         self.finished = False
         self._prompt = prompt if isinstance(prompt, str) else None
         self._prompt_ids: list[int] = [] if isinstance(prompt, str) else list(prompt)
+        self._prompt_logprobs: list[dict[int, float] | None] | None = None
+        self._prompt_logprobs_taken = False  # a DELTA stream hands them out once, in its first output
         self._completions = [_Completion(i, None if params.logprobs is None else []) for i in range(params.n)]
         # the core detokenizes only requests with stop strings: the others' text is made here
         self._detokenizers = None if tokenizer is None or params.stop else \
@@ -176,6 +178,7 @@ class RequestStream:
             return
         if delta.prompt_token_ids is not None:
             self._prompt_ids = delta.prompt_token_ids
+            self._prompt_logprobs = delta.prompt_logprobs
         for part in delta.completions:
             comp = self._completions[part.index]
             comp.token_ids += part.token_ids
@@ -239,9 +242,13 @@ class RequestStream:
             raise self._error
         self.finished = self._done
         outputs = [c.delta(self._holdback) if self._deltas else c.output() for c in self._completions]
+        prompt_logprobs = self._prompt_logprobs
+        if self._deltas and prompt_logprobs is not None:
+            prompt_logprobs = None if self._prompt_logprobs_taken else prompt_logprobs
+            self._prompt_logprobs_taken = True
         return RequestOutput(request_id=self.request_id, prompt=self._prompt, prompt_token_ids=self._prompt_ids,
-                             outputs=outputs, finished=self._done,
-                             num_cached_tokens=self._cached, metrics=dict(self._metrics))
+                             outputs=outputs, finished=self._done, num_cached_tokens=self._cached,
+                             metrics=dict(self._metrics), prompt_logprobs=prompt_logprobs)
 
 
 class CoreClient(abc.ABC):

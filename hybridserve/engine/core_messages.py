@@ -53,6 +53,7 @@ class SamplingParamsWire(msgspec.Struct, array_like=True):
     logit_bias: dict[int, float] | None
     output_kind: int
     stream_interval: int
+    prompt_logprobs: int | None
 
 
 def params_to_wire(params: SamplingParams) -> SamplingParamsWire:
@@ -157,7 +158,8 @@ class CompletionDelta(msgspec.Struct, array_like=True):
 
 
 class RequestDelta(msgspec.Struct, array_like=True):
-    """One request that advanced in a step; `prompt_token_ids` comes in its first delta only."""
+    """One request that advanced in a step; `prompt_token_ids` and `prompt_logprobs` (when asked:
+    complete by then, as the first delta follows the prefill) come in its first delta only."""
 
     request_id: str
     completions: list[CompletionDelta]
@@ -165,6 +167,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     num_cached_tokens: int
     first_token_time: float | None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class StepOutputs(msgspec.Struct, tag="step", array_like=True):

@@ -368,6 +368,10 @@ class LLMEngine:
         requests = ordered_requests(scheduled)
         for index, logits in result.prompt_logits:
             requests[index].prompt_logits.append(logits)
+        for index, rows in result.prompt_logprobs:
+            scored = requests[index].prompt_logprobs
+            if scored is not None:
+                scored.extend(rows)
         now = time.monotonic()
         sequences: list[Request] = []
         for index, draws in result.draws:
@@ -548,7 +552,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=group.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=outputs, finished=group.is_finished, num_cached_tokens=first.num_cached_tokens or 0,
-            metrics=metrics)
+            metrics=metrics, prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs))
 
     def prompt_logits(self, prompt: str | list[int], cache_salt: str | None = None) -> torch.Tensor:
         """Logits [n, vocab] of every computed prompt position (n = length - prefix hit); steps until done."""

@@ -49,11 +49,29 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     keep_prompt_logits: bool = False           # diagnostics: keep logits of every computed position
     prompt_logits: list[torch.Tensor] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then one row per prompt token
+    # scored so far (the first sequence of a group only: its siblings fork from its prompt)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.index == 0:
+            self.prompt_logprobs = [None]
+
+    @property
+    def num_prompt_logprobs_missing(self) -> int:
+        """Prompt tokens still to be scored for `prompt_logprobs` (0 when none were asked)."""
+        if self.prompt_logprobs is None:
+            return 0
+        return self.num_prompt_tokens - len(self.prompt_logprobs)
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """The prefix cache must not restore this sequence: its prompt logprobs need the logits of
+        every prompt position, and a restored prefix has none (vLLM skips the cache for them too)."""
+        return self.num_prompt_logprobs_missing > 0
 
     @property
     def num_tokens(self) -> int:

@@ -28,6 +28,7 @@ class ForwardResult(NamedTuple):
     sample_chunks: list[int]          # the plan index of each logits row
     failed_snapshot_slots: set[int]
     prompt_logits: list[tuple[int, torch.Tensor]]  # (plan index, every position's logits)
+    scored_logits: list[tuple[int, torch.Tensor]] = []  # (plan index, logits of its prompt_logprobs rows)
 
 
 class SnapshotWriter:
@@ -81,7 +82,7 @@ class ModelRunner:
         """Restore (unless `restored`), run the forward over the plan's chunks, commit state."""
         if not restored:
             self.restore(plan)
-        batch, sample_chunks, full_rows = self._build_batch(plan.chunks)
+        batch, sample_chunks, full_rows, scored_rows = self._build_batch(plan.chunks)
         writer = SnapshotWriter(self.snapshots) if self.snapshots is not None else None
         writes: list[StateWrite] = []
         undo: list[StateWrite] = []
@@ -95,7 +96,9 @@ class ModelRunner:
         num_sampled = len(sample_chunks)
         prompt_logits = [(index, logits[num_sampled + first:num_sampled + first + count])
                          for index, first, count in full_rows]
-        return ForwardResult(logits[:num_sampled], sample_chunks, failed, prompt_logits)
+        scored_logits = [(index, logits[num_sampled + first:num_sampled + first + count])
+                         for index, first, count in scored_rows]
+        return ForwardResult(logits[:num_sampled], sample_chunks, failed, prompt_logits, scored_logits)
 
     def forward(self, batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         """Run the forward on the first backend that takes this batch (see the module docstring)."""
@@ -141,9 +144,12 @@ class ModelRunner:
             self.live_states.conv[write.layer].index_copy_(0, write.slots, conv)
             self.live_states.recurrent[write.layer].index_copy_(0, write.slots, write.recurrent)
 
-    def _build_batch(self, ordered: list[PlanChunk]) -> tuple[ForwardBatch, list[int], list[tuple[int, int, int]]]:
-        """The forward batch of plan chunks (decodes first), the plan index of each sampled row,
-        and (plan index, first row, count) of the chunks that keep every position's logits."""
+    def _build_batch(self, ordered: list[PlanChunk]
+                     ) -> tuple[ForwardBatch, list[int], list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+        """The forward batch of plan chunks (decodes first), the plan index of each sampled row, and
+        (plan index, first row after the sampled rows, count) of the chunks that keep every position's
+        logits, then of those whose positions score prompt tokens (`prompt_logprobs`): rows that only
+        such chunks add (otherwise the last layer runs for the sampled rows alone)."""
         decodes = [c for c in ordered if c.length == 1]
         prefills = [c for c in ordered if c.length > 1]
         input_ids: list[int] = []
@@ -152,16 +158,24 @@ class ModelRunner:
         sample_chunks: list[int] = []
         full_rows: list[int] = []
         full_chunks: list[tuple[int, int, int]] = []
+        scored: list[tuple[int, int, int]] = []  # (plan index, first input row, count)
         for index, chunk in enumerate(ordered):
             row_end = len(input_ids) + chunk.length
             if chunk.keep_prompt_logits:
                 full_chunks.append((index, len(full_rows), chunk.length))
                 full_rows.extend(range(row_end - chunk.length, row_end))
+            if chunk.prompt_logprobs is not None:
+                scored.append((index, row_end - chunk.length + chunk.prompt_logprobs.first,
+                               len(chunk.prompt_logprobs.targets)))
             input_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start, chunk.start + chunk.length))
             if chunk.samples:
                 logit_rows.append(row_end - 1)
                 sample_chunks.append(index)
+        scored_chunks = []
+        for index, first_row, count in scored:
+            scored_chunks.append((index, len(full_rows), count))
+            full_rows.extend(range(first_row, first_row + count))
         device = self.device
         positions_t = torch.tensor(positions, dtype=torch.long, device=device)
         tables = self._block_tables([c.block_ids for c in ordered])
@@ -180,7 +194,7 @@ class ModelRunner:
             prefills=self._prefill_chunks(prefills, tables[len(decodes):], len(decodes)),
             logits_rows=torch.tensor(logit_rows + full_rows, dtype=torch.long, device=device),
             logits_only_last_layer=not full_rows, block_tables=tables)
-        return batch, sample_chunks, full_chunks
+        return batch, sample_chunks, full_chunks, scored_chunks
 
     def _block_tables(self, block_lists: list[list[int]]) -> torch.Tensor:
         width = max(len(b) for b in block_lists)

@@ -52,6 +52,43 @@ class SamplingSpec(NamedTuple):
                 and self.logprobs is None and self.error is None)
 
 
+class PromptLogprobsSpec(NamedTuple):
+    """Which positions of a prefill chunk score the prompt token that follows each (`prompt_logprobs`)."""
+
+    first: int                 # offset in the chunk of the first scored position
+    targets: tuple[int, ...]   # the prompt token each scored position predicts, in order
+    top: int                   # alternatives per position besides the target
+
+
+def prompt_logprobs_spec(request: Request, start: int, length: int) -> PromptLogprobsSpec | None:
+    """The prompt tokens a chunk of `request` over [start, start + length) scores: those not scored
+    yet whose predecessor lies in the chunk (None: nothing to score, or none were asked)."""
+    scored = request.prompt_logprobs
+    top = request.params.prompt_logprobs
+    if scored is None or top is None:
+        return None
+    first = max(start, len(scored) - 1)       # position whose logits score prompt token first + 1
+    end = min(start + length, request.num_prompt_tokens - 1)
+    if first >= end:
+        return None
+    return PromptLogprobsSpec(first - start, tuple(request.prompt_token_ids[first + 1:end + 1]), top)
+
+
+def score_prompt(logits: torch.Tensor, spec: PromptLogprobsSpec) -> list[dict[int, float]]:
+    """Per row of `logits` ([len(spec.targets), vocab]), the target's log-probability and the top-k
+    alternatives, from the raw logits (as generated tokens' logprobs are)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(spec.targets, dtype=torch.long, device=logits.device)
+    own = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    rows = [{target: value} for target, value in zip(spec.targets, own)]
+    if spec.top > 0:
+        values, ids = logprobs.topk(spec.top, dim=-1)
+        for row, row_ids, row_values in zip(rows, ids.tolist(), values.tolist()):
+            for token, value in zip(row_ids, row_values):
+                row.setdefault(token, value)
+    return rows
+
+
 def sampling_spec(request: Request, bitmask: np.ndarray | None = None, error: str | None = None) -> SamplingSpec:
     """The spec of `request`'s next draw (token history only when its penalties need it)."""
     params = request.params

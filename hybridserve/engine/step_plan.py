@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from hybridserve.engine.request import Request
-from hybridserve.engine.sampling import SamplingSpec, SequenceKey
+from hybridserve.engine.sampling import PromptLogprobsSpec, SamplingSpec, SequenceKey, prompt_logprobs_spec
 from hybridserve.engine.scheduler import SchedulerOutput
 
 
@@ -22,6 +22,7 @@ class PlanChunk(NamedTuple):
     samples: bool                        # the chunk ends at the sequence's last token: it has a logits row
     keep_prompt_logits: bool
     sampling: tuple[SamplingSpec, ...] = ()  # the draws from its logits row: its own, then forked siblings'
+    prompt_logprobs: PromptLogprobsSpec | None = None  # prompt tokens its positions score (prompt_logprobs)
 
     @property
     def length(self) -> int:
@@ -57,7 +58,8 @@ def plan_step(output: SchedulerOutput, draws: Callable[[Request], tuple[Sampling
             block_ids=list(chunk.block_ids), state_slot=chunk.state_slot,
             captures=[(r.num_tokens, r.slot) for r in chunk.captures],  # type: ignore[misc]
             samples=samples, keep_prompt_logits=request.keep_prompt_logits,
-            sampling=draws(request) if samples and draws is not None else ()))
+            sampling=draws(request) if samples and draws is not None else (),
+            prompt_logprobs=prompt_logprobs_spec(request, chunk.start, chunk.length)))
     restores = [PlanRestore(r.state_slot, r.snapshot_slot, r.kv_copy) for r in output.restores]
     return StepPlan(chunks, restores, tuple(released or ()))
 

@@ -18,7 +18,7 @@ from hybridserve.distributed.sharding import local_config, read_shard, shard_spe
 from hybridserve.engine.memory import freed_memory_returned, give_back_freed_memory
 from hybridserve.engine.memory_plan import MemoryPlan, PlanInputs, device_memory, plan_memory, profile_forward
 from hybridserve.engine.runner import ModelRunner
-from hybridserve.engine.sampling import SampledToken, Sampler
+from hybridserve.engine.sampling import SampledToken, Sampler, score_prompt
 from hybridserve.engine.step_plan import StepPlan
 from hybridserve.layers import native
 from hybridserve.layers.attention import PagedKVCache
@@ -63,6 +63,7 @@ class PlanResult(NamedTuple):
     draws: list[tuple[int, list[SampledToken | str]]]
     failed_snapshot_slots: set[int]
     prompt_logits: list[tuple[int, torch.Tensor]]
+    prompt_logprobs: list[tuple[int, list[dict[int, float]]]] = []  # (plan index, a row per scored position)
 
 
 class StepReply(NamedTuple):
@@ -183,12 +184,16 @@ class Worker:
         if failed is None or forward is None:
             return StepReply(None, error or "the forward failed on another rank", self.group.comm_seconds, elapsed)
         draws: list[tuple[int, list[SampledToken | str]]] = []
+        scored: list[tuple[int, list[dict[int, float]]]] = []
         if self.rank == 0:
             specs = [plan.chunks[index].sampling for index in forward.sample_chunks]
             rows = [row for row, chunk in enumerate(specs) for _ in chunk]
             flat = iter(self.sampler.sample(forward.logits, rows, [s for chunk in specs for s in chunk]))
             draws = [(index, [next(flat) for _ in chunk]) for index, chunk in zip(forward.sample_chunks, specs)]
-        return StepReply(PlanResult(draws, failed, forward.prompt_logits), None, self.group.comm_seconds, elapsed)
+            scored = [(index, score_prompt(logits, spec)) for index, logits in forward.scored_logits
+                      if (spec := plan.chunks[index].prompt_logprobs) is not None]
+        return StepReply(PlanResult(draws, failed, forward.prompt_logits, scored), None, self.group.comm_seconds,
+                         elapsed)
 
     def _combine_failed(self, plan: StepPlan, failed: set[int], error: str | None) -> set[int] | None:
         """The plan's snapshot slots that failed on any rank (None if any rank's forward failed)."""

@@ -261,7 +261,7 @@ def _mixed_step(config: EngineConfig, long_prompt: list[int]) -> tuple[ModelRunn
     runner = engine.runner
     plan = plan_step(engine.scheduler.schedule())
     runner.restore(plan)
-    batch, _, _ = runner._build_batch(plan.chunks)
+    batch, *_ = runner._build_batch(plan.chunks)
     return runner, batch
 
 
