@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Mapping
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -45,6 +45,7 @@ class TierEvent:
     seconds: float
     evicted: tuple[str, ...] = ()
     result: Any = None
+    seq: int = 0  # the operation's sequence number (from its submit)
 
 
 @dataclass
@@ -67,6 +68,8 @@ class _Op:
     ready: Any
     submitted: float
     call: Callable[[], Any] | None = None
+    seq: int = 0
+    last: bool = True  # the last operation of its submission (its completion wakes a waiting poll)
 
 
 def _ready_event(payload: Mapping[str, torch.Tensor]) -> Any:
@@ -79,14 +82,22 @@ def _ready_event(payload: Mapping[str, torch.Tensor]) -> Any:
 
 
 class StoreMover:
-    """Runs one store's operations in FIFO order on a background thread."""
+    """Runs one store's operations on a background thread, in two lanes: reads (gets, lookups) go
+    ahead of queued writes (puts, deletes, index calls), so a promotion never waits behind the
+    demotions that making room for it started; a get of a key with a put or delete still queued
+    goes behind it in the write lane. Within a lane, operations run in submission order. Each
+    event carries the sequence number `submit_many`/`submit_call` returned."""
 
     def __init__(self, store: ObjectStore, *, max_pending: int = DEFAULT_MAX_PENDING) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.store = store
         self.max_pending = max_pending
-        self._queue: deque[_Op] = deque()
+        self._reads: deque[_Op] = deque()
+        self._writes: deque[_Op] = deque()
+        self._mutations: Counter[str] = Counter()  # queued puts and deletes per key
+        self._bounded = 0  # queued operations other than deletes (what `max_pending` bounds)
+        self._next_seq = 1  # numbers start at 1, so a refused submit (None) is the only falsy answer
         self._events: deque[TierEvent] = deque()
         self._work = threading.Condition()
         self._done = threading.Condition()
@@ -97,41 +108,64 @@ class StoreMover:
 
     # -- caller side (never blocks on the store) -----------------------------------------------
 
-    def submit_put(self, key: str, payload: Mapping[str, torch.Tensor]) -> bool:
-        """Queue a copy of `payload` into the store; False (counted) when the queue is full."""
-        key_to_filename(key)  # a key no store can hold is a caller's bug: raise it here
-        return self._submit(_Op("put", key, payload, _ready_event(payload), time.perf_counter()), bounded=True)
+    def submit_put(self, key: str, payload: Mapping[str, torch.Tensor]) -> int | None:
+        """Queue a copy of `payload` into the store: its sequence number, or None (counted) when
+        the queue is full."""
+        return self.submit_many([(key, payload)])
 
-    def submit_get(self, key: str) -> bool:
-        """Queue a read of `key`; its event carries the payload. False (counted) when full."""
-        return self._submit(_Op("get", key, None, None, time.perf_counter()), bounded=True)
+    def submit_get(self, key: str) -> int | None:
+        """Queue a read of `key` (its event carries the payload): its sequence number, or None."""
+        return self.submit_many([(key, None)])
 
-    def submit_call(self, key: str, call: Callable[[], Any]) -> bool:
-        """Queue `call` (a store operation beyond put/get/delete, e.g. a remote lookup) in order
-        with the rest; its event carries the result under the label `key`. False when full."""
-        return self._submit(_Op("call", key, None, None, time.perf_counter(), call), bounded=True)
+    def submit_many(self, operations: Sequence[tuple[str, Mapping[str, torch.Tensor] | None]]) -> int | None:
+        """Queue a put for each (key, payload) and a get for each (key, None), numbered in order
+        from the returned sequence number: all of them, or none (None, counted) when the queue
+        cannot take them all."""
+        now = time.perf_counter()
+        ops = []
+        for key, payload in operations:
+            if payload is None:
+                ops.append(_Op("get", key, None, None, now, last=False))
+            else:
+                key_to_filename(key)  # a key no store can hold is a caller's bug: raise it here
+                ops.append(_Op("put", key, payload, _ready_event(payload), now, last=False))
+        return self._submit(ops, bounded=True)
 
-    def submit_delete(self, key: str) -> None:
+    def submit_call(self, key: str, call: Callable[[], Any], *, read: bool = False) -> int | None:
+        """Queue `call` (a store operation beyond put/get/delete, e.g. a remote lookup); its event
+        carries the result under the label `key`. A `read` call takes the read lane, any other
+        runs after the writes queued before it. Its sequence number, or None when full."""
+        return self._submit([_Op("call", key, None, None, time.perf_counter(), call)], bounded=True, read=read)
+
+    def submit_delete(self, key: str) -> int:
         """Queue the removal of `key` (after the operations queued before it; never refused)."""
-        self._submit(_Op("delete", key, None, None, time.perf_counter()), bounded=False)
+        seq = self._submit([_Op("delete", key, None, None, time.perf_counter())], bounded=False)
+        assert seq is not None
+        return seq
 
     def cancel(self, key: str) -> int:
         """Drop the queued, not yet started puts and gets of `key` (no events for them); an
         operation already running completes. Returns how many were dropped."""
         with self._work:
-            kept = deque(op for op in self._queue if op.key != key or op.kind == "delete")
-            dropped = len(self._queue) - len(kept)
-            self._queue = kept
+            dropped = 0
+            for lane in (self._reads, self._writes):
+                gone = [op for op in lane if op.key == key and op.kind in ("put", "get")]
+                for op in gone:
+                    lane.remove(op)
+                    if op.kind == "put":
+                        self._mutation_done(key)
+                dropped += len(gone)
+            self._bounded -= dropped
             self._stats.cancelled += dropped
-            self._stats.pending = len(self._queue)
+            self._stats.pending = len(self._reads) + len(self._writes)
         return dropped
 
     def poll(self, timeout: float = 0.0) -> list[TierEvent]:
-        """The events completed since the last poll; waits up to `timeout` seconds for one when
-        there are none (the engine's step loop polls with 0)."""
+        """The events completed since the last poll; waits up to `timeout` seconds when there are
+        none, until a submission's last operation completes (the engine's step loop polls with 0)."""
         with self._done:
             if not self._events and timeout > 0:
-                self._done.wait_for(lambda: bool(self._events), timeout=timeout)
+                self._done.wait(timeout=timeout)
             events = list(self._events)
             self._events.clear()
         return events
@@ -146,41 +180,72 @@ class StoreMover:
         objects reach the disk before a restart); the store stays open."""
         with self._work:
             if not drain:
-                self._stats.cancelled += len(self._queue)
-                self._queue.clear()
+                self._stats.cancelled += len(self._reads) + len(self._writes)
+                self._reads.clear()
+                self._writes.clear()
+                self._mutations.clear()
+                self._bounded = 0
             self._closing = True
             self._work.notify_all()
         self._thread.join()
 
-    def _submit(self, op: _Op, *, bounded: bool) -> bool:
+    def _submit(self, ops: Sequence[_Op], *, bounded: bool, read: bool = False) -> int | None:
         with self._work:
             if self._closing:
                 raise RuntimeError("tier mover is closed")
-            if bounded and sum(1 for queued in self._queue if queued.kind != "delete") >= self.max_pending:
-                self._stats.refused += 1
-                return False
-            self._queue.append(op)
-            self._stats.submitted += 1
-            self._stats.pending = len(self._queue)
+            if bounded and self._bounded + len(ops) > self.max_pending:
+                self._stats.refused += len(ops)
+                return None
+            first = self._next_seq
+            for op in ops:
+                op.seq = self._next_seq
+                self._next_seq += 1
+                self._lane(op, read).append(op)
+            if ops:
+                ops[-1].last = True
+            self._bounded += len(ops) if bounded else 0
+            self._stats.submitted += len(ops)
+            self._stats.pending = len(self._reads) + len(self._writes)
             self._work.notify()
-        return True
+        return first
+
+    def _lane(self, op: _Op, read: bool) -> deque[_Op]:
+        """The lane `op` joins: a get of a key without queued mutations, or a read call, reads."""
+        if op.kind in ("put", "delete"):
+            self._mutations[op.key] += 1
+            return self._writes
+        if (op.kind == "get" and not self._mutations[op.key]) or (op.kind == "call" and read):
+            return self._reads
+        return self._writes
+
+    def _mutation_done(self, key: str) -> None:
+        left = self._mutations[key] - 1
+        if left > 0:
+            self._mutations[key] = left
+        else:
+            del self._mutations[key]
 
     # -- background thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
             with self._work:
-                self._work.wait_for(lambda: bool(self._queue) or self._closing)
-                if not self._queue:
+                self._work.wait_for(lambda: bool(self._reads or self._writes) or self._closing)
+                if not (self._reads or self._writes):
                     return
-                op = self._queue.popleft()
-                self._stats.pending = len(self._queue)
+                op = (self._reads or self._writes).popleft()
+                if op.kind in ("put", "delete"):
+                    self._mutation_done(op.key)
+                self._bounded -= op.kind != "delete"
+                self._stats.pending = len(self._reads) + len(self._writes)
+                idle = not (self._reads or self._writes)
             event = self._execute(op)
             with self._work:
                 self._stats.completed += 1
             with self._done:
                 self._events.append(event)
-                self._done.notify_all()
+                if op.last or idle:
+                    self._done.notify_all()
 
     def _execute(self, op: _Op) -> TierEvent:
         try:
@@ -202,4 +267,5 @@ class StoreMover:
     @staticmethod
     def _event(op: _Op, ok: bool, payload: Payload | None, nbytes: int, evicted: tuple[str, ...] = (),
                result: Any = None) -> TierEvent:
-        return TierEvent(op.key, op.kind, ok, payload, nbytes, time.perf_counter() - op.submitted, evicted, result)
+        return TierEvent(op.key, op.kind, ok, payload, nbytes, time.perf_counter() - op.submitted, evicted, result,
+                         op.seq)

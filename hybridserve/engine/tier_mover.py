@@ -5,15 +5,15 @@ device pools (GDN snapshot slots, KV blocks) and the lower tiers' stores, one `S
   contract: a device source is read before the next forward, which may reuse the slot or block);
   the store writes them on its mover's thread.
 - Demotion from another tier (a cascade, e.g. host -> disk): a get on the source tier's mover, then,
-  when it arrives, a put on the target's. Each mover runs in order, so a later discard of the source
-  object cannot overtake the read.
+  when it arrives, a put on the target's. A mover never runs a delete ahead of a read submitted
+  before it, so a later discard of the source object cannot overtake the read.
 - Promotion: a get per object; when a ticket's objects have all arrived and match the device layout
   (names, shapes, dtypes) they are copied into the device slot and blocks in `poll()`, which the
   engine calls between steps, never while a forward runs. Any missing or malformed object fails the
   whole ticket and nothing is written.
 
-Events come back from each `StoreMover` in the order operations were submitted to it, so each mover
-keeps a FIFO of what its operations were for.
+Each `StoreMover` numbers the operations submitted to it and its events carry those numbers; the
+mover keeps what each operation was for by number (reads may finish ahead of queued writes).
 
 Remote (shared) tier: a demotion's objects are puts like any other; once all of a ticket's puts
 succeeded, the entry is indexed in the store (`RemoteStore.publish_entry`) so other replicas find it.
@@ -28,7 +28,6 @@ rebuilt from those whose state and KV objects are all present; other objects are
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -98,20 +97,41 @@ class DeviceCachePools:
         self.kv_cache = kv_cache
         self.snapshots = snapshots
 
-    def read(self, kind: str, index: int) -> Payload:
-        """CPU copies of snapshot slot / KV block `index` (a synchronous copy)."""
-        return {name: view.to("cpu", copy=True) for name, view in self._views(kind, index).items()}
+    def read_many(self, kind: str, indices: Sequence[int]) -> list[Payload]:
+        """CPU copies of several snapshot slots / KV blocks: one gather per tensor (a synchronous
+        copy), each object's payload a view into it."""
+        if not indices:
+            return []
+        stacked = self._stacked(kind)
+        where = torch.tensor(indices, dtype=torch.int64, device=next(iter(stacked.values())).device)
+        gathered = {name: tensor.index_select(1, where).to("cpu") for name, tensor in stacked.items()}
+        return [{name: tensor[:, position] for name, tensor in gathered.items()} for position in range(len(indices))]
 
-    def write(self, kind: str, index: int, payload: Mapping[str, torch.Tensor]) -> None:
-        """Copy a verified payload into snapshot slot / KV block `index`."""
-        for name, view in self._views(kind, index).items():
-            view.copy_(payload[name])
+    def write_many(self, kind: str, indices: Sequence[int], payloads: Sequence[Mapping[str, torch.Tensor]]) -> None:
+        """Copy verified payloads into these snapshot slots / KV blocks: one scatter per tensor."""
+        if not indices:
+            return
+        stacked = self._stacked(kind)
+        where = torch.tensor(indices, dtype=torch.int64, device=next(iter(stacked.values())).device)
+        for name, tensor in stacked.items():
+            source = torch.stack([payload[name] for payload in payloads], dim=1)
+            tensor.index_copy_(1, where, source.to(tensor.device))
 
     def matches(self, kind: str, payload: Mapping[str, torch.Tensor]) -> bool:
         """Whether `payload` has exactly the tensor names, shapes and dtypes of one `kind` object."""
         views = self._views(kind, 0)
         return set(payload) == set(views) and all(
             payload[name].shape == view.shape and payload[name].dtype == view.dtype for name, view in views.items())
+
+    def _stacked(self, kind: str) -> dict[str, torch.Tensor]:
+        """Each tensor of `kind` with its objects along dimension 1 (views of the pools)."""
+        if kind == STATE:
+            return {"conv": self.snapshots.conv, "recurrent": self.snapshots.recurrent}
+        if kind == KV:
+            keys, values = self.kv_cache.keys, self.kv_cache.values
+            blocks = (keys.shape[0], self.kv_cache.num_blocks, self.kv_cache.block_size, *keys.shape[2:])
+            return {"keys": keys.view(blocks), "values": values.view(blocks)}
+        raise ValueError(f"unknown tier object kind {kind!r}")
 
     def _views(self, kind: str, index: int) -> dict[str, torch.Tensor]:
         if kind == STATE:
@@ -136,7 +156,7 @@ class EngineTierMover:
         max_pending = max(DEFAULT_MAX_PENDING, 2 * (pools.kv_cache.num_blocks + pools.snapshots.num_slots))
         for store in stores.in_order():
             self.movers[store.tier] = StoreMover(store, max_pending=max_pending)
-        self._pending: dict[str, deque[_Pending]] = {name: deque() for name in self.movers}
+        self._pending: dict[str, dict[int, _Pending]] = {name: {} for name in self.movers}  # by sequence number
         self._tickets: dict[int, _Ticket] = {}
         self._finished: list[tuple[int, bool]] = []
         self._lookups = 0  # discovery lookups in flight
@@ -176,18 +196,20 @@ class EngineTierMover:
         """Copy device sources out now; queue the puts (and the reads of tier sources)."""
         record = self._open(ticket, False, objects)
         record.tier = tier
+        copies = self._read_device(objects)
+        batches: dict[str, list[tuple[_Pending, Payload | None]]] = {}
         for obj in objects:
             if obj.source == DEVICE:
-                if obj.device_index is None:
-                    raise ValueError(f"device object {obj.key} has no device index")
-                payload = self.pools.read(obj.kind, obj.device_index)
-                self._submit(record, tier, _Pending("write", ticket, obj.key, obj), payload)
+                batches.setdefault(tier, []).append((_Pending("write", ticket, obj.key, obj), copies[obj.key]))
             else:
                 record.reads += 1
-                self._submit(record, obj.source, _Pending("read-for-write", ticket, obj.key, obj, target=tier))
+                pending = _Pending("read-for-write", ticket, obj.key, obj, target=tier)
+                batches.setdefault(obj.source, []).append((pending, None))
             if tier == DISK and obj.kind == STATE and self.tiers is not None:
                 meta = _meta_payload(self.tiers.ticket_entry(ticket))
-                self._submit(record, tier, _Pending("write", ticket, _meta_key(obj.key)), meta)
+                batches.setdefault(tier, []).append((_Pending("write", ticket, _meta_key(obj.key)), meta))
+        for source, batch in batches.items():
+            self._submit(record, source, batch)
         if tier == REMOTE and not record.reads:
             self._index_remote(record, ticket)
         self._settle(ticket)
@@ -195,10 +217,13 @@ class EngineTierMover:
     def start_promotion(self, ticket: int, objects: Sequence[TierObject]) -> None:
         """Queue a read of each object from its source tier (copied to the device in `poll`)."""
         record = self._open(ticket, True, objects)
+        batches: dict[str, list[tuple[_Pending, Payload | None]]] = {}
         for index, obj in enumerate(objects):
             if obj.device_index is None or obj.source == DEVICE:
                 raise ValueError(f"promoted object {obj.key} needs a tier source and a device target")
-            self._submit(record, obj.source, _Pending("read", ticket, obj.key, obj, index=index))
+            batches.setdefault(obj.source, []).append((_Pending("read", ticket, obj.key, obj, index=index), None))
+        for source, batch in batches.items():
+            self._submit(record, source, batch)
         self._settle(ticket)
 
     def start_lookup(self, lookup: int, query: DiscoveryQuery) -> bool:
@@ -209,9 +234,10 @@ class EngineTierMover:
         if mover is None or find_entry is None:
             return False
         label = f"lookup-{lookup}"
-        if not mover.submit_call(label, lambda: find_entry(query)):
+        seq = mover.submit_call(label, lambda: find_entry(query), read=True)
+        if seq is None:
             return False
-        self._pending[REMOTE].append(_Pending("lookup", lookup, label))
+        self._pending[REMOTE][seq] = _Pending("lookup", lookup, label)
         self._lookups += 1
         return True
 
@@ -233,8 +259,7 @@ class EngineTierMover:
         mover = self.movers[tier]
         for key in keys:
             for gone in (key, _meta_key(key)) if tier == DISK and key.startswith(STATE + "-") else (key,):
-                self._pending[tier].append(_Pending("delete", None, gone))
-                mover.submit_delete(gone)
+                self._pending[tier][mover.submit_delete(gone)] = _Pending("delete", None, gone)
 
     def poll(self) -> list[tuple[int, bool]]:
         """Apply finished store operations; tickets done since the last poll. Promoted objects are
@@ -272,19 +297,20 @@ class EngineTierMover:
         self._tickets[ticket] = record
         return record
 
-    def _submit(self, record: _Ticket, tier: str, pending: _Pending, payload: Payload | None = None) -> None:
-        """Submit one put or get; a refused submit (a full queue) fails the ticket."""
+    def _submit(self, record: _Ticket, tier: str, batch: Sequence[tuple[_Pending, Payload | None]]) -> None:
+        """Submit puts (with a payload) and gets to one tier's mover, in order and all at once; a
+        refused batch (a full queue) fails the ticket."""
         mover = self.movers.get(tier)
         if mover is None:
-            logger.error("tier object %s names unknown tier %r", pending.key, tier)
+            logger.error("tier objects %s... name unknown tier %r", batch[0][0].key, tier)
             record.ok = False
             return
-        accepted = mover.submit_put(pending.key, payload) if payload is not None else mover.submit_get(pending.key)
-        if not accepted:
+        seq = mover.submit_many([(pending.key, payload) for pending, payload in batch])
+        if seq is None:
             record.ok = False
             return
-        record.outstanding += 1
-        self._pending[tier].append(pending)
+        record.outstanding += len(batch)
+        self._pending[tier].update(enumerate((pending for pending, _ in batch), start=seq))
 
     def _settle(self, ticket: int) -> None:
         """One outstanding operation of `ticket` is done; finish it when none remain."""
@@ -307,14 +333,15 @@ class EngineTierMover:
             return
         entry = self.tiers.ticket_entry(ticket)
         label = f"entry-{entry.key.hex()}"
-        if not self.movers[REMOTE].submit_call(label, lambda: publish_entry(entry)):
+        seq = self.movers[REMOTE].submit_call(label, lambda: publish_entry(entry))
+        if seq is None:
             record.ok = False
             return
         record.outstanding += 1
-        self._pending[REMOTE].append(_Pending("index", ticket, label))
+        self._pending[REMOTE][seq] = _Pending("index", ticket, label)
 
     def _on_event(self, tier: str, event: TierEvent) -> None:
-        pending = self._pending[tier].popleft()
+        pending = self._pending[tier].pop(event.seq)
         if pending.key != event.key:
             raise RuntimeError(f"tier {tier}: event for {event.key!r} while expecting {pending.key!r}")
         self.store_evicted += len(event.evicted)
@@ -334,8 +361,8 @@ class EngineTierMover:
             record.payloads[pending.index] = event.payload
         elif pending.purpose == "read-for-write" and record.ok:
             assert event.payload is not None
-            self._submit(record, pending.target, _Pending("write", pending.ticket, pending.key, pending.obj),
-                         event.payload)
+            self._submit(record, pending.target, [(_Pending("write", pending.ticket, pending.key, pending.obj),
+                                                   event.payload)])
         if pending.purpose == "read-for-write":
             record.reads -= 1
             if not record.reads and record.ok and record.tier == REMOTE:
@@ -350,10 +377,24 @@ class EngineTierMover:
                 logger.warning("tier object %s from %s does not match the device layout; promotion failed",
                                obj.key, obj.source)
                 return False
-        for index, obj in enumerate(record.objects):
-            assert obj.device_index is not None
-            self.pools.write(obj.kind, obj.device_index, record.payloads[index])
+        for kind in (STATE, KV):
+            chosen = [(obj.device_index, record.payloads[index]) for index, obj in enumerate(record.objects)
+                      if obj.kind == kind and obj.device_index is not None]
+            self.pools.write_many(kind, [target for target, _ in chosen], [payload for _, payload in chosen])
         return True
+
+    def _read_device(self, objects: Sequence[TierObject]) -> dict[str, Payload]:
+        """CPU copies of a demotion's device sources, by object key: one gather per kind (the
+        contract: read before the next forward, which may reuse the slot or block)."""
+        copies: dict[str, Payload] = {}
+        for kind in (STATE, KV):
+            chosen = [obj for obj in objects if obj.source == DEVICE and obj.kind == kind]
+            for obj in chosen:
+                if obj.device_index is None:
+                    raise ValueError(f"device object {obj.key} has no device index")
+            payloads = self.pools.read_many(kind, [obj.device_index for obj in chosen if obj.device_index is not None])
+            copies.update(zip((obj.key for obj in chosen), payloads, strict=True))
+        return copies
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -297,13 +297,51 @@ def test_slow_disk_never_blocks_submit_or_poll(disk: DiskStore) -> None:
         assert mover.stats().refused == 1 and mover.stats().pending == 3
         slow.release.set()
         events = _collect(mover, 4)
+        # the get of a (whose put is no longer queued) takes the read lane, ahead of the queued put of b
         assert [(e.key, e.kind, e.ok) for e in events] == [
-            ("state-a", "put", True), ("state-b", "put", True), ("state-a", "get", True), ("state-b", "delete", True)]
-        _assert_same(events[2].payload, _payload())
-        assert events[2].nbytes == payload_nbytes(_payload()) and events[0].payload is None
+            ("state-a", "put", True), ("state-a", "get", True), ("state-b", "put", True), ("state-b", "delete", True)]
+        assert [e.seq for e in events] == [1, 3, 2, 4]
+        _assert_same(events[1].payload, _payload())
+        assert events[1].nbytes == payload_nbytes(_payload()) and events[0].payload is None
         assert all(e.seconds >= 0 for e in events)
     finally:
         slow.release.set()
+        mover.close()
+
+
+def test_reads_go_ahead_of_writes_but_never_of_their_own_key(disk: DiskStore) -> None:
+    """A promotion's gets do not wait behind unrelated queued puts; a get of a key with a queued put
+    or delete runs after it; a delete submitted after a get never runs before it."""
+    slow = _SlowStore(disk)
+    mover = StoreMover(slow, max_pending=16)
+    try:
+        assert mover.submit_put("state-a", _payload()) == 1
+        assert slow.writing.wait(EVENT_WAIT_S)  # the thread is inside put a
+        assert mover.submit_many([("state-b", _payload(1)), ("state-c", _payload(2))]) == 2
+        assert mover.submit_get("state-b") == 4          # b's put is queued: behind it
+        assert mover.submit_get("state-a") == 5          # nothing of a queued: read lane
+        assert mover.submit_delete("state-a") == 6       # after the get of a
+        assert mover.submit_get("state-a") == 7          # a's delete is queued: behind it (a miss)
+        slow.release.set()
+        events = _collect(mover, 7)
+        assert [(e.seq, e.kind, e.ok) for e in events] == [
+            (1, "put", True), (5, "get", True), (2, "put", True), (3, "put", True), (4, "get", True),
+            (6, "delete", True), (7, "get", False)]
+        _assert_same(events[1].payload, _payload())
+        _assert_same(events[4].payload, _payload(1))
+    finally:
+        slow.release.set()
+        mover.close()
+
+
+def test_mover_refuses_a_batch_whole(disk: DiskStore) -> None:
+    mover = StoreMover(disk, max_pending=2)
+    try:
+        assert mover.submit_many([("state-a", _payload()), ("state-b", _payload(1)), ("state-c", _payload(2))]) is None
+        assert mover.stats().refused == 3 and mover.stats().submitted == 0
+        assert mover.submit_many([("state-a", _payload()), ("state-b", _payload(1))]) == 1
+        assert [e.key for e in _collect(mover, 2)] == ["state-a", "state-b"]
+    finally:
         mover.close()
 
 
