@@ -1,7 +1,9 @@
 """`POST /v1/completions`: one prompt or a batch of them, JSON or streamed as server-sent events,
-with echo, logprobs and structured outputs."""
+with echo, logprobs (of the prompt too, with echo) and structured outputs."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -15,7 +17,9 @@ from hybridserve.server.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
 )
-from hybridserve.server.serving import ChoiceState, Job, OpenAIServing
+from hybridserve.server.serving import MIN_LOGPROB, ChoiceState, Job, OpenAIServing, finite
+
+PromptLogprobs = Sequence[dict[int, float] | None]
 
 
 class CompletionServing(OpenAIServing):
@@ -37,11 +41,15 @@ class CompletionServing(OpenAIServing):
             echo = [p if isinstance(p, str) else self.tokenizer.decode(ids)
                     for p, ids in zip(body.prompt_inputs, prompts)]
         structured = self._constraint(body.structured_output_params)
-        job = self._job("cmpl", model, body, request, prompts, max_tokens, body.logprobs, echo, structured)
+        # echo with max_tokens 0 still runs the prompt: one token is generated (and dropped), as in vLLM
+        job = self._job("cmpl", model, body, request, prompts, max(max_tokens, 1), body.logprobs, echo, structured)
+        job.echo_only = body.echo_only
         return await self._respond(job, body.stream, request)
 
-    def _logprobs(self, output: CompletionOutput, start: int, k: int, offset: int) -> CompletionLogprobs:
-        result = CompletionLogprobs()
+    def _logprobs(self, output: CompletionOutput, start: int, k: int, offset: int,
+                  result: CompletionLogprobs | None = None) -> CompletionLogprobs:
+        """`output`'s tokens from `start` on, appended to `result` (a new one by default)."""
+        result = result if result is not None else CompletionLogprobs()
         for text, logprob, top in self._token_entries(output, start, k):
             result.tokens.append(text)
             result.token_logprobs.append(logprob)
@@ -50,31 +58,83 @@ class CompletionServing(OpenAIServing):
             offset += len(text)
         return result
 
+    def _prompt_logprobs(self, prompt_ids: list[int], rows: PromptLogprobs | None, k: int) -> CompletionLogprobs:
+        """An echoed prompt's tokens with their logprobs (null for the first token, which nothing
+        predicts), offsets from the start of the echoed text."""
+        result = CompletionLogprobs()
+        offset = 0
+        for position, token_id in enumerate(prompt_ids):
+            text = self._token_text(token_id)
+            row = rows[position] if rows is not None and position < len(rows) else None
+            result.tokens.append(text)
+            result.text_offset.append(offset)
+            offset += len(text)
+            if row is None:
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
+            result.token_logprobs.append(finite(row.get(token_id, MIN_LOGPROB)))
+            top = sorted(row.items(), key=lambda item: -item[1])[:k]
+            result.top_logprobs.append({self._token_text(t): finite(v) for t, v in top})
+        return result
+
+    def _choice_logprobs(self, job: Job, prompt_index: int, rows: PromptLogprobs | None, out: CompletionOutput,
+                         offset: int) -> CompletionLogprobs | None:
+        """A choice's logprobs: the echoed prompt's first (when echoed), then the completion's
+        (none for echo with max_tokens 0); `offset` is where the completion's text starts."""
+        k = job.num_logprobs
+        if k is None:
+            return None
+        result = self._prompt_logprobs(job.prompts[prompt_index], rows, k) if job.echo_texts[prompt_index] else None
+        if job.echo_only:
+            return result if result is not None else CompletionLogprobs()
+        return self._logprobs(out, 0, k, offset, result)
+
     def _response(self, job: Job, finals: list[RequestOutput]) -> CompletionResponse:
         choices = []
         for prompt_index, final in enumerate(finals):
             echo = job.echo_texts[prompt_index]
             for out in final.outputs:
-                logprobs = None if job.num_logprobs is None else self._logprobs(out, 0, job.num_logprobs, len(echo))
-                choices.append(CompletionChoice(index=job.choice_index(prompt_index, out.index), text=echo + out.text,
-                                                logprobs=logprobs, finish_reason=out.finish_reason,
-                                                stop_reason=out.stop_reason))
-        return CompletionResponse(id=job.request_id, model=job.model, choices=choices, usage=self._usage(job, finals))
+                logprobs = self._choice_logprobs(job, prompt_index, final.prompt_logprobs, out, len(echo))
+                text, finish_reason, stop_reason = echo + out.text, out.finish_reason, out.stop_reason
+                if job.echo_only and finish_reason != "error":
+                    text, finish_reason, stop_reason = echo, "length", None
+                choices.append(CompletionChoice(index=job.choice_index(prompt_index, out.index), text=text,
+                                                logprobs=logprobs, finish_reason=finish_reason,
+                                                stop_reason=stop_reason))
+        usage = self._usage(job, finals, 0 if job.echo_only else None)
+        return CompletionResponse(id=job.request_id, model=job.model, choices=choices, usage=usage)
 
     def _text_choice(self, index: int, text: str) -> CompletionChoice:
         return CompletionChoice(index=index, text=text)
 
     def _stream_choice(self, job: Job, index: int, state: ChoiceState,
                        out: CompletionOutput) -> CompletionChoice | None:
-        prefix = ""
-        if not state.started:
-            echo = job.echo_texts[index // job.params.n]
-            prefix, state.started, state.text_offset = echo, True, len(echo)
-        text = prefix + out.text  # `out` is a delta: only what is new
+        prompt_index = index // job.params.n
+        echo = job.echo_texts[prompt_index]
+        first = not state.started
+        if first:
+            state.started, state.text_offset = True, len(echo)
+        if job.echo_only:  # the prompt alone, in the first chunk; the generated token is dropped
+            if not first and out.finish_reason is None:
+                return None
+            finish_reason = "length" if out.finish_reason != "error" else "error"
+            logprobs = None
+            if first and job.num_logprobs is not None:
+                logprobs = self._prompt_logprobs(job.prompts[prompt_index], job.prompt_logprobs.get(prompt_index),
+                                                 job.num_logprobs)
+            return CompletionChoice(index=index, text=echo if first else "", logprobs=logprobs,
+                                    finish_reason=finish_reason if out.finish_reason is not None else None)
+        text = (echo if first else "") + out.text  # `out` is a delta: only what is new
         logprobs = None
         if job.num_logprobs is not None:
-            logprobs = self._logprobs(out, 0, job.num_logprobs, state.text_offset)
-            state.text_offset += sum(len(token) for token in logprobs.tokens)
+            echoed = None
+            if first and echo:  # the echoed prompt's logprobs lead the first chunk
+                echoed = self._prompt_logprobs(job.prompts[prompt_index], job.prompt_logprobs.get(prompt_index),
+                                               job.num_logprobs)
+            logprobs = self._logprobs(out, 0, job.num_logprobs, state.text_offset, echoed)
+            completion_tokens = logprobs.tokens[len(logprobs.tokens) - len(out.token_ids):]
+            state.text_offset += sum(len(token) for token in completion_tokens)
         state.sent_tokens += len(out.token_ids)
         finished = out.finish_reason is not None
         if not text and not finished and not (logprobs and logprobs.tokens):

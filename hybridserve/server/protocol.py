@@ -14,15 +14,15 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
 )
 
-from hybridserve.sampling_params import SamplingParams, StructuredOutputsParams
+from hybridserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 MAX_N = 16
-MAX_LOGPROBS = 20
 
 
 class LenientModel(BaseModel):
@@ -198,14 +198,16 @@ class _SamplingRequest(LenientModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    """`POST /v1/completions`; `prompt` is one prompt (text or token ids) or a batch of them."""
+    """`POST /v1/completions`; `prompt` is one prompt (text or token ids) or a batch of them.
+    `echo` with `logprobs` also scores the prompt (its tokens' logprobs come first, the first
+    token's is null); `max_tokens: 0` with `echo` returns the prompt alone (as vLLM does)."""
 
     # Members are strict, so at most one matches; trying them in order stops there instead of
     # validating every member ("smart" mode), which long token-id prompts pay for.
     prompt: str | list[int] | list[str] | list[list[int]] = Field(union_mode="left_to_right")
-    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False  # before max_tokens: its validator reads it
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
@@ -226,9 +228,28 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("best_of is not supported (it must be omitted or equal n)")
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs is not supported (no prompt logprobs)")
         return self
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _check_max_tokens(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens must be >= 1 (0 is allowed only with echo, to return the prompt alone)")
+        return value
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the prompt (and its logprobs) alone, no completion."""
+        return self.echo and self.max_tokens == 0
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        structured: StructuredOutputsParams | None) -> SamplingParams:
+        """As for any request; `echo` with `logprobs` asks for the prompt's logprobs too."""
+        params = super().sampling_params(max_tokens, logprobs, structured)
+        if self.echo and logprobs is not None:
+            params.prompt_logprobs = logprobs
+            params.validate()
+        return params
 
     @property
     def prompt_inputs(self) -> list[str | list[int]]:
@@ -433,8 +454,8 @@ class CompletionLogprobs(BaseModel):
     """Legacy completions logprobs layout."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

@@ -130,6 +130,9 @@ class Job:
     echo_texts: list[str]
     tenant: str | None = None
     chat: ChatOptions | None = None
+    echo_only: bool = False  # completions' echo with max_tokens 0: the one generated token is dropped
+    # echoed prompts' logprobs by prompt index, as a stream's first output brings them
+    prompt_logprobs: dict[int, list[dict[int, float] | None]] = dataclasses.field(default_factory=dict)
     arrival: float = dataclasses.field(default_factory=time.monotonic)
     created: int = dataclasses.field(default_factory=now)  # one `created` for every chunk, as OpenAI sends
 
@@ -435,6 +438,8 @@ class OpenAIServing:
         async def on_output(prompt_index: int, output: RequestOutput) -> None:
             trackers[prompt_index].observe(output, delta=True)
             lasts[prompt_index] = output
+            if output.prompt_logprobs is not None:
+                job.prompt_logprobs[prompt_index] = output.prompt_logprobs
             for out in output.outputs:
                 index = job.choice_index(prompt_index, out.index)
                 state = states.get(index)
