@@ -90,6 +90,7 @@ class LLM:
         engine = self.llm_engine
         groups = [engine.make_request(f"llm-{next(self._ids)}", prompt, param, cache_salt)
                   for prompt, param in zip(batch, params)]
+        engine.await_grammars(groups)  # a bad or too slow grammar is a ValueError before any prompt runs
         for group in groups:
             engine.enqueue(group)
         finished: dict[str, RequestOutput] = {}

@@ -49,9 +49,13 @@ BLOCK_HASH_SEED = EnvVar(
 GDN_KERNELS = EnvVar(
     "HYBRIDSERVE_GDN_KERNELS", "str", "",
     "torch keeps the GDN layers on the PyTorch path on CUDA too; empty: the Triton kernels where they can run")
+GRAMMAR_COMPILE_TIMEOUT_S = EnvVar(
+    "HYBRIDSERVE_GRAMMAR_COMPILE_TIMEOUT_S", "str", "10",
+    "seconds a structured-output request waits for its grammar to compile (off the step loop); "
+    "past it the request is refused as an invalid grammar is (400)")
 
 ENVIRONMENT_VARIABLES: tuple[EnvVar, ...] = (NATIVE_KERNELS, AMX, ONE_CALL_STEP, HUGE_PAGES, SHM_ALLREDUCE, API_KEY,
-                                             BLOCK_HASH_SEED, GDN_KERNELS)
+                                             BLOCK_HASH_SEED, GDN_KERNELS, GRAMMAR_COMPILE_TIMEOUT_S)
 
 
 def read_flag(variable: EnvVar) -> bool:
@@ -91,3 +95,16 @@ shm_allreduce = _switch(SHM_ALLREDUCE)
 def api_key() -> str | None:
     """HYBRIDSERVE_API_KEY: the server's fallback API key, or None when unset or empty."""
     return read_str(API_KEY) or None
+
+
+def grammar_compile_timeout_s() -> float:
+    """HYBRIDSERVE_GRAMMAR_COMPILE_TIMEOUT_S: the grammar compile timeout in seconds (ValueError
+    unless a positive number)."""
+    text = read_str(GRAMMAR_COMPILE_TIMEOUT_S).strip() or GRAMMAR_COMPILE_TIMEOUT_S.default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{GRAMMAR_COMPILE_TIMEOUT_S.name} must be a positive number of seconds, got {text!r}")
+    return value

@@ -149,6 +149,11 @@ class EngineCore:
         self.parent_pid = parent_pid
         self.tracker = DeltaTracker()
         self._live: set[str] = set()
+        # added, but held back until their grammar compiles: their AddResult waits for its outcome
+        self._awaiting_grammar: set[str] = set()
+        self._refused: set[str] = set()  # grammar failed this step: answered by AddResult, not a delta
+        if hasattr(engine, "on_grammar_settled"):
+            engine.on_grammar_settled = self._grammar_settled
         self._final_only: set[str] = set()  # requests that want only their final output
         self._intervals: dict[str, int] = {}  # requests sent one output per this many new tokens
         self._sent_waiting = -1  # the waiting count the API process last heard
@@ -280,16 +285,37 @@ class EngineCore:
             self._final_only.add(message.request_id)
         elif params.stream_interval > 1:
             self._intervals[message.request_id] = params.stream_interval
+        if getattr(self.engine, "awaits_grammar", _never)(message.request_id):
+            self._awaiting_grammar.add(message.request_id)  # answered by `_grammar_settled`
+            return
         self._live.add(message.request_id)  # live: its sender has been told it is queued
         self.send(core_messages.AddResult(message.request_id))
 
+    def _grammar_settled(self, request_id: str, error: str | None) -> None:
+        """The engine's callback when a held-back request's grammar compiled (`error` None: it is
+        queued and now live) or failed (refused: its sender gets the error, as for a bad request)."""
+        if request_id not in self._awaiting_grammar:
+            return
+        self._awaiting_grammar.discard(request_id)
+        if error is None:
+            self._live.add(request_id)
+            self.send(core_messages.AddResult(request_id))
+            return
+        self._forget(request_id)
+        self._refused.add(request_id)
+        self.send(core_messages.AddResult(request_id, error_kind(ValueError(error)), error))
+
     def _abort(self, request_id: str) -> None:
+        awaiting = request_id in self._awaiting_grammar
         self.engine.abort_request(request_id)
         self.tracker.forget(request_id)
         self._forget(request_id)
+        if awaiting:  # its sender still waits for the answer to its add
+            self.send(core_messages.AddResult(request_id, error_kind(ValueError()), "aborted"))
 
     def _forget(self, request_id: str) -> None:
         self._live.discard(request_id)
+        self._awaiting_grammar.discard(request_id)
         self._final_only.discard(request_id)
         self._intervals.pop(request_id, None)
 
@@ -307,6 +333,9 @@ class EngineCore:
             logger.exception("engine step failed; failing %d in-flight request(s)", len(self._live))
             self._fail_all(f"engine step failed: {exc}")
             return
+        if self._refused:  # requests whose grammar failed: their sender has its answer already
+            groups = [g for g in groups if g.request_id not in self._refused]
+            self._refused.clear()
         if not groups:
             return
         if self._final_only or self._intervals:  # their deltas accumulate until they are due
@@ -364,6 +393,11 @@ class EngineCore:
             return False
         self._next_parent_check = now + PARENT_CHECK_S
         return os.getppid() != self.parent_pid
+
+
+def _never(_request_id: str) -> bool:
+    """`awaits_grammar` of an engine without grammars."""
+    return False
 
 
 def call_engine(engine: Any, method: str, args: list[Any]) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -27,7 +28,7 @@ from hybridserve.engine.runner import ModelRunner
 from hybridserve.engine.sampling import SampledToken, SamplingSpec, SequenceKey, sampling_spec
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput, blocks_for
 from hybridserve.engine.step_plan import ordered_requests, plan_step
-from hybridserve.engine.structured_output import GrammarCompiler, TokenMasker
+from hybridserve.engine.structured_output import GrammarCompiler, GrammarWaitlist, TokenMasker
 from hybridserve.engine.threads import apply_process_settings
 from hybridserve.engine.tier_mover import DeviceCachePools, EngineTierMover, build_engine_tiers, tiers_requested
 from hybridserve.engine.worker import WorkerSpec
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 MIB = 1 << 20
 MAX_FAILED_STEPS = 3  # a request whose forward fails this many times in a row, run alone, ends with "error"
 TIER_WAIT_S = 0.002    # an idle step waits this long for a lower tier's transfer instead of spinning
+GRAMMAR_WAIT_S = 0.002  # likewise for a held-back request's grammar compile
 GDN_CHUNK_SIZE = 64   # chunked gated-delta prefill; snapshots are taken at any position inside a chunk
 
 
@@ -115,6 +117,10 @@ class LLMEngine:
         self._finished_groups: dict[str, RequestGroup] = {}  # finished this step, awaiting their output
         self._grammars: GrammarCompiler | None = None
         self._masker: TokenMasker | None = None
+        # requests held back from the scheduler until their grammar is compiled (off the step loop)
+        self._grammar_waits: GrammarWaitlist[RequestGroup] = GrammarWaitlist()
+        # told (request id, None or the error) when a held-back request's grammar settles (the core)
+        self.on_grammar_settled: Callable[[str, str | None], None] | None = None
         self._released: list[SequenceKey] = []  # sequences ended since the last plan (their generators go)
         # False in the engine core process: only requests with stop strings are detokenized here,
         # the API process detokenizes the others off the step loop (core_client.RequestStream)
@@ -179,6 +185,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers; finish the lower tiers' queued writes and close their
         stores (the disk directory's lock goes); the engine cannot step afterwards."""
+        if self._grammars is not None:
+            self._grammars.close()
         if self.tier_mover is not None:
             self.tier_mover.close()
             self.tier_mover = None
@@ -240,33 +248,93 @@ class LLMEngine:
         request = Request(request_id, text, token_ids, params, cache_salt, index=index, max_tokens=max_tokens)
         if self.detokenize_all_requests or params.stop:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        if params.structured_outputs is not None:
-            request.matcher = self.grammars.matcher(params.structured_outputs)
         return request
 
     @property
     def grammars(self) -> GrammarCompiler:
         """The structured-output grammar compiler (built on first use: it indexes the vocabulary)."""
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-            self._masker = TokenMasker(self.model_config.vocab_size)
+            self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        assert self._grammars is not None
         return self._grammars
+
+    @grammars.setter
+    def grammars(self, compiler: GrammarCompiler) -> None:
+        self._grammars = compiler
+        self._masker = TokenMasker(compiler.vocab_size)
+
+    def await_grammars(self, groups: list[RequestGroup]) -> None:
+        """Compile the grammars of unqueued groups now, in parallel, and wait (ValueError for the
+        first that is invalid or times out); for callers that validate a whole batch before any
+        of it runs (`LLM.generate`), their `enqueue` then finds each grammar compiled."""
+        specs = [group.first.params.structured_outputs for group in groups]
+        pendings = [self.grammars.submit(spec) for spec in specs if spec is not None]
+        try:
+            for pending in pendings:
+                pending.wait()
+        finally:
+            for pending in pendings:
+                pending.release()
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     cache_salt: str | None = None) -> None:
         """Validate and queue a request (ValueError, QueueFullError, or EngineDeadError after a worker died)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting_requests:
-            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting; try again later")
+        if self.num_waiting_requests >= self.config.scheduler.max_waiting_requests:
+            raise QueueFullError(f"{self.num_waiting_requests} requests are waiting; try again later")
         self.enqueue(self.make_request(request_id, prompt, params, cache_salt))
 
     def enqueue(self, group: RequestGroup) -> None:
-        """Queue a request built by `make_request` (its first sequence; the others fork from it)."""
+        """Queue a request built by `make_request` (its first sequence; the others fork from it).
+        One with structured outputs is held back until its grammar is compiled (`awaits_grammar`)."""
         if group.request_id in self.requests:
             raise ValueError(f"request_id {group.request_id!r} is already in use")
+        spec = group.first.params.structured_outputs
+        if spec is None:
+            self.requests[group.request_id] = group
+            self.scheduler.add(group.first)
+            return
+        pending = self.grammars.submit(spec)
+        template = pending.compiled()  # a cache hit: queued at once
         self.requests[group.request_id] = group
+        if template is None:
+            self._grammar_waits.add(group.request_id, group, pending)
+            return
+        pending.release()
+        self._queue_with_grammar(group, template)
+
+    def awaits_grammar(self, request_id: str) -> bool:
+        """Whether a queued request is held back until its grammar is compiled."""
+        return request_id in self._grammar_waits
+
+    def _queue_with_grammar(self, group: RequestGroup, template: Any) -> None:
+        """Give each sequence its own matcher from the compiled grammar and queue the group."""
+        for request in group.sequences:
+            request.matcher = template.deep_copy()
         self.scheduler.add(group.first)
+
+    def _settle_grammars(self) -> list[RequestGroup]:
+        """Queue the held-back groups whose grammar is compiled; end those whose grammar is invalid
+        or timed out with "error" (returned: their output is due) and tell `on_grammar_settled`."""
+        ready, failed = self._grammar_waits.poll()
+        for group, template in ready:
+            self._queue_with_grammar(group, template)
+            if self.on_grammar_settled is not None:
+                self.on_grammar_settled(group.request_id, None)
+        for group, error in failed:
+            logger.warning("request %s: %s", group.request_id, error)
+            self._end_held(group, "error")
+            self.requests.pop(group.request_id, None)
+            self._finished_groups[group.request_id] = group
+            if self.on_grammar_settled is not None:
+                self.on_grammar_settled(group.request_id, error)
+        return [group for group, _ in failed]
+
+    def _end_held(self, group: RequestGroup, reason: str) -> None:
+        """End a group that never reached the scheduler (it holds no cache resource)."""
+        self._drop_unforked(group, reason)
+        group.first.status, group.first.finish_reason = RequestStatus.FINISHED, reason
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -308,6 +376,9 @@ class LLMEngine:
         group = self.requests.pop(request_id, None)
         if group is None:
             return
+        if self._grammar_waits.remove(request_id):
+            self._end_held(group, "abort")
+            return
         self._drop_unforked(group, "abort")
         for request in group.sequences:
             if not request.is_finished:
@@ -322,11 +393,12 @@ class LLMEngine:
         group.unforked.clear()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._grammar_waits)
 
     @property
     def num_waiting_requests(self) -> int:
-        return len(self.scheduler.waiting)
+        """Requests queued for admission, those waiting for their grammar included."""
+        return len(self.scheduler.waiting) + len(self._grammar_waits)
 
     @property
     def num_running_requests(self) -> int:
@@ -342,11 +414,19 @@ class LLMEngine:
         self._finished_groups.clear()
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        refused = self._settle_grammars() if self._grammar_waits else []  # their output is due too
+        groups = self._step_scheduled()
+        return refused + groups if refused else groups
+
+    def _step_scheduled(self) -> list[RequestGroup]:
+        """Schedule, execute and sample one step; the groups that got a new token or finished."""
         self.cache.poll_tiers()  # settle finished tier transfers (promoted objects land on the device here)
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             if self.tier_mover is not None and self.tier_mover.busy:
                 self.tier_mover.wait(TIER_WAIT_S)  # the waiting requests' state is on its way up
+            elif self._grammar_waits:
+                self._grammar_waits.wait(GRAMMAR_WAIT_S)  # only grammars are pending: nap, do not spin
             return []
         plan = plan_step(scheduled, self._draws, self._released)
         self._released = []

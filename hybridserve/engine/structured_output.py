@@ -1,20 +1,27 @@
-"""Structured outputs: grammars compiled by llguidance (`GrammarCompiler`, LRU-cached), applied as
-token masks (docs/prefix-cache.md, Structured outputs). Masks are filled on the calling thread and
-unpacked by numpy: on a busy CPU a tiny op split across threads waits on descheduled ones."""
+"""Structured outputs: grammars compiled by llguidance (`GrammarCompiler`, LRU-cached) on worker
+threads off the step loop, requests held back until theirs is ready (`GrammarWaitlist`, vLLM's
+WAITING_FOR_FSM), and the grammars applied as token masks (docs/prefix-cache.md, Structured
+outputs). llguidance drops the GIL while it builds a matcher, so a compile thread leaves the step
+loop running (docs/decisions.md). Masks are filled on the calling thread and unpacked by numpy: on
+a busy CPU a tiny op split across threads waits on descheduled ones."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 import llguidance
 import llguidance.numpy as llg_numpy  # not llguidance.torch: it runs torch.compile at import (~5 s)
 import numpy as np
 import torch
 
+from hybridserve import envs
 from hybridserve.models.tokenizer import Tokenizer
 from hybridserve.sampling_params import StructuredOutputsParams
 
@@ -26,14 +33,23 @@ logger = logging.getLogger(__name__)
 # Compact JSON (no free whitespace): a random or weak model cannot wander off into endless spaces.
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 DEFAULT_CACHE_SIZE = 256
+COMPILE_WORKERS = 2  # compile threads: a slow grammar occupies one, the other keeps serving the rest
+
+T = TypeVar("T")
+Build = Callable[[StructuredOutputsParams], llguidance.LLMatcher]  # a constraint -> its compiled matcher
+
+
+class GrammarTimeoutError(ValueError):
+    """A grammar that was not compiled within the compile timeout (refused like an invalid one)."""
 
 
 class CompileCacheInfo(NamedTuple):
-    """Grammar compile cache counters."""
+    """Grammar compile cache counters (`compiling`: distinct grammars being compiled now)."""
 
     hits: int
     misses: int
     size: int
+    compiling: int = 0
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -51,50 +67,216 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
 
 
-class GrammarCompiler:
-    """Compiles constraints for one tokenizer; thread-safe, with a per-constraint LRU cache."""
+class PendingGrammar:
+    """One request's claim on a grammar being compiled (or already compiled): ready, failed, or
+    past its deadline. `release` gives the claim back (a compile nobody waits for and that has not
+    started is cancelled)."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+    def __init__(self, compiler: GrammarCompiler, key: str, future: concurrent.futures.Future[llguidance.LLMatcher],
+                 deadline: float, claimed: bool = True) -> None:
+        self.compiler = compiler
+        self.key = key
+        self.future = future
+        self.deadline = deadline
+        self._released = not claimed  # a cache hit holds no claim on a compile
+
+    def settled(self, now: float) -> bool:
+        """Whether the outcome is known: compiled, failed, or past the deadline."""
+        return self.future.done() or now >= self.deadline
+
+    def template(self, now: float) -> llguidance.LLMatcher | None:
+        """The compiled matcher (shared: deep-copy it per sequence); None while compiling.
+        ValueError when the grammar is invalid, `GrammarTimeoutError` past the deadline."""
+        if self.future.done():
+            if self.future.cancelled():
+                raise GrammarTimeoutError("grammar compile was cancelled")
+            return self.future.result()
+        if now >= self.deadline:
+            raise GrammarTimeoutError(f"grammar did not compile within {self.compiler.timeout_s:g} s "
+                                      f"(the grammar compile timeout, {envs.GRAMMAR_COMPILE_TIMEOUT_S.name})")
+        return None
+
+    def compiled(self) -> llguidance.LLMatcher | None:
+        """The compiled matcher if the compile already succeeded, else None (never raises)."""
+        future = self.future
+        if future.done() and not future.cancelled() and future.exception() is None:
+            return future.result()
+        return None
+
+    def wait(self) -> llguidance.LLMatcher:
+        """Block until compiled (ValueError if invalid, `GrammarTimeoutError` past the deadline)."""
+        remaining = max(0.0, self.deadline - time.monotonic())
+        try:
+            return self.future.result(timeout=remaining)
+        except concurrent.futures.TimeoutError:
+            template = self.template(max(time.monotonic(), self.deadline))
+            assert template is not None
+            return template
+
+    def release(self) -> None:
+        """Give the claim back (idempotent)."""
+        if not self._released:
+            self._released = True
+            self.compiler._release(self.key)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer on `workers` threads, with a per-constraint LRU cache
+    of `cache_size` compiled matchers; concurrent requests for one grammar share its compile.
+    `build` replaces the llguidance compile (a test seam); `timeout_s` (default:
+    HYBRIDSERVE_GRAMMAR_COMPILE_TIMEOUT_S) bounds how long a request waits for its grammar."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = DEFAULT_CACHE_SIZE, *,
+                 workers: int = COMPILE_WORKERS, timeout_s: float | None = None, build: Build | None = None) -> None:
         self.vocab_size = vocab_size
         self.ll_tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
                                                    eos_token=list(tokenizer.eos_token_ids))
         self.cache_size = cache_size
+        self.timeout_s = envs.grammar_compile_timeout_s() if timeout_s is None else timeout_s
+        if not self.timeout_s > 0:
+            raise ValueError(f"grammar compile timeout must be > 0 s, got {self.timeout_s}")
+        self._build = build or self._compile
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hybridserve-grammar")
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._compiling: dict[str, concurrent.futures.Future[llguidance.LLMatcher]] = {}
+        self._claims: dict[str, int] = {}  # requests waiting on each grammar being compiled
         self._lock = threading.Lock()
         self._hits = 0
         self._misses = 0
 
-    def matcher(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
-        """A fresh matcher for `spec` (ValueError if the grammar is invalid)."""
+    def submit(self, spec: StructuredOutputsParams) -> PendingGrammar:
+        """Start compiling `spec` (or join its compile, or take it from the cache) without waiting."""
         key = spec.key
+        deadline = time.monotonic() + self.timeout_s
         with self._lock:
             compiled = self._cache.get(key)
             if compiled is not None:
                 self._cache.move_to_end(key)
                 self._hits += 1
-                return compiled.deep_copy()
-        compiled = self._compile(spec)
-        with self._lock:
-            self._misses += 1
+                future: concurrent.futures.Future[llguidance.LLMatcher] = concurrent.futures.Future()
+                future.set_result(compiled)
+                return PendingGrammar(self, key, future, deadline, claimed=False)
+            running = self._compiling.get(key)
+            if running is None:
+                self._misses += 1
+                running = self._pool.submit(self._compile_and_cache, key, spec)
+                self._compiling[key] = running
+            self._claims[key] = self._claims.get(key, 0) + 1
+            return PendingGrammar(self, key, running, deadline)
+
+    def matcher(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """A fresh matcher for `spec`, waiting for its compile (ValueError if the grammar is invalid
+        or did not compile within the timeout)."""
+        pending = self.submit(spec)
+        try:
+            return pending.wait().deep_copy()
+        finally:
+            pending.release()
+
+    def _compile_and_cache(self, key: str, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """On a compile thread: build, then cache (a failure is not cached)."""
+        try:
+            compiled = self._build(spec)
+        except BaseException:
+            with self._lock:
+                self._compiling.pop(key, None)
+            raise
+        with self._lock:  # one lock: a concurrent `submit` finds the grammar compiling or cached
+            self._compiling.pop(key, None)
             self._cache[key] = compiled
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-        return compiled.deep_copy()
+        return compiled
+
+    def _release(self, key: str) -> None:
+        """A claim on `key` ended: with no claim left, a compile that has not started is cancelled."""
+        with self._lock:
+            left = self._claims.get(key, 0) - 1
+            if left > 0:
+                self._claims[key] = left
+                return
+            self._claims.pop(key, None)
+            future = self._compiling.get(key)
+            if future is not None and future.cancel():
+                del self._compiling[key]
 
     def _compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         try:
             grammar = grammar_text(spec)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"invalid structured output constraint: {exc}") from None
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)  # drops the GIL
         if matcher.is_error():
             raise ValueError(f"invalid structured output constraint: {matcher.get_error()}")
         return matcher
 
     def cache_info(self) -> CompileCacheInfo:
-        """Hits, misses and entries of the compile cache."""
+        """Hits, misses and entries of the compile cache, and the grammars being compiled."""
         with self._lock:
-            return CompileCacheInfo(self._hits, self._misses, len(self._cache))
+            return CompileCacheInfo(self._hits, self._misses, len(self._cache), len(self._compiling))
+
+    def close(self) -> None:
+        """Stop the compile threads once their current compile ends (queued ones are cancelled)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class GrammarWaitlist(Generic[T]):
+    """Items (request groups) held back from the scheduler until their grammar is compiled, keyed
+    by request id; `poll` hands out the ready and the failed ones, `wait` naps until one settles."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[T, PendingGrammar]] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._held
+
+    def add(self, request_id: str, item: T, pending: PendingGrammar) -> None:
+        """Hold `item` until `pending` settles."""
+        self._held[request_id] = (item, pending)
+
+    def remove(self, request_id: str) -> bool:
+        """Stop holding a request (its claim on the compile is released); whether it was held."""
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return False
+        held[1].release()
+        return True
+
+    def poll(self) -> tuple[list[tuple[T, llguidance.LLMatcher]], list[tuple[T, str]]]:
+        """Take out every settled item: (item, compiled matcher) for the ready, (item, error) for
+        grammars that are invalid or did not compile in time."""
+        now = time.monotonic()
+        ready: list[tuple[T, llguidance.LLMatcher]] = []
+        failed: list[tuple[T, str]] = []
+        for request_id, (item, pending) in list(self._held.items()):
+            if not pending.settled(now):
+                continue
+            del self._held[request_id]
+            try:
+                template = pending.template(now)
+                assert template is not None
+                ready.append((item, template))
+            except ValueError as exc:
+                failed.append((item, str(exc)))
+            except Exception as exc:  # noqa: BLE001 - a compiler crash fails this request only
+                logger.exception("grammar compile for request %s failed", request_id)
+                failed.append((item, f"grammar compile failed: {exc}"))
+            finally:
+                pending.release()
+        return ready, failed
+
+    def wait(self, timeout_s: float) -> None:
+        """Nap up to `timeout_s`, less when a held grammar is compiled or reaches its deadline."""
+        if not self._held:
+            return
+        pendings = [pending for _, pending in self._held.values()]
+        until_deadline = min(pending.deadline for pending in pendings) - time.monotonic()
+        concurrent.futures.wait([pending.future for pending in pendings],
+                                timeout=max(0.0, min(timeout_s, until_deadline)),
+                                return_when=concurrent.futures.FIRST_COMPLETED)
 
 
 class TokenMasker:
