@@ -12,6 +12,11 @@ import torch
 from hybridserve.engine.detokenizer import IncrementalDetokenizer
 from hybridserve.sampling_params import SamplingParams
 
+UNCAPPED_CHUNK = 1 << 62
+# A request scoring its prompt (prompt_logprobs) keeps every prompt position's logits of a step:
+# its prefill chunks are capped so those logits stay bounded (this many rows of the vocabulary).
+PROMPT_LOGPROBS_CHUNK_TOKENS = 512
+
 
 class RequestStatus(enum.Enum):
     """Where a request is: waiting for admission, running, or done."""
@@ -52,6 +57,7 @@ class Request:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then one row per prompt token
     # scored so far (the first sequence of a group only: its siblings fork from its prompt)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    max_chunk_tokens: int = UNCAPPED_CHUNK     # the most tokens the scheduler puts in one chunk of it
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -59,6 +65,7 @@ class Request:
             self.logprobs = []
         if self.params.prompt_logprobs is not None and self.index == 0:
             self.prompt_logprobs = [None]
+            self.max_chunk_tokens = PROMPT_LOGPROBS_CHUNK_TOKENS
 
     @property
     def num_prompt_logprobs_missing(self) -> int:

@@ -113,7 +113,7 @@ class Scheduler:
             self._start(request, restore, restores, chunks, budget)
             return True
         remaining = request.num_tokens - request.num_computed_tokens
-        length = 1 if remaining == 1 else min(remaining, budget)
+        length = 1 if remaining == 1 else min(remaining, budget, request.max_chunk_tokens)
         new_blocks = self._grow(request, request.num_computed_tokens + length, preempted)
         if new_blocks is not None:
             self._add_chunk(chunks, request, length, new_blocks)
@@ -131,7 +131,7 @@ class Scheduler:
                 index += 1
                 continue
             remaining = request.num_tokens - request.num_computed_tokens
-            length = 1 if remaining == 1 else min(remaining, budget, prefill_budget)
+            length = 1 if remaining == 1 else min(remaining, budget, prefill_budget, request.max_chunk_tokens)
             if length == 0:
                 index += 1  # a prefill waiting for budget; it keeps what it holds
                 continue
@@ -158,7 +158,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         restores.append(restore)
-        length = min(request.num_tokens - request.num_computed_tokens, budget)
+        length = min(request.num_tokens - request.num_computed_tokens, budget, request.max_chunk_tokens)
         self._add_chunk(chunks, request, length, [])
         return length
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.engine import request as request_module
 from hybridserve.engine.core_client import EngineCoreClient
 from hybridserve.sampling_params import MAX_LOGPROBS, RequestOutput, RequestOutputKind
 from tests.helpers.checkpoints import reference_text_model
@@ -165,6 +166,26 @@ def test_prompt_logprobs_after_a_preemption_mid_prefill(text_checkpoint: Path, r
         finished = next((o for o in engine.step() if o.finished), finished)
     assert finished is not None and finished.num_cached_tokens == 0
     assert_prompt_logprobs(finished.prompt_logprobs, prompt, _reference_logprobs(reference, prompt), 4)
+    engine.check_integrity()
+
+
+def test_prompt_logprobs_chunks_are_capped(text_checkpoint: Path, reference: torch.nn.Module,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt-logprobs request's prefill chunks hold at most PROMPT_LOGPROBS_CHUNK_TOKENS tokens
+    (its kept logits stay bounded whatever the step budget); a plain request's are not capped."""
+    monkeypatch.setattr(request_module, "PROMPT_LOGPROBS_CHUNK_TOKENS", 10)
+    llm = _llm(text_checkpoint, max_num_batched_tokens=4096)
+    engine = llm.llm_engine
+    prompt = _prompt(77, seed=12)
+    for request_id, params, steps in (("plain", SamplingParams(max_tokens=1), 1),
+                                      ("scored", SamplingParams(max_tokens=1, prompt_logprobs=1), 8)):
+        engine.add_request(request_id, prompt, params)
+        outputs: list[RequestOutput] = []
+        while not outputs:
+            outputs = engine.step()
+            steps -= 1
+        assert steps == 0, request_id  # 77 tokens: one step, or ceil(77 / 10) steps
+    assert_prompt_logprobs(outputs[0].prompt_logprobs, prompt, _reference_logprobs(reference, prompt), 1)
     engine.check_integrity()
 
 
