@@ -124,8 +124,9 @@ def test_prompt_logprobs_in_a_mixed_batch(text_checkpoint: Path, reference: torc
               for i in range(len(prompts))]
     outputs = llm.generate(prompts, params)
     for prompt, param, out in zip(prompts, params, outputs):
-        if param.prompt_logprobs is None:
-            assert out.prompt_logprobs is None
+        if param.prompt_logprobs is None:  # unaffected by its batch-mates: what it generates alone
+            alone = _llm(text_checkpoint).generate([prompt], param)[0]
+            assert out.prompt_logprobs is None and out.outputs[0].token_ids == alone.outputs[0].token_ids
             continue
         assert_prompt_logprobs(out.prompt_logprobs, prompt, _reference_logprobs(reference, prompt),
                                param.prompt_logprobs)
