@@ -85,6 +85,16 @@ def test_prompt_logprobs_match_transformers_cache_off(text_checkpoint: Path, ref
     llm.llm_engine.check_integrity()
 
 
+@pytest.mark.parametrize("fixture", ["tied_text_checkpoint", "multimodal_checkpoint"])
+def test_prompt_logprobs_on_the_other_checkpoints(fixture: str, request: pytest.FixtureRequest) -> None:
+    """Tied embeddings, and the multimodal layout's language model, against their own reference."""
+    path: Path = request.getfixturevalue(fixture)
+    prompt = _prompt(50, seed=11)
+    out = _llm(path, prefix_cache_mib=16, max_num_batched_tokens=16).generate(
+        [prompt], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3))[0]
+    assert_prompt_logprobs(out.prompt_logprobs, prompt, _reference_logprobs(reference_text_model(path), prompt), 3)
+
+
 @pytest.mark.parametrize("budget", [4096, 16])
 def test_prompt_logprobs_bypass_a_warm_prefix(text_checkpoint: Path, reference: torch.nn.Module,
                                               budget: int) -> None:
