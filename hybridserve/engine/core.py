@@ -340,7 +340,7 @@ class EngineCore:
             return
         if self._final_only or self._intervals:  # their deltas accumulate until they are due
             groups = [g for g in groups if g.is_finished or self._due(g)]
-        waiting = int(self.engine.num_waiting_requests)
+        waiting = self._num_waiting()
         if not groups and waiting == self._sent_waiting:
             return
         deltas = [self.tracker.delta(group) for group in groups]
@@ -355,10 +355,14 @@ class EngineCore:
             self.send(core_messages.EngineDead(reason))
             self._stopping = True
 
+    def _num_waiting(self) -> int:
+        """The engine's waiting count less the adds still unanswered (the API process counts those)."""
+        return int(self.engine.num_waiting_requests) - len(self._awaiting_grammar)
+
     def _report_waiting(self) -> None:
         """Tell the API process the waiting count when inputs changed it: aborts can empty the
         engine with no step to follow, and the API process admits requests by that count."""
-        waiting = int(self.engine.num_waiting_requests)
+        waiting = self._num_waiting()
         if waiting != self._sent_waiting:
             self.send(core_messages.StepOutputs([], waiting))
             self._sent_waiting = waiting
