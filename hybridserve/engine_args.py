@@ -36,7 +36,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
                              "huggingface_hub; HF_HUB_OFFLINE=1: its cache only); the built-in model when omitted")
     parser.add_argument("--prefix-cache-mib", type=float, default=None,
                         help="memory for GDN state snapshots of the joint prefix cache (0 disables it); when "
-                             f"unset, planned (see --memory-fraction), or {DEFAULT_CPU_PREFIX_CACHE_MIB:g} on CPU")
+                             f"unset, planned (see --memory-fraction), or on CPU sized to the model and the RAM available "
+                             f"(at most {DEFAULT_CPU_PREFIX_CACHE_MIB:g}; see docs/serving.md, Sizing)")
     parser.add_argument("--snapshot-interval", type=int, default=256,
                         help="tokens between GDN state snapshots (a multiple of the block size)")
     parser.add_argument("--cache-policy", default="hybridserve", metavar="{" + ",".join(POLICY_NAMES) + "}",
@@ -44,7 +45,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     parser.add_argument("--kv-cache-mib", type=float, default=None,
                         help="memory for the paged KV cache; when unset, planned (see --memory-fraction), or "
-                             f"{DEFAULT_CPU_KV_CACHE_MIB:g} on CPU")
+                             "on CPU sized to the model and the RAM available (at most "
+                             f"{DEFAULT_CPU_KV_CACHE_MIB:g}, at least one max-model-len request)")
     parser.add_argument("--memory-fraction", type=float, default=None,
                         help="fraction of device memory this engine may use (CUDA: of total memory, default "
                              "0.9; CPU: of the RAM available at start); the caches get what the weights and a "

@@ -150,7 +150,8 @@ class Worker:
         weight_bytes = self.model.weight_bytes()
         profile_tokens = min(sched.max_num_batched_tokens, self.spec.max_model_len - 1)
         inputs = PlanInputs(self.device, memory_at_start, weight_bytes, kv_per_block, per_snapshot,
-                            blocks_for(self.spec.max_model_len, cache.block_size))
+                            blocks_for(self.spec.max_model_len, cache.block_size), max_num_seqs=sched.max_num_seqs,
+                            ranks_per_host=self.world_size if self.device.type == "cpu" else 1)
         plan = plan_memory(cache, inputs, lambda: profile_forward(self.model, profile_tokens, cache.block_size,
                                                                   self.dtype, self.device))
         if self.rank == 0:
