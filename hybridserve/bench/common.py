@@ -48,11 +48,15 @@ def median(values: Iterable[float]) -> float:
 
 
 def cache_on_off(config: EngineConfig) -> tuple[EngineConfig, EngineConfig]:
-    """(prefix cache on, off) variants of `config`; "on" keeps its pool, or gets 1 GiB if it had none."""
+    """(prefix cache on, off) variants of `config`; "on" keeps its pool and lower tiers, or gets 1 GiB
+    if it had no pool; "off" has neither."""
     def pool(mib: float) -> EngineConfig:
         return dataclasses.replace(config, cache=dataclasses.replace(config.cache, prefix_cache_mib=mib))
 
-    return (config if config.cache.prefix_cache_enabled else pool(1024.0)), pool(0)
+    off = pool(0)
+    off = dataclasses.replace(off, cache=dataclasses.replace(off.cache, host_cache_memory_bytes=0, disk_cache_dir=None,
+                                                             remote_cache_url=None))
+    return (config if config.cache.prefix_cache_enabled else pool(1024.0)), off
 
 
 def result_header(cfg: Any, engine: LLMEngine) -> dict[str, Any]:
