@@ -47,9 +47,9 @@ class ItlBench:
         from hybridserve import LLM, SamplingParams
 
         self.args = args
-        small = {"kv_cache_mib": args.kv_cache_mib, "prefix_cache_mib": args.prefix_cache_mib}
-        roomy = {"kv_cache_mib": 8 * args.kv_cache_mib, "prefix_cache_mib": 8 * args.prefix_cache_mib}
-        common = {"device": "cpu", "dtype": "float32", "cache_policy": "interval",
+        small: dict[str, Any] = {"kv_cache_mib": args.kv_cache_mib, "prefix_cache_mib": args.prefix_cache_mib}
+        roomy: dict[str, Any] = {"kv_cache_mib": 8 * args.kv_cache_mib, "prefix_cache_mib": 8 * args.prefix_cache_mib}
+        common: dict[str, Any] = {"device": "cpu", "dtype": "float32", "cache_policy": "interval",
                   "snapshot_interval": args.prefix_tokens, "max_num_batched_tokens": args.max_num_batched_tokens}
         self.engines = {"off": LLM(**common, **small), "host": LLM(**common, **small, host_cache_memory="512MiB"),
                         "roomy": LLM(**common, **roomy)}
