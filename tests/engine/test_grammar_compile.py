@@ -7,6 +7,7 @@ wall-clock threshold is asserted."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Iterator
 
@@ -223,6 +224,46 @@ def test_the_core_answers_the_add_once_the_grammar_settles() -> None:
         assert asyncio.run(scenario()) == 200
         assert client.num_waiting_estimate == 0
         assert asyncio.run(client.call("has_unfinished_requests")) is False
+        asyncio.run(client.check_integrity())
+    finally:
+        build.gate.set()
+        client.shutdown()
+        compiler.close()
+
+
+def test_the_server_answers_a_late_or_bad_grammar_with_400_and_keeps_serving() -> None:
+    """Over HTTP: a grammar past its timeout and an invalid one are 400s while a long request
+    streams on; the grammar, once compiled, serves the next request."""
+    import httpx
+
+    from hybridserve.server.app import build_app
+    from tests.helpers.live_server import ServerThread, is_idle
+
+    compiler, build = gated_compiler(timeout_s=1.0, held={DIGITS.key})
+    engine = LLMEngine(tiny_config())
+    engine.grammars = compiler
+    client = AsyncLLMEngine(engine, max_waiting_requests=8)
+    body = {"model": "tiny", "prompt": "Constrained", "max_tokens": 8, "temperature": 0.0}
+    try:
+        with ServerThread(build_app(client, model_name="tiny", api_key=None)) as server, \
+                httpx.Client(base_url=server.url, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json={**body, "prompt": "Neighbour", "max_tokens": 300,
+                                                              "ignore_eos": True, "stream": True}) as neighbour:
+                lines = neighbour.iter_lines()
+                assert next(line for line in lines if line.startswith("data:"))
+                late = http.post("/v1/completions", json={**body, "guided_regex": "[0-9]{6}"})
+                assert late.status_code == 400 and "did not compile within" in late.json()["error"]["message"]
+                bad = http.post("/v1/completions", json={**body, "guided_grammar": "start: ???"})
+                assert bad.status_code == 400 and "invalid structured output" in bad.json()["error"]["message"]
+                streamed = [line for line in lines if line.startswith("data:")]
+                assert streamed[-1] == "data: [DONE]"
+                assert json.loads(streamed[-2].removeprefix("data:"))["choices"][0]["finish_reason"] == "length"
+            build.gate.set()
+            wait_until(lambda: compiler.cache_info().compiling == 0)
+            ok = http.post("/v1/completions", json={**body, "guided_regex": "[0-9]{6}"})
+            assert ok.status_code == 200 and ok.json()["choices"][0]["text"].isdigit()
+            wait_until(lambda: is_idle(client))
+        assert client.num_waiting_estimate == 0
         asyncio.run(client.check_integrity())
     finally:
         build.gate.set()
