@@ -36,8 +36,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
                              "huggingface_hub; HF_HUB_OFFLINE=1: its cache only); the built-in model when omitted")
     parser.add_argument("--prefix-cache-mib", type=float, default=None,
                         help="memory for GDN state snapshots of the joint prefix cache (0 disables it); when "
-                             f"unset, planned (see --memory-fraction), or on CPU sized to the model and the RAM available "
-                             f"(at most {DEFAULT_CPU_PREFIX_CACHE_MIB:g}; see docs/serving.md, Sizing)")
+                             "unset, planned (see --memory-fraction), or on CPU sized to the model and the RAM "
+                             f"available (at most {DEFAULT_CPU_PREFIX_CACHE_MIB:g}; see docs/serving.md, Sizing)")
     parser.add_argument("--snapshot-interval", type=int, default=256,
                         help="tokens between GDN state snapshots (a multiple of the block size)")
     parser.add_argument("--cache-policy", default="hybridserve", metavar="{" + ",".join(POLICY_NAMES) + "}",
