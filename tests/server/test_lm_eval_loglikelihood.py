@@ -25,8 +25,8 @@ MODEL = "tiny"
 TASK = "hybridserve_tiny_loglikelihood"
 ATOL = 1e-3  # a sum of up to a few dozen logprobs, each within 1e-4 of transformers' on CPU
 
-# lm-eval is not a test dependency (it pulls pandas, pyarrow, scipy, scikit-learn): without it this
-# module is skipped; it is imported in the test, after the environment keeps it offline.
+# lm-eval is the `eval` extra, not a test dependency (it pulls pandas, pyarrow, scipy, scikit-learn):
+# without it this module is skipped; it is imported in the test, after the environment keeps it offline.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600),
               pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="needs lm-eval")]
 
