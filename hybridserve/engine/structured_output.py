@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 # Compact JSON (no free whitespace): a random or weak model cannot wander off into endless spaces.
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 DEFAULT_CACHE_SIZE = 256
+# the cache also holds at most this much constraint text: a compiled matcher grows with its grammar
+# (docs/decisions.md), so many maximum-size grammars would otherwise hold far more than small ones
+DEFAULT_CACHE_TEXT_BYTES = 2 << 20
 COMPILE_WORKERS = 2  # compile threads: a slow grammar occupies one, the other keeps serving the rest
 
 T = TypeVar("T")
@@ -44,12 +47,14 @@ class GrammarTimeoutError(ValueError):
 
 
 class CompileCacheInfo(NamedTuple):
-    """Grammar compile cache counters (`compiling`: distinct grammars being compiled now)."""
+    """Grammar compile cache counters (`compiling`: distinct grammars being compiled now;
+    `text_bytes`: constraint text of the cached grammars)."""
 
     hits: int
     misses: int
     size: int
     compiling: int = 0
+    text_bytes: int = 0
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -122,16 +127,20 @@ class PendingGrammar:
 
 class GrammarCompiler:
     """Compiles constraints for one tokenizer on `workers` threads, with a per-constraint LRU cache
-    of `cache_size` compiled matchers; concurrent requests for one grammar share its compile.
+    of at most `cache_size` compiled matchers and `cache_text_bytes` of their constraint text;
+    concurrent requests for one grammar share its compile.
     `build` replaces the llguidance compile (a test seam); `timeout_s` (default:
     HYBRIDSERVE_GRAMMAR_COMPILE_TIMEOUT_S) bounds how long a request waits for its grammar."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = DEFAULT_CACHE_SIZE, *,
-                 workers: int = COMPILE_WORKERS, timeout_s: float | None = None, build: Build | None = None) -> None:
+                 workers: int = COMPILE_WORKERS, timeout_s: float | None = None, build: Build | None = None,
+                 cache_text_bytes: int = DEFAULT_CACHE_TEXT_BYTES) -> None:
         self.vocab_size = vocab_size
         self.ll_tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
                                                    eos_token=list(tokenizer.eos_token_ids))
         self.cache_size = cache_size
+        self.cache_text_bytes = cache_text_bytes
+        self._text_bytes = 0  # len() of the cached keys
         self.timeout_s = envs.grammar_compile_timeout_s() if timeout_s is None else timeout_s
         if not self.timeout_s > 0:
             raise ValueError(f"grammar compile timeout must be > 0 s, got {self.timeout_s}")
@@ -183,9 +192,13 @@ class GrammarCompiler:
             raise
         with self._lock:  # one lock: a concurrent `submit` finds the grammar compiling or cached
             self._compiling.pop(key, None)
+            if key not in self._cache:
+                self._text_bytes += len(key)
             self._cache[key] = compiled
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            while len(self._cache) > 1 and (len(self._cache) > self.cache_size
+                                            or self._text_bytes > self.cache_text_bytes):
+                evicted, _ = self._cache.popitem(last=False)  # least recently used first
+                self._text_bytes -= len(evicted)
         return compiled
 
     def _release(self, key: str) -> None:
@@ -213,7 +226,8 @@ class GrammarCompiler:
     def cache_info(self) -> CompileCacheInfo:
         """Hits, misses and entries of the compile cache, and the grammars being compiled."""
         with self._lock:
-            return CompileCacheInfo(self._hits, self._misses, len(self._cache), len(self._compiling))
+            return CompileCacheInfo(self._hits, self._misses, len(self._cache), len(self._compiling),
+                                    self._text_bytes)
 
     def close(self) -> None:
         """Stop the compile threads once their current compile ends (queued ones are cancelled)."""

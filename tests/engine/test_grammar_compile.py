@@ -189,6 +189,26 @@ def test_compile_cache_is_bounded_and_shares_compiles() -> None:
         compiler.close()
 
 
+def test_compile_cache_is_bounded_by_its_grammars_text() -> None:
+    compiler, build = gated_compiler(cache_size=100)
+    compiler.cache_text_bytes = 1000
+    build.gate.set()
+    try:
+        specs = [StructuredOutputsParams(regex=f"({'a' * 200}){{{index + 1}}}") for index in range(10)]
+        for spec in specs:
+            compiler.matcher(spec)
+        info = compiler.cache_info()
+        assert info.text_bytes <= 1000 and info.size == 1000 // len(specs[0].key)
+        assert info.text_bytes == sum(len(spec.key) for spec in specs[-info.size:])
+        compiler.matcher(specs[-1])  # the newest stayed cached
+        assert compiler.cache_info().hits == 1
+        huge = StructuredOutputsParams(regex="b" * 2000)  # alone over the budget: kept, all else evicted
+        compiler.matcher(huge)
+        assert compiler.cache_info()[2:] == (1, 0, len(huge.key))
+    finally:
+        compiler.close()
+
+
 def test_timeout_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(envs.GRAMMAR_COMPILE_TIMEOUT_S.name, "2.5")
     assert envs.grammar_compile_timeout_s() == 2.5
