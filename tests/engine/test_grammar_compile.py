@@ -289,3 +289,33 @@ def test_the_server_answers_a_late_or_bad_grammar_with_400_and_keeps_serving() -
         build.gate.set()
         client.shutdown()
         compiler.close()
+
+
+def test_many_grammars_with_aborts_and_failures_leave_nothing_behind(engine: LLMEngine) -> None:
+    """Distinct, shared and invalid grammars, some aborted while compiling or running: every
+    request ends once, and no claim, compile or waiting place is left."""
+    compiler, build = gated_compiler(workers=2)
+    engine.grammars = compiler
+    try:
+        constraints = [{"regex": f"[0-9]{{{index % 4 + 1}}}"} for index in range(12)] + \
+                      [{"grammar": "start: ???"}, {"choice": ["yes", "no"]}]
+        for index, constraint in enumerate(constraints):
+            engine.add_request(f"r{index}", f"prompt {index}",
+                               SamplingParams(max_tokens=6, temperature=0.0, structured_outputs=constraint))
+        for index in (0, 5, 13):
+            engine.abort_request(f"r{index}")
+        build.gate.set()
+        ended: list[str] = []
+        for step in range(10_000):
+            if step == 3:
+                engine.abort_request("r7")  # perhaps running by now: either way it ends once
+            ended += [out.request_id for out in engine.step() if out.finished]
+            if not engine.has_unfinished_requests():
+                break
+        expected = {f"r{index}" for index in range(len(constraints))} - {"r0", "r5", "r13", "r7"}
+        assert expected <= set(ended) and len(ended) == len(set(ended))
+        assert compiler._claims == {} and compiler.cache_info().compiling == 0
+        assert engine.num_waiting_requests == 0 and not engine.requests
+    finally:
+        build.gate.set()
+        compiler.close()
