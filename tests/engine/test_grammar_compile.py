@@ -106,7 +106,7 @@ def test_a_grammar_past_its_timeout_ends_only_its_request(engine: LLMEngine) -> 
     compiler, build = gated_compiler(timeout_s=0.05)
     engine.grammars = compiler
     try:
-        engine.add_request("neighbour", "Batch neighbour", SamplingParams(max_tokens=400, temperature=0.0,
+        engine.add_request("neighbour", "Batch neighbour", SamplingParams(max_tokens=2000, temperature=0.0,
                                                                           ignore_eos=True))
         engine.add_request("late", "Constrained", CONSTRAINED)
         neighbour, late = engine.requests["neighbour"].first, engine.requests["late"].first
