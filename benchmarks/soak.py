@@ -6,6 +6,12 @@ periodic bursts larger than its queue (503 expected there and only there), while
 memory of its processes is sampled. Pass (`result["passed"]`): no unexpected 5xx/503, no valid request
 answered 4xx nor bad one 2xx, no stream error event, every pool free again once idle, and net
 resident memory growing under 5% from the second window to the last.
+
+With `--adversarial-share S`, the bad requests leave the normal mix and an adversary runs in every
+other phase (`--adversary-phase` seconds): there, a share S of the requests are hostile (the bad
+ones plus ids past int64, bodies past the size limit, deep nesting, wrong types, too many stops or
+prompts, schemas that do not compile). The report compares the streamed TTFT p99 of the
+well-behaved requests in the adversary's phases with the quiet phases (outside overload bursts).
 """
 
 from __future__ import annotations
@@ -48,11 +54,16 @@ class SoakConfig:
     request_timeout_s: float = 120.0
     idle_timeout_s: float = 60.0
     warmup_long_prompts: int = 8
+    adversarial_share: float = option(0.0, "share of requests that are hostile in the adversary's phases (then the "
+                                      "bad kind leaves the normal mix)", flag="--adversarial-share")
+    adversary_phase_s: float = option(90.0, "the adversary runs in every other phase of this many seconds",
+                                      flag="--adversary-phase")
     seed: int = seed_option("the traffic")
 
 
 KINDS = ("complete", "stream", "chat", "long", "shared", "abort", "disconnect", "bad")
 WEIGHTS = (3, 3, 2, 1, 3, 1, 1, 1)
+REFUSED_KINDS = ("bad", "hostile")  # requests the server must answer with a 4xx
 
 
 @dataclass
@@ -62,6 +73,7 @@ class SoakStats:
     outcomes: Counter = field(default_factory=Counter)          # (kind, class) -> count
     latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     ttft: list[float] = field(default_factory=list)
+    ttft_by_phase: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))  # outside bursts
     rss: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, bytes)
     heap_free: list[tuple[float, int]] = field(default_factory=list)  # the engine allocator's kept free bytes
     bursts: list[tuple[float, float]] = field(default_factory=list)
@@ -83,6 +95,10 @@ class Traffic:
     def _in_burst(self, at: float) -> bool:
         return any(start <= at <= end + 5.0 for start, end in self.stats.bursts)
 
+    def adversary_on(self, at: float) -> bool:
+        """Whether `at` (seconds since the start) falls in one of the adversary's phases."""
+        return self.cfg.adversarial_share > 0 and int(at / self.cfg.adversary_phase_s) % 2 == 1
+
     def record(self, kind: str, status: int | None, sent: float, note: str = "") -> None:
         """Classify one answer; anything outside the pass criteria is kept as a failure."""
         now = time.monotonic()
@@ -93,7 +109,7 @@ class Traffic:
                 else "503_unexpected"
         elif status >= 500:
             outcome = "5xx"
-        elif kind == "bad":
+        elif kind in REFUSED_KINDS:
             outcome = "4xx_expected" if 400 <= status < 500 else "bad_accepted"
         else:
             outcome = "ok" if status < 300 else "4xx_unexpected"
@@ -140,12 +156,17 @@ class Traffic:
         ]
         return rng.choice(choices)
 
+    def hostile_request(self, rng: random.Random) -> tuple[str, bytes]:
+        """What an adversary sends: the bad requests, plus values past the server's limits, ids past
+        int64, deep nesting, wrong types and schemas that do not compile."""
+        return rng.choice(_HOSTILE + [self.bad_request(rng)])
+
     async def one(self, kind: str, rng: random.Random) -> None:
         """Send one request of `kind` and record its outcome."""
         sent = time.monotonic()
         try:
-            if kind == "bad":
-                path, raw = self.bad_request(rng)
+            if kind in REFUSED_KINDS:
+                path, raw = self.bad_request(rng) if kind == "bad" else self.hostile_request(rng)
                 response = await self.client.post(path, content=raw, headers={"Content-Type": "application/json"})
                 self.record(kind, response.status_code, sent, response.text)
             elif kind == "disconnect":
@@ -180,6 +201,10 @@ class Traffic:
                 events += 1
                 if events == 1:
                     self.stats.ttft.append(time.monotonic() - sent)
+                    at = sent - self.start
+                    if not self._in_burst(at):
+                        phase = "adversary" if self.adversary_on(at) else "quiet"
+                        self.stats.ttft_by_phase[phase].append(time.monotonic() - sent)
                 payload = line[len("data: "):]
                 if payload != "[DONE]" and "error" in json.loads(payload):
                     self.stats.outcomes[(kind, "stream_error_event")] += 1
@@ -191,10 +216,26 @@ class Traffic:
             self.record(kind, 200, sent)
 
 
+_HOSTILE: list[tuple[str, bytes]] = [
+    ("/v1/completions", json.dumps({"prompt": [2 ** 64], "max_tokens": 4}).encode()),
+    ("/v1/completions", json.dumps({"prompt": "x" * (5 << 20), "max_tokens": 4}).encode()),
+    ("/v1/completions", b'{"prompt": "x", "stop": ' + b"[" * 5000 + b'"x"' + b"]" * 5000 + b"}"),
+    ("/v1/completions", json.dumps({"prompt": "x", "stop": ["s"] * 1000}).encode()),
+    ("/v1/completions", json.dumps({"prompt": {"a": 1}, "max_tokens": "many"}).encode()),
+    ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": 10 ** 9}).encode()),
+    ("/v1/completions", json.dumps({"prompt": ["x"] * 10_000, "max_tokens": 1}).encode()),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}).encode()),
+]
+
+
 async def _client_loop(traffic: Traffic, seed: int, deadline: float) -> None:
     rng = random.Random(seed)
+    share = traffic.cfg.adversarial_share
+    kinds, weights = (KINDS, WEIGHTS) if share == 0 else zip(*[(k, w) for k, w in zip(KINDS, WEIGHTS) if k != "bad"])
     while time.monotonic() < deadline:
-        await traffic.one(rng.choices(KINDS, WEIGHTS)[0], rng)
+        hostile = traffic.adversary_on(time.monotonic() - traffic.start) and rng.random() < share
+        await traffic.one("hostile" if hostile else rng.choices(list(kinds), list(weights))[0], rng)
 
 
 async def _overload_loop(traffic: Traffic, cfg: SoakConfig, deadline: float) -> None:
@@ -359,11 +400,16 @@ def summarize(cfg: SoakConfig, stats: SoakStats, initial: dict[str, float], fina
     latency["all"] = {"n": len(all_latencies), "p50": percentile(all_latencies, 50),
                       "p90": percentile(all_latencies, 90), "p99": percentile(all_latencies, 99)}
     rss_ok = growth != growth or growth < 0.05  # NaN (run shorter than two windows) is not judged
+    phases = {phase: {"n": len(v), "p50": percentile(v, 50), "p99": percentile(v, 99)}
+              for phase, v in sorted(stats.ttft_by_phase.items())}
+    ratio = (phases["adversary"]["p99"] / phases["quiet"]["p99"]
+             if {"adversary", "quiet"} <= phases.keys() and phases["quiet"]["p99"] > 0 else None)
     passed = not stats.failures and not leaks and rss_ok and by_class["503_overload"] > 0
     return {
         "config": asdict(cfg), "elapsed_s": elapsed, "requests": sum(stats.outcomes.values()),
         "by_class": dict(by_class), "by_kind": {f"{k}/{o}": c for (k, o), c in sorted(stats.outcomes.items())},
         "latency_s": latency, "ttft_s": {"p50": percentile(stats.ttft, 50), "p99": percentile(stats.ttft, 99)},
+        "ttft_by_phase_s": phases, "adversary_ttft_p99_ratio": ratio,
         "leaks": leaks, "rss_growth": growth, "rss_growth_gross": rss_growth(stats.rss, cfg.rss_window_s),
         "rss": stats.rss, "heap_free": stats.heap_free, "net_rss": net_rss(stats), "bursts": stats.bursts,
         "failures": stats.failures[:50], "initial": initial, "final": final, "passed": passed,
@@ -392,6 +438,10 @@ def format_soak_report(result: dict[str, Any]) -> str:
                  f"{kind} n={v['n']} p50={v['p50']:.2f} p90={v['p90']:.2f} p99={v['p99']:.2f}"
                  for kind, v in result["latency_s"].items()),
              f"stream TTFT p50={result['ttft_s']['p50']:.3f} s p99={result['ttft_s']['p99']:.3f} s",
+             *(f"stream TTFT outside bursts, {phase} phases: n={v['n']} p50={v['p50']:.3f} s p99={v['p99']:.3f} s"
+               for phase, v in result["ttft_by_phase_s"].items()),
+             *([f"well-behaved stream TTFT p99, adversary phases / quiet phases: "
+                f"{result['adversary_ttft_p99_ratio']:.2f} (goal <= 2)"] if result["adversary_ttft_p99_ratio"] else []),
              f"leaks after idle: {result['leaks'] or 'none'}"]
     if result["rss"]:
         rss, net = [b for _, b in result["rss"]], [b for _, b in result["net_rss"]]
