@@ -73,10 +73,12 @@ class CachePolicy:
         self.cost = cost
         self.interval = interval  # tokens between interval marks (policies that take them)
         self.block_pool: BlockPool | None = None
+        self.snapshot_pool: SnapshotPool | None = None
 
     def bind(self, block_pool: BlockPool, snapshots: SnapshotPool) -> None:
         """Attach to the pools this policy judges (eviction callbacks included)."""
         self.block_pool = block_pool
+        self.snapshot_pool = snapshots
         snapshots.choose_victim = self.choose_victim if type(self).choose_victim is not CachePolicy.choose_victim \
             else None
 
@@ -167,8 +169,19 @@ class HybridServePolicy(IntervalPolicy):
     capture_at_end = True
 
     def captures(self, view: RequestView, start: int, length: int) -> list[int]:
-        boundaries = super().captures(view, start, length) if self.interval else []
-        return _within([*boundaries, self._prompt_mark(view), view.branch_point], start, length)
+        kept = _within([self._prompt_mark(view), view.branch_point], start, length)
+        marks = [b for b in super().captures(view, start, length) if b not in kept] if self.interval else []
+        room = self._room()
+        if room is not None and len(marks) + len(kept) > room:
+            # One chunk cannot hold more reservations than the pool has slots to give; the ones past
+            # that would be skipped, and they are the deepest. Drop the shallowest marks instead.
+            marks = marks[max(len(marks) - max(room - len(kept), 0), 0):]
+        return _within([*marks, *kept], start, length)
+
+    def _room(self) -> int | None:
+        """Snapshot slots a chunk's captures can take now (free or evictable), if bound to a pool."""
+        pool = self.snapshot_pool
+        return None if pool is None else pool.num_free_slots + pool.num_evictable
 
     def is_opportunistic(self, view: RequestView, boundary: int) -> bool:
         """Interval marks are insurance: they never push out a snapshot that still serves."""

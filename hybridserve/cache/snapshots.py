@@ -113,6 +113,11 @@ class SnapshotPool:
         return len(self._free)
 
     @property
+    def num_evictable(self) -> int:
+        """Published, unpinned slots (what a reservation may evict)."""
+        return len(self._lru)
+
+    @property
     def num_published(self) -> int:
         """Slots currently published (resident, matchable)."""
         return len(self._published)

@@ -4,13 +4,16 @@ engine and `hybridserve sim` run the same code (docs/prefix-cache.md, Tiers).
 A tier holds **joint entries**: the GDN state at a boundary (keyed like a device snapshot) and the
 KV blocks of its whole prefix, each KV block stored once per tier and refcounted by the entries of
 that tier. Every entry is restorable from its own tier alone, so a KV block lives in a tier only
-while an entry of the same tier needs it (no dead KV). Eviction inside a tier is least recently
-used and cascades down (host -> disk -> dropped). Bytes move through a `TierMover` the engine
-implements; this module only decides what moves where and keeps the books.
+while an entry of the same tier needs it (no dead KV). Eviction inside a tier takes the entry of
+least value per byte (`EntryValues`: GreedyDual-Size-Frequency, with the restore rate each class of
+entry has shown in that tier as its prior) and cascades down (host -> disk -> dropped). Bytes move
+through a `TierMover` the engine implements; this module only decides what moves where and keeps
+the books.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
@@ -21,6 +24,11 @@ DEVICE = "device"
 """The source or destination name of the device pools (snapshot slots, KV blocks)."""
 STATE = "state"
 KV = "kv"
+END, BLOCK_END = "end", "block"
+"""Entry classes: a request end (the boundary lies inside a block), or a block boundary (interval
+and prompt marks, branch points). Their restore rates differ by orders of magnitude."""
+EVIDENCE_HALF_LIFE = 4096.0  # entries taken in; older restore evidence fades so rates follow the workload
+PRIOR_WEIGHT = 8.0           # pseudo-entries a class borrows from the tier's overall rate
 
 
 def object_key(kind: str, key: BlockHash) -> str:
@@ -153,6 +161,118 @@ class TierStats(NamedTuple):
     discovered: int = 0  # ... that found an entry, adopted into this tier's books
 
 
+def entry_class(entry: JointEntry) -> str:
+    """END for a boundary inside a block (only request ends fall there), else BLOCK_END."""
+    return END if entry.tail_tokens else BLOCK_END
+
+
+class EntryValues:
+    """Which entry of a tier to evict: GreedyDual-Size-Frequency. An entry's priority is the
+    tier's floor (the priority of the last entry evicted, so idle entries age out) plus its expected
+    expected restores x the tokens a restore saves / the bytes it brought. Expected restores are the
+    entry's own promotions plus its class's prior: the restores per entry taken in that this tier has
+    observed for the class (decayed). So a flood of rarely restored entries (interval marks) cannot
+    push out the few that come back (request ends) while the rates say so; before any restore, or
+    among entries alike, it is plain LRU."""
+
+    def __init__(self) -> None:
+        self.floor = 0.0
+        self._heap: list[tuple[float, int, int, BlockHash]] = []  # (priority, recency, stamp, key); stale skipped
+        self._stamp: dict[BlockHash, int] = {}                    # key -> stamp of its live heap item
+        self._recency: dict[BlockHash, int] = {}                  # key -> stamp of its last use (ties: LRU)
+        # key -> class, tokens / bytes, restores, the floor when it was priced
+        self._worth: dict[BlockHash, tuple[str, float, int, float]] = {}
+        self._next_stamp = 0
+        self._decay = 0.5 ** (1.0 / EVIDENCE_HALF_LIFE)
+        self._taken = {END: 0.0, BLOCK_END: 0.0}
+        self._restored = {END: 0.0, BLOCK_END: 0.0}
+
+    def prior(self, kind: str) -> float:
+        """Expected restores of an entry of class `kind` taken in: the restores per entry this tier
+        has seen for the class, shrunk towards its rate over all classes (0 before any restore)."""
+        taken = sum(self._taken.values())
+        overall = sum(self._restored.values()) / taken if taken else 0.0
+        return (self._restored[kind] + PRIOR_WEIGHT * overall) / (self._taken[kind] + PRIOR_WEIGHT)
+
+    def add(self, entry: JointEntry, nbytes: int, restores: int = 0) -> None:
+        """Value a new entry that brought `nbytes`, with `restores` it earned in a tier above."""
+        kind = entry_class(entry)
+        for counts in (self._taken, self._restored):
+            for name in counts:
+                counts[name] *= self._decay
+        self._taken[kind] += 1.0
+        self._worth[entry.key] = (kind, entry.num_tokens / max(nbytes, 1), restores, self.floor)
+        self._push(entry.key)
+
+    def restored(self, key: BlockHash) -> None:
+        """A promotion reads the entry: one more restore, for it and for its class; repriced now."""
+        kind, density, restores, _ = self._worth[key]
+        self._restored[kind] += 1.0
+        self._worth[key] = (kind, density, restores + 1, self.floor)
+        self._push(key)
+
+    def touch(self, key: BlockHash) -> None:
+        """The entry was offered again (a demotion of what the tier holds): reprice it as of now."""
+        kind, density, restores, _ = self._worth[key]
+        self._worth[key] = (kind, density, restores, self.floor)
+        self._push(key)
+
+    def restores(self, key: BlockHash) -> int:
+        """Promotions the entry has had (carried down a cascade)."""
+        return self._worth[key][2]
+
+    def remove(self, key: BlockHash) -> None:
+        """Forget an entry (its heap item goes stale)."""
+        del self._worth[key], self._stamp[key], self._recency[key]
+
+    def evicted(self, priority: float) -> None:
+        """An entry of this priority was evicted: raise the floor to it (the aging of GDSF)."""
+        self.floor = max(self.floor, priority)
+
+    def lowest(self, skip: Callable[[BlockHash], bool]) -> tuple[BlockHash, float] | None:
+        """The key of least priority that `skip` does not exclude, and its priority. Its class prior
+        may have risen since it was priced (the rates move): it is repriced before it is chosen."""
+        heap, stamps, passed, found = self._heap, self._stamp, [], None
+        while heap:
+            item = heapq.heappop(heap)
+            key = item[3]
+            if stamps.get(key) != item[2]:
+                continue  # superseded by a repricing, or removed
+            current = self._priority(key)
+            if current > item[0] and heap and (current, item[1]) > heap[0][:2]:
+                self._push(key, used=False)  # a newer, higher price: look again
+                continue
+            passed.append(item)
+            if not skip(key):
+                found = (key, item[0])
+                break
+        for item in passed:
+            heapq.heappush(heap, item)
+        return found
+
+    def _priority(self, key: BlockHash) -> float:
+        kind, density, restores, base = self._worth[key]
+        return base + (self.prior(kind) + restores) * density
+
+    def _push(self, key: BlockHash, used: bool = True) -> None:
+        """(Re)price `key` into the heap; `used`: as its most recent use (a repricing keeps its place)."""
+        stamp = self._next_stamp
+        self._next_stamp += 1
+        self._stamp[key] = stamp
+        if used:
+            self._recency[key] = stamp
+        heapq.heappush(self._heap, (self._priority(key), self._recency[key], stamp, key))
+        if len(self._heap) > 2 * len(self._stamp) + 64:  # drop superseded items
+            self._heap[:] = [item for item in self._heap if self._stamp.get(item[3]) == item[2]]
+            heapq.heapify(self._heap)
+
+    def check_integrity(self, keys: set[BlockHash]) -> None:
+        """Exactly the tier's entries are valued, each with one live heap item."""
+        assert set(self._worth) == keys == set(self._stamp) == set(self._recency), "entry values out of step"
+        live = {key for _, _, stamp, key in self._heap if self._stamp.get(key) == stamp}
+        assert live == keys, "an entry has no live eviction priority"
+
+
 class _Tier:
     """One lower tier's books: LRU joint entries, per-block KV refcounts, tails, objects in flight."""
 
@@ -166,6 +286,7 @@ class _Tier:
         self.tails: dict[BlockHash, dict[BlockHash, int]] = {}           # parent (b"" at root) -> {key: tokens}
         self.writing: dict[tuple[str, BlockHash], int] = {}              # object -> ticket writing it
         self.pins: Counter[BlockHash] = Counter()                        # entries a promotion reads
+        self.values = EntryValues()                                      # which entry to evict
         self.used = 0
         self.hits = self.hit_tokens = self.promotions = self.promoted_bytes = self.promoted_objects = 0
         self.demotions = self.demoted_bytes = self.demoted_objects = self.evictions = 0
@@ -186,8 +307,9 @@ class _Tier:
         """Whether this tier holds block `block`, written."""
         return block in self.kv and (KV, block) not in self.writing
 
-    def add(self, entry: JointEntry) -> list[BlockHash]:
-        """Take `entry` in as most recently used; the KV blocks it brings (not held before)."""
+    def add(self, entry: JointEntry, restores: int = 0) -> list[BlockHash]:
+        """Take `entry` in (with `restores` earned in a tier above); the KV blocks it brings (not
+        held before)."""
         new = []
         for block in entry.blocks:
             count = self.kv.get(block, 0)
@@ -197,12 +319,15 @@ class _Tier:
         self.entries[entry.key] = entry
         if entry.tail_tokens:
             self.tails.setdefault(entry.parent or b"", {})[entry.key] = entry.tail_tokens
-        self.used += self.sizes.state_bytes + len(new) * self.sizes.kv_block_bytes
+        nbytes = self.sizes.state_bytes + len(new) * self.sizes.kv_block_bytes
+        self.used += nbytes
+        self.values.add(entry, nbytes, restores)
         return new
 
     def remove(self, key: BlockHash) -> list[str]:
         """Drop an entry; the store keys of the objects no entry here needs any more."""
         entry = self.entries.pop(key)
+        self.values.remove(key)
         gone = [object_key(STATE, key)]
         self.writing.pop((STATE, key), None)
         for block in entry.blocks:
@@ -221,12 +346,13 @@ class _Tier:
         self.used -= self.sizes.state_bytes + (len(gone) - 1) * self.sizes.kv_block_bytes
         return gone
 
-    def victim(self, keep: BlockHash) -> JointEntry | None:
-        """The least recently used evictable entry: written, not being read, not `keep`."""
-        for key, entry in self.entries.items():
-            if key != keep and not self.pins[key] and self.ready(entry):
-                return entry
-        return None
+    def victim(self, keep: BlockHash) -> tuple[JointEntry, float] | None:
+        """The evictable entry (written, not being read, not `keep`) of least value, and its priority."""
+        def skip(key: BlockHash) -> bool:
+            return key == keep or bool(self.pins[key]) or not self.ready(self.entries[key])
+
+        found = self.values.lowest(skip)
+        return (self.entries[found[0]], found[1]) if found is not None else None
 
     def stats(self) -> TierStats:
         """Occupancy and counters."""
@@ -307,39 +433,49 @@ class TieredCache:
                     return hit
         return None
 
-    def demote(self, entry: JointEntry, state_slot: int | None, device_blocks: DeviceBlocks, into: int = 0) -> bool:
+    def demote(self, entry: JointEntry, state_slot: int | None, device_blocks: DeviceBlocks, into: int = 0,
+               restores: int = 0) -> bool:
         """Copy a joint entry into tier `into` or, where it cannot fit, the next one down; each object
-        from the device (`state_slot`, `device_blocks`) or a tier holding it. False when dropped."""
+        from the device (`state_slot`, `device_blocks`) or a tier holding it; `restores`: what it
+        earned in a tier above (its value). False when dropped."""
         for index in range(into, len(self.tiers)):
             tier = self.tiers[index]
             if entry.key in tier.entries:
                 tier.entries.move_to_end(entry.key)
+                tier.values.touch(entry.key)
                 return True
             if tier.entry_bytes(entry) > tier.budget:
                 continue
             objects = self._sources(entry, tier, state_slot, device_blocks)
             if objects is None:
                 break
-            tier.add(entry)
+            tier.add(entry, restores)
             if not self._make_room(tier, index, keep=entry.key):
                 tier.remove(entry.key)  # nothing was sent for it yet
                 continue
+            # Making room cascades evictions down the tiers, which may have taken a source away.
+            lacking = {key for key, obj in objects if obj.kind == KV}
+            objects = self._sources(entry, tier, state_slot, device_blocks, lacking)
+            if objects is None:
+                tier.remove(entry.key)
+                break
             self._start(False, tier, entry, objects)
             return True
         self.tiers[min(into, len(self.tiers) - 1)].dropped += 1
         return False
 
-    def _sources(self, entry: JointEntry, tier: _Tier, state_slot: int | None,
-                 device_blocks: DeviceBlocks) -> list[tuple[BlockHash, TierObject]] | None:
-        """Each object `tier` lacks (with its hash) and where it comes from: the device first, then
-        the highest tier holding it written; None when one has no source."""
+    def _sources(self, entry: JointEntry, tier: _Tier, state_slot: int | None, device_blocks: DeviceBlocks,
+                 lacking: set[BlockHash] | None = None) -> list[tuple[BlockHash, TierObject]] | None:
+        """Each object `tier` lacks (with its hash; `lacking`: the KV blocks it lacked before it took
+        the entry in) and where it comes from: the device first, then the highest tier holding it
+        written; None when one has no source."""
         state_source = DEVICE if state_slot is not None else self._holder(STATE, entry.key, entry, tier)
         if state_source is None:
             return None
         objects = [(entry.key, TierObject(STATE, object_key(STATE, entry.key), self.sizes.state_bytes,
                                           state_source, state_slot))]
         for block in dict.fromkeys(entry.blocks):
-            if block in tier.kv:
+            if block not in lacking if lacking is not None else block in tier.kv:
                 continue
             device = device_blocks(block)
             source = DEVICE if device is not None else self._holder(KV, block, entry, tier)
@@ -362,12 +498,14 @@ class TieredCache:
     def _make_room(self, tier: _Tier, index: int, keep: BlockHash) -> bool:
         """Evict least recently used entries of `tier` (each cascades to the next tier) until it fits."""
         while tier.used > tier.budget:
-            victim = tier.victim(keep)
-            if victim is None:
+            found = tier.victim(keep)
+            if found is None:
                 return False
+            victim, priority = found
             if index + 1 < len(self.tiers):
-                self.demote(victim, None, _nowhere, into=index + 1)
+                self.demote(victim, None, _nowhere, into=index + 1, restores=tier.values.restores(victim.key))
             self._discard(tier, tier.remove(victim.key))
+            tier.values.evicted(priority)
             tier.evictions += 1
         return True
 
@@ -381,6 +519,7 @@ class TieredCache:
         if promotion:
             tier.pins[entry.key] += 1
             tier.entries.move_to_end(entry.key)
+            tier.values.restored(entry.key)
             tier.promotions += 1
             tier.promoted_bytes += nbytes
             tier.promoted_objects += len(objects)
@@ -473,6 +612,7 @@ class TieredCache:
         assert tier is not None
         if entry.key in tier.entries:
             tier.entries.move_to_end(entry.key)
+            tier.values.touch(entry.key)
             return True
         if tier.entry_bytes(entry) > tier.budget:
             return False
@@ -585,6 +725,7 @@ class TieredCache:
             tails = {(entry.parent or b"", key) for key, entry in tier.entries.items() if entry.tail_tokens}
             assert tails == {(p, k) for p, group in tier.tails.items() for k in group}, f"tier {name}: tails"
             assert all(group for group in tier.tails.values()), f"tier {name}: empty tail group"
+            tier.values.check_integrity(set(tier.entries))
             for (kind, key), ticket in tier.writing.items():
                 record = self._tickets.get(ticket)
                 assert record is not None and not record.promotion and record.tier == name, \

@@ -1,0 +1,110 @@
+"""Which entry a lower tier evicts (`EntryValues`: GreedyDual-Size-Frequency with learned class
+priors), and hybridserve's captures per chunk bounded by the slots the pool can give."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hybridserve.cache.block_pool import BlockPool, block_hashes_for, hash_tail
+from hybridserve.cache.policy import PrefixCost, RequestView, make_policy
+from hybridserve.cache.snapshots import SnapshotPool
+from hybridserve.cache.tiers import BLOCK_END, END, EntryValues, JointEntry, ObjectSizes, TieredCache, TierSpec
+from tests.cache.test_tiers import FakeDevice, FakeMover, _seed_device
+
+BLOCK = 16
+SIZES = ObjectSizes(state_bytes=1000, kv_block_bytes=BLOCK * 64)
+
+
+def _block_entry(tokens: list[int]) -> JointEntry:
+    hashes = block_hashes_for(tokens, BLOCK)
+    return JointEntry(hashes[-1], len(tokens), tuple(hashes), 0)
+
+
+def _end_entry(tokens: list[int]) -> JointEntry:
+    full = len(tokens) // BLOCK
+    hashes = block_hashes_for(tokens, BLOCK)
+    key = hash_tail(hashes[-1] if hashes else None, tokens[full * BLOCK:])
+    return JointEntry(key, len(tokens), (*hashes, key), len(tokens) - full * BLOCK)
+
+
+def _lowest(values: EntryValues) -> bytes | None:
+    found = values.lowest(lambda key: False)
+    return found[0] if found is not None else None
+
+
+def test_one_class_without_restores_is_lru_and_a_restore_buys_time() -> None:
+    values = EntryValues()
+    entries = [_block_entry(list(range(100 * i, 100 * i + 32))) for i in range(3)]
+    for entry in entries:
+        values.add(entry, 3000)
+    assert values.prior(BLOCK_END) == 0.0 and _lowest(values) == entries[0].key
+    values.restored(entries[0].key)
+    assert _lowest(values) == entries[1].key
+    values.remove(entries[1].key)
+    values.check_integrity({entries[0].key, entries[2].key})
+    assert _lowest(values) == entries[2].key
+
+
+def test_the_prior_follows_the_restore_rate_of_each_class() -> None:
+    values = EntryValues()
+    ends = [_end_entry(list(range(100 * i, 100 * i + 40))) for i in range(20)]
+    marks = [_block_entry(list(range(5000 + 100 * i, 5000 + 100 * i + 32))) for i in range(200)]
+    for entry in [*ends, *marks]:
+        values.add(entry, 3000)
+    for entry in ends:
+        values.restored(entry.key)
+    assert values.prior(END) > 0.5 > 0.05 > values.prior(BLOCK_END) > 0.0
+
+
+def test_ends_that_come_back_outlive_a_flood_of_marks_that_do_not() -> None:
+    """A host tier of eight entries: three request ends restored twice each, then twice as many
+    interval-mark-like entries as fit; under LRU the flood would push every end out, by value the ends stay. They
+    still age out (GDSF's floor) once newer ends that are as likely to come back keep arriving."""
+    device = FakeDevice()
+    mover = FakeMover(device)
+    one = SIZES.state_bytes + 3 * SIZES.kv_block_bytes
+    tiers = TieredCache([TierSpec("host", 8 * one)], SIZES, mover)
+    slot = 0
+
+    def demote(entry: JointEntry, tokens: list[int]) -> None:
+        nonlocal slot
+        slot += 1
+        assert tiers.demote(entry, slot, _seed_device(device, entry, tokens, slot).get)
+        tiers.poll()
+
+    ends = []
+    for index in range(3):
+        tokens = list(range(1000 * index, 1000 * index + 40))
+        ends.append(_end_entry(tokens))
+        demote(ends[-1], tokens)
+        for _ in range(2):
+            hit = tiers.find(ends[-1].key)
+            assert hit is not None
+            ticket = tiers.promote(hit, 90, [])
+            assert tiers.poll() == [(ticket, True)]
+            tiers.complete_promotion(ticket, True)
+    def flood(count: int, first: int, make: Callable[[list[int]], JointEntry] = _block_entry) -> None:
+        for index in range(first, first + count):
+            tokens = list(range(50_000 + 1000 * index, 50_000 + 1000 * index + 40))
+            demote(make(tokens), tokens)
+            tiers.check_integrity()
+
+    flood(16, 0)
+    assert all(tiers.find(end.key) is not None for end in ends)
+    assert tiers.stats()[0].evictions >= 8  # LRU would have pushed the three ends out by now
+    flood(200, 16, _end_entry)
+    assert all(tiers.find(end.key) is None for end in ends)
+
+
+def test_captures_of_one_chunk_keep_the_deepest_when_slots_are_short() -> None:
+    cost = PrefixCost(1.0e6, 1.0, 64, 1000)
+    policy = make_policy("hybridserve", BLOCK, cost, 2 * BLOCK)
+    policy.bind(BlockPool(64), SnapshotPool(3))
+    view = RequestView(num_prompt_tokens=330, num_tokens=330, branch_point=0, deepest_snapshot=0)
+    prompt_mark = (329 // BLOCK) * BLOCK  # 320, an interval mark too
+    assert policy.captures(view, 0, 330) == [256, 288, prompt_mark]
+    roomy = make_policy("hybridserve", BLOCK, cost, 2 * BLOCK)
+    roomy.bind(BlockPool(64), SnapshotPool(64))
+    assert roomy.captures(view, 0, 330) == list(range(32, prompt_mark + 1, 32))
+    branching = view._replace(branch_point=48)  # a branch point is kept however short the slots
+    assert policy.captures(branching, 0, 330) == [48, 288, prompt_mark]
