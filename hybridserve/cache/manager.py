@@ -40,6 +40,11 @@ class CacheSequence(Protocol):
     @property
     def num_prompt_tokens(self) -> int: ...
 
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Whether it must compute its whole prompt (e.g. for prompt logprobs): no hit is taken."""
+        ...
+
 
 class Restore(NamedTuple):
     """An admission: load the live slot from a snapshot (or zero it for a cold start). `kv_copy =
@@ -233,7 +238,7 @@ class JointCacheManager:
         entry = self._entry(seq)  # a waiting sequence's record keeps its hashes across retries
         # A sequence that must compute its whole prompt (e.g. for prompt logprobs) takes no hit;
         # what it computes is registered and published as any cold start's.
-        bypass = bool(getattr(seq, "skips_prefix_cache", False))
+        bypass = seq.skips_prefix_cache
         promotion = None
         if self.tiers is not None and not bypass:
             promotion, waiting = self._promote_for(seq)
