@@ -193,13 +193,16 @@ class HybridServePolicy(IntervalPolicy):
         best_slot, best_value = None, float("inf")
         horizon, clock, kv_present = AGE_TURNOVERS * max(pool.num_slots, 1), pool.clock, self.kv_present
         linear, quadratic = self.cost.linear_flops_per_token, self.cost.attention_flops_coeff
+        # An unproven snapshot is worth the restores per snapshot the pool has seen (at most one):
+        # when slots are scarce and few snapshots are ever restored, proven ones outweigh deep guesses.
+        prior = min(1.0, (pool.hits_total + 1.0) / (pool.published_total + 1.0))
         for slot, key, tokens, last_use, hits, paths, parent_tokens in pool.candidates(EVICTION_WINDOW):
             if not kv_present(key):
                 return slot
             # prefill_flops(tokens) - prefill_flops(parent_tokens), factored (this loop is the
             # simulator's hottest): what a hit saves beyond the parent, where a miss falls back.
             saved = (tokens - parent_tokens) * (linear + quadratic * (tokens + parent_tokens))
-            value = saved * (1 + hits + (paths - 1 if paths > 1 else 0)) / (1.0 + (clock - last_use) / horizon)
+            value = saved * (prior + hits + (paths - 1 if paths > 1 else 0)) / (1.0 + (clock - last_use) / horizon)
             if value < best_value:
                 best_slot, best_value = slot, value
         return best_slot

@@ -102,6 +102,7 @@ class SnapshotPool:
         self.num_pinned = 0  # published slots with at least one pin
         self._next_ticket = 1
         self.published_total = 0
+        self.hits_total = 0  # restores from published snapshots
         self.evicted_total = 0
         self.skipped_total = 0
         self.aborted_total = 0
@@ -151,6 +152,7 @@ class SnapshotPool:
         slot = self._published.get(key)
         if slot is not None:
             self._hits[slot] += 1
+            self.hits_total += 1
             self.touch(key)
             self._update_covered(slot)
 
