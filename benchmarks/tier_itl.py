@@ -48,7 +48,7 @@ class ItlBench:
 
         self.args = args
         small: dict[str, Any] = {"kv_cache_mib": args.kv_cache_mib, "prefix_cache_mib": args.prefix_cache_mib}
-        roomy: dict[str, Any] = {"kv_cache_mib": 8 * args.kv_cache_mib, "prefix_cache_mib": 8 * args.prefix_cache_mib}
+        roomy: dict[str, Any] = {"kv_cache_mib": 16 * args.kv_cache_mib, "prefix_cache_mib": 32 * args.prefix_cache_mib}
         common: dict[str, Any] = {"device": "cpu", "dtype": "float32", "cache_policy": "interval",
                   "snapshot_interval": args.prefix_tokens, "max_num_batched_tokens": args.max_num_batched_tokens}
         self.engines = {"off": LLM(**common, **small), "host": LLM(**common, **small, host_cache_memory="512MiB"),
@@ -141,11 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tier_itl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--decode-tokens", type=int, default=200)
-    parser.add_argument("--prefixes", type=int, default=6, help="shared prefixes in rotation")
+    parser.add_argument("--decode-tokens", type=int, default=300)
+    parser.add_argument("--prefixes", type=int, default=12, help="shared prefixes in rotation")
     parser.add_argument("--prefix-tokens", type=int, default=1024)
-    parser.add_argument("--kv-cache-mib", type=float, default=12, help="small device KV pool")
-    parser.add_argument("--prefix-cache-mib", type=float, default=2, help="small device snapshot pool")
+    parser.add_argument("--kv-cache-mib", type=float, default=8, help="small device KV pool (roomy: 16x)")
+    parser.add_argument("--prefix-cache-mib", type=float, default=1, help="small device snapshot pool (roomy: 32x)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill chunk per step")
     parser.add_argument("--json", metavar="PATH", default=None)
     args = parser.parse_args(argv)
