@@ -407,7 +407,7 @@ class DiskStore:
                 self._stats.misses += 1
                 return None
             self._index.move_to_end(key)
-        path = self.path / key_to_filename(key)
+        path = os.path.join(self.path, key_to_filename(key))  # a str: a Path per object costs more than the read
         try:
             payload = self._read(path, key)
         except _ObjectFault as fault:
@@ -419,7 +419,7 @@ class DiskStore:
         _touch_quietly(path)  # the recency survives a restart (the index is ordered by mtime)
         return payload
 
-    def _read(self, path: Path, key: str) -> Payload:
+    def _read(self, path: str, key: str) -> Payload:
         try:
             with open(path, "rb") as handle:
                 size = os.fstat(handle.fileno()).st_size
@@ -438,8 +438,8 @@ class DiskStore:
         except Exception as error:  # a payload whose checksum matches but does not parse
             raise _ObjectFault(f"unreadable payload: {error}") from error
 
-    def _count_fault(self, key: str, path: Path, fault: _ObjectFault) -> None:
-        logger.warning("disk cache: object %s is a miss: %s", path.name, fault)
+    def _count_fault(self, key: str, path: str, fault: _ObjectFault) -> None:
+        logger.warning("disk cache: object %s is a miss: %s", os.path.basename(path), fault)
         _unlink_quietly(path)
         with self._lock:
             self._drop_from_index(key)
@@ -533,16 +533,16 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[written:]
 
 
-def _unlink_quietly(path: Path) -> None:
+def _unlink_quietly(path: str | os.PathLike[str]) -> None:
     try:
-        path.unlink()
+        os.unlink(path)
     except FileNotFoundError:
         pass
     except OSError as error:
         logger.warning("disk cache: cannot remove %s: %s", path, error.strerror or error)
 
 
-def _touch_quietly(path: Path) -> None:
+def _touch_quietly(path: str) -> None:
     try:
         os.utime(path)
     except OSError:
