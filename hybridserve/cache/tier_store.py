@@ -407,7 +407,7 @@ class DiskStore:
                 self._stats.misses += 1
                 return None
             self._index.move_to_end(key)
-        path = os.path.join(self.path, key_to_filename(key))  # a str: a Path per object costs more than the read
+        path = os.path.join(self.path, key_to_filename(key))  # a str: cheaper than a Path per object
         try:
             payload = self._read(path, key)
         except _ObjectFault as fault:
