@@ -31,6 +31,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import struct
 import threading
 import time
@@ -62,6 +63,7 @@ TEMP_PREFIX = ".tmp-"
 LOCK_NAME = ".lock"
 MAX_KEY_FILENAME = 240  # escaped key length; file names are at most 255 bytes
 _KEY_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+_ALL_SAFE = re.compile(r"[A-Za-z0-9_\-]+")  # a key of `_KEY_SAFE` characters only is its own file name
 
 
 @dataclass
@@ -169,7 +171,10 @@ def key_to_filename(key: str) -> str:
     %XX; `ValueError` when the key is empty or its file name would be too long."""
     if not key:
         raise ValueError("tier store key must not be empty")
-    name = "".join(c if c in _KEY_SAFE else "".join(f"%{b:02X}" for b in c.encode()) for c in key)
+    if _ALL_SAFE.fullmatch(key):
+        name = key  # every object key the tiers make (kind and hex): no per-character work
+    else:
+        name = "".join(c if c in _KEY_SAFE else "".join(f"%{b:02X}" for b in c.encode()) for c in key)
     if len(name) > MAX_KEY_FILENAME:
         raise ValueError(f"tier store key too long for a file name ({len(name)} > {MAX_KEY_FILENAME}): {key[:40]!r}...")
     return name + OBJECT_SUFFIX
