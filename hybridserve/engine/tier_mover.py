@@ -96,6 +96,7 @@ class DeviceCachePools:
     def __init__(self, kv_cache: PagedKVCache, snapshots: GDNStateTensors) -> None:
         self.kv_cache = kv_cache
         self.snapshots = snapshots
+        self._layouts: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
 
     def read_many(self, kind: str, indices: Sequence[int]) -> list[Payload]:
         """CPU copies of several snapshot slots / KV blocks: one gather per tensor (a synchronous
@@ -119,9 +120,13 @@ class DeviceCachePools:
 
     def matches(self, kind: str, payload: Mapping[str, torch.Tensor]) -> bool:
         """Whether `payload` has exactly the tensor names, shapes and dtypes of one `kind` object."""
-        views = self._views(kind, 0)
-        return set(payload) == set(views) and all(
-            payload[name].shape == view.shape and payload[name].dtype == view.dtype for name, view in views.items())
+        layout = self._layouts.get(kind)
+        if layout is None:  # one object's layout: each pool tensor without its object dimension
+            layout = {name: (tensor.shape[:1] + tensor.shape[2:], tensor.dtype)
+                      for name, tensor in self._stacked(kind).items()}
+            self._layouts[kind] = layout
+        return payload.keys() == layout.keys() and all(
+            (tensor.shape, tensor.dtype) == layout[name] for name, tensor in payload.items())
 
     def _stacked(self, kind: str) -> dict[str, torch.Tensor]:
         """Each tensor of `kind` with its objects along dimension 1 (views of the pools)."""
@@ -131,15 +136,6 @@ class DeviceCachePools:
             keys, values = self.kv_cache.keys, self.kv_cache.values
             blocks = (keys.shape[0], self.kv_cache.num_blocks, self.kv_cache.block_size, *keys.shape[2:])
             return {"keys": keys.view(blocks), "values": values.view(blocks)}
-        raise ValueError(f"unknown tier object kind {kind!r}")
-
-    def _views(self, kind: str, index: int) -> dict[str, torch.Tensor]:
-        if kind == STATE:
-            return {"conv": self.snapshots.conv[:, index], "recurrent": self.snapshots.recurrent[:, index]}
-        if kind == KV:
-            size = self.kv_cache.block_size
-            rows = slice(index * size, (index + 1) * size)
-            return {"keys": self.kv_cache.keys[:, rows], "values": self.kv_cache.values[:, rows]}
         raise ValueError(f"unknown tier object kind {kind!r}")
 
 

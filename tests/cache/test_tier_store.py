@@ -590,3 +590,33 @@ def test_build_tier_stores_follows_the_config(tmp_path: Path) -> None:
     finally:
         stores.close()
     assert check_disk_cache_dir(tmp_path / "d") == tmp_path / "d"
+
+
+def test_device_pools_gather_scatter_and_layout_check() -> None:
+    """The engine's device pools read several blocks / slots in one gather and write them back in
+    one scatter, exactly; a payload of another name set, shape or dtype does not match."""
+    from types import SimpleNamespace
+
+    from hybridserve.engine.tier_mover import DeviceCachePools
+    from hybridserve.layers.attention import PagedKVCache
+
+    kv = PagedKVCache(num_layers=2, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=3, dtype=torch.float32,
+                      device=torch.device("cpu"))
+    kv.keys.copy_(torch.randn(kv.keys.shape))
+    kv.values.copy_(torch.randn(kv.values.shape))
+    snapshots = SimpleNamespace(conv=torch.randn(2, 5, 3, 4), recurrent=torch.randn(2, 5, 2, 3, 3))
+    pools = DeviceCachePools(kv, snapshots)  # type: ignore[arg-type]
+    blocks = pools.read_many("kv", [4, 1])
+    assert torch.equal(blocks[0]["keys"], kv.keys[:, 16:20]) and torch.equal(blocks[1]["values"], kv.values[:, 4:8])
+    pools.write_many("kv", [0, 5], blocks)
+    assert torch.equal(kv.keys[:, 0:4], kv.keys[:, 16:20]) and torch.equal(kv.values[:, 20:24], kv.values[:, 4:8])
+    states = pools.read_many("state", [3])
+    pools.write_many("state", [0], states)
+    assert torch.equal(snapshots.conv[:, 0], snapshots.conv[:, 3])
+    assert torch.equal(snapshots.recurrent[:, 0], snapshots.recurrent[:, 3])
+    assert pools.matches("kv", blocks[0]) and pools.matches("state", states[0])
+    assert not pools.matches("state", blocks[0])
+    assert not pools.matches("kv", {**blocks[0], "keys": blocks[0]["keys"][:, :2]})
+    assert not pools.matches("kv", {**blocks[0], "keys": blocks[0]["keys"].double()})
+    assert not pools.matches("kv", {"keys": blocks[0]["keys"]})
+    assert pools.read_many("kv", []) == []
