@@ -2,11 +2,11 @@
 
 The engine submits work between steps and collects completion events with `poll()`; it never waits
 for a copy or a disk (a slow disk only makes events arrive later). A submit that would overflow
-the bounded queue is refused (`False`, counted) rather than blocking; the logical layer treats a
-refused demotion as a drop and a refused promotion as a miss. Deletes are never refused: they are
-cheap, and a lost one would leave the store and the logical index disagreeing.
+the bounded queue is refused (None instead of a sequence number, counted) rather than blocking; the
+logical layer treats a refused demotion as a drop and a refused promotion as a miss. Deletes are
+never refused: they are cheap, and a lost one would leave the store and the logical index disagreeing.
 
-CUDA payloads: `submit_put` records an event on the caller's current stream, and the store's copy
+CUDA payloads: a put records an event on the caller's current stream, and the store's copy
 waits for it on a side stream; the caller must leave the source tensors unchanged until the put's
 completion event arrives (the logical layer keeps the device slot pinned until then).
 """
