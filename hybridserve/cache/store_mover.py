@@ -1,4 +1,5 @@
-"""Asynchronous front of a tier store (`StoreMover`): its puts, gets and deletes run on a background thread.
+"""Asynchronous front of a tier store (`StoreMover`): its puts, gets and deletes run on a background
+thread, or on the caller's thread for a store as cheap as host memory.
 
 The engine submits work between steps and collects completion events with `poll()`; it never waits
 for a copy or a disk (a slow disk only makes events arrive later). A submit that would overflow
@@ -69,12 +70,14 @@ class _Op:
     submitted: float
     call: Callable[[], Any] | None = None
     seq: int = 0
-    last: bool = True  # the last operation of its submission (its completion wakes a waiting poll)
 
 
-def _ready_event(payload: Mapping[str, torch.Tensor]) -> Any:
-    """A CUDA event recorded on the current stream when `payload` lives on a GPU, else None."""
-    if any(t.is_cuda for t in payload.values()):
+_Submission = list[_Op]  # operations submitted together: queued, run and reported as one unit
+
+
+def _ready_event(payloads: Sequence[Mapping[str, torch.Tensor]]) -> Any:
+    """A CUDA event recorded on the current stream when any of `payloads` lives on a GPU, else None."""
+    if any(t.is_cuda for payload in payloads for t in payload.values()):
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it untyped
         event.record()
         return event
@@ -82,19 +85,24 @@ def _ready_event(payload: Mapping[str, torch.Tensor]) -> Any:
 
 
 class StoreMover:
-    """Runs one store's operations on a background thread, in two lanes: reads (gets, lookups) go
+    """Runs one store's operations on a background thread (or, `inline`, on the submitting thread
+    at once: for a store as cheap as a memory copy, where a thread only adds wake-ups and contention
+    for the interpreter lock with the forward), in two lanes: reads (gets, lookups) go
     ahead of queued writes (puts, deletes, index calls), so a promotion never waits behind the
     demotions that making room for it started; a get of a key with a put or delete still queued
-    goes behind it in the write lane. Within a lane, operations run in submission order. Each
-    event carries the sequence number `submit_many`/`submit_call` returned."""
+    goes behind it in the write lane. Within a lane, operations run in submission order. The
+    operations of one submission are queued, run and reported together (one wake-up for a whole
+    entry's objects, not one per object). Each event carries its operation's sequence number,
+    counted from the one `submit_many`/`submit_call` returned."""
 
-    def __init__(self, store: ObjectStore, *, max_pending: int = DEFAULT_MAX_PENDING) -> None:
+    def __init__(self, store: ObjectStore, *, max_pending: int = DEFAULT_MAX_PENDING, inline: bool = False) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.store = store
         self.max_pending = max_pending
-        self._reads: deque[_Op] = deque()
-        self._writes: deque[_Op] = deque()
+        self._reads: deque[_Submission] = deque()
+        self._writes: deque[_Submission] = deque()
+        self._queued = 0  # operations in both lanes
         self._mutations: Counter[str] = Counter()  # queued puts and deletes per key
         self._bounded = 0  # queued operations other than deletes (what `max_pending` bounds)
         self._next_seq = 1  # numbers start at 1, so a refused submit (None) is the only falsy answer
@@ -102,9 +110,13 @@ class StoreMover:
         self._work = threading.Condition()
         self._done = threading.Condition()
         self._closing = False
+        self._held = False  # writes wait while the engine runs a forward (`hold_writes`)
         self._stats = MoverStats(tier=store.tier)
-        self._thread = threading.Thread(target=self._run, name=f"tier-mover-{store.tier}", daemon=True)
-        self._thread.start()
+        self.inline = inline
+        self._thread: threading.Thread | None = None
+        if not inline:
+            self._thread = threading.Thread(target=self._run, name=f"tier-mover-{store.tier}", daemon=True)
+            self._thread.start()
 
     # -- caller side (never blocks on the store) -----------------------------------------------
 
@@ -122,13 +134,14 @@ class StoreMover:
         from the returned sequence number: all of them, or none (None, counted) when the queue
         cannot take them all."""
         now = time.perf_counter()
+        ready = _ready_event([payload for _, payload in operations if payload is not None])
         ops = []
         for key, payload in operations:
             if payload is None:
-                ops.append(_Op("get", key, None, None, now, last=False))
+                ops.append(_Op("get", key, None, None, now))
             else:
                 key_to_filename(key)  # a key no store can hold is a caller's bug: raise it here
-                ops.append(_Op("put", key, payload, _ready_event(payload), now, last=False))
+                ops.append(_Op("put", key, payload, ready, now))
         return self._submit(ops, bounded=True)
 
     def submit_call(self, key: str, call: Callable[[], Any], *, read: bool = False) -> int | None:
@@ -143,26 +156,39 @@ class StoreMover:
         assert seq is not None
         return seq
 
+    def hold_writes(self, held: bool) -> None:
+        """While held, queued writes wait (reads still run) unless the queue is half full: the
+        engine holds them during a forward, so on a lightly loaded machine background writes run
+        between steps instead of competing with the forward for cores and the interpreter lock."""
+        with self._work:
+            self._held = held
+            if not held:
+                self._work.notify()
+
     def cancel(self, key: str) -> int:
         """Drop the queued, not yet started puts and gets of `key` (no events for them); an
         operation already running completes. Returns how many were dropped."""
         with self._work:
             dropped = 0
             for lane in (self._reads, self._writes):
-                gone = [op for op in lane if op.key == key and op.kind in ("put", "get")]
-                for op in gone:
-                    lane.remove(op)
-                    if op.kind == "put":
-                        self._mutation_done(key)
-                dropped += len(gone)
+                for submission in list(lane):
+                    gone = [op for op in submission if op.key == key and op.kind in ("put", "get")]
+                    for op in gone:
+                        submission.remove(op)
+                        if op.kind == "put":
+                            self._mutation_done(key)
+                    if not submission:
+                        lane.remove(submission)
+                    dropped += len(gone)
             self._bounded -= dropped
+            self._queued -= dropped
             self._stats.cancelled += dropped
-            self._stats.pending = len(self._reads) + len(self._writes)
+            self._stats.pending = self._queued
         return dropped
 
     def poll(self, timeout: float = 0.0) -> list[TierEvent]:
         """The events completed since the last poll; waits up to `timeout` seconds when there are
-        none, until a submission's last operation completes (the engine's step loop polls with 0)."""
+        none, until a submission completes (the engine's step loop polls with 0)."""
         with self._done:
             if not self._events and timeout > 0:
                 self._done.wait(timeout=timeout)
@@ -180,14 +206,16 @@ class StoreMover:
         objects reach the disk before a restart); the store stays open."""
         with self._work:
             if not drain:
-                self._stats.cancelled += len(self._reads) + len(self._writes)
+                self._stats.cancelled += self._queued
+                self._queued = 0
                 self._reads.clear()
                 self._writes.clear()
                 self._mutations.clear()
                 self._bounded = 0
             self._closing = True
             self._work.notify_all()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
     def _submit(self, ops: Sequence[_Op], *, bounded: bool, read: bool = False) -> int | None:
         with self._work:
@@ -200,23 +228,26 @@ class StoreMover:
             for op in ops:
                 op.seq = self._next_seq
                 self._next_seq += 1
-                self._lane(op, read).append(op)
             if ops:
-                ops[-1].last = True
+                self._lane(ops, read).append(list(ops))
             self._bounded += len(ops) if bounded else 0
+            self._queued += len(ops)
             self._stats.submitted += len(ops)
-            self._stats.pending = len(self._reads) + len(self._writes)
+            self._stats.pending = self._queued
             self._work.notify()
+        if self.inline:
+            self._run_queued()
         return first
 
-    def _lane(self, op: _Op, read: bool) -> deque[_Op]:
-        """The lane `op` joins: a get of a key without queued mutations, or a read call, reads."""
-        if op.kind in ("put", "delete"):
-            self._mutations[op.key] += 1
-            return self._writes
-        if (op.kind == "get" and not self._mutations[op.key]) or (op.kind == "call" and read):
-            return self._reads
-        return self._writes
+    def _lane(self, ops: Sequence[_Op], read: bool) -> deque[_Submission]:
+        """The lane a submission joins: reads when it holds only gets of keys without queued
+        mutations and read calls, else writes (its puts and deletes are counted as queued)."""
+        reads = all((op.kind == "get" and not self._mutations[op.key]) or (op.kind == "call" and read)
+                    for op in ops)
+        for op in ops:
+            if op.kind in ("put", "delete"):
+                self._mutations[op.key] += 1
+        return self._reads if reads else self._writes
 
     def _mutation_done(self, key: str) -> None:
         left = self._mutations[key] - 1
@@ -230,22 +261,54 @@ class StoreMover:
     def _run(self) -> None:
         while True:
             with self._work:
-                self._work.wait_for(lambda: bool(self._reads or self._writes) or self._closing)
+                self._work.wait_for(lambda: self._runnable_lane() is not None or self._closing)
                 if not (self._reads or self._writes):
                     return
-                op = (self._reads or self._writes).popleft()
+            self._run_queued()
+
+    def _runnable_lane(self) -> deque[_Submission] | None:
+        """The lane to take an operation from now: reads first; writes unless held (caller holds
+        `_work`)."""
+        if self._reads:
+            return self._reads
+        if self._writes and (self.inline or not self._held or self._closing or 2 * self._bounded >= self.max_pending):
+            return self._writes
+        return None
+
+    def _run_queued(self) -> None:
+        """Run queued operations, reads first, until nothing is runnable; each submission's events
+        are published together when it completes (or when the run stops part-way through one)."""
+        events: list[TierEvent] = []
+        while True:
+            with self._work:
+                lane = self._runnable_lane()
+                if lane is None:
+                    break
+                submission = lane[0]
+                op = submission.pop(0)
+                finished = not submission
+                if finished:
+                    lane.popleft()
                 if op.kind in ("put", "delete"):
                     self._mutation_done(op.key)
                 self._bounded -= op.kind != "delete"
-                self._stats.pending = len(self._reads) + len(self._writes)
-                idle = not (self._reads or self._writes)
-            event = self._execute(op)
-            with self._work:
-                self._stats.completed += 1
-            with self._done:
-                self._events.append(event)
-                if op.last or idle:
-                    self._done.notify_all()
+                self._queued -= 1
+                self._stats.pending = self._queued
+            events.append(self._execute(op))
+            if finished:
+                self._publish(events)
+                events = []
+        self._publish(events)
+
+    def _publish(self, events: list[TierEvent]) -> None:
+        """Hand finished operations' events to `poll` and wake a waiting poll."""
+        if not events:
+            return
+        with self._work:
+            self._stats.completed += len(events)
+        with self._done:
+            self._events.extend(events)
+            self._done.notify_all()
 
     def _execute(self, op: _Op) -> TierEvent:
         try:

@@ -364,6 +364,55 @@ def test_mover_get_miss_cancel_and_drained_close(disk: DiskStore) -> None:
         mover.submit_get("state-a")
 
 
+def test_an_inline_mover_runs_each_submission_before_submit_returns(disk: DiskStore) -> None:
+    mover = StoreMover(disk, inline=True)
+    try:
+        assert mover.submit_many([("state-a", _payload()), ("state-b", _payload(1))]) == 1
+        assert disk.keys() == ["state-a", "state-b"]  # written on the caller's thread, already
+        mover.hold_writes(True)  # holding means nothing inline: there is no queue to hold
+        assert mover.submit_get("state-b") == 3 and mover.submit_put("state-c", _payload(2)) == 4
+        events = mover.poll()
+        assert [(e.seq, e.kind, e.ok) for e in events] == [(1, "put", True), (2, "put", True), (3, "get", True),
+                                                           (4, "put", True)]
+        _assert_same(events[2].payload, _payload(1))
+        assert mover.stats().pending == 0 and mover.stats().completed == 4
+    finally:
+        mover.close()
+
+
+def test_held_writes_wait_while_reads_run_until_released(disk: DiskStore) -> None:
+    mover = StoreMover(disk, max_pending=8)
+    try:
+        mover.submit_put("state-a", _payload())
+        _collect(mover, 1)
+        mover.hold_writes(True)
+        assert mover.submit_put("state-b", _payload(1)) == 2
+        assert mover.submit_get("state-a") == 3
+        assert [(e.seq, e.kind, e.ok) for e in _collect(mover, 1)] == [(3, "get", True)]
+        assert not disk.contains("state-b") and mover.stats().pending == 1
+        mover.hold_writes(False)
+        assert [(e.seq, e.kind, e.ok) for e in _collect(mover, 1)] == [(2, "put", True)]
+        assert disk.contains("state-b")
+    finally:
+        mover.close()
+
+
+def test_held_writes_run_anyway_once_the_queue_is_half_full(disk: DiskStore) -> None:
+    """Holding only defers writes: under sustained load they must not pile up to refusals."""
+    mover = StoreMover(disk, max_pending=4)
+    try:
+        mover.hold_writes(True)
+        assert mover.submit_put("state-a", _payload()) == 1  # a quarter full: held
+        assert mover.submit_put("state-b", _payload(1)) == 2  # half full: writes run, still held,
+        assert [(e.seq, e.ok) for e in _collect(mover, 1)] == [(1, True)]  # until it is below half
+        assert mover.stats().pending == 1
+        mover.submit_put("state-c", _payload(2))
+        mover.close()  # closing drains held writes too
+        assert disk.keys() == ["state-a", "state-b", "state-c"]
+    finally:
+        mover.close()
+
+
 # -- crash safety ---------------------------------------------------------------------------------
 
 CHILD_WRITER = """
