@@ -143,7 +143,7 @@ def _host_copy(payload: Mapping[str, torch.Tensor], *, pin: bool, stream: Any, r
     waits for the compute stream's later work."""
     on_cuda = any(t.is_cuda for t in payload.values())
     if not on_cuda:
-        return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in payload.items()}
+        return {name: t.detach().clone(memory_format=torch.contiguous_format) for name, t in payload.items()}
     copies: Payload = {}
     with torch.cuda.stream(stream):
         if ready is not None:
@@ -341,7 +341,7 @@ class DiskStore:
                 key = filename_to_key(entry.name)
                 info = entry.stat()
                 with open(path, "rb") as handle:
-                    _read_header(handle, key, info.st_size)
+                    _check_header(handle.read(HEADER.size + len(key.encode())), key, info.st_size)
                 found.append((info.st_mtime, key, info.st_size))
             except (OSError, ValueError, _ObjectFault) as fault:
                 logger.warning("disk cache: dropping %s at start: %s", entry.name, fault)
@@ -426,16 +426,14 @@ class DiskStore:
 
     def _read(self, path: str, key: str) -> Payload:
         try:
-            with open(path, "rb") as handle:
-                size = os.fstat(handle.fileno()).st_size
-                payload_length, checksum = _read_header(handle, key, size)
-                data = handle.read(payload_length)
+            with open(path, "rb", buffering=0) as handle:  # the whole object in one read
+                blob = handle.readall()
         except FileNotFoundError as error:
             raise _ObjectFault("file is gone", missing=True) from error
         except OSError as error:
             raise _ObjectFault(f"cannot read: {error.strerror or error}") from error
-        if len(data) != payload_length:
-            raise _ObjectFault("truncated payload")
+        payload_length, checksum = _check_header(blob, key, len(blob))
+        data = blob[len(blob) - payload_length:]
         if xxhash.xxh3_128_digest(data) != checksum:
             raise _ObjectFault("checksum mismatch")
         try:
@@ -511,20 +509,20 @@ def _object_bytes(key: str, data: bytes) -> bytes:
     return header + key_bytes + data
 
 
-def _read_header(handle: Any, key: str, file_size: int) -> tuple[int, bytes]:
-    """(payload length, checksum) of an object file positioned at its start, after checking the
-    magic, the version, the key and that the file is exactly as long as the header says."""
-    raw = handle.read(HEADER.size)
-    if len(raw) != HEADER.size:
+def _check_header(head: bytes, key: str, file_size: int) -> tuple[int, bytes]:
+    """(payload length, checksum) of an object file whose first bytes (at least the header and
+    the key) are `head`, after checking the magic, the version, the key and that the file is
+    exactly as long as the header says."""
+    if len(head) < HEADER.size:
         raise _ObjectFault("truncated header")
-    magic, version, key_length, payload_length, checksum = HEADER.unpack(raw)
+    magic, version, key_length, payload_length, checksum = HEADER.unpack_from(head)
     if magic != MAGIC:
         raise _ObjectFault("not a tier object (bad magic)")
     if version != FORMAT_VERSION:
         raise _ObjectFault(f"format version {version}, expected {FORMAT_VERSION}")
     if file_size != HEADER.size + key_length + payload_length:
         raise _ObjectFault(f"file is {file_size} bytes, header says {HEADER.size + key_length + payload_length}")
-    if handle.read(key_length) != key.encode():
+    if head[HEADER.size:HEADER.size + key_length] != key.encode():
         raise _ObjectFault("key does not match the file name")
     return int(payload_length), bytes(checksum)
 

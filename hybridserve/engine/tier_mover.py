@@ -100,13 +100,14 @@ class DeviceCachePools:
 
     def read_many(self, kind: str, indices: Sequence[int]) -> list[Payload]:
         """CPU copies of several snapshot slots / KV blocks: one gather per tensor (a synchronous
-        copy), each object's payload a view into it."""
+        copy) with the objects outermost, each object's payload a contiguous view into it."""
         if not indices:
             return []
         stacked = self._stacked(kind)
         where = torch.tensor(indices, dtype=torch.int64, device=next(iter(stacked.values())).device)
-        gathered = {name: tensor.index_select(1, where).to("cpu") for name, tensor in stacked.items()}
-        return [{name: tensor[:, position] for name, tensor in gathered.items()} for position in range(len(indices))]
+        gathered = {name: tensor.transpose(0, 1).index_select(0, where).to("cpu").unbind(0)
+                    for name, tensor in stacked.items()}
+        return [dict(zip(gathered, views, strict=True)) for views in zip(*gathered.values(), strict=True)]
 
     def write_many(self, kind: str, indices: Sequence[int], payloads: Sequence[Mapping[str, torch.Tensor]]) -> None:
         """Copy verified payloads into these snapshot slots / KV blocks: one scatter per tensor."""
@@ -151,7 +152,9 @@ class EngineTierMover:
         # read and its write), or every prefix deeper than the default bound would miss.
         max_pending = max(DEFAULT_MAX_PENDING, 2 * (pools.kv_cache.num_blocks + pools.snapshots.num_slots))
         for store in stores.in_order():
-            self.movers[store.tier] = StoreMover(store, max_pending=max_pending)
+            # host memory is a copy away: its operations run inline, with no thread to contend
+            # with the forward for the interpreter lock
+            self.movers[store.tier] = StoreMover(store, max_pending=max_pending, inline=store is stores.host)
         self._pending: dict[str, dict[int, _Pending]] = {name: {} for name in self.movers}  # by sequence number
         self._tickets: dict[int, _Ticket] = {}
         self._finished: list[tuple[int, bool]] = []
@@ -269,6 +272,12 @@ class EngineTierMover:
         for tier, mover in self.movers.items():
             for event in mover.poll():
                 self._on_event(tier, event)
+
+    def hold_writes(self, held: bool) -> None:
+        """Hold (or release) the background stores' queued writes: see `StoreMover.hold_writes`."""
+        for mover in self.movers.values():
+            if not mover.inline:
+                mover.hold_writes(held)
 
     @property
     def busy(self) -> bool:
