@@ -27,11 +27,11 @@ from hybridserve.engine.request import Request, RequestGroup, RequestStatus
 from hybridserve.engine.runner import ModelRunner
 from hybridserve.engine.sampling import SampledToken, SamplingSpec, SequenceKey, sampling_spec
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput, blocks_for
-from hybridserve.engine.step_plan import ordered_requests, plan_step
+from hybridserve.engine.step_plan import StepPlan, ordered_requests, plan_step
 from hybridserve.engine.structured_output import GrammarCompiler, GrammarWaitlist, TokenMasker
 from hybridserve.engine.threads import apply_process_settings
 from hybridserve.engine.tier_mover import DeviceCachePools, EngineTierMover, build_engine_tiers, tiers_requested
-from hybridserve.engine.worker import WorkerSpec
+from hybridserve.engine.worker import PlanResult, WorkerSpec
 from hybridserve.errors import EngineDeadError, QueueFullError
 from hybridserve.layers.attention import PagedKVCache
 from hybridserve.models.builtin import BUILTIN_MODEL_CONFIG, builtin_tokenizer
@@ -431,7 +431,7 @@ class LLMEngine:
         plan = plan_step(scheduled, self._draws, self._released)
         self._released = []
         try:
-            result = self.executor.execute(plan)
+            result = self._execute(plan)
         except WorkerDiedError as exc:
             return self._after_worker_death(scheduled, str(exc))
         except StepFailedError as exc:  # every rank agreed: revert, as for any failed forward
@@ -461,6 +461,17 @@ class LLMEngine:
                     sequences.append(request)
                     self._take_draw(request, draw, now)
         return self._groups(sequences)
+
+    def _execute(self, plan: StepPlan) -> PlanResult:
+        """Run one step's forward; the lower tiers' background writes wait for its end (see
+        `StoreMover.hold_writes`)."""
+        if self.tier_mover is None:
+            return self.executor.execute(plan)
+        self.tier_mover.hold_writes(True)
+        try:
+            return self.executor.execute(plan)
+        finally:
+            self.tier_mover.hold_writes(False)
 
     def _draws(self, request: Request) -> tuple[SamplingSpec, ...]:
         """A request's next draws: its own, then those of the sequences forked from it this step."""

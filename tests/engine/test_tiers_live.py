@@ -97,6 +97,30 @@ def test_disk_tier_serves_later_turns_with_identical_outputs(reference: list, tm
     llm.llm_engine.shutdown()
 
 
+def test_disk_writes_are_held_during_each_forward(tmp_path: Path) -> None:
+    """Background tier writes wait while a forward runs (they run between steps, or anyway once
+    their queue is half full), and are released even when the forward fails."""
+    llm = _llm(**SMALL_POOLS, disk_cache_dir=_private_dir(tmp_path / "tiers"), disk_cache_size="64MiB")
+    engine = llm.llm_engine
+    mover, executor = engine.tier_mover, engine.executor
+    assert mover is not None
+    disk = mover.movers["disk"]
+    seen: list[object] = []
+    forward = executor.execute
+
+    def recording_forward(plan: object) -> object:
+        seen.append(disk._held)
+        if len(seen) == 2:
+            raise RuntimeError("a failing forward")
+        return forward(plan)  # type: ignore[arg-type]
+
+    executor.execute = recording_forward  # type: ignore[method-assign]
+    llm.generate([_tokens(100, seed=7)], PARAMS, use_tqdm=False)
+    assert seen[:2] == [True, True] and not disk._held  # held in each forward, released after the failed one
+    engine.check_integrity()
+    engine.shutdown()
+
+
 @pytest.mark.slow  # the cascade path on top of the host and disk cases above
 def test_host_cascades_to_disk_and_disk_serves(reference: list, tmp_path: Path) -> None:
     llm = _llm(**SMALL_POOLS, host_cache_memory="4MiB",
