@@ -183,7 +183,6 @@ class ToolCallStream:
         self._content, self._pieces = [], {}
         return ToolCallDelta(content, pieces)
 
-    # ------------------------------------------------------------------ states
     def _step(self) -> bool:
         """Advance over `_held` once; False when it needs more text."""
         states: dict[str, Callable[[], bool]] = {
@@ -237,21 +236,13 @@ class ToolCallStream:
         if body.startswith(TOOL_CALL_END):  # a call without </function>
             self._held, self._state = body, "after"
             return True
-        if not body or any(m.startswith(body) for m in (PARAMETER_START, FUNCTION_END, TOOL_CALL_END)):
-            self._held = body
-            return False
-        stray = body.find("<", 1)  # text between parameters: dropped
-        self._held = body[stray:] if stray > 0 else ""
-        return stray > 0
+        return self._wait_or_drop(body, PARAMETER_START, FUNCTION_END, TOOL_CALL_END)
 
     def _in_parameter(self) -> bool:
         value = self._read_until(PARAMETER_END)
         if value is None:
             return False
-        if value.startswith("\n"):
-            value = value[1:]
-        if value.endswith("\n"):
-            value = value[:-1]
+        value = value.removeprefix("\n").removesuffix("\n")
         self._send_parameter(self._param, _convert_value(value, self.types.get(self._name, {}).get(self._param)))
         self._state = "function"
         return True
@@ -262,12 +253,7 @@ class ToolCallStream:
             self._close_call()
             self._held, self._state = body[len(TOOL_CALL_END):], "text"
             return True
-        if not body or TOOL_CALL_END.startswith(body):
-            self._held = body
-            return False
-        stray = body.find("<", 1)
-        self._held = body[stray:] if stray > 0 else ""
-        return stray > 0
+        return self._wait_or_drop(body, TOOL_CALL_END)
 
     def _in_raw(self) -> bool:
         body = self._read_until(TOOL_CALL_END)
@@ -282,7 +268,15 @@ class ToolCallStream:
         self._state = "text"
         return True
 
-    # ------------------------------------------------------------------ helpers
+    def _wait_or_drop(self, body: str, *markers: str) -> bool:
+        """Hold `body` while it may still become one of `markers`; else drop the stray text before its next tag."""
+        if not body or any(marker.startswith(body) for marker in markers):
+            self._held = body
+            return False
+        stray = body.find("<", 1)
+        self._held = body[stray:] if stray > 0 else ""
+        return stray > 0
+
     def _read_until(self, marker: str) -> str | None:
         """Everything read in this state up to `marker` once it has come, with `_held` then the
         text after it; None before (the text is kept in pieces, and only the new text and the
@@ -332,12 +326,6 @@ class ToolCallStream:
 def parse_forced_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None) -> list[ParsedToolCall]:
     """The calls of a forced output (`tool_choice` "required" or named), read as a stream reads
     them: no content, a call cut short closed with the parameters it completed."""
-    stream = ToolCallStream(tools, forced=True)
-    delta = stream.update(text, final=True)
-    calls: dict[int, list[str]] = {}
-    names: dict[int, str] = {}
-    for piece in delta.tool_calls:
-        if piece.name is not None:
-            names[piece.call_index] = piece.name
-        calls.setdefault(piece.call_index, []).append(piece.arguments)
-    return [ParsedToolCall(names[i], "".join(calls[i])) for i in sorted(names)]
+    delta = ToolCallStream(tools, forced=True).update(text, final=True)
+    # one update: one piece per call, in call order, each naming its function
+    return [ParsedToolCall(piece.name, piece.arguments) for piece in delta.tool_calls if piece.name is not None]
