@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -295,11 +296,23 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _compile_template(source: str) -> jinja2.Template:
-    """Compile a chat template the way transformers does (sandboxed, trimmed blocks)."""
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
+def chat_template_environment() -> ImmutableSandboxedEnvironment:
+    """A Jinja environment for chat templates as transformers builds it: an immutable sandbox, trimmed
+    blocks, and the `raise_exception`, `strftime_now` and `tojson` helpers Hugging Face templates use."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = _tojson
+    return env
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """Compile a chat template (ValueError when it does not)."""
     try:
-        return env.from_string(source)
+        return chat_template_environment().from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as exc:
         raise ValueError(f"invalid chat template: {exc}") from exc

@@ -4,13 +4,12 @@ error (the template's own `raise_exception` included) is `ChatTemplateError`, a 
 
 from __future__ import annotations
 
-import json
 import logging
-from datetime import datetime
 from typing import Any
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from hybridserve.models.tokenizer import chat_template_environment
 
 logger = logging.getLogger(__name__)
 
@@ -26,31 +25,11 @@ class ChatTemplateError(ValueError):
     """The chat template could not render these messages."""
 
 
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
-
-
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, autoescape=False)
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.filters["tojson"] = _tojson
-    return env
-
-
 class ChatRenderer:
     """Renders OpenAI-style message lists into a prompt string."""
 
     def __init__(self, template: str | None) -> None:
-        env = _environment()
+        env = chat_template_environment()
         self._template = env.from_string(CHATML_TEMPLATE)
         if template:
             try:
