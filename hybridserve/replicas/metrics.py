@@ -5,7 +5,7 @@ is on. The engine families of the app itself carry the sums over replicas."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -46,44 +46,28 @@ class ReplicaMetricsCollector(Collector):
             for reason, count in snap.decisions.items():
                 decisions[reason] = decisions.get(reason, 0) + count
         for name, key, doc, counter in _REPLICA_FAMILIES:
-            family: GaugeMetricFamily | CounterMetricFamily = (
-                CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["replica"]) if counter
-                else GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["replica"]))
-            for replica, stats in sorted(replicas.items()):
-                if key in stats:
-                    family.add_metric([replica], float(stats[key]))
-            yield family
-        yield self._hit_rates(replicas)
-        flight = GaugeMetricFamily(f"{PREFIX}_replica_requests_in_flight",
-                                   "Requests the router sent to the replica and not finished.", labels=["replica"])
-        for replica in sorted(replicas):
-            flight.add_metric([replica], float(in_flight.get(replica, 0)))
-        yield flight
-        yield from self._store_traffic(replicas)
-        routed = CounterMetricFamily(f"{PREFIX}_router_decisions", "Routing decisions by reason.", labels=["reason"])
-        for reason, count in sorted(decisions.items()):
-            routed.add_metric([reason], float(count))
-        yield routed
+            yield _family(name, doc, {r: stats[key] for r, stats in replicas.items() if key in stats}, counter)
+        yield _family("replica_prefix_cache_hit_rate",
+                      "Share of the replica's looked-up prompt tokens restored from its cache.",
+                      {r: float(stats.get("prefix_cache_hit_tokens", 0))
+                       / max(float(stats.get("prefix_cache_query_tokens", 0)), 1.0) for r, stats in replicas.items()})
+        yield _family("replica_requests_in_flight", "Requests the router sent to the replica and not finished.",
+                      {r: in_flight.get(r, 0) for r in replicas})
+        store_fields = sorted({key[len(STORE_TIER_PREFIX):] for stats in replicas.values() for key in stats
+                               if key.startswith(STORE_TIER_PREFIX)})
+        for field in store_fields:
+            key = STORE_TIER_PREFIX + field
+            yield _family(f"replica_store_{field}", f"The replica's shared-store tier stat {field!r}.",
+                          {r: stats[key] for r, stats in replicas.items() if isinstance(stats.get(key), (int, float))})
+        yield _family("router_decisions", "Routing decisions by reason.", decisions, counter=True, label="reason")
 
-    @staticmethod
-    def _hit_rates(replicas: dict[str, dict[str, float]]) -> GaugeMetricFamily:
-        family = GaugeMetricFamily(f"{PREFIX}_replica_prefix_cache_hit_rate",
-                                   "Share of the replica's looked-up prompt tokens restored from its cache.",
-                                   labels=["replica"])
-        for replica, stats in sorted(replicas.items()):
-            queried = float(stats.get("prefix_cache_query_tokens", 0))
-            family.add_metric([replica], float(stats.get("prefix_cache_hit_tokens", 0)) / queried if queried else 0.0)
-        return family
 
-    @staticmethod
-    def _store_traffic(replicas: dict[str, dict[str, float]]) -> Iterator[Metric]:
-        fields = sorted({key[len(STORE_TIER_PREFIX):] for stats in replicas.values() for key in stats
-                         if key.startswith(STORE_TIER_PREFIX)})
-        for field in fields:
-            family = GaugeMetricFamily(f"{PREFIX}_replica_store_{field}",
-                                       f"The replica's shared-store tier stat {field!r}.", labels=["replica"])
-            for replica, stats in sorted(replicas.items()):
-                value = stats.get(STORE_TIER_PREFIX + field)
-                if isinstance(value, (int, float)):
-                    family.add_metric([replica], float(value))
-            yield family
+def _family(name: str, doc: str, values: Mapping[str, float], counter: bool = False,
+            label: str = "replica") -> Metric:
+    """One family labelled by `label`: a sample per key of `values`, in key order."""
+    family: GaugeMetricFamily | CounterMetricFamily = (
+        CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=[label]) if counter
+        else GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=[label]))
+    for key, value in sorted(values.items()):
+        family.add_metric([key], float(value))
+    return family

@@ -83,24 +83,14 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(handler=run_sim)
 
 
-def _floats(text: str, what: str) -> list[float]:
+def _floats(text: str, what: str, zero_ok: bool = False) -> list[float]:
+    """Comma-separated positive numbers (`zero_ok`: >= 0, a tier budget of 0 meaning no such tier)."""
     try:
         values = [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise ValueError(f"{what} must be comma-separated numbers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise ValueError(f"{what} must be positive numbers, got {text!r}")
-    return values
-
-
-def _budgets(text: str, what: str) -> list[float]:
-    """Comma-separated tier budgets: numbers >= 0 (0: no such tier)."""
-    try:
-        values = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"{what} must be comma-separated numbers, got {text!r}") from None
-    if not values or any(v < 0 for v in values):
-        raise ValueError(f"{what} must be numbers >= 0, got {text!r}")
+    if not values or any(v < 0 or (v == 0 and not zero_ok) for v in values):
+        raise ValueError(f"{what} must be {'numbers >= 0' if zero_ok else 'positive numbers'}, got {text!r}")
     return values
 
 
@@ -125,8 +115,8 @@ def run_sim(args: argparse.Namespace) -> int:
     policies = _policies(args.policies)
     snapshot_budgets = _floats(args.snapshot_budgets_gib, "--snapshot-budgets-gib")
     kv_budgets = _floats(args.kv_budgets_gib, "--kv-budgets-gib")
-    tier_budgets = [(host, disk) for host in _budgets(args.host_budgets_gib, "--host-budgets-gib")
-                    for disk in _budgets(args.disk_budgets_gib, "--disk-budgets-gib")]
+    tier_budgets = [(host, disk) for host in _floats(args.host_budgets_gib, "--host-budgets-gib", zero_ok=True)
+                    for disk in _floats(args.disk_budgets_gib, "--disk-budgets-gib", zero_ok=True)]
     links = [Link(args.host_bandwidth_gbs * 1e9, args.host_latency_us * 1e-6),
              Link(args.disk_bandwidth_gbs * 1e9, args.disk_latency_us * 1e-6)]
     if min(args.host_bandwidth_gbs, args.disk_bandwidth_gbs, args.prefill_tflops) <= 0 \
