@@ -124,10 +124,6 @@ def build_app(config: EngineConfig, *, num_replicas: int, model_name: str | Sequ
     return ingress.bind(engines.bind(config, engine_process, max_waiting_requests), app_options)
 
 
-def _raise_system_exit(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def serve_replicas(args: argparse.Namespace) -> int:
     """`hybridserve serve --replicas N`: start (or join, with RAY_ADDRESS) a Ray instance, deploy,
     serve on --host/--port until interrupted. Exit code 2 for a bad configuration (one error line),
@@ -172,8 +168,10 @@ def serve_replicas(args: argparse.Namespace) -> int:
 
 
 def _run_until_stopped(serve: Any, app: Any, args: argparse.Namespace, names: list[str], started_ray: bool) -> int:
+    from hybridserve.server.cli import raise_system_exit
+
     if threading.current_thread() is threading.main_thread():  # also during start-up: Ray's own handler
-        signal.signal(signal.SIGTERM, _raise_system_exit)       # would end the process without cleaning up
+        signal.signal(signal.SIGTERM, raise_system_exit)        # would end the process without cleaning up
     try:
         try:
             serve.start(http_options={"host": args.host, "port": args.port})

@@ -63,7 +63,6 @@ class JointCacheRouter(FIFOMixin, RequestRouter):
         self._routed: dict[str, str] = {}  # internal id of a generate call in flight -> replica name
         registry.register(self)
 
-    # ------------------------------------------------------------- replica set and their stats
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Serve's new replica set (with fresh `routing_stats`): feed the index, drop the gone."""
         super().update_replicas(replicas)
@@ -105,7 +104,6 @@ class JointCacheRouter(FIFOMixin, RequestRouter):
             self._stats.pop(name, None)
             self._in_flight.pop(name, None)
 
-    # ------------------------------------------------------------- choosing
     def _loads(self, replicas: Sequence[RunningReplica]) -> dict[str, float]:
         """Each replica's outstanding work from this router (prefill-token equivalents)."""
         work = self._work.loads()
@@ -146,7 +144,6 @@ class JointCacheRouter(FIFOMixin, RequestRouter):
             reason = REASON_RECENT  # only the recent route made it a useful hit
         return decision.replica, reason, hashes, depths
 
-    # ------------------------------------------------------------- bookkeeping
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         """Count the decision, remember the prompt as held by the replica it went to."""
         internal_id = pending_request.metadata.internal_request_id

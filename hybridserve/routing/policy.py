@@ -23,9 +23,7 @@ from typing import NamedTuple
 JOINT_HIT = "joint_hit"
 LOAD_FALLBACK = "load_fallback"
 NO_HIT = "no_hit"
-REASONS = (JOINT_HIT, LOAD_FALLBACK, NO_HIT)
-LOAD_HALF_LIFE_S = 60.0
-"""Half-life of the recent-work term of a replica's load (`OutstandingWork`) by default."""
+LOAD_HALF_LIFE_S = 60.0  # default half-life of the recent-work term of a replica's load (`OutstandingWork`)
 
 
 class RoutingDecision(NamedTuple):

@@ -114,15 +114,7 @@ def api_keys_from(args: argparse.Namespace) -> list[str]:
     return keys
 
 
-def _log_sizes(stats: dict[str, float], max_model_len: int) -> None:
-    logger.info("KV cache: %d blocks (%d free)", stats.get("kv_blocks_total", 0), stats.get("kv_blocks_free", 0))
-    logger.info("GDN state slots: %d; snapshot slots: %d of %d bytes each",
-                stats.get("state_slots_total", 0), stats.get("snapshot_slots_total", 0),
-                stats.get("bytes_per_snapshot", 0))
-    logger.info("max model length: %d tokens", max_model_len)
-
-
-def _raise_system_exit(signum: int, _frame: object) -> None:
+def raise_system_exit(signum: int, _frame: object) -> None:
     """The SIGTERM handler: uvicorn re-raises the signal it stopped on, and unwinding (instead of
     dying) lets the engine shut down cleanly."""
     raise SystemExit(128 + signum)
@@ -175,14 +167,17 @@ def run_server(args: argparse.Namespace) -> int:
         sock.close()
         logger.error("cannot start the engine: %s", exc)
         return 1
-    _log_sizes(stats, async_engine.max_model_len)
+    logger.info("KV cache: %d blocks (%d free); GDN state slots: %d; snapshot slots: %d of %d bytes each; "
+                "max model length: %d tokens", stats.get("kv_blocks_total", 0), stats.get("kv_blocks_free", 0),
+                stats.get("state_slots_total", 0), stats.get("snapshot_slots_total", 0),
+                stats.get("bytes_per_snapshot", 0), async_engine.max_model_len)
     app = build_app(async_engine, model_name=names, api_keys=api_keys, max_body_bytes=args.max_body_bytes,
                     reasoning_parser=args.reasoning_parser, stream_interval=args.stream_interval)
     logger.info("serving %s on http://%s:%d (auth %s, engine %s)", ", ".join(names), args.host, args.port,
                 f"on, {len(api_keys)} key(s), per-key cache salt" if api_keys else "off",
                 "core process" if args.engine_process == "on" else "thread")
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _raise_system_exit)
+        signal.signal(signal.SIGTERM, raise_system_exit)
     # The access log is the app's own (hybridserve.access: with request ids), not uvicorn's.
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, lifespan="off", access_log=False,
                                            root_path=args.root_path))

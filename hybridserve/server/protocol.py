@@ -43,7 +43,6 @@ class LenientModel(BaseModel):
         return names
 
 
-# --------------------------------------------------------------------------- errors
 class ErrorInfo(BaseModel):
     """Body of the OpenAI error envelope."""
 
@@ -59,7 +58,6 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-# --------------------------------------------------------------------------- requests
 class StreamOptions(LenientModel):
     """`stream_options`: `include_usage` adds a final chunk with usage and no choices."""
 
@@ -429,7 +427,6 @@ class DetokenizeRequest(LenientModel):
     tokens: list[int]
 
 
-# --------------------------------------------------------------------------- responses
 def now() -> int:
     """Unix time for `created` fields."""
     return int(time.time())

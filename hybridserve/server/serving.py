@@ -233,7 +233,6 @@ class OpenAIServing:
         """The choice of a stream chunk that carries new text and nothing else."""
         raise NotImplementedError
 
-    # ------------------------------------------------------------- request preparation
     def _check_model(self, model: str | None) -> str:
         """The served name a request uses (404 for an unknown one)."""
         if model is None:
@@ -335,7 +334,6 @@ class OpenAIServing:
         return Job(f"{prefix}-{uuid.uuid4().hex}", model, prompts, params, cache_salt,
                    num_logprobs, body.include_usage, echo_texts, tenant, chat)
 
-    # ------------------------------------------------------------- submission and collection
     async def _respond(self, job: Job, streaming: bool | None, request: Request) -> Response:
         """Submit `job` and answer: its chunks as server-sent events when it streams, else the JSON
         body. The job holds its tenant's places (`TenantAdmission`) until its streams end."""
@@ -408,7 +406,6 @@ class OpenAIServing:
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
-    # ------------------------------------------------------------- logprobs
     def _token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
 
@@ -424,7 +421,6 @@ class OpenAIServing:
                             [(self._token_text(t), finite(v)) for t, v in top]))
         return entries
 
-    # ------------------------------------------------------------- streamed responses
     def _chunk(self, job: Job, choices: list[Any], usage: UsageInfo | None = None) -> BaseModel:
         return self.chunk_type(id=job.request_id, model=job.model, created=job.created, choices=choices, usage=usage)
 
