@@ -19,7 +19,7 @@ import heapq
 import json
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -29,6 +29,7 @@ from hybridserve.sim.trace import TRACE_BLOCK_TOKENS, TraceRecord
 __all__ = ["WORKLOADS", "GeneratedRequest", "generate", "to_records", "workload_records", "write_trace"]
 DEFAULT_NUM_REQUESTS = 2000
 BLOCK = TRACE_BLOCK_TOKENS
+SHARED_IDS_START = 1 << 40  # system prompt and document ids, apart from the stream's
 
 
 class GeneratedRequest(NamedTuple):
@@ -39,11 +40,6 @@ class GeneratedRequest(NamedTuple):
     output_length: int
     hash_ids: tuple[int, ...]
     parent: int | None
-
-    def to_mooncake(self) -> dict[str, object]:
-        """The JSON object of a Mooncake trace line."""
-        return {"timestamp": self.timestamp, "input_length": self.input_length,
-                "output_length": self.output_length, "hash_ids": list(self.hash_ids)}
 
 
 @dataclass
@@ -58,10 +54,10 @@ class _Conversation:
 
 
 class _Ids:
-    """Fresh hash ids, counting up."""
+    """Fresh hash ids, counting up from `start`."""
 
-    def __init__(self) -> None:
-        self.next = 0
+    def __init__(self, start: int = 0) -> None:
+        self.next = start
 
     def take(self, count: int) -> tuple[int, ...]:
         """`count` ids never handed out before."""
@@ -152,8 +148,7 @@ def agent(num_requests: int, seed: int) -> list[GeneratedRequest]:
     """Tool-use agents: 4 shared system prompts (tool specs), ~200 live sessions, turns of a short
     tool call plus a tool result, and one turn in six a branch of 2-4 continuations."""
     setup = random.Random(seed ^ 0xA6E7)
-    prompts_ids = _Ids()
-    prompts_ids.next = 1 << 40  # system prompt ids apart from the stream's
+    prompts_ids = _Ids(SHARED_IDS_START)
     prompts = _system_prompts(prompts_ids, setup, 4, 4, 12)
     sessions = setup.randint(150, 260)
 
@@ -174,8 +169,7 @@ def chat(num_requests: int, seed: int) -> list[GeneratedRequest]:
     """Multi-turn chat: 3 shared system prompts, ~400 conversations open at once, 2-12 turns each,
     short user messages and answers of a few hundred tokens."""
     setup = random.Random(seed ^ 0xC4A7)
-    prompts_ids = _Ids()
-    prompts_ids.next = 1 << 40
+    prompts_ids = _Ids(SHARED_IDS_START)
     prompts = _system_prompts(prompts_ids, setup, 3, 2, 6)
     open_conversations = setup.randint(250, 500)
 
@@ -196,8 +190,7 @@ def conversation_synthetic(num_requests: int, seed: int) -> list[GeneratedReques
     Zipf-popular set of long shared documents opening some first turns, long first prompts,
     heavy-tailed reuse distances. The seed perturbs every parameter around the trace's scale."""
     setup = random.Random(seed ^ 0x5E7C)
-    prompts_ids = _Ids()
-    prompts_ids.next = 1 << 40
+    prompts_ids = _Ids(SHARED_IDS_START)
     system = prompts_ids.take(1)
     documents = [system + prompts_ids.take(setup.randint(1, 24)) for _ in range(setup.randint(30, 120))]
     document_share = setup.uniform(0.1, 0.3)
@@ -245,12 +238,8 @@ def workload_records(name: str, num_requests: int | None, block_tokens: int, see
     return to_records(generate(name, num_requests, seed), block_tokens)
 
 
-def mooncake_lines(requests: list[GeneratedRequest]) -> Iterator[str]:
-    """One JSON line per request (the Mooncake trace format)."""
-    for request in requests:
-        yield json.dumps(request.to_mooncake())
-
-
 def write_trace(requests: list[GeneratedRequest], path: str | Path) -> None:
     """Write `requests` as a Mooncake-format JSONL trace (replayable with `--trace` or `bench trace`)."""
-    Path(path).write_text("".join(line + "\n" for line in mooncake_lines(requests)), encoding="utf-8")
+    lines = (json.dumps({"timestamp": r.timestamp, "input_length": r.input_length, "output_length": r.output_length,
+                         "hash_ids": list(r.hash_ids)}) + "\n" for r in requests)
+    Path(path).write_text("".join(lines), encoding="utf-8")
