@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from hybridserve.config import POLICY_NAMES
 from hybridserve.routing.policy import LOAD_HALF_LIFE_S
 from hybridserve.sim.links import DISK_LINK, HOST_LINK, PREFILL_FLOPS
-from hybridserve.sim.routing_report import ROUTERS, run_routing
+from hybridserve.sim.routing_report import ROUTERS, known_names, run_routing
 from hybridserve.sim.trace import TRACE_BLOCK_TOKENS, default_trace_path
 
 if TYPE_CHECKING:
@@ -94,15 +94,6 @@ def _floats(text: str, what: str, zero_ok: bool = False) -> list[float]:
     return values
 
 
-def _policies(text: str) -> list[str]:
-    names = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [name for name in names if name not in POLICY_NAMES]
-    if not names or unknown:
-        raise ValueError(f"unknown cache policy {', '.join(unknown) or repr(text)}; "
-                         f"choose from {', '.join(POLICY_NAMES)}")
-    return names
-
-
 def run_sim(args: argparse.Namespace) -> int:
     """Parse flags, replay, print the table; write JSON and the plot when asked."""
     from hybridserve.sim.bound import hit_options, slot_bound_hit_tokens
@@ -112,7 +103,7 @@ def run_sim(args: argparse.Namespace) -> int:
     from hybridserve.sim.simulator import SimConfig, ceiling_hit_tokens, simulate
     from hybridserve.sim.trace import TraceTokens, read_trace
 
-    policies = _policies(args.policies)
+    policies = known_names(args.policies, POLICY_NAMES, "cache policy")
     snapshot_budgets = _floats(args.snapshot_budgets_gib, "--snapshot-budgets-gib")
     kv_budgets = _floats(args.kv_budgets_gib, "--kv-budgets-gib")
     tier_budgets = [(host, disk) for host in _floats(args.host_budgets_gib, "--host-budgets-gib", zero_ok=True)

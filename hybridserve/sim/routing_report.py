@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -24,11 +25,12 @@ def _one(values: list[Any], flag: str) -> Any:
     return values[0]
 
 
-def _routers(text: str) -> list[str]:
+def known_names(text: str, known: Sequence[str], what: str) -> list[str]:
+    """The comma-separated names in `text`, each one of `known` (ValueError naming `what` otherwise)."""
     names = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [name for name in names if name not in ROUTERS]
+    unknown = [name for name in names if name not in known]
     if not names or unknown:
-        raise ValueError(f"unknown router {', '.join(unknown) or repr(text)}; choose from {', '.join(ROUTERS)}")
+        raise ValueError(f"unknown {what} {', '.join(unknown) or repr(text)}; choose from {', '.join(known)}")
     return names
 
 
@@ -43,7 +45,7 @@ def run_routing(args: argparse.Namespace, shape: ModelShape, tokens: TraceTokens
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     if args.summary_period_s < 0 or args.utilization <= 0 or args.load_half_life_s < 0:
         raise ValueError("--summary-period-s and --load-half-life-s must be >= 0, --utilization > 0")
-    routers = _routers(args.router)
+    routers = known_names(args.router, ROUTERS, "router")
     host, disk = _one(tier_budgets, "--host-budgets-gib/--disk-budgets-gib")
     cache = SimConfig(policy, int(_one(kv_budgets, "--kv-budgets-gib") * GIB),
                       int(_one(snapshot_budgets, "--snapshot-budgets-gib") * GIB), args.block_size,
