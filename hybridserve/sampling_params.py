@@ -23,11 +23,7 @@ MAX_STREAM_INTERVAL = 1 << 16  # tokens between two outputs of a stream, at most
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """Constrain the output with a grammar (exactly one of the fields).
-
-    `json`: a JSON schema (dict or JSON text); `json_object`: any JSON object; `regex`: a regular
-    expression; `choice`: one of these strings; `grammar`: a Lark grammar (llguidance dialect).
-    """
+    """Constrain the output with a grammar: exactly one of the fields (docs/python-api.md)."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
@@ -78,11 +74,7 @@ class StructuredOutputsParams:
 
 
 class RequestOutputKind(enum.IntEnum):
-    """What a request's stream yields, as vLLM's enum of the same name: every step's cumulative
-    output, only what is new since the previous read (DELTA: a streamed HTTP response, whose cost
-    per read then does not grow with the output; honoured by the async front ends' streams, the
-    synchronous `LLMEngine` answers cumulatively), or only the final one (a non-streamed HTTP
-    response, which then costs the API process nothing per token)."""
+    """What a request's stream yields, as vLLM's enum of the same name (docs/python-api.md)."""
 
     CUMULATIVE = 0
     DELTA = 1
@@ -91,20 +83,7 @@ class RequestOutputKind(enum.IntEnum):
 
 @dataclass
 class SamplingParams:
-    """How to sample one request's completions (vLLM's fields; docs/python-api.md covers `n`, seeds
-    and greedy sampling).
-
-    `max_tokens=None` generates up to the context length. `stop` strings end generation and are cut
-    from the text; `stop_token_ids` end it on those tokens. `logprobs=k` returns, for every
-    generated token, its log-probability and the top-k alternatives. `logit_bias` adds a bias to
-    the logits of the given token ids before sampling. `prompt_logprobs=k` returns, for every prompt
-    token after the first, its log-probability given the tokens before it and the top-k
-    alternatives (such a request takes no prefix from the cache: its prompt is computed whole).
-    `output_kind=RequestOutputKind.FINAL_ONLY`
-    makes a request's stream yield only its final output. `stream_interval=k` makes a cumulative
-    stream yield the first token, then an output once at least k new tokens have come, and the
-    final one (SGLang's `--stream-interval`): fewer, larger outputs, cheaper per token to consume.
-    """
+    """How to sample one request's completions: vLLM's fields, each described in docs/python-api.md."""
 
     n: int = 1
     max_tokens: int | None = 16
@@ -252,13 +231,7 @@ def _check_type(name: str, value: Any, kinds: tuple[type, ...]) -> None:
 
 @dataclass
 class CompletionOutput:
-    """One completion of a request (cumulative: everything generated so far).
-
-    `finish_reason` is one of "stop", "length", "abort", "error" once finished; `stop_reason` is
-    the stop string or stop token id that ended it (None for EOS or length). `logprobs[i]` maps
-    token id -> log-probability for generated token i (the sampled token plus the top-k), when
-    asked; `cumulative_logprob` is the sum of the sampled tokens' log-probabilities then.
-    """
+    """One completion of a request, cumulative (fields: docs/python-api.md)."""
 
     index: int
     text: str
@@ -275,14 +248,7 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """State of one request after an engine step: its `n` completions in `outputs`.
-
-    `finished` is set once every completion has finished. `num_cached_tokens` is the prompt
-    prefix restored from the joint prefix cache (0 on a cold start). `prompt_logprobs`, when
-    `SamplingParams.prompt_logprobs` asked for them: None for the first prompt token, then per
-    prompt token a dict token id -> log-probability (that token plus the top-k). `metrics` holds
-    `arrival_time` and `first_token_time` (time.monotonic seconds).
-    """
+    """State of one request after an engine step: its `n` completions in `outputs` (docs/python-api.md)."""
 
     request_id: str
     prompt: str | None
