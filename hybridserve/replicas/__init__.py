@@ -1,15 +1,5 @@
 """Engine replicas on Ray Serve behind one OpenAI-compatible endpoint, routed by joint-cache hits
-(`pip install hybridserve[ray]`; docs/serving.md, "Replicas on Ray Serve").
-
-On an existing Ray cluster::
-
-    from ray import serve
-    from hybridserve.config import EngineConfig
-    from hybridserve.replicas import build_app
-
-    serve.run(build_app(EngineConfig(model="path/to/model"), num_replicas=4, model_name="qwen"),
-              route_prefix="/")
-
+(`pip install hybridserve[ray]`; docs/serving.md, "Replicas on Ray Serve", deploys `build_app` on a cluster).
 Nothing here imports Ray until it is called, so single-machine use never needs it.
 """
 

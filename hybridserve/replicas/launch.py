@@ -97,14 +97,9 @@ def build_app(config: EngineConfig, *, num_replicas: int, model_name: str | Sequ
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, engine_process: bool = False,
               max_waiting_requests: int | None = None, router: str = "joint",
               router_config: dict[str, Any] | None = None, stats_period_s: float = DEFAULT_STATS_PERIOD_S) -> Any:
-    """The Ray Serve application: `num_replicas` engine replicas (each with its own
-    tensor-parallel group, one shared block-hash seed) behind one ingress serving the
-    OpenAI-compatible API; run it with `serve.run(app, route_prefix="/")` on a Ray cluster.
-
-    `router`: "joint" (`JointCacheRouter`, `router_config` holds `RouterConfig` fields),
-    "round-robin" or "pow2" (Ray's); `engine_process` runs each replica's engine core in its own
-    process; the other options are `hybridserve serve`'s flags of the same names.
-    """
+    """The Ray Serve application of `num_replicas` engine replicas behind one ingress (docs/serving.md, Replicas
+    on Ray Serve). `router`: one of ROUTERS ("joint": `router_config` holds `RouterConfig` fields); the other
+    options are `hybridserve serve`'s flags of the same names."""
     serve = import_serve()
     from hybridserve.replicas.ingress import Ingress
     from hybridserve.replicas.replica import EngineReplica

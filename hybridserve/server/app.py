@@ -56,14 +56,8 @@ def build_app(engine: EngineClient, *, model_name: str | Sequence[str], api_key:
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_engine: bool = False,
               reasoning_parser: str | None = None, api_keys: Sequence[str] = (), stream_interval: int = 1,
               limits: ServerLimits = DEFAULT_LIMITS) -> FastAPI:
-    """The HTTP app around an engine client, started with the app (`shutdown_engine`: stopped with it).
-
-    `model_name` is the served name or several aliases (the first is the default); with `api_key`
-    and/or `api_keys` one of them is required on every route but `/health` and `/ready` as a
-    bearer token, and each key is a tenant with its own cache salt and in-flight cap. `limits`
-    bound each request (`max_body_bytes` overrides its body size). The other options are
-    `hybridserve serve`'s flags of the same names.
-    """
+    """The HTTP app around an engine client, started with the app (`shutdown_engine`: stopped with it); the
+    options are `hybridserve serve`'s flags of the same names, `limits` bound each request (docs/serving.md)."""
     limits = dataclasses.replace(limits, max_body_bytes=max_body_bytes)  # checks the value too
     context = ServingContext.create(engine, model_name, reasoning_parser, stream_interval, limits)
     _preload_stream_backend()

@@ -142,19 +142,9 @@ class ToolCallDelta(NamedTuple):
 
 
 class ToolCallStream:
-    """Incremental tool-call parser over one choice's text, fed what is new each step; the work per
-    step is the new text plus a short held-back tail (a partial marker), or the parameter or
-    Hermes block being read.
-
-    A call is announced (its id and name) once `<function=NAME>` is read, and its arguments follow
-    one complete parameter at a time: `{"k": v`, `, "k2": v2`, ... and `}` when `</tool_call>`
-    closes it. Text between parameters is dropped, and a repeated parameter name is sent twice
-    (JSON readers keep the last, as `parse_tool_calls` does). A Hermes JSON block is sent whole
-    when it closes; one that does not parse stays content. With `forced` (`tool_choice` "required"
-    or a named function: the grammar makes all output calls) no content is ever sent. At the end
-    (`final`, also when generation stopped by length), a call cut short is closed with the
-    parameters it completed; an unfinished block that named no function yet is content, or
-    dropped when `forced`."""
+    """Incremental tool-call parser over one choice's text, fed what is new each step (it reads only that
+    and a short held-back tail); what it sends when is docs/serving.md's "Streamed calls" and "Forced calls".
+    A repeated parameter name is sent twice (JSON readers keep the last, as `parse_tool_calls` does)."""
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] | None, forced: bool = False) -> None:
         self.tools = tools
