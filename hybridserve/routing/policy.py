@@ -1,16 +1,5 @@
-"""Choosing a replica from its joint-hit depth and its load.
-
-Loads are each replica's outstanding work in prefill-token equivalents (uncached prompt tokens
-plus output tokens of what it was sent and has not finished; `OutstandingWork` keeps that count
-for a router), so a hit's saved tokens and a queue's length are in one unit. A replica's cost for a
-request is its load minus what its hit saves (`hit_weight` tokens of queue per hit token, and a
-`hit_bonus` for holding a useful hit at all, which keeps a conversation where its states are).
-The cheapest replica wins; one loaded past `max_load_ratio` times the mean (plus the bonus) is
-not chosen for its hit, so conversations cannot pile onto one replica. A hit token weighs several
-queued tokens (`hit_weight`): queued work is shared by a batch, while a recomputed prefix is this
-request's alone, and a conversation that moves leaves its states behind for every later turn; the
-ratio cap, not the weight, is what keeps the replicas even. The defaults were chosen on the
-simulator's workload families (docs/benchmarks.md, issue 38).
+"""Choosing a replica from its joint-hit depth and its load, both in prefill-token equivalents: the
+cheapest replica (load minus what its hit saves) wins, within a load cap (docs/serving.md, "The routing policy").
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
-"""Replay a trace across N simulated replicas behind a router (`hybridserve sim --replicas N`).
-
-Each replica is its own scheduler and `JointCacheManager` (an `AccountingRun`) holding 1/N of the
-total budgets, so N replicas and one big cache compare at the same total cache. Time comes from the
-trace's arrival timestamps; each replica serves its requests first come, first served at a fixed
-rate, so queues build when arrivals bunch. A request's work is its uncached prompt tokens plus its
-output tokens (prefill-token equivalents: a proxy that ignores batching); a replica's load at an
-arrival is the work still queued on it, plus (with `load_half_life`) the work sent to it recently,
-decayed: at moderate utilization queues stay short, and the queue alone cannot tell a replica that
-keeps attracting conversations from an idle one. The rate is set so the trace's cold work (no cache hits)
-would keep the replicas `utilization` busy on average. A request's cache effects land at its
-arrival (its queueing delay is not modelled in the cache), one request at a time in trace order.
-
-Routers: `round-robin`; `least-load` (least queued work); `session` (sticky by conversation: the
-chain of turns `TraceTokens.predecessor` links, hashed to a replica, as a session id would be);
-`joint` (`hybridserve.routing`: depths from each replica's summary, refreshed every
-`summary_period` seconds of trace time, so the router sees stale boundaries as a real one does).
+"""Replay a trace across N simulated replicas behind a router (`hybridserve sim --replicas N`): each
+replica an `AccountingRun` with 1/N of the budgets, queues built from arrival times, loads in
+prefill-token equivalents. The model and the routers: docs/prefix-cache.md, Simulator.
 """
 
 from __future__ import annotations
