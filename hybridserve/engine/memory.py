@@ -1,4 +1,15 @@
-"""Host memory tuning for a serving process: the C allocator and Python's cyclic collector."""
+"""Host memory tuning for a serving process: the C allocator and Python's cyclic collector.
+
+The CPU engine's heap (glibc) has two kinds of step to serve. A decode step allocates the same
+tensors every time (a few rows, each sequence's gathered context), so it reuses freed heap memory
+and never pays page faults: its allocations stay in the heap (`retain_freed_activation_memory`).
+A prefill step allocates prompt-sized activations whose sizes change with every prompt; kept in
+the heap, their freed blocks are split by small long-lived objects and later prompts extend the
+heap past them, so a serving process's resident size climbed in steps for as long as new prompt
+mixes arrived. Prefill steps therefore map each large allocation on its own, returned to the
+system when freed (`prepare_step_heap`, called by the engine before every step), and the heap a
+serving process keeps is what its decode steps reuse.
+"""
 
 from __future__ import annotations
 
@@ -10,17 +21,32 @@ import gc
 import logging
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _RETAIN_BYTES = 1 << 30
 _DEFAULT_THRESHOLD_BYTES = 128 << 10  # glibc's initial mmap and trim thresholds
+# A prefill step maps every allocation above glibc's initial threshold on its own (fixed: set by
+# mallopt, it no longer adapts), so prompt-sized activations never become heap.
+_PREFILL_MMAP_THRESHOLD = _DEFAULT_THRESHOLD_BYTES
 
 
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+@dataclass
+class _HeapMode:
+    """What this process's allocator is set to (glibc's thresholds are process-wide)."""
+
+    serving: bool = False   # `retain_freed_activation_memory` is in effect (glibc, a CPU engine)
+    prefill: bool = False   # the mmap threshold is the prefill step's
+
+
+_heap_mode = _HeapMode()
 
 
 @functools.cache
@@ -53,10 +79,30 @@ def retain_freed_activation_memory() -> bool:
         ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, _RETAIN_BYTES) == 1
                   and libc.mallopt(_M_TRIM_THRESHOLD, _RETAIN_BYTES) == 1)
     except (OSError, AttributeError):
-        return False
+        ok = False
     if not ok:
         logger.debug("mallopt refused the allocator thresholds")
+    _heap_mode.serving, _heap_mode.prefill = ok, False
     return ok
+
+
+def step_mmap_threshold(prefills: bool) -> int:
+    """The mmap threshold a step runs with: a prefill step maps its large allocations on their own
+    (returned when freed), a decode step takes them from the kept heap."""
+    return _PREFILL_MMAP_THRESHOLD if prefills else _RETAIN_BYTES
+
+
+def prepare_step_heap(prefills: bool) -> bool:
+    """Before a step: set the mmap threshold of its kind (`step_mmap_threshold`) when the previous
+    step was of the other kind; a libc call, no system call. Does nothing unless the serving
+    thresholds are in effect. Returns whether it changed the threshold."""
+    if not _heap_mode.serving or prefills == _heap_mode.prefill:
+        return False
+    libc = _libc()
+    if libc is None or libc.mallopt(_M_MMAP_THRESHOLD, step_mmap_threshold(prefills)) != 1:
+        return False
+    _heap_mode.prefill = prefills
+    return True
 
 
 @contextlib.contextmanager
@@ -69,6 +115,7 @@ def freed_memory_returned() -> Iterator[None]:
         yield
         return
     try:
+        _heap_mode.serving = False
         libc.mallopt(_M_MMAP_THRESHOLD, _DEFAULT_THRESHOLD_BYTES)
         libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_THRESHOLD_BYTES)
         yield
