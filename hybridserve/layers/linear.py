@@ -215,9 +215,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _fused(tensors: list[torch.Tensor]) -> torch.Tensor:
     """`tensors` concatenated on dim 0, contiguous; a single contiguous tensor as is (no copy)."""
-    if len(tensors) == 1 and tensors[0].is_contiguous():
-        return tensors[0]
-    return torch.cat(tensors).contiguous()
+    return tensors[0] if len(tensors) == 1 and tensors[0].is_contiguous() else torch.cat(tensors).contiguous()
 
 
 def pack_linears(module: nn.Module, quantization: str | None, **fused: list[str]) -> None:

@@ -33,9 +33,8 @@ _MULTIMODAL_TEXT_PREFIX = "model.language_model."
 _MAX_NAMES_IN_ERROR = 20
 # a Hub repository id: an optional owner, then a name (letters, digits, '-', '_', '.')
 _HUB_ID = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*")
+# the files of a Hub snapshot the engine reads (config, weights and their index, tokenizer, chat template)
 HUB_FILE_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.txt", "*.model")
-"""The files of a Hub snapshot the engine reads (config, weights and their index, tokenizer, chat
-template); the rest of a repository (other weight formats, images) is not downloaded."""
 
 
 @dataclass(frozen=True)
@@ -64,11 +63,6 @@ def _model_dir(model_dir: str | Path) -> Path:
     return path
 
 
-def _hub_offline() -> bool:
-    """Whether `HF_HUB_OFFLINE` asks for the local Hugging Face cache only (read now, not at import)."""
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
-
-
 def is_hub_id(model: str) -> bool:
     """Whether `model` is spelled like a Hugging Face Hub repository id (`org/name` or `name`), as
     opposed to a filesystem path (absolute, `./`, `~`, or more than one separator)."""
@@ -88,7 +82,7 @@ def resolve_model(model: str) -> str:
     except ImportError:  # pragma: no cover - a dependency of tokenizers, so normally present
         raise ValueError(f"model {model!r} is not a local directory and huggingface_hub is not installed; "
                          "pass a model directory (Hugging Face layout)") from None
-    offline = _hub_offline()
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}  # read now
     try:
         return str(snapshot_download(model, allow_patterns=list(HUB_FILE_PATTERNS), local_files_only=offline))
     except (LocalEntryNotFoundError, OfflineModeIsEnabled, HfHubHTTPError, OSError, ValueError) as error:
@@ -192,9 +186,7 @@ def checkpoint_name_to_model_name(name: str, config: ModelConfig) -> str | None:
         return None
     if name.startswith(_MULTIMODAL_TEXT_PREFIX):
         name = "model." + name[len(_MULTIMODAL_TEXT_PREFIX):]
-    if config.tie_word_embeddings and name == "lm_head.weight":
-        return None
-    return name
+    return None if config.tie_word_embeddings and name == "lm_head.weight" else name
 
 
 def _load_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -231,12 +223,6 @@ def _plan(files: list[Path], targets: dict[str, torch.Tensor], config: ModelConf
                                       + (f" (rank {rank} of {world_size})" if world_size > 1 else ""))
                 entries[target] = _Entry(file, source, target, shape, spec)
     missing = [name for name in targets if name not in entries]
-    _raise_if_mismatched(missing, unexpected, duplicated, mis_shaped)
-    return list(entries.values())
-
-
-def _raise_if_mismatched(missing: list[str], unexpected: list[str], duplicated: list[str],
-                         mis_shaped: list[str]) -> None:
     problems = [
         f"{label} ({len(names)}): {', '.join(names[:_MAX_NAMES_IN_ERROR])}"
         + (", ..." if len(names) > _MAX_NAMES_IN_ERROR else "")
@@ -246,3 +232,4 @@ def _raise_if_mismatched(missing: list[str], unexpected: list[str], duplicated: 
     ]
     if problems:
         raise ValueError("checkpoint does not match the model; " + "; ".join(problems))
+    return list(entries.values())

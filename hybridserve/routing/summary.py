@@ -39,9 +39,7 @@ class DecodedSummary(NamedTuple):
 def hash_identity(algorithm: HashAlgorithm) -> str:
     """A name for a block hash that does not reveal a seed: a router and its replicas must agree
     on it, or no key can ever match."""
-    if isinstance(algorithm, KeyedHash):
-        return f"{algorithm.name}:{algorithm.key_id()}"
-    return algorithm
+    return f"{algorithm.name}:{algorithm.key_id()}" if isinstance(algorithm, KeyedHash) else algorithm
 
 
 def encode_summary(boundaries: Iterable[JointBoundary], block_size: int, epoch: int,

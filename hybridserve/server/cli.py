@@ -83,9 +83,7 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
     if model and not Path(model).expanduser().is_dir() and model.count("/") == 1 \
             and not model.startswith(("/", ".", "~")):
         return [model]
-    if model:
-        return [Path(model).resolve().name]
-    return [BUILTIN_MODEL_NAME]
+    return [Path(model).resolve().name] if model else [BUILTIN_MODEL_NAME]
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
