@@ -1,13 +1,7 @@
-"""`JointCacheRouter`: a Ray Serve request router that sends each engine request to the replica
-holding the deepest *joint* prefix hit for its prompt (KV and GDN state at the same boundary), against
-that replica's load (`hybridserve.routing.choose_replica`).
-
-The router lives in the process holding the replica deployment's handle (the ingress). It keeps a
-`JointIndex` fed by each replica's `routing_stats` (what `EngineReplica.record_routing_stats`
-publishes: the engine's joint-boundary summary and its stats), drops replicas that died, and
-counts its decisions by reason (`registry` shows them to the ingress: Serve pickles this module by
-value, so module globals here would be copies). Summaries lag by the stats period, so prompts it routed lately
-(`RecentRoutes`) keep a conversation on its replica until the summary catches up.
+"""`JointCacheRouter`: a Ray Serve request router, in the ingress's process, that sends each engine
+request to the replica holding the deepest *joint* prefix hit for its prompt against that replica's
+load (docs/serving.md, "Routing by joint hits"). Its decisions are counted for the ingress through
+`registry` (Serve pickles this module by value, so module globals here would be copies).
 """
 
 from __future__ import annotations

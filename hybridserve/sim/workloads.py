@@ -1,16 +1,9 @@
 """Generated Mooncake-format workloads for `hybridserve sim --workload NAME`: seeded, deterministic
 request streams whose `hash_ids` chains follow the reading rules of `sim/trace.py` (a turn's ids
 start with its predecessor's full blocks and it is at least as long as the predecessor's prompt
-plus output; shared prefixes are shared ids). Every family interleaves many conversations, so
-reuse distances are long enough for the snapshot pool to matter.
-
-- `agent`: tool-use sessions on a few shared system prompts, many more concurrent sessions than
-  slots, short turns that append a tool result, and branches (several continuations of one state).
-- `chat`: multi-turn chat, conversations on a few shared system prompts, outnumbering the slots.
-- `conversation-synthetic`: an unseen variant of the Mooncake conversation trace: one shared
-  system block, long documents shared by some first turns, long and heavy-tailed reuse distances;
-  lengths, turn counts and distances are drawn around the trace's scale with the seed perturbing
-  every parameter, so each seed is a different trace.
+plus output; shared prefixes are shared ids). Every family (`WORKLOADS`, each function's docstring
+says what it models) interleaves many conversations, so reuse distances are long enough for the
+snapshot pool to matter.
 """
 
 from __future__ import annotations
@@ -188,7 +181,8 @@ def chat(num_requests: int, seed: int) -> list[GeneratedRequest]:
 def conversation_synthetic(num_requests: int, seed: int) -> list[GeneratedRequest]:
     """An unseen variant of the Mooncake conversation trace: one system block shared by all, a
     Zipf-popular set of long shared documents opening some first turns, long first prompts,
-    heavy-tailed reuse distances. The seed perturbs every parameter around the trace's scale."""
+    heavy-tailed reuse distances. The seed perturbs every parameter around the trace's scale, so
+    each seed is a different trace."""
     setup = random.Random(seed ^ 0x5E7C)
     prompts_ids = _Ids(SHARED_IDS_START)
     system = prompts_ids.take(1)
