@@ -20,26 +20,12 @@ from hybridserve.models.qwen3_5 import Qwen3_5ForCausalLM
 from hybridserve.models.tokenizer import ENDOFTEXT_ID, IM_END_ID, IM_START_ID, Tokenizer
 
 BUILTIN_MODEL_CONFIG = ModelConfig(
-    vocab_size=4096,
-    hidden_size=512,
-    intermediate_size=1536,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=64,
-    linear_num_key_heads=4,
-    linear_num_value_heads=8,
-    linear_key_head_dim=64,
-    linear_value_head_dim=64,
+    vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+    linear_value_head_dim=64, rope_theta=10_000_000.0, tie_word_embeddings=True,
     # full_attention_interval 4: layers 3 and 7 are full attention.
     layer_types=tuple(FULL_ATTENTION if (i + 1) % 4 == 0 else LINEAR_ATTENTION for i in range(8)),
-    linear_conv_kernel_dim=4,
-    rms_norm_eps=1e-6,
-    rope_theta=10_000_000.0,
-    partial_rotary_factor=0.25,
-    max_position_embeddings=32768,
-    tie_word_embeddings=True,
-    eos_token_ids=(ENDOFTEXT_ID, IM_END_ID),
+    eos_token_ids=(ENDOFTEXT_ID, IM_END_ID),  # the other fields keep ModelConfig's defaults (Qwen3.5's)
 )
 
 WEIGHT_STD = 0.02

@@ -163,9 +163,7 @@ class ChatServing(OpenAIServing):
         if not state.started:
             delta.role, state.started = "assistant", True
             delta.content = "" if empty else delta.content
-        logprobs = None
-        if job.num_logprobs is not None:
-            logprobs = self._logprobs(out, 0, job.num_logprobs)
+        logprobs = None if job.num_logprobs is None else self._logprobs(out, 0, job.num_logprobs)
         state.sent_tokens += len(out.token_ids)
         if empty and delta.role is None and not finished and not (logprobs and logprobs.content):
             return None

@@ -69,23 +69,22 @@ class ReasoningStream:
                 self._phase = "reasoning" if self.thinking_open else "content"
                 self._strip_lead = self.thinking_open
         if self._phase == "content":
-            return ReasoningSplit("", self._content(held))
+            return ReasoningSplit("", self._lead(held))
         return self._reasoning(held, final)
 
-    def _content(self, text: str) -> str:
+    def _lead(self, text: str) -> str:
+        """`text` without the newlines that open the current part (reasoning or content)."""
         if self._strip_lead:
             text = text.lstrip("\n")
             self._strip_lead = not text
         return text
 
     def _reasoning(self, held: str, final: bool) -> ReasoningSplit:
-        if self._strip_lead:
-            held = held.lstrip("\n")
-            self._strip_lead = not held
+        held = self._lead(held)
         end = held.find(THINK_END)
         if end >= 0:
             self._phase, self._strip_lead = "content", True
-            return ReasoningSplit(held[:end].rstrip("\n"), self._content(held[end + len(THINK_END):]))
+            return ReasoningSplit(held[:end].rstrip("\n"), self._lead(held[end + len(THINK_END):]))
         keep = 0 if final else partial_suffix(held, THINK_END)
         sendable = held[:len(held) - keep].rstrip("\n")  # newlines before </think> are not reasoning
         self._held = "" if final else held[len(sendable):]

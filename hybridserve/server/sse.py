@@ -48,8 +48,7 @@ class TextChunkTemplate:
         return f"{self._head}{index}{self._middle}{encode_basestring(text)}{self._tail}"
 
 
-SendEvent = Callable[[str], Awaitable[None]]
-"""Sends one SSE event (already framed) to the client."""
+SendEvent = Callable[[str], Awaitable[None]]  # sends one SSE event (already framed) to the client
 
 
 class EventStreamResponse(StreamingResponse):
