@@ -1,11 +1,5 @@
-"""The GDN layers' GPU path: decode and prefill on Triton kernels (`gdn_triton_kernels`), chosen
-by the runner on CUDA when `triton` and `fla-core` import (the `cuda` extra); elsewhere the
-layers keep their PyTorch / C path and the runner logs why, once.
-
-The conv steps stay PyTorch ops. Decode reads each sequence's state from its live slot by index;
-prefill packs every prefill chunk of the step into one varlen chunked forward; snapshots at any
-boundary of a chunk come from the same forward (`capture_states`). New states are returned as
-`StateWrite`s, committed by the runner after the forward succeeds, as on the eager path.
+"""The GDN layers' GPU path: decode and prefill on Triton kernels (`gdn_triton_kernels`), chosen by the
+runner on CUDA when `triton` and `fla-core` import; docs/cpu-kernels.md, "On CUDA: the Triton GDN path".
 """
 
 from __future__ import annotations

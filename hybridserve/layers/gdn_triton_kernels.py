@@ -1,21 +1,6 @@
-"""Triton kernels of the GDN layers' GPU path, and the flash-linear-attention (fla) calls around them.
-
-Two kernels of our own, beside fla's (the library is used as installed, not forked):
-
-- `decode_step`: one gated-delta-rule token per sequence, reading each sequence's state from the
-  slot pool by index (fla's fused recurrent kernel takes a dense `initial_state` [N, Hv, Dk, Dv]
-  and no slot indices, so using it would cost a gather of every state per layer and step).
-- `capture_states`: the state after any token inside a chunk, from the chunk's start state plus
-  the chunk's first tokens, as the chunk kernel's own state update does at a chunk end. Prefix-cache
-  snapshots are taken with it at any boundary of one un-split prefill forward.
-
-`chunked_prefill` runs fla's chunked forward by its stages (cumulative decay, WY representation,
-chunk states, output), so that the chunk-start states `h` and corrected values `v_new` that
-the captures need are kept instead of dropped; its public `chunk_gated_delta_rule` returns only
-the output and final state. fla's chunk kernels do not run under Triton's interpreter (its
-autotuner benchmarks configs through a GPU driver, and `chunk_delta_h` calls `.to()` on a loop index
-the interpreter keeps as a Python int), so `chunked_prefill` is CUDA-only; both kernels of our own
-run under `TRITON_INTERPRET=1` (tests/kernels/test_triton_gdn.py).
+"""Triton kernels of the GDN layers' GPU path (slot-indexed `decode_step`, in-chunk `capture_states`) and
+`chunked_prefill`, fla's chunked forward run by its stages; why each exists and where it runs:
+docs/cpu-kernels.md, "On CUDA: the Triton GDN path".
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ pages are committed only when first written.
 
 from __future__ import annotations
 
+import math
 import mmap
 from collections.abc import Iterable
 from pathlib import Path
@@ -24,9 +25,7 @@ _ALIGN = 4096
 def huge_pages_available() -> bool:
     """Whether advised memory can get transparent huge pages here (Linux, THP not `never`, not
     disabled by HYBRIDSERVE_HUGE_PAGES=0)."""
-    if not envs.huge_pages():
-        return False
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
+    if not envs.huge_pages() or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
         return "[never]" not in _THP_SETTING.read_text()
@@ -55,10 +54,7 @@ def zeros_touched_as_used(shape: tuple[int, ...], dtype: torch.dtype, device: to
     is used; elsewhere `torch.zeros`."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    count = 1
-    for size in shape:
-        count *= size
-    num_bytes = count * torch.empty((), dtype=dtype).element_size()
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if num_bytes == 0:
         return torch.zeros(shape, dtype=dtype)
     mapping = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
