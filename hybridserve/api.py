@@ -81,10 +81,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, *, cache_salt: str | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (a string, a list of token ids, or a list of either) and
-        return the finished `RequestOutput`s in input order, each with `n` completions in
-        `outputs`. All prompts are validated before any runs. A progress bar is shown for more
-        than one prompt when `use_tqdm` is true."""
+        """The finished `RequestOutput`s of every prompt, in input order (docs/python-api.md); all prompts are
+        validated before any runs."""
         batch = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(batch))
         engine = self.llm_engine
@@ -113,9 +111,8 @@ class LLM:
              chat_template_kwargs: Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
              add_generation_prompt: bool = True, cache_salt: str | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
-        """Render one conversation (a list of `{"role", "content"}` messages) or a list of them
-        with the model's chat template (with `tools` in OpenAI's function format and
-        `chat_template_kwargs`, e.g. `{"enable_thinking": False}`) and generate a reply to each."""
+        """Render one conversation or a list of them with the model's chat template and generate a reply to
+        each (docs/python-api.md)."""
         conversations = _as_conversations(messages)
         prompts = [self.render_chat(conversation, tools=tools, chat_template_kwargs=chat_template_kwargs,
                                     add_generation_prompt=add_generation_prompt)
@@ -138,8 +135,7 @@ class LLM:
         return self.llm_engine.prefix_cache_stats()
 
     def tier_stats(self) -> list[TierStats]:
-        """Per cache tier (the device first, then host and disk when on): hits, hit tokens,
-        occupancy, promotions, demotions, evictions and failed transfers."""
+        """Per cache tier (the device first, then host and disk when on), its `TierStats`."""
         return self.llm_engine.tier_stats()
 
 

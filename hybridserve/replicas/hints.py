@@ -26,11 +26,8 @@ def salt_seed(cache_salt: str | None) -> int:
 
 
 class RecentRoutes:
-    """Per replica, the full-block hashes of the prompts routed to it in the last `ttl_s` seconds.
-
-    A hint is not a joint hit (the replica may not keep a state at that boundary), so the router
-    uses it only to keep a conversation where it went while the replica's summary has not caught up.
-    """
+    """Per replica, the chunk hashes of the prompts routed to it in the last `ttl_s` seconds (not a
+    joint hit: the router only keeps a conversation where it went until the summary catches up)."""
 
     def __init__(self, block_size: int, ttl_s: float = DEFAULT_TTL_S, max_hashes: int = DEFAULT_MAX_HASHES,
                  clock: Callable[[], float] = time.monotonic) -> None:

@@ -1,10 +1,5 @@
 """An upper bound on the token hit rate any snapshot policy reaches with a given number of slots on a
-trace (KV unbounded), to tell a policy's shortfall from the budget's.
-
-A hit needs its snapshot resident from the last earlier request that passed the boundary until the
-hit (a *stretch*), and a policy has at most `slots x requests` of slot-time. The bound is the
-Lagrangian dual of that knapsack, one option per request:
-`min over lam >= 0 of lam * slots * requests + sum_i max(0, max_q(tokens_q - lam * stretch_q))`.
+trace (KV unbounded): the Lagrangian dual of a slot-time knapsack (docs/prefix-cache.md, Simulator).
 """
 
 from __future__ import annotations
