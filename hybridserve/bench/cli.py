@@ -34,7 +34,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         sub = _subparser(subparsers, name, " ".join((config_cls.__doc__ or "").split()), _run_engine_bench, config_cls)
         if name == "ttft":
             sub.add_argument("--plot", metavar="PATH", default=None, help="save a bar chart (needs matplotlib)")
-    _add_serve(subparsers)
+    serve_parser = _subparser(subparsers, "serve", "load test of a live OpenAI-compatible server: TTFT, ITL, "
+                              "throughput, cache share, mixed load", run_serve, configs.ServeBenchConfig)
+    serve_parser.add_argument("--url", default=None, help="benchmark this running server (engine flags then unused)")
+    serve_parser.add_argument("--api-key", default=None, help="bearer key for the server")
+    serve_parser.add_argument("--compare-offline", action="store_true",
+                              help="compare the server with LLM.generate on the same requests (decode ms/token, "
+                                   "warm TTFT, 16-stream tok/s) instead of the load test")
+    configs.add_config_arguments(serve_parser, configs.CompareConfig)
     all_parser = _subparser(subparsers, "all", "bench engine, then bench ttft (and bench trace with --with-trace), "
                             "each with its default sizes", run_all)
     all_parser.add_argument("--with-trace", action="store_true", help="also replay the trace (several minutes)")
@@ -54,17 +61,6 @@ def _subparser(subparsers: Subparsers, name: str, help_text: str, handler: Handl
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON here")
     parser.set_defaults(handler=handler, config_cls=config_cls)
     return parser
-
-
-def _add_serve(subparsers: Subparsers) -> None:
-    parser = _subparser(subparsers, "serve", "load test of a live OpenAI-compatible server: TTFT, ITL, throughput, "
-                        "cache share, mixed load", run_serve, configs.ServeBenchConfig)
-    parser.add_argument("--url", default=None, help="benchmark this running server (engine flags then unused)")
-    parser.add_argument("--api-key", default=None, help="bearer key for the server")
-    parser.add_argument("--compare-offline", action="store_true",
-                        help="compare the server with LLM.generate on the same requests (decode ms/token, "
-                             "warm TTFT, 16-stream tok/s) instead of the load test")
-    configs.add_config_arguments(parser, configs.CompareConfig)
 
 
 def _finish(args: argparse.Namespace, result: dict[str, Any], report: str) -> int:

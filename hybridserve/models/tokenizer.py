@@ -98,17 +98,14 @@ def _pick_chat_template(value: Any) -> str | None:
     return None
 
 
-def _dedupe(ids: Iterable[int]) -> tuple[int, ...]:
-    return tuple(dict.fromkeys(int(i) for i in ids))
-
-
 class Tokenizer:
     """Text <-> token ids, special tokens, eos ids and the chat template of a model."""
 
     def __init__(self, backend: BackendTokenizer, *, eos_token_ids: Iterable[int] = (), eos_token: str | None = None,
                  bos_token: str | None = None, chat_template: str | None = None) -> None:
         self.backend = backend  # the wrapped `tokenizers.Tokenizer`
-        self.eos_token_ids = _dedupe(eos_token_ids)  # tokenizer eos, generation config and merged extra ids
+        # tokenizer eos, generation config and merged extra ids, each once
+        self.eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
         self._eos_token = eos_token
         self._bos_token = bos_token
         self.chat_template = chat_template  # Jinja source, if the model has one

@@ -9,11 +9,8 @@ from typing import Any, NamedTuple
 
 from hybridserve.cache.block_pool import BlockHash, HashAlgorithm, KeyedHash
 
-SUMMARY_FORMAT = 1
-"""Version of the summary layout; a router refuses a summary of another version."""
-
-TIERS = ("device", "host", "disk", "remote")
-"""Tier names a boundary may name, fastest first (a summary stores each as its index here)."""
+SUMMARY_FORMAT = 1  # version of the summary layout; a router refuses a summary of another version
+TIERS = ("device", "host", "disk", "remote")  # fastest first; a summary stores a boundary's tier as its index here
 
 
 class JointBoundary(NamedTuple):

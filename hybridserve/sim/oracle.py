@@ -15,8 +15,7 @@ from hybridserve.sim.trace import TraceTokens
 ORACLE = "oracle"
 LEARNING_POLICY = "hybridserve"  # the admission whose candidates the oracle filters
 
-RestoreTimes = dict[BlockHash, list[int]]
-"""Snapshot key -> the replay positions (ascending) of the requests that restored it."""
+RestoreTimes = dict[BlockHash, list[int]]  # snapshot key -> replay positions (ascending) of the requests restoring it
 
 
 class _ReplayPool(SnapshotPool):

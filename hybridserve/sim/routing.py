@@ -20,8 +20,7 @@ from hybridserve.sim.shapes import ModelShape
 from hybridserve.sim.simulator import AccountingRun, SimConfig
 from hybridserve.sim.trace import TraceTokens
 
-SINGLE = "single"
-"""The reference row: one replica holding the whole budget."""
+SINGLE = "single"  # the reference row: one replica holding the whole budget
 
 
 class RoutingSimConfig(NamedTuple):
