@@ -21,18 +21,6 @@ def _subcommand(subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
     return subparsers.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
 
-def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    add_engine_arguments(parser)
-    parser.add_argument("--prompt", default="The joint prefix cache of a hybrid model", help="prompt text")
-    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    parser.add_argument("--top-k", type=int, default=-1, help="-1 = disabled")
-    parser.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
-    parser.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
-    parser.set_defaults(handler=run_generate)
-
-
 def run_generate(args: argparse.Namespace) -> int:
     """Load the engine, complete `--prompt`, print the text and timings."""
     from hybridserve.engine.engine import LLMEngine
@@ -71,7 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="hybridserve", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
-    _add_generate_arguments(_subcommand(subparsers, "generate", "complete one prompt and print it with its timing"))
+    generate = _subcommand(subparsers, "generate", "complete one prompt and print it with its timing")
+    add_engine_arguments(generate)
+    generate.add_argument("--prompt", default="The joint prefix cache of a hybrid model", help="prompt text")
+    generate.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    generate.add_argument("--top-k", type=int, default=-1, help="-1 = disabled")
+    generate.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    generate.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
+    generate.set_defaults(handler=run_generate)
     serve = _subcommand(subparsers, "serve", "OpenAI-compatible HTTP server")
     add_serve_arguments(serve)
     serve.set_defaults(handler=run_server)

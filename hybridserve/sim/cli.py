@@ -140,18 +140,14 @@ def run_sim(args: argparse.Namespace) -> int:
             for policy in policies:
                 for budget in snapshot_budgets:
                     config = base._replace(policy=policy, snapshot_bytes=int(budget * GIB))
-                    result = simulate(tokens, shape, config, progress=not args.no_progress)
-                    results.append(result)
-                    _progress(result)
+                    results.append(_reported(simulate(tokens, shape, config, progress=not args.no_progress)))
             if args.oracle:
                 if restores is None:  # which requests restore each state: from a device-only replay
                     restores = learn_restores(tokens, shape, base._replace(host_bytes=0, disk_bytes=0),
                                               progress=not args.no_progress)
                 for budget in snapshot_budgets:
-                    result = simulate_oracle(tokens, shape, base._replace(snapshot_bytes=int(budget * GIB)),
-                                             restores, progress=not args.no_progress)
-                    results.append(result)
-                    _progress(result)
+                    results.append(_reported(simulate_oracle(tokens, shape, base._replace(
+                        snapshot_bytes=int(budget * GIB)), restores, progress=not args.no_progress)))
     bounds = {r.snapshot_slots: slot_bound_hit_tokens(options, r.snapshot_slots) / prompt_tokens for r in results}
     report = sim_report(args, shape, len(records), ceiling / prompt_tokens, results, bounds, args.prefill_tflops * 1e12)
     print(format_sim_report(report))
@@ -163,12 +159,14 @@ def run_sim(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress(result: SimResult) -> None:
+def _reported(result: SimResult) -> SimResult:
+    """`result`, its line printed to stderr."""
     config = result.config
     tiers = f", host {config.host_bytes / GIB:g} GiB, disk {config.disk_bytes / GIB:g} GiB" \
         if config.host_bytes or config.disk_bytes else ""
     print(f"[sim] {config.policy} KV {config.kv_bytes / GIB:g} GiB, snapshots {config.snapshot_bytes / GIB:g} GiB"
           f"{tiers}: {result.hit_rate:.2%} ({result.seconds:.1f} s)", file=sys.stderr, flush=True)
+    return result
 
 
 def sim_report(args: argparse.Namespace, shape: ModelShape, num_requests: int, ceiling: float,
