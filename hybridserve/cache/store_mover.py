@@ -72,7 +72,7 @@ class _Op:
     seq: int = 0
 
 
-_Submission = list[_Op]  # operations submitted together: queued, run and reported as one unit
+_Submission = deque[_Op]  # operations submitted together: queued, run and reported as one unit
 
 
 def _ready_event(payloads: Sequence[Mapping[str, torch.Tensor]]) -> Any:
@@ -229,7 +229,7 @@ class StoreMover:
                 op.seq = self._next_seq
                 self._next_seq += 1
             if ops:
-                self._lane(ops, read).append(list(ops))
+                self._lane(ops, read).append(deque(ops))
             self._bounded += len(ops) if bounded else 0
             self._queued += len(ops)
             self._stats.submitted += len(ops)
@@ -285,7 +285,7 @@ class StoreMover:
                 if lane is None:
                     break
                 submission = lane[0]
-                op = submission.pop(0)
+                op = submission.popleft()
                 finished = not submission
                 if finished:
                     lane.popleft()
