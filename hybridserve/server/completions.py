@@ -119,19 +119,15 @@ class CompletionServing(OpenAIServing):
             if not first and out.finish_reason is None:
                 return None
             finish_reason = "length" if out.finish_reason != "error" else "error"
-            logprobs = None
-            if first and job.num_logprobs is not None:
-                logprobs = self._prompt_logprobs(job.prompts[prompt_index], job.prompt_logprobs.get(prompt_index),
-                                                 job.num_logprobs)
+            logprobs = None if not first or job.num_logprobs is None else self._prompt_logprobs(
+                job.prompts[prompt_index], job.prompt_logprobs.get(prompt_index), job.num_logprobs)
             return CompletionChoice(index=index, text=echo if first else "", logprobs=logprobs,
                                     finish_reason=finish_reason if out.finish_reason is not None else None)
         text = (echo if first else "") + out.text  # `out` is a delta: only what is new
         logprobs = None
         if job.num_logprobs is not None:
-            echoed = None
-            if first and echo:  # the echoed prompt's logprobs lead the first chunk
-                echoed = self._prompt_logprobs(job.prompts[prompt_index], job.prompt_logprobs.get(prompt_index),
-                                               job.num_logprobs)
+            echoed = None if not (first and echo) else self._prompt_logprobs(  # the echo's logprobs lead
+                job.prompts[prompt_index], job.prompt_logprobs.get(prompt_index), job.num_logprobs)
             logprobs = self._logprobs(out, 0, job.num_logprobs, state.text_offset, echoed)
             completion_tokens = logprobs.tokens[len(logprobs.tokens) - len(out.token_ids):]
             state.text_offset += sum(len(token) for token in completion_tokens)

@@ -14,8 +14,7 @@ DEFAULT_STRING_CHARS = 64
 MAX_PARALLEL_CALLS = 4  # a forced grammar with parallel calls admits at most this many, then ends
 
 
-def _literal(text: str) -> str:
-    return json.dumps(text)
+_literal = json.dumps  # a Lark string literal is spelled as a JSON string
 
 
 def _value_rule(schema: Mapping[str, Any]) -> str:
@@ -23,9 +22,8 @@ def _value_rule(schema: Mapping[str, Any]) -> str:
     if isinstance(schema.get("enum"), list) and schema["enum"] and all(isinstance(v, str) for v in schema["enum"]):
         return " | ".join(_literal(v) for v in schema["enum"])
     if schema.get("type") == "string":
-        longest = schema.get("maxLength", DEFAULT_STRING_CHARS)
         shortest = max(1, int(schema.get("minLength", 1)))
-        longest = max(shortest, int(longest))
+        longest = max(shortest, int(schema.get("maxLength", DEFAULT_STRING_CHARS)))
         return f"/[^<\\n]{{{shortest},{longest}}}/"
     return "%json " + json.dumps(dict(schema) or {}, sort_keys=True)
 
