@@ -21,30 +21,15 @@ PUBLISHED_STATS = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_to
                    "prefix_cache_hits", "prefix_cache_query_tokens", "prefix_cache_hit_tokens")
 
 
-def start_engine_client(config: EngineConfig, engine_process: bool,
-                        max_waiting_requests: int | None) -> EngineClient:
-    """A started engine front end: an engine core process, or the engine on a thread."""
-    if engine_process:
-        from hybridserve.engine.core_client import EngineCoreClient
-
-        client = EngineCoreClient(config, max_waiting_requests=max_waiting_requests)
-        client.start()
-        return client
-    from hybridserve.engine.async_engine import AsyncLLMEngine
-    from hybridserve.engine.engine import LLMEngine
-
-    async_engine = AsyncLLMEngine(LLMEngine(config), max_waiting_requests=max_waiting_requests)
-    async_engine.start()
-    return async_engine
-
-
 class EngineReplica:
     """One engine replica: `generate` streams, `call` and `stats` pass through, `check_health` and
     `record_routing_stats` serve Ray Serve."""
 
     def __init__(self, config: EngineConfig, engine_process: bool = False,
                  max_waiting_requests: int | None = None) -> None:
-        self.engine = start_engine_client(config, engine_process, max_waiting_requests)
+        from hybridserve.server.cli import start_engine  # the same start-up as `hybridserve serve`
+
+        self.engine: EngineClient = start_engine(config, engine_process, max_waiting_requests)[0]
         self._epoch = 0
         self._summary_failed = False
 

@@ -156,7 +156,7 @@ def run_server(args: argparse.Namespace) -> int:
         logger.error("cannot listen on %s:%d: %s", args.host, args.port, exc.strerror or exc)
         return 1
     try:
-        async_engine, stats = _start_engine(config, args)
+        async_engine, stats = start_engine(config, args.engine_process == "on", args.max_waiting_requests)
     except (ValueError, OSError) as exc:
         sock.close()
         logger.error("cannot load the model: %s", exc)
@@ -210,13 +210,13 @@ def serve_uvicorn(server: Any, sockets: list[socket.socket], engine: Any) -> Non
         runner.run(serve())
 
 
-def _start_engine(config: Any, args: argparse.Namespace) -> tuple[Any, dict[str, float]]:
-    """The started engine front end (a core process, or a thread with `--engine-process off`) and
-    its start-up stats; ValueError/OSError for a bad model or configuration."""
-    if args.engine_process == "on":
+def start_engine(config: Any, engine_process: bool, max_waiting_requests: int | None) -> tuple[Any, dict[str, float]]:
+    """A started engine front end (an engine core process, or the engine on a thread) and its start-up
+    stats; ValueError/OSError for a bad model or configuration."""
+    if engine_process:
         from hybridserve.engine.core_client import EngineCoreClient
 
-        client = EngineCoreClient(config, max_waiting_requests=args.max_waiting_requests)
+        client = EngineCoreClient(config, max_waiting_requests=max_waiting_requests)
         client.start()
         return client, client.startup_stats
     from hybridserve.engine.async_engine import AsyncLLMEngine
@@ -224,7 +224,7 @@ def _start_engine(config: Any, args: argparse.Namespace) -> tuple[Any, dict[str,
 
     engine = LLMEngine(config)
     stats = engine.stats()  # the engine thread has not started yet
-    async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests)
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
     async_engine.start()
     return async_engine, stats
 
