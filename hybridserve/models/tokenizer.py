@@ -228,13 +228,9 @@ class Tokenizer:
             for i, tok in sorted(self.backend.get_added_tokens_decoder().items())
         }
         config = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "eos_token": self._eos_token,
-            "bos_token": self._bos_token,
+            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self._eos_token, "bos_token": self._bos_token,
             "pad_token": ENDOFTEXT if self.token_to_id(ENDOFTEXT) is not None else self._eos_token,
-            "chat_template": self.chat_template,
-            "added_tokens_decoder": added,
-            "model_max_length": 1 << 20,
+            "chat_template": self.chat_template, "added_tokens_decoder": added, "model_max_length": 1 << 20,
         }
         (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False),
                                                    encoding="utf-8")

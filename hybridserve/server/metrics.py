@@ -81,12 +81,9 @@ class EngineStatsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         """Yield one gauge or counter family per known stats key."""
         stats = self.stats
-        for name, key, doc in _GAUGES:
-            if key in stats:
-                yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(stats[key]))
-        for name, key, doc in _COUNTERS:
-            if key in stats:
-                yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(stats[key]))
+        for families, kind in ((_GAUGES, GaugeMetricFamily), (_COUNTERS, CounterMetricFamily)):
+            yield from (kind(f"{PREFIX}_{name}", doc, value=float(stats[key])) for name, key, doc in families
+                        if key in stats)
         yield from _tier_families(stats)
 
 
@@ -169,10 +166,8 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Request latency, arrival to finish.",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens processed.",
-                                     registry=self.registry)
-        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Tokens generated.",
-                                         registry=self.registry)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens processed.", registry=self.registry)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Tokens generated.", registry=self.registry)
         self.success = Counter(f"{PREFIX}_request_success", "Finished requests by finish reason.",
                                ["finished_reason"], registry=self.registry)
 
