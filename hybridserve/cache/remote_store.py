@@ -45,8 +45,8 @@ from hybridserve.cache.tier_store import (
     PutResult,
     TierStoreStats,
     _cuda_copy_stream,
-    _host_copy,
     _object_bytes,
+    _on_host,
     decode_payload,
     encode_payload,
 )
@@ -128,8 +128,7 @@ class RemoteStore:
         """Write `payload` under `key` (header + checksum); a store that is down is a counted
         failed write (`ok=False`)."""
         start = time.perf_counter()
-        host = _host_copy(payload, pin=False, stream=self._stream, ready=ready)
-        blob = _object_bytes(key, encode_payload(host))
+        blob = _object_bytes(key, encode_payload(_on_host(payload, self._stream, ready)))
         if not self._call(lambda: self._client.set(self.namespace + key, blob)):
             with self._lock:
                 self._stats.failed_writes += 1

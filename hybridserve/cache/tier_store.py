@@ -43,10 +43,10 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import unquote
 
+import safetensors
 import torch
 import xxhash
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 from hybridserve.cache.block_pool import block_hash_key_id
 from hybridserve.cache.tier_dir import DiskCacheDirError, prepare_store_dir
@@ -156,9 +156,20 @@ def _host_copy(payload: Mapping[str, torch.Tensor], *, pin: bool, stream: Any, r
     return copies
 
 
+def _on_host(payload: Mapping[str, torch.Tensor], stream: Any, ready: Any) -> Mapping[str, torch.Tensor]:
+    """`payload` itself when it is on the CPU (encoding copies it anyway), else a host copy."""
+    if all(t.device.type == "cpu" for t in payload.values()):
+        return payload
+    return _host_copy(payload, pin=False, stream=stream, ready=ready)
+
+
 def encode_payload(payload: Mapping[str, torch.Tensor]) -> bytes:
-    """Safetensors bytes of `payload` (CPU tensors)."""
-    return save_safetensors({name: t.detach().contiguous() for name, t in payload.items()})
+    """Safetensors bytes of `payload` (CPU tensors), serialized straight from the tensors' memory
+    (`safetensors.serialize`; the torch helper's per-tensor numpy round trip dominated a small object)."""
+    tensors = {name: t.detach().contiguous() for name, t in payload.items()}  # alive while serialized
+    specs = {name: safetensors.TensorSpec(dtype=str(t.dtype).removeprefix("torch."), shape=t.shape,
+                                          data_ptr=t.data_ptr(), data_len=t.nbytes) for name, t in tensors.items()}
+    return bytes(safetensors.serialize(specs))
 
 
 def decode_payload(data: bytes) -> Payload:
@@ -359,8 +370,7 @@ class DiskStore:
         objects to stay within budget; an OSError is a counted failed write (`ok=False`)."""
         start = time.perf_counter()
         name = key_to_filename(key)
-        host = _host_copy(payload, pin=False, stream=self._stream, ready=ready)
-        data = encode_payload(host)
+        data = encode_payload(_on_host(payload, self._stream, ready))
         blob = _object_bytes(key, data)
         size = len(blob)
         with self._lock:
