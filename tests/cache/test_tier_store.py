@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 
 from hybridserve.cache import tier_store
 from hybridserve.cache.store_mover import StoreMover, TierEvent
@@ -411,6 +411,15 @@ def test_held_writes_run_anyway_once_the_queue_is_half_full(disk: DiskStore) -> 
         assert disk.keys() == ["state-a", "state-b", "state-c"]
     finally:
         mover.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_encoded_payload_is_the_safetensors_format(dtype: torch.dtype) -> None:
+    payload = {"keys": torch.arange(24).reshape(2, 3, 4).to(dtype),
+               "values": torch.arange(60).reshape(3, 4, 5).to(dtype).transpose(0, 2)}  # not contiguous
+    encoded = tier_store.encode_payload(payload)
+    assert encoded == save({name: t.contiguous() for name, t in payload.items()})
+    _assert_same(tier_store.decode_payload(encoded), payload)
 
 
 # -- crash safety ---------------------------------------------------------------------------------
