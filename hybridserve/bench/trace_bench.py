@@ -119,6 +119,7 @@ def run_trace_bench(engine_config: EngineConfig, cfg: TraceBenchConfig) -> dict[
         runs[label] = _run_summary(replay.seconds, outputs[label], replay.engine)
     ceiling, prompt_tokens = ceiling_hit_tokens(tokens)
     predicted = simulate_engine(on_engine, tokens) if cfg.max_concurrency == 1 else None
+    engine_tiers = on_engine.tier_mover is not None  # read before shutdown drops the mover
     finish(off_engine, on_engine)
     live_hits = [o.num_cached_tokens for o in outputs["on"]]
     mismatched = [i for i, (a, b) in enumerate(zip(outputs["on"], outputs["off"]))
@@ -132,7 +133,7 @@ def run_trace_bench(engine_config: EngineConfig, cfg: TraceBenchConfig) -> dict[
         "identical_outputs": len(records) - len(mismatched), "outputs_match": not mismatched,
         "mismatched_requests": mismatched,
         "sim_hit_tokens": None if predicted is None else sum(predicted), "live_hit_tokens": sum(live_hits),
-        "engine_tiers": on_engine.tier_mover is not None,
+        "engine_tiers": engine_tiers,
         "sim_matches_live": None if predicted is None else predicted == live_hits,
     }
 

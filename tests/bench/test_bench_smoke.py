@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,6 +91,16 @@ def test_trace_bench_smoke(tmp_path: Path) -> None:
     # The continuation hits the end of request 0 (prompt + output - 1): the whole ceiling.
     assert result["runs"]["on"]["cached_tokens"] == round(result["ceiling_hit_share"] * result["prompt_tokens"]) > 0
     assert "SCALED replay" in format_trace_report(result)
+    assert result["engine_tiers"] is False
+
+
+def test_trace_bench_reports_the_host_tier(tmp_path: Path) -> None:
+    cfg = TraceBenchConfig(trace_path=str(write_trace(tmp_path / "t.jsonl")), num_requests=3, block_tokens=32,
+                           max_output_tokens=2, progress=False)
+    config = small_engine_config(interval=32)
+    config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, host_cache_memory_bytes=64 << 20))
+    result = run_trace_bench(config, cfg)
+    assert result["engine_tiers"] is True and result["outputs_match"]
 
 
 def test_cli_bench_subcommands(tmp_path: Path) -> None:
