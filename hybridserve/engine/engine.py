@@ -22,7 +22,7 @@ from hybridserve.distributed.executor import TensorParallelExecutor
 from hybridserve.distributed.launch import tensor_parallel_specs
 from hybridserve.engine.detokenizer import IncrementalDetokenizer
 from hybridserve.engine.executor import Executor, InProcessExecutor, StepFailedError, WorkerDiedError
-from hybridserve.engine.memory import allocator_free_bytes, prepare_step_heap
+from hybridserve.engine.memory import allocator_free_bytes
 from hybridserve.engine.request import Request, RequestGroup, RequestStatus
 from hybridserve.engine.runner import ModelRunner
 from hybridserve.engine.sampling import SampledToken, SamplingSpec, SequenceKey, sampling_spec
@@ -430,7 +430,6 @@ class LLMEngine:
             return []
         plan = plan_step(scheduled, self._draws, self._released)
         self._released = []
-        prepare_step_heap(any(chunk.length > 1 for chunk in plan.chunks))  # engine/memory.py: why
         try:
             result = self._execute(plan)
         except WorkerDiedError as exc:

@@ -15,7 +15,7 @@ from hybridserve.cache.manager import Fork, blocks_for
 from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.config import EngineConfig, ModelConfig
 from hybridserve.distributed.sharding import local_config, read_shard, shard_spec
-from hybridserve.engine.memory import freed_memory_returned, give_back_freed_memory
+from hybridserve.engine.memory import freed_memory_returned, give_back_freed_memory, prepare_step_heap
 from hybridserve.engine.memory_plan import MemoryPlan, PlanInputs, device_memory, plan_memory, profile_forward
 from hybridserve.engine.runner import ModelRunner
 from hybridserve.engine.sampling import SampledToken, Sampler, score_prompt
@@ -163,6 +163,7 @@ class Worker:
     def execute(self, plan: StepPlan) -> StepReply:
         """Restore (only if every rank can), forward, combine failed snapshot copies, sample on rank 0."""
         self.sampler.release(plan.released)
+        prepare_step_heap(any(chunk.length > 1 for chunk in plan.chunks))  # in each rank's process: memory.py
         error = None
         if plan.restores:
             try:

@@ -13,8 +13,8 @@ import pytest
 
 from hybridserve import SamplingParams
 from hybridserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from hybridserve.engine import engine as engine_module
 from hybridserve.engine import memory
+from hybridserve.engine import worker as worker_module
 from hybridserve.engine.engine import LLMEngine
 
 MMAP_THRESHOLD = -3  # glibc's M_MMAP_THRESHOLD
@@ -73,7 +73,7 @@ def test_the_engine_prepares_each_step_by_its_kind(monkeypatch: pytest.MonkeyPat
         kinds.append(prefills)
         return False
 
-    monkeypatch.setattr(engine_module, "prepare_step_heap", record)
+    monkeypatch.setattr(worker_module, "prepare_step_heap", record)
     engine.add_request("r", list(range(300, 340)), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
