@@ -1,5 +1,4 @@
-"""Asynchronous front of a tier store (`StoreMover`): its puts, gets and deletes run on a background
-thread, or on the caller's thread for a store as cheap as host memory.
+"""Asynchronous front of a tier store (`StoreMover`): its puts, gets and deletes run on a background thread.
 
 The engine submits work between steps and collects completion events with `poll()`; it never waits
 for a copy or a disk (a slow disk only makes events arrive later). A submit that would overflow
@@ -85,9 +84,7 @@ def _ready_event(payloads: Sequence[Mapping[str, torch.Tensor]]) -> Any:
 
 
 class StoreMover:
-    """Runs one store's operations on a background thread (or, `inline`, on the submitting thread
-    at once: for a store as cheap as a memory copy, where a thread only adds wake-ups and contention
-    for the interpreter lock with the forward), in two lanes: reads (gets, lookups) go
+    """Runs one store's operations on a background thread, in two lanes: reads (gets, lookups) go
     ahead of queued writes (puts, deletes, index calls), so a promotion never waits behind the
     demotions that making room for it started; a get of a key with a put or delete still queued
     goes behind it in the write lane. Within a lane, operations run in submission order. The
@@ -95,7 +92,7 @@ class StoreMover:
     entry's objects, not one per object). Each event carries its operation's sequence number,
     counted from the one `submit_many`/`submit_call` returned."""
 
-    def __init__(self, store: ObjectStore, *, max_pending: int = DEFAULT_MAX_PENDING, inline: bool = False) -> None:
+    def __init__(self, store: ObjectStore, *, max_pending: int = DEFAULT_MAX_PENDING) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.store = store
@@ -112,11 +109,8 @@ class StoreMover:
         self._closing = False
         self._held = False  # writes wait while the engine runs a forward (`hold_writes`)
         self._stats = MoverStats(tier=store.tier)
-        self.inline = inline
-        self._thread: threading.Thread | None = None
-        if not inline:
-            self._thread = threading.Thread(target=self._run, name=f"tier-mover-{store.tier}", daemon=True)
-            self._thread.start()
+        self._thread = threading.Thread(target=self._run, name=f"tier-mover-{store.tier}", daemon=True)
+        self._thread.start()
 
     # -- caller side (never blocks on the store) -----------------------------------------------
 
@@ -214,8 +208,7 @@ class StoreMover:
                 self._bounded = 0
             self._closing = True
             self._work.notify_all()
-        if self._thread is not None:
-            self._thread.join()
+        self._thread.join()
 
     def _submit(self, ops: Sequence[_Op], *, bounded: bool, read: bool = False) -> int | None:
         with self._work:
@@ -235,8 +228,6 @@ class StoreMover:
             self._stats.submitted += len(ops)
             self._stats.pending = self._queued
             self._work.notify()
-        if self.inline:
-            self._run_queued()
         return first
 
     def _lane(self, ops: Sequence[_Op], read: bool) -> deque[_Submission]:
@@ -271,7 +262,7 @@ class StoreMover:
         `_work`)."""
         if self._reads:
             return self._reads
-        if self._writes and (self.inline or not self._held or self._closing or 2 * self._bounded >= self.max_pending):
+        if self._writes and (not self._held or self._closing or 2 * self._bounded >= self.max_pending):
             return self._writes
         return None
 

@@ -152,9 +152,7 @@ class EngineTierMover:
         # read and its write), or every prefix deeper than the default bound would miss.
         max_pending = max(DEFAULT_MAX_PENDING, 2 * (pools.kv_cache.num_blocks + pools.snapshots.num_slots))
         for store in stores.in_order():
-            # host memory is a copy away: its operations run inline, with no thread to contend
-            # with the forward for the interpreter lock
-            self.movers[store.tier] = StoreMover(store, max_pending=max_pending, inline=store is stores.host)
+            self.movers[store.tier] = StoreMover(store, max_pending=max_pending)
         self._pending: dict[str, dict[int, _Pending]] = {name: {} for name in self.movers}  # by sequence number
         self._tickets: dict[int, _Ticket] = {}
         self._finished: list[tuple[int, bool]] = []
@@ -276,8 +274,7 @@ class EngineTierMover:
     def hold_writes(self, held: bool) -> None:
         """Hold (or release) the background stores' queued writes: see `StoreMover.hold_writes`."""
         for mover in self.movers.values():
-            if not mover.inline:
-                mover.hold_writes(held)
+            mover.hold_writes(held)
 
     @property
     def busy(self) -> bool:

@@ -364,22 +364,6 @@ def test_mover_get_miss_cancel_and_drained_close(disk: DiskStore) -> None:
         mover.submit_get("state-a")
 
 
-def test_an_inline_mover_runs_each_submission_before_submit_returns(disk: DiskStore) -> None:
-    mover = StoreMover(disk, inline=True)
-    try:
-        assert mover.submit_many([("state-a", _payload()), ("state-b", _payload(1))]) == 1
-        assert disk.keys() == ["state-a", "state-b"]  # written on the caller's thread, already
-        mover.hold_writes(True)  # holding means nothing inline: there is no queue to hold
-        assert mover.submit_get("state-b") == 3 and mover.submit_put("state-c", _payload(2)) == 4
-        events = mover.poll()
-        assert [(e.seq, e.kind, e.ok) for e in events] == [(1, "put", True), (2, "put", True), (3, "get", True),
-                                                           (4, "put", True)]
-        _assert_same(events[2].payload, _payload(1))
-        assert mover.stats().pending == 0 and mover.stats().completed == 4
-    finally:
-        mover.close()
-
-
 def test_held_writes_wait_while_reads_run_until_released(disk: DiskStore) -> None:
     mover = StoreMover(disk, max_pending=8)
     try:
