@@ -7,7 +7,7 @@ A prefill step allocates prompt-sized activations whose sizes change with every 
 the heap, their freed blocks are split by small long-lived objects and later prompts extend the
 heap past them, so a serving process's resident size climbed in steps for as long as new prompt
 mixes arrived. Prefill steps therefore map each large allocation on its own, returned to the
-system when freed (`prepare_step_heap`, called by the engine before every step), and the heap a
+system when freed (`prepare_step_heap`, called by each worker before every step), and the heap a
 serving process keeps is what its decode steps reuse.
 """
 
