@@ -154,6 +154,7 @@ class JointCacheManager:
         # to tell which snapshots are joint hits now (`joint_boundaries`).
         self._paths: dict[BlockHash, JointEntry] = {}
         self._reserved_paths: dict[BlockHash, JointEntry] = {}
+        self._kinds: dict[BlockHash, str] = {}  # candidate kind of each of those (tiers learn by it)
         self._promotions: dict[int, _Promotion] = {}    # by ticket
         self._promotion_of: dict[int, int] = {}         # id(owner) -> ticket
         self.device_hits = self.device_hit_tokens = 0
@@ -371,10 +372,12 @@ class JointCacheManager:
             if not pool.evict(joint.key):
                 return None
             self._paths.pop(joint.key, None)
+            self._kinds.pop(joint.key, None)
         reservation = pool.reserve(joint.key, joint.num_tokens)
         if reservation.status is not ReserveStatus.RESERVED:
             return None
         self._reserved_paths[joint.key] = joint
+        self._kinds[joint.key] = self.tiers.kind_of(hit)
         self.block_pool.touch(cached)
         targets = self.block_pool.allocate(len(joint.blocks) - len(cached))  # may demote device snapshots
         assert reservation.slot is not None
@@ -435,9 +438,10 @@ class JointCacheManager:
         blocks = tuple(self.block_hashes(seq, full)) + ((key,) if partial else ())
         return JointEntry(key, boundary, blocks, partial)
 
-    def _note_reserved(self, seq: CacheSequence, reservation: Reservation) -> None:
+    def _note_reserved(self, seq: CacheSequence, reservation: Reservation, kind: str) -> None:
         if reservation.status is ReserveStatus.RESERVED:
             self._reserved_paths[reservation.key] = self._joint_entry(seq, reservation.num_tokens, reservation.key)
+            self._kinds[reservation.key] = kind
 
     def _publish(self, reservation: Reservation) -> None:
         """Publish a reserved snapshot and note its prefix (with tiers, copy it down in write-through)."""
@@ -446,19 +450,21 @@ class JointCacheManager:
         self._paths[reservation.key] = joint
         if self.tiers is None:
             return
-        self.tiers.publish(joint, reservation.slot, self.block_pool.lookup)  # write-through, and to a shared tier
+        # write-through, and to a shared tier
+        self.tiers.publish(joint, reservation.slot, self.block_pool.lookup, self._kinds.get(reservation.key))
 
     def _abort(self, reservation: Reservation) -> None:
         self._snapshot_pool().abort(reservation)
         if reservation.status is ReserveStatus.RESERVED:
             self._reserved_paths.pop(reservation.key, None)
+            self._kinds.pop(reservation.key, None)
 
     def _on_snapshot_evicted(self, key: BlockHash, slot: int) -> None:
         """A device snapshot was evicted (its slot may be reused by the next forward): copy it and
         its prefix's KV down a tier (write-back) while the device still holds them."""
-        joint = self._paths.pop(key, None)
+        joint, kind = self._paths.pop(key, None), self._kinds.pop(key, None)
         if joint is not None and self.tiers is not None:
-            self.tiers.demote(joint, slot, self.block_pool.lookup)
+            self.tiers.demote(joint, slot, self.block_pool.lookup, kind=kind)
 
     def joint_boundaries(self) -> list[JointBoundary]:
         """Every boundary a lookup could hit now, for routing (tensor-free): each published device
@@ -524,7 +530,7 @@ class JointCacheManager:
                                                  branch=boundary == entry.branch_point)
             if reservation.status is ReserveStatus.RESERVED:
                 captures.append(reservation)
-                self._note_reserved(seq, reservation)
+                self._note_reserved(seq, reservation, self.policy.kind_of(view, boundary))
             if reservation.status is not ReserveStatus.SKIPPED:
                 entry.snapshot_depth, entry.snapshot_key = boundary, key
 
@@ -658,7 +664,7 @@ class JointCacheManager:
             if reservation.status is ReserveStatus.DUPLICATE:
                 entry.snapshot_depth, entry.snapshot_key = end, key
             return None
-        self._note_reserved(seq, reservation)
+        self._note_reserved(seq, reservation, "end")
         if entry.state_slot is None:
             self._abort(reservation)
             return None
@@ -752,6 +758,7 @@ class JointCacheManager:
         self.tiers.check_integrity()
         pool = self._snapshot_pool()
         assert self._paths.keys() == set(pool.published_keys()), "device snapshot prefixes out of step"
+        assert self._kinds.keys() <= self._paths.keys() | self._reserved_paths.keys(), "a kind outlived its snapshot"
         assert all(self._paths[key].num_tokens == pool.num_tokens_of(slot)
                    for key in self._paths if (slot := pool.lookup(key)) is not None), "a prefix names another boundary"
         in_flight = {ticket for ticket, promotion in self._promotions.items() if not promotion.done}

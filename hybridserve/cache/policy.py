@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["POLICY_NAMES", "CachePolicy", "PrefixCost", "RequestView", "make_policy"]
 AGE_TURNOVERS = 16.0  # a snapshot's value halves after this many pool turnovers without use
 EVICTION_WINDOW = 256  # value-based policies score this many least-recently-used candidates
+TAIL_MARKS = 4  # interval marks this close to the prompt end (in intervals) are a kind of their own
 
 
 class PrefixCost(NamedTuple):
@@ -101,6 +102,19 @@ class CachePolicy:
     def kv_present(self, key: bytes) -> bool:
         """Whether the KV block that ends at a snapshot's boundary is still cached."""
         return self.block_pool is None or self.block_pool.lookup(key) is not None
+
+    def kind_of(self, view: RequestView, boundary: int) -> str:
+        """What kind of candidate a capture at `boundary` is: a branch point, the prompt mark, an
+        interval mark among the prompt's last few (where edits and retries of the last turn
+        diverge), another interval mark, or a mark in the output (lower tiers learn restore rates by
+        kind)."""
+        if boundary == view.branch_point:
+            return "branch"
+        if boundary == self._prompt_mark(view):
+            return "prompt"
+        if boundary > view.num_prompt_tokens:
+            return "output"
+        return "tail" if view.num_prompt_tokens - boundary <= TAIL_MARKS * max(self.interval, 1) else "interval"
 
     def _prompt_mark(self, view: RequestView) -> int:
         """The last block boundary a repeat of this prompt can restore (<= prompt length - 1)."""
@@ -211,8 +225,8 @@ class HybridServePolicy(IntervalPolicy):
         return view.deepest_snapshot if view.deepest_snapshot > 0 else None
 
 
-CANDIDATE_KINDS = ("interval", "prompt", "branch", "end")
-INITIAL_TILT = {"interval": 0.5}  # insurance marks start below average (admitted into free or covered slots)
+CANDIDATE_KINDS = ("interval", "tail", "prompt", "branch", "end", "output")
+INITIAL_TILT = {"interval": 0.5, "tail": 0.5}  # insurance marks start below average (free or covered slots)
 EVIDENCE_HALF_LIFE = 4096.0       # snapshot lives; older evidence fades so the rates follow the workload
 PRIOR_WEIGHT = 8.0                # pseudo-lives a depth bucket borrows from its kind, a kind from all kinds
 HORIZON_START, HORIZON_MIN, HORIZON_MAX, HORIZON_STEP = 16.0, 1.0, 256.0, 1.25  # pool turnovers
@@ -296,12 +310,6 @@ class AdaptiveHybridServePolicy(HybridServePolicy):
         super().bind(block_pool, snapshots)
         self.snapshots = snapshots
 
-    def kind_of(self, view: RequestView, boundary: int) -> str:
-        """What kind of candidate `boundary` is for this request."""
-        if boundary == view.branch_point:
-            return "branch"
-        return "prompt" if boundary == self._prompt_mark(view) else "interval"
-
     def captures(self, view: RequestView, start: int, length: int) -> list[int]:
         self._learn_keys()
         boundaries = super().captures(view, start, length)
@@ -314,7 +322,7 @@ class AdaptiveHybridServePolicy(HybridServePolicy):
         until the pool has seen restores to compare, interval marks are the insurance ones."""
         kind = self.kind_of(view, boundary)
         if not self.rates.has_restores():
-            return kind == "interval"
+            return kind in ("interval", "tail")
         return self.rates.relative(kind, boundary) < 1.0
 
     def evict_kv_first(self, view: RequestView) -> int | None:

@@ -5,7 +5,7 @@ A tier holds **joint entries**: the GDN state at a boundary (keyed like a device
 KV blocks of its whole prefix, each KV block stored once per tier and refcounted by the entries of
 that tier. Every entry is restorable from its own tier alone, so a KV block lives in a tier only
 while an entry of the same tier needs it (no dead KV). Eviction inside a tier takes the entry of
-least value per byte (`EntryValues`: GreedyDual-Size-Frequency, with the restore rate each class of
+least value (`EntryValues`: GreedyDual-Frequency, with the restore rate each kind of
 entry has shown in that tier as its prior) and cascades down (host -> disk -> dropped). Bytes move
 through a `TierMover` the engine implements; this module only decides what moves where and keeps
 the books.
@@ -28,7 +28,7 @@ END, BLOCK_END = "end", "block"
 """Entry classes: a request end (the boundary lies inside a block), or a block boundary (interval
 and prompt marks, branch points). Their restore rates differ by orders of magnitude."""
 EVIDENCE_HALF_LIFE = 4096.0  # entries taken in; older restore evidence fades so rates follow the workload
-PRIOR_WEIGHT = 8.0           # pseudo-entries a class borrows from the tier's overall rate
+PRIOR_WEIGHT = 8.0           # pseudo-entries a depth bucket borrows from its kind, a kind from all kinds
 
 
 def object_key(kind: str, key: BlockHash) -> str:
@@ -166,56 +166,112 @@ def entry_class(entry: JointEntry) -> str:
     return END if entry.tail_tokens else BLOCK_END
 
 
+class ClassRates:
+    """Restores per entry taken in, by entry label (its kind and depth bucket), exponentially decayed
+    by entries taken in, so the rates follow the workload. A depth bucket with little evidence
+    leans on its kind, a kind on all kinds (0 before any restore)."""
+
+    def __init__(self) -> None:
+        self._decay = 0.5 ** (1.0 / EVIDENCE_HALF_LIFE)
+        self._clock = 0.0
+        self._totals: dict[tuple[str, int], tuple[float, float, float]] = {}  # key -> restored, taken, clock
+
+    @staticmethod
+    def _keys(kind: str, tokens: int) -> tuple[tuple[str, int], ...]:
+        return (kind, tokens.bit_length()), (kind, -1), ("", -1)
+
+    def _add(self, kind: str, tokens: int, restored: float, taken: float) -> None:
+        for key in self._keys(kind, tokens):
+            old_restored, old_taken = self._decayed(key)
+            self._totals[key] = (old_restored + restored, old_taken + taken, self._clock)
+
+    def taken(self, kind: str, tokens: int) -> None:
+        """An entry of this kind and depth was taken in."""
+        self._clock += 1.0
+        self._add(kind, tokens, 0.0, 1.0)
+
+    def restored(self, kind: str, tokens: int) -> None:
+        """An entry of this kind and depth was restored."""
+        self._add(kind, tokens, 1.0, 0.0)
+
+    def _decayed(self, key: tuple[str, int]) -> tuple[float, float]:
+        restored, taken, at = self._totals.get(key, (0.0, 0.0, self._clock))
+        fade = self._decay ** (self._clock - at)
+        return restored * fade, taken * fade
+
+    def _rate(self, key: tuple[str, int], prior: float) -> float:
+        restored, taken = self._decayed(key)
+        return (restored + PRIOR_WEIGHT * prior) / (taken + PRIOR_WEIGHT)
+
+    def rate(self, kind: str, tokens: int) -> float:
+        """Expected restores of an entry of this kind and depth taken in."""
+        restored, taken = self._decayed(("", -1))
+        overall = restored / taken if taken else 0.0
+        return self._rate((kind, tokens.bit_length()), self._rate((kind, -1), overall))
+
+
+RESTORE_BUCKETS = 2  # entries are told apart by restores so far: 0, 1, 2 or more
+
+
+def _label(kind: str, restores: int) -> str:
+    """The rate label of an entry of `kind` restored `restores` times."""
+    return kind if not restores else f"{kind}+{min(restores, RESTORE_BUCKETS)}"
+
+
 class EntryValues:
-    """Which entry of a tier to evict: GreedyDual-Size-Frequency. An entry's priority is the
-    tier's floor (the priority of the last entry evicted, so idle entries age out) plus its expected
-    expected restores x the tokens a restore saves / the bytes it brought. Expected restores are the
-    entry's own promotions plus its class's prior: the restores per entry taken in that this tier has
-    observed for the class (decayed). So a flood of rarely restored entries (interval marks) cannot
-    push out the few that come back (request ends) while the rates say so; before any restore, or
-    among entries alike, it is plain LRU."""
+    """Which entry of a tier to evict: GreedyDual-Frequency. An entry's priority is the tier's
+    floor (the priority of the last entry evicted, so idle entries age out) plus its expected
+    restores x the tokens a restore saves. Expected restores are learned (`ClassRates`): the
+    restores per entry taken in that this tier has observed for entries of the same label: kind
+    (request end, prompt mark, branch point, interval mark near the prompt end or not, output mark),
+    depth, and restores so far (0, 1, 2+: whether a restore predicts another is learned too, e.g. a
+    conversation's turn end is restored once by the next turn, a system prompt's mark again and
+    again). Sizes do not divide the value: an entry's KV is shared with the entries deeper on its
+    path and leaves only with the last of them, so what it brought when it came in is not what
+    evicting it frees. So a flood of rarely restored entries (deep interval marks) cannot push out
+    the few that come back while the rates say so; before any restore, or among entries alike, it
+    is plain LRU."""
 
     def __init__(self) -> None:
         self.floor = 0.0
         self._heap: list[tuple[float, int, int, BlockHash]] = []  # (priority, recency, stamp, key); stale skipped
         self._stamp: dict[BlockHash, int] = {}                    # key -> stamp of its live heap item
         self._recency: dict[BlockHash, int] = {}                  # key -> stamp of its last use (ties: LRU)
-        # key -> class, tokens / bytes, restores, the floor when it was priced
-        self._worth: dict[BlockHash, tuple[str, float, int, float]] = {}
+        # key -> kind, tokens, restores, the floor when it was priced
+        self._worth: dict[BlockHash, tuple[str, int, int, float]] = {}
         self._next_stamp = 0
-        self._decay = 0.5 ** (1.0 / EVIDENCE_HALF_LIFE)
-        self._taken = {END: 0.0, BLOCK_END: 0.0}
-        self._restored = {END: 0.0, BLOCK_END: 0.0}
+        self.rates = ClassRates()
 
-    def prior(self, kind: str) -> float:
-        """Expected restores of an entry of class `kind` taken in: the restores per entry this tier
-        has seen for the class, shrunk towards its rate over all classes (0 before any restore)."""
-        taken = sum(self._taken.values())
-        overall = sum(self._restored.values()) / taken if taken else 0.0
-        return (self._restored[kind] + PRIOR_WEIGHT * overall) / (self._taken[kind] + PRIOR_WEIGHT)
+    def prior(self, kind: str, tokens: int = 0) -> float:
+        """Expected restores of an entry of this kind (and depth) taken in (0 before any restore)."""
+        return self.rates.rate(kind, tokens)
 
-    def add(self, entry: JointEntry, nbytes: int, restores: int = 0) -> None:
-        """Value a new entry that brought `nbytes`, with `restores` it earned in a tier above."""
-        kind = entry_class(entry)
-        for counts in (self._taken, self._restored):
-            for name in counts:
-                counts[name] *= self._decay
-        self._taken[kind] += 1.0
-        self._worth[entry.key] = (kind, entry.num_tokens / max(nbytes, 1), restores, self.floor)
+    def add(self, entry: JointEntry, restores: int = 0, kind: str | None = None) -> None:
+        """Value a new entry, with `restores` it earned in a tier above; `kind` is its candidate kind
+        (default: its class, END or BLOCK_END)."""
+        kind = kind or entry_class(entry)
+        self.rates.taken(_label(kind, restores), entry.num_tokens)
+        self._worth[entry.key] = (kind, entry.num_tokens, restores, self.floor)
         self._push(entry.key)
 
     def restored(self, key: BlockHash) -> None:
-        """A promotion reads the entry: one more restore, for it and for its class; repriced now."""
-        kind, density, restores, _ = self._worth[key]
-        self._restored[kind] += 1.0
-        self._worth[key] = (kind, density, restores + 1, self.floor)
+        """A promotion reads the entry: one more restore, for it and for its label; repriced now."""
+        kind, tokens, restores, _ = self._worth[key]
+        self.rates.restored(_label(kind, restores), tokens)
+        if _label(kind, restores + 1) != _label(kind, restores):
+            self.rates.taken(_label(kind, restores + 1), tokens)
+        self._worth[key] = (kind, tokens, restores + 1, self.floor)
         self._push(key)
 
     def touch(self, key: BlockHash) -> None:
         """The entry was offered again (a demotion of what the tier holds): reprice it as of now."""
-        kind, density, restores, _ = self._worth[key]
-        self._worth[key] = (kind, density, restores, self.floor)
+        kind, tokens, restores, _ = self._worth[key]
+        self._worth[key] = (kind, tokens, restores, self.floor)
         self._push(key)
+
+    def kind(self, key: BlockHash) -> str:
+        """The entry's kind (carried down a cascade)."""
+        return self._worth[key][0]
 
     def restores(self, key: BlockHash) -> int:
         """Promotions the entry has had (carried down a cascade)."""
@@ -250,9 +306,13 @@ class EntryValues:
             heapq.heappush(heap, item)
         return found
 
+    def current(self, key: BlockHash) -> float:
+        """The entry's priority at today's rates."""
+        return self._priority(key)
+
     def _priority(self, key: BlockHash) -> float:
-        kind, density, restores, base = self._worth[key]
-        return base + (self.prior(kind) + restores) * density
+        kind, tokens, restores, base = self._worth[key]
+        return base + self.rates.rate(_label(kind, restores), tokens) * tokens
 
     def _push(self, key: BlockHash, used: bool = True) -> None:
         """(Re)price `key` into the heap; `used`: as its most recent use (a repricing keeps its place)."""
@@ -307,9 +367,9 @@ class _Tier:
         """Whether this tier holds block `block`, written."""
         return block in self.kv and (KV, block) not in self.writing
 
-    def add(self, entry: JointEntry, restores: int = 0) -> list[BlockHash]:
-        """Take `entry` in (with `restores` earned in a tier above); the KV blocks it brings (not
-        held before)."""
+    def add(self, entry: JointEntry, restores: int = 0, kind: str | None = None) -> list[BlockHash]:
+        """Take `entry` in (with `restores` earned in a tier above, and its candidate kind); the KV
+        blocks it brings (not held before)."""
         new = []
         for block in entry.blocks:
             count = self.kv.get(block, 0)
@@ -321,7 +381,7 @@ class _Tier:
             self.tails.setdefault(entry.parent or b"", {})[entry.key] = entry.tail_tokens
         nbytes = self.sizes.state_bytes + len(new) * self.sizes.kv_block_bytes
         self.used += nbytes
-        self.values.add(entry, nbytes, restores)
+        self.values.add(entry, restores, kind)
         return new
 
     def remove(self, key: BlockHash) -> list[str]:
@@ -346,7 +406,7 @@ class _Tier:
         self.used -= self.sizes.state_bytes + (len(gone) - 1) * self.sizes.kv_block_bytes
         return gone
 
-    def victim(self, keep: BlockHash) -> tuple[JointEntry, float] | None:
+    def victim(self, keep: BlockHash | None) -> tuple[JointEntry, float] | None:
         """The evictable entry (written, not being read, not `keep`) of least value, and its priority."""
         def skip(key: BlockHash) -> bool:
             return key == keep or bool(self.pins[key]) or not self.ready(self.entries[key])
@@ -434,10 +494,11 @@ class TieredCache:
         return None
 
     def demote(self, entry: JointEntry, state_slot: int | None, device_blocks: DeviceBlocks, into: int = 0,
-               restores: int = 0) -> bool:
+               restores: int = 0, kind: str | None = None) -> bool:
         """Copy a joint entry into tier `into` or, where it cannot fit, the next one down; each object
         from the device (`state_slot`, `device_blocks`) or a tier holding it; `restores`: what it
-        earned in a tier above (its value). False when dropped."""
+        earned above (its value); `kind`: what candidate it is (its label for learned restore rates:
+        "end", "prompt", "branch", "interval", "output"; default its class). False when dropped."""
         for index in range(into, len(self.tiers)):
             tier = self.tiers[index]
             if entry.key in tier.entries:
@@ -449,8 +510,8 @@ class TieredCache:
             objects = self._sources(entry, tier, state_slot, device_blocks)
             if objects is None:
                 break
-            tier.add(entry, restores)
-            if not self._make_room(tier, index, keep=entry.key):
+            tier.add(entry, restores, kind)
+            if not self._make_room(tier, index, entry.key):
                 tier.remove(entry.key)  # nothing was sent for it yet
                 continue
             # Making room cascades evictions down the tiers, which may have taken a source away.
@@ -495,15 +556,24 @@ class TieredCache:
                 return tier.name
         return None
 
-    def _make_room(self, tier: _Tier, index: int, keep: BlockHash) -> bool:
-        """Evict least recently used entries of `tier` (each cascades to the next tier) until it fits."""
+    def _make_room(self, tier: _Tier, index: int, new: BlockHash) -> bool:
+        """Evict the least valuable entries of `tier` (each cascades to the next tier) until it fits;
+        False when nothing can go, or when the entry just taken in (`new`) is itself worth least (it
+        is refused rather than pushing out something worth more; the caller offers it lower)."""
         while tier.used > tier.budget:
-            found = tier.victim(keep)
+            found = tier.victim(None)
             if found is None:
                 return False
             victim, priority = found
+            if victim.key == new:  # stored prices lag the moving rates: compare today's
+                other = tier.victim(new)
+                if other is None or tier.values.current(new) < tier.values.current(other[0].key):
+                    tier.values.evicted(priority)
+                    return False
+                victim, priority = other
             if index + 1 < len(self.tiers):
-                self.demote(victim, None, _nowhere, into=index + 1, restores=tier.values.restores(victim.key))
+                self.demote(victim, None, _nowhere, into=index + 1, restores=tier.values.restores(victim.key),
+                            kind=tier.values.kind(victim.key))
             self._discard(tier, tier.remove(victim.key))
             tier.values.evicted(priority)
             tier.evictions += 1
@@ -541,6 +611,10 @@ class TieredCache:
         if not tier.pins[hit.entry.key]:
             del tier.pins[hit.entry.key]
 
+    def kind_of(self, hit: TierHit) -> str:
+        """The candidate kind `hit`'s entry was taken in as (it goes back to the device with it)."""
+        return self._by_name[hit.tier].values.kind(hit.entry.key)
+
     def promote(self, hit: TierHit, state_slot: int, kv_targets: Sequence[tuple[BlockHash, int]]) -> int:
         """Start copying `hit`'s state into snapshot slot `state_slot` and these KV blocks into the
         device blocks given (the caller allocated them); the entry is pinned until the ticket
@@ -558,13 +632,14 @@ class TieredCache:
         if not tier.shared:
             self.mover.discard(tier.name, keys)
 
-    def publish(self, entry: JointEntry, state_slot: int | None, device_blocks: DeviceBlocks) -> None:
+    def publish(self, entry: JointEntry, state_slot: int | None, device_blocks: DeviceBlocks,
+                kind: str | None = None) -> None:
         """A device snapshot was published: copy it down now with `write_through`, and write it
         through to the shared tier (so a replica that dies has already shared it)."""
         if self.write_through:
-            self.demote(entry, state_slot, device_blocks)
+            self.demote(entry, state_slot, device_blocks, kind=kind)
         if self.shared is not None and entry.key not in self.shared.entries:
-            self.demote(entry, state_slot, device_blocks, into=len(self.tiers) - 1)
+            self.demote(entry, state_slot, device_blocks, into=len(self.tiers) - 1, kind=kind)
 
     def discover(self, query: DiscoveryQuery) -> int | None:
         """Start a discovery lookup in the shared tier's store; its id (poll until `discovering` is
@@ -617,7 +692,7 @@ class TieredCache:
         if tier.entry_bytes(entry) > tier.budget:
             return False
         tier.add(entry)
-        if not self._make_room(tier, len(self.tiers) - 1, keep=entry.key):
+        if not self._make_room(tier, len(self.tiers) - 1, entry.key):
             tier.remove(entry.key)
             return False
         return True
@@ -647,10 +722,14 @@ class TieredCache:
             return
         tier.failed += 1
         lost = {key for _, key in written}
+        # A block-end entry's key is also its last block's hash: a lost state is that entry's
+        # alone, a lost KV block every entry's whose prefix holds it.
+        lost_states = {key for kind, key in written if kind == STATE}
+        lost_blocks = {key for kind, key in written if kind == KV}
         stale: set[BlockHash] = set()
         if tier.shared:  # objects the books hold may be gone from the store too (its own eviction)
             stale = {record.entry.key, *record.entry.blocks} - lost
-        for entry in [e for e in tier.entries.values() if e.key in lost or lost.intersection(e.blocks)]:
+        for entry in [e for e in tier.entries.values() if e.key in lost_states or lost_blocks.intersection(e.blocks)]:
             self._discard(tier, tier.remove(entry.key))
         for entry in [e for e in tier.entries.values()  # forgotten (rewritten when next published), not read now
                       if (e.key in stale or stale.intersection(e.blocks)) and not tier.pins[e.key]]:
