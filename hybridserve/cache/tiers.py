@@ -14,6 +14,7 @@ the books.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
@@ -167,47 +168,63 @@ def entry_class(entry: JointEntry) -> str:
 
 
 class ClassRates:
-    """Restores per entry taken in, by entry label (its kind and depth bucket), exponentially decayed
-    by entries taken in, so the rates follow the workload. A depth bucket with little evidence
-    leans on its kind, a kind on all kinds (0 before any restore)."""
+    """Restores per unit of residence (value per byte-time, as the device policy's rates), by entry
+    label (its kind and depth bucket), exponentially decayed on a clock of entries taken in, so the
+    rates follow the workload. Per unit of residence, not per entry: a kind the tier evicts young
+    has had less time to be restored, and a per-entry rate would keep it evicted young. A depth
+    bucket with little evidence leans on its kind, a kind on all kinds (0 before any restore)."""
 
     def __init__(self) -> None:
         self._decay = 0.5 ** (1.0 / EVIDENCE_HALF_LIFE)
+        self._lambda = -math.log(self._decay)
         self._clock = 0.0
-        self._totals: dict[tuple[str, int], tuple[float, float, float]] = {}  # key -> restored, taken, clock
+        # key -> [restored, residence, entries taken, live entries, clock of the last update]
+        self._totals: dict[tuple[str, int], list[float]] = {}
 
     @staticmethod
     def _keys(kind: str, tokens: int) -> tuple[tuple[str, int], ...]:
         return (kind, tokens.bit_length()), (kind, -1), ("", -1)
 
-    def _add(self, kind: str, tokens: int, restored: float, taken: float) -> None:
-        for key in self._keys(kind, tokens):
-            old_restored, old_taken = self._decayed(key)
-            self._totals[key] = (old_restored + restored, old_taken + taken, self._clock)
+    def _now(self, key: tuple[str, int]) -> tuple[float, float, float, list[float]]:
+        """(restored, residence, taken) of `key` decayed to now, and its record."""
+        record = self._totals.get(key)
+        if record is None:
+            record = self._totals[key] = [0.0, 0.0, 0.0, 0.0, self._clock]
+        span = self._clock - record[4]
+        fade = self._decay ** span
+        residence = record[1] * fade + record[3] * (1.0 - fade) / self._lambda
+        return record[0] * fade, residence, record[2] * fade, record
 
-    def taken(self, kind: str, tokens: int) -> None:
-        """An entry of this kind and depth was taken in."""
-        self._clock += 1.0
-        self._add(kind, tokens, 0.0, 1.0)
+    def _update(self, kind: str, tokens: int, restored: float, taken: float, live: float) -> None:
+        for key in self._keys(kind, tokens):
+            now_restored, residence, now_taken, record = self._now(key)
+            record[:] = [now_restored + restored, residence, now_taken + taken, record[3] + live, self._clock]
+
+    def taken(self, kind: str, tokens: int, new: bool = True) -> None:
+        """An entry of this kind and depth was taken in (`new`: one more entry; else relabelled)."""
+        if new:
+            self._clock += 1.0
+        self._update(kind, tokens, 0.0, 1.0, 1.0)
+
+    def left(self, kind: str, tokens: int) -> None:
+        """An entry of this kind and depth left (or was relabelled)."""
+        self._update(kind, tokens, 0.0, 0.0, -1.0)
 
     def restored(self, kind: str, tokens: int) -> None:
         """An entry of this kind and depth was restored."""
-        self._add(kind, tokens, 1.0, 0.0)
+        self._update(kind, tokens, 1.0, 0.0, 0.0)
 
-    def _decayed(self, key: tuple[str, int]) -> tuple[float, float]:
-        restored, taken, at = self._totals.get(key, (0.0, 0.0, self._clock))
-        fade = self._decay ** (self._clock - at)
-        return restored * fade, taken * fade
-
-    def _rate(self, key: tuple[str, int], prior: float) -> float:
-        restored, taken = self._decayed(key)
-        return (restored + PRIOR_WEIGHT * prior) / (taken + PRIOR_WEIGHT)
+    def _rate(self, key: tuple[str, int], prior: float, life: float) -> float:
+        restored, residence, _, _ = self._now(key)
+        return (restored + PRIOR_WEIGHT * prior * life) / (residence + PRIOR_WEIGHT * life)
 
     def rate(self, kind: str, tokens: int) -> float:
-        """Expected restores of an entry of this kind and depth taken in."""
-        restored, taken = self._decayed(("", -1))
-        overall = restored / taken if taken else 0.0
-        return self._rate((kind, tokens.bit_length()), self._rate((kind, -1), overall))
+        """Expected restores per unit of residence of an entry of this kind and depth."""
+        restored, residence, taken, _ = self._now(("", -1))
+        if not residence or not taken:
+            return 0.0
+        overall, life = restored / residence, residence / taken  # the mean residence weighs the prior
+        return self._rate((kind, tokens.bit_length()), self._rate((kind, -1), overall, life), life)
 
 
 RESTORE_BUCKETS = 2  # entries are told apart by restores so far: 0, 1, 2 or more
@@ -221,8 +238,8 @@ def _label(kind: str, restores: int) -> str:
 class EntryValues:
     """Which entry of a tier to evict: GreedyDual-Frequency. An entry's priority is the tier's
     floor (the priority of the last entry evicted, so idle entries age out) plus its expected
-    restores x the tokens a restore saves. Expected restores are learned (`ClassRates`): the
-    restores per entry taken in that this tier has observed for entries of the same label: kind
+    restore rate x the tokens a restore saves. Restore rates are learned (`ClassRates`): the
+    restores per unit of residence this tier has observed for entries of the same label: kind
     (request end, prompt mark, branch point, interval mark near the prompt end or not, output mark),
     depth, and restores so far (0, 1, 2+: whether a restore predicts another is learned too, e.g. a
     conversation's turn end is restored once by the next turn, a system prompt's mark again and
@@ -259,7 +276,8 @@ class EntryValues:
         kind, tokens, restores, _ = self._worth[key]
         self.rates.restored(_label(kind, restores), tokens)
         if _label(kind, restores + 1) != _label(kind, restores):
-            self.rates.taken(_label(kind, restores + 1), tokens)
+            self.rates.left(_label(kind, restores), tokens)
+            self.rates.taken(_label(kind, restores + 1), tokens, new=False)
         self._worth[key] = (kind, tokens, restores + 1, self.floor)
         self._push(key)
 
@@ -279,7 +297,9 @@ class EntryValues:
 
     def remove(self, key: BlockHash) -> None:
         """Forget an entry (its heap item goes stale)."""
-        del self._worth[key], self._stamp[key], self._recency[key]
+        kind, tokens, restores, _ = self._worth.pop(key)
+        self.rates.left(_label(kind, restores), tokens)
+        del self._stamp[key], self._recency[key]
 
     def evicted(self, priority: float) -> None:
         """An entry of this priority was evicted: raise the floor to it (the aging of GDSF)."""

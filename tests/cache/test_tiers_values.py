@@ -56,30 +56,33 @@ def test_a_restore_costs_time_where_restored_entries_do_not_come_back() -> None:
     """Conversation turn ends: each is restored once by the next turn, which then carries on from
     its own end; the learned rate of a once-restored end falls below a fresh one's."""
     values = EntryValues()
-    turns = [_end_entry(list(range(100 * i, 100 * i + 40))) for i in range(40)]
-    for entry in turns:
+    turns = [_end_entry(list(range(100 * i, 100 * i + 40))) for i in range(60)]
+    for index, entry in enumerate(turns):
         values.add(entry, kind=END)
-    for entry in turns[:30]:
-        values.restored(entry.key)
-    assert values.prior(END + "+1", 40) < values.prior(END, 40)
-    assert _lowest(values) in {entry.key for entry in turns[:30]}  # a restored end goes first
+        if index:
+            values.restored(turns[index - 1].key)
+    assert 0.0 < values.prior(END + "+1", 40) < values.prior(END, 40) / 4
+    assert _lowest(values) in {entry.key for entry in turns[:-1]}  # a restored end goes first
 
 
 def test_the_prior_follows_the_restore_rate_of_each_class() -> None:
+    """Rates are restores per unit of residence: request ends restored as they come, a stream of
+    marks never restored."""
     values = EntryValues()
-    ends = [_end_entry(list(range(100 * i, 100 * i + 40))) for i in range(20)]
-    marks = [_block_entry(list(range(5000 + 100 * i, 5000 + 100 * i + 32))) for i in range(200)]
-    for entry in [*ends, *marks]:
-        values.add(entry)
-    for entry in ends:
-        values.restored(entry.key)
-    assert values.prior(END) > 0.5 > 0.05 > values.prior(BLOCK_END) > 0.0
+    for turn in range(20):
+        end = _end_entry(list(range(100 * turn, 100 * turn + 40)))
+        values.add(end)
+        for index in range(10):
+            values.add(_block_entry(list(range(5000 + 1000 * turn + 10 * index, 5000 + 1000 * turn + 10 * index + 32))))
+        values.restored(end.key)
+    assert values.prior(END) > 10 * values.prior(BLOCK_END) > 0.0
 
 
 def test_ends_that_come_back_outlive_a_flood_of_marks_that_do_not() -> None:
-    """A host tier of eight entries: three request ends restored twice each, then twice as many
-    interval-mark-like entries as fit; under LRU the flood would push every end out, by value the ends stay. They
-    still age out (GDSF's floor) once newer ends that are as likely to come back keep arriving."""
+    """A host tier of eight entries: three request ends that keep being restored, and a flood of
+    twice as many interval-mark-like entries as fit; under LRU the flood would push every end out,
+    by value the ends stay. They still age out (GDSF's floor) once they stop coming back and newer
+    ends that are as likely to come back keep arriving."""
     device = FakeDevice()
     mover = FakeMover(device)
     one = SIZES.state_bytes + 3 * SIZES.kv_block_bytes
@@ -89,29 +92,36 @@ def test_ends_that_come_back_outlive_a_flood_of_marks_that_do_not() -> None:
     def demote(entry: JointEntry, tokens: list[int]) -> None:
         nonlocal slot
         slot += 1
-        assert tiers.demote(entry, slot, _seed_device(device, entry, tokens, slot).get)
+        tiers.demote(entry, slot, _seed_device(device, entry, tokens, slot).get)
         tiers.poll()
+
+    def restore(entry: JointEntry) -> None:
+        hit = tiers.find(entry.key)
+        assert hit is not None
+        ticket = tiers.promote(hit, 90, [])
+        assert tiers.poll() == [(ticket, True)]
+        tiers.complete_promotion(ticket, True)
 
     ends = []
     for index in range(3):
         tokens = list(range(1000 * index, 1000 * index + 40))
         ends.append(_end_entry(tokens))
         demote(ends[-1], tokens)
-        for _ in range(2):
-            hit = tiers.find(ends[-1].key)
-            assert hit is not None
-            ticket = tiers.promote(hit, 90, [])
-            assert tiers.poll() == [(ticket, True)]
-            tiers.complete_promotion(ticket, True)
-    def flood(count: int, first: int, make: Callable[[list[int]], JointEntry] = _block_entry) -> None:
+        restore(ends[-1])
+
+    def flood(count: int, first: int, make: Callable[[list[int]], JointEntry] = _block_entry,
+              restoring: bool = False) -> None:
         for index in range(first, first + count):
             tokens = list(range(50_000 + 1000 * index, 50_000 + 1000 * index + 40))
             demote(make(tokens), tokens)
             tiers.check_integrity()
+            if restoring and index % 4 == 3:
+                for end in ends:
+                    restore(end)
 
-    flood(16, 0)
+    flood(16, 0, restoring=True)
     assert all(tiers.find(end.key) is not None for end in ends)
-    assert tiers.stats()[0].evictions >= 8  # LRU would have pushed the three ends out by now
+    assert tiers.stats()[0].evictions + tiers.stats()[0].dropped >= 8  # LRU would have pushed the ends out
     flood(200, 16, _end_entry)
     assert all(tiers.find(end.key) is None for end in ends)
 
@@ -134,17 +144,18 @@ def test_rates_are_learned_per_kind_and_depth() -> None:
     """Shallow prompt marks that come back and deep interval marks that do not, of one class (block
     ends): the labels keep their rates apart, and a depth bucket without evidence leans on its kind."""
     values = EntryValues()
-    shallow = [_block_entry(list(range(100 * i, 100 * i + 32))) for i in range(20)]
-    deep = [_block_entry(list(range(9000 + 1000 * i, 9000 + 1000 * i + 512))) for i in range(200)]
-    for entry in shallow:
-        values.add(entry, kind="prompt")
-        values.restored(entry.key)
-    for entry in deep:
-        values.add(entry, kind="interval")
-    assert values.prior("prompt", 32) > 0.5 > 0.05 > values.prior("interval", 512) > 0.0
-    assert values.prior("prompt", 4096) > 0.5  # no evidence at this depth: the kind's rate
-    assert values.kind(deep[0].key) == "interval" and values.kind(shallow[0].key) == "prompt"
-    assert values.current(shallow[0].key) > values.current(deep[0].key)
+    for turn in range(20):
+        shallow = _block_entry(list(range(100 * turn, 100 * turn + 32)))
+        values.add(shallow, kind="prompt")
+        for index in range(10):
+            start = 9000 + 10_000 * turn + 600 * index
+            values.add(_block_entry(list(range(start, start + 512))), kind="interval")
+        values.restored(shallow.key)
+    assert values.prior("prompt", 32) > 10 * values.prior("interval", 512) > 0.0
+    assert values.prior("prompt", 4096) > 10 * values.prior("interval", 512)  # no evidence at this depth: the kind's
+    assert values.kind(shallow.key) == "prompt"
+    deep = _block_entry(list(range(9000, 9000 + 512)))
+    assert values.current(shallow.key) > values.current(deep.key)
 
 
 def test_a_full_tier_refuses_an_entry_worth_less_than_what_it_holds() -> None:
