@@ -29,7 +29,7 @@ END, BLOCK_END = "end", "block"
 """Entry classes: a request end (the boundary lies inside a block), or a block boundary (interval
 and prompt marks, branch points). Their restore rates differ by orders of magnitude."""
 EVIDENCE_HALF_LIFE = 4096.0  # entries taken in; older restore evidence fades so rates follow the workload
-PRIOR_WEIGHT = 8.0           # pseudo-entries a depth bucket borrows from its kind, a kind from all kinds
+PRIOR_WEIGHT = 8.0           # mean residences a depth bucket borrows from its kind, a kind from all kinds
 
 
 def object_key(kind: str, key: BlockHash) -> str:
@@ -168,11 +168,11 @@ def entry_class(entry: JointEntry) -> str:
 
 
 class ClassRates:
-    """Restores per unit of residence (value per byte-time, as the device policy's rates), by entry
-    label (its kind and depth bucket), exponentially decayed on a clock of entries taken in, so the
-    rates follow the workload. Per unit of residence, not per entry: a kind the tier evicts young
-    has had less time to be restored, and a per-entry rate would keep it evicted young. A depth
-    bucket with little evidence leans on its kind, a kind on all kinds (0 before any restore)."""
+    """Restores per unit of residence, by entry label (its kind and depth bucket), exponentially
+    decayed on a clock of entries taken in, so the rates follow the workload. Per unit of
+    residence, not per entry: a kind the tier evicts young has had less time to be restored, and a
+    per-entry rate would keep it evicted young. A depth bucket with little evidence leans on its
+    kind, a kind on all kinds (0 before any restore)."""
 
     def __init__(self) -> None:
         self._decay = 0.5 ** (1.0 / EVIDENCE_HALF_LIFE)
@@ -260,7 +260,8 @@ class EntryValues:
         self.rates = ClassRates()
 
     def prior(self, kind: str, tokens: int = 0) -> float:
-        """Expected restores of an entry of this kind (and depth) taken in (0 before any restore)."""
+        """The learned restore rate (per unit of residence) of an entry of this label and depth (0
+        before any restore)."""
         return self.rates.rate(kind, tokens)
 
     def add(self, entry: JointEntry, restores: int = 0, kind: str | None = None) -> None:

@@ -1,5 +1,6 @@
-"""Which entry a lower tier evicts (`EntryValues`: GreedyDual-Size-Frequency with learned class
-priors), and hybridserve's captures per chunk bounded by the slots the pool can give."""
+"""Which entry a lower tier evicts (`EntryValues`: GreedyDual-Frequency with restore rates learned
+per label), what it refuses, and hybridserve's captures per chunk bounded by the slots the pool can
+give."""
 
 from __future__ import annotations
 
