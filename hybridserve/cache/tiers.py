@@ -156,7 +156,7 @@ class TierStats(NamedTuple):
     demoted_bytes: int
     demoted_objects: int
     evictions: int
-    dropped: int   # demotions refused: too large for the tier, no room, or an object with no source
+    dropped: int   # demotions refused: too large, no room, worth less than all it holds, or no source
     failed: int    # transfers the mover reported failed (a corrupt, truncated or missing object: a miss)
     lookups: int = 0     # discovery lookups (a shared tier: entries other replicas wrote)
     discovered: int = 0  # ... that found an entry, adopted into this tier's books
