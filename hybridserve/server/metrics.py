@@ -62,7 +62,7 @@ _TIER_COUNTERS = {
     "promoted_objects": "Objects promoted from the tier.", "demotions": "Demotions into the cache tier.",
     "demoted_bytes": "Bytes demoted into the tier.", "demoted_objects": "Objects demoted into the tier.",
     "evictions": "Joint entries evicted from the tier.",
-    "dropped": "Demotions the tier refused (too large, no room, no source).",
+    "dropped": "Demotions the tier refused (too large, no room, worth less than all it holds, no source).",
     "failed": "Transfers that failed (corrupt, truncated or missing objects: counted misses).",
     "lookups": "Discovery lookups in the shared (remote) tier's store.",
     "discovered": "Discovery lookups that found an entry another replica wrote.",
