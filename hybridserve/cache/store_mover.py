@@ -108,6 +108,8 @@ class StoreMover:
         self._done = threading.Condition()
         self._closing = False
         self._held = False  # writes wait while the engine runs a forward (`hold_writes`)
+        self._released_mark = 1  # operations numbered below this were queued before the last release
+        self._overdue_below = 1  # writes numbered below this waited through a whole hold: they run
         self._stats = MoverStats(tier=store.tier)
         self._thread = threading.Thread(target=self._run, name=f"tier-mover-{store.tier}", daemon=True)
         self._thread.start()
@@ -151,13 +153,19 @@ class StoreMover:
         return seq
 
     def hold_writes(self, held: bool) -> None:
-        """While held, queued writes wait (reads still run) unless the queue is half full: the
-        engine holds them during a forward, so on a lightly loaded machine background writes run
-        between steps instead of competing with the forward for cores and the interpreter lock."""
+        """While held, queued writes wait (reads still run) unless the queue is half full or the
+        oldest write was queued before the last release (it was held through a forward already):
+        the engine holds them during a forward, so on a lightly loaded machine background writes
+        run between steps instead of competing with the forward for cores and the interpreter
+        lock, and under back-to-back steps (gaps too short for the thread to run) a write waits
+        through one forward at most, so what it demotes becomes restorable."""
         with self._work:
+            if held:
+                self._overdue_below = self._released_mark
+            else:
+                self._released_mark = self._next_seq
             self._held = held
-            if not held:
-                self._work.notify()
+            self._work.notify()
 
     def cancel(self, key: str) -> int:
         """Drop the queued, not yet started puts and gets of `key` (no events for them); an
@@ -262,8 +270,10 @@ class StoreMover:
         `_work`)."""
         if self._reads:
             return self._reads
-        if self._writes and (not self._held or self._closing or 2 * self._bounded >= self.max_pending):
-            return self._writes
+        writes = self._writes
+        if writes and (not self._held or self._closing or 2 * self._bounded >= self.max_pending
+                       or writes[0][0].seq < self._overdue_below):
+            return writes
         return None
 
     def _run_queued(self) -> None:

@@ -381,6 +381,24 @@ def test_held_writes_wait_while_reads_run_until_released(disk: DiskStore) -> Non
         mover.close()
 
 
+def test_a_held_write_waits_through_one_forward_at_most(disk: DiskStore) -> None:
+    """Back-to-back forwards leave the thread no gap to write in: a write queued before the
+    previous hold runs during the next one, so a demoted entry does not stay unreadable."""
+    mover = StoreMover(disk, max_pending=64)
+    try:
+        mover.hold_writes(True)  # a forward
+        assert mover.submit_put("state-a", _payload()) == 1
+        assert mover.poll(timeout=0.05) == [] and not disk.contains("state-a")  # held through it
+        mover.hold_writes(False)  # too short a gap to matter here: the next forward holds at once
+        mover.hold_writes(True)
+        assert [(e.seq, e.kind, e.ok) for e in _collect(mover, 1)] == [(1, "put", True)]
+        assert mover.submit_put("state-b", _payload(1)) == 2  # queued during this forward: waits
+        assert mover.poll(timeout=0.05) == [] and not disk.contains("state-b")
+    finally:
+        mover.hold_writes(False)
+        mover.close()
+
+
 def test_held_writes_run_anyway_once_the_queue_is_half_full(disk: DiskStore) -> None:
     """Holding only defers writes: under sustained load they must not pile up to refusals."""
     mover = StoreMover(disk, max_pending=4)
