@@ -37,7 +37,11 @@ import torch
 
 MODES = ("cold", "device", "host", "disk", "restart")
 FILLERS = 2  # prompts as long as the timed one: enough to push the prefix out of the small device pools
-LOGPROB_ATOL = 1e-4  # float32 on the CPU: restored and recomputed logprobs agree to rounding
+HOST_POOLS = 16  # host and disk tiers: this many times the device pools (room for every round's prefix)
+MIB = 1 << 20
+# Restored and recomputed logprobs agree to rounding: float32's, or bfloat16's (a few layers of bf16
+# GEMMs over a different chunking of the prompt) on a GPU.
+LOGPROB_ATOL = {"float32": 1e-4, "bfloat16": 1e-1, "float16": 1e-2}
 
 
 def _tokens(length: int, seed: int) -> list[int]:
@@ -58,23 +62,46 @@ def _tier_hits(llm: Any, name: str) -> int:
 class TierBench:
     """The engines and the per-mode measurement of one sample."""
 
-    def __init__(self, prefix_tokens: int, fresh_tokens: int, kv_cache_mib: float, prefix_cache_mib: float,
-                 snapshot_interval: int, workdir: Path) -> None:
+    def __init__(self, prefix_tokens: int, fresh_tokens: int, kv_cache_mib: float | None,
+                 prefix_cache_mib: float | None, snapshot_interval: int, workdir: Path, device: str = "cpu",
+                 dtype: str = "float32", model: str | None = None) -> None:
         from hybridserve import LLM, SamplingParams
 
         self.llm_class = LLM
         self.params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2)
         self.prefix_tokens, self.fresh_tokens = prefix_tokens, fresh_tokens
-        self.pools: dict[str, Any] = {"device": "cpu", "dtype": "float32", "kv_cache_mib": kv_cache_mib,
-                                      "prefix_cache_mib": prefix_cache_mib, "snapshot_interval": snapshot_interval,
-                                      "cache_policy": "interval"}
+        common: dict[str, Any] = {"device": device, "dtype": dtype, "max_model_len": prefix_tokens + fresh_tokens + 16}
+        if model is not None:
+            common["model"] = model
+        kv_mib, snapshot_mib = self._device_pools(model, dtype, kv_cache_mib, prefix_cache_mib)
+        self.pools: dict[str, Any] = {**common, "kv_cache_mib": kv_mib, "prefix_cache_mib": snapshot_mib,
+                                      "snapshot_interval": snapshot_interval, "cache_policy": "interval"}
+        self.lower_tier_size = f"{HOST_POOLS * (kv_mib + snapshot_mib):.0f}MiB"
         self.workdir = workdir
         self.engines = {
-            "cold": LLM(device="cpu", dtype="float32", kv_cache_mib=kv_cache_mib, prefix_cache_mib=0),
+            "cold": LLM(**common, kv_cache_mib=kv_mib, prefix_cache_mib=0),
             "device": LLM(**self.pools),
-            "host": LLM(**self.pools, host_cache_memory="256MiB"),
-            "disk": LLM(**self.pools, disk_cache_dir=self._private_dir("disk"), disk_cache_size="256MiB"),
+            "host": LLM(**self.pools, host_cache_memory=self.lower_tier_size),
+            "disk": LLM(**self.pools, disk_cache_dir=self._private_dir("disk"), disk_cache_size=self.lower_tier_size),
         }
+
+    def _device_pools(self, model: str | None, dtype: str, kv_cache_mib: float | None,
+                      prefix_cache_mib: float | None) -> tuple[float, float]:
+        """Device pools small enough that FILLERS prompts push the prefix out: KV for just under two
+        prompts, two and a half snapshots (two slots); an explicit size wins."""
+        from hybridserve.cache.state_tensors import GDNStateTensors
+        from hybridserve.config import CacheConfig
+        from hybridserve.layers.attention import PagedKVCache
+        from hybridserve.models.builtin import BUILTIN_MODEL_CONFIG
+        from hybridserve.models.loader import read_model_config, resolve_model
+
+        config = BUILTIN_MODEL_CONFIG if model is None else read_model_config(resolve_model(model))
+        torch_dtype, block_size = getattr(torch, dtype), CacheConfig().block_size
+        block_bytes = block_size * PagedKVCache.bytes_per_token(
+            len(config.attention_layer_ids), config.num_key_value_heads, config.head_dim, torch_dtype)
+        prompt_blocks = -(-(self.prefix_tokens + self.fresh_tokens) // block_size)
+        kv = kv_cache_mib or (2 * prompt_blocks - 8) * block_bytes / MIB
+        return kv, prefix_cache_mib or 2.5 * GDNStateTensors.bytes_per_slot(config, torch_dtype) / MIB
 
     def _private_dir(self, name: str) -> str:
         path = self.workdir / name
@@ -109,8 +136,8 @@ class TierBench:
         return self._row(seconds, out, _tier_hits(llm, mode) - hits_before)
 
     def _measure_restart(self, prefix: list[int], prompt: list[int], seed: int) -> dict[str, Any]:
-        flags = {**self.pools, "disk_cache_dir": self._private_dir(f"restart-{seed}"), "disk_cache_size": "256MiB",
-                 "tier_write_policy": "write-through"}
+        flags = {**self.pools, "disk_cache_dir": self._private_dir(f"restart-{seed}"),
+                 "disk_cache_size": self.lower_tier_size, "tier_write_policy": "write-through"}
         writer = self.llm_class(**flags)
         self._populate(writer, prefix, seed, evict=False)
         writer.llm_engine.shutdown()
@@ -132,11 +159,11 @@ class TierBench:
             llm.llm_engine.shutdown()
 
 
-def _same_output(row: dict[str, Any], reference: dict[str, Any]) -> bool:
+def _same_output(row: dict[str, Any], reference: dict[str, Any], atol: float) -> bool:
     if row["token"] != reference["token"]:
         return False
     for got, want in zip(row["logprobs"], reference["logprobs"], strict=True):
-        if got.keys() != want.keys() or max(abs(got[t] - want[t]) for t in got) > LOGPROB_ATOL:
+        if got.keys() != want.keys() or max(abs(got[t] - want[t]) for t in got) > atol:
             return False
     return True
 
@@ -151,9 +178,10 @@ def _check(mode: str, row: dict[str, Any], prefix_tokens: int) -> list[str]:
     return problems
 
 
-def run_tier_ttft(prefix_tokens: int = 4096, fresh_tokens: int = 64, rounds: int = 3, kv_cache_mib: float = 16,
-                  prefix_cache_mib: float = 2, snapshot_interval: int | None = None,
-                  log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_tier_ttft(prefix_tokens: int = 4096, fresh_tokens: int = 64, rounds: int = 3,
+                  kv_cache_mib: float | None = None, prefix_cache_mib: float | None = None,
+                  snapshot_interval: int | None = None, model: str | None = None,
+                  log: Callable[[str], None] = print, device: str = "cpu", dtype: str = "float32") -> dict[str, Any]:
     """Median TTFT per mode over `rounds` rounds after one warm-up round, modes alternated;
     the `interval` cache policy snapshots every `snapshot_interval` tokens (default: the prefix
     length, so the one snapshot a prompt leaves is the prefix's own boundary)."""
@@ -163,7 +191,7 @@ def run_tier_ttft(prefix_tokens: int = 4096, fresh_tokens: int = 64, rounds: int
     identical = True
     with tempfile.TemporaryDirectory(prefix="tier-ttft-") as tmp:
         bench = TierBench(prefix_tokens, fresh_tokens, kv_cache_mib, prefix_cache_mib,
-                          snapshot_interval or prefix_tokens, Path(tmp))
+                          snapshot_interval or prefix_tokens, Path(tmp), device, dtype, model)
         try:
             for round_index in range(rounds + 1):
                 seed = 1000 * (round_index + 1)
@@ -171,7 +199,7 @@ def run_tier_ttft(prefix_tokens: int = 4096, fresh_tokens: int = 64, rounds: int
                 rows = {mode: bench.measure(mode, seed) for mode in order}
                 for mode in MODES:
                     problems += _check(mode, rows[mode], prefix_tokens)
-                    identical = identical and _same_output(rows[mode], rows["cold"])
+                    identical = identical and _same_output(rows[mode], rows["cold"], LOGPROB_ATOL[dtype])
                     cached[mode] = rows[mode]["cached"]
                     if round_index > 0:  # round 0 warms up
                         times[mode].append(rows[mode]["seconds"])
@@ -180,7 +208,8 @@ def run_tier_ttft(prefix_tokens: int = 4096, fresh_tokens: int = 64, rounds: int
         finally:
             bench.close()
     median = {mode: statistics.median(values) for mode, values in times.items()}
-    return {"prefix_tokens": prefix_tokens, "fresh_tokens": fresh_tokens, "rounds": rounds,
+    return {"device": device, "dtype": dtype, "prefix_tokens": prefix_tokens, "fresh_tokens": fresh_tokens,
+            "rounds": rounds,
             "median_s": median, "cached_tokens": cached, "identical_outputs": identical, "problems": problems,
             "host_over_device": median["host"] / median["device"],
             "disk_over_device": median["disk"] / median["device"],
@@ -189,7 +218,8 @@ def run_tier_ttft(prefix_tokens: int = 4096, fresh_tokens: int = 64, rounds: int
 
 def format_tier_ttft_report(result: dict[str, Any]) -> str:
     """A plain table of the medians and the goal ratios."""
-    lines = [f"TTFT = wall time of LLM.generate, max_tokens=1, {result['prefix_tokens']}-token prefix + "
+    lines = [f"{result['device']} {result['dtype']}; TTFT = wall time of LLM.generate, max_tokens=1, "
+             f"{result['prefix_tokens']}-token prefix + "
              f"{result['fresh_tokens']} fresh tokens, median of {result['rounds']} after a warm-up",
              f"{'mode':8} {'TTFT s':>8} {'restored':>9}"]
     for mode in MODES:
@@ -209,13 +239,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds after the warm-up (median)")
     parser.add_argument("--prefix-tokens", type=int, default=4096, help="shared prefix restored from a tier")
     parser.add_argument("--fresh-tokens", type=int, default=64, help="new tokens after the prefix")
-    parser.add_argument("--kv-cache-mib", type=float, default=16, help="device KV pool: under three prompts")
-    parser.add_argument("--prefix-cache-mib", type=float, default=2, help="device snapshot pool: a few slots")
+    parser.add_argument("--kv-cache-mib", type=float, default=None,
+                        help="device KV pool (default: just under two prompts, from the model's block size)")
+    parser.add_argument("--prefix-cache-mib", type=float, default=None,
+                        help="device snapshot pool (default: two and a half snapshots)")
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the built-in model)")
     parser.add_argument("--snapshot-interval", type=int, default=None, help="default: --prefix-tokens")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (pinned host buffers and a copy stream)")
+    parser.add_argument("--dtype", default=None, choices=sorted(LOGPROB_ATOL),
+                        help="default: float32 on the CPU, bfloat16 on CUDA")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON here")
     args = parser.parse_args(argv)
     result = run_tier_ttft(args.prefix_tokens, args.fresh_tokens, args.rounds, args.kv_cache_mib,
-                           args.prefix_cache_mib, args.snapshot_interval)
+                           args.prefix_cache_mib, args.snapshot_interval, args.model, device=args.device,
+                           dtype=args.dtype or ("float32" if args.device == "cpu" else "bfloat16"))
     print(format_tier_ttft_report(result), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

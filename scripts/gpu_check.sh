@@ -2,6 +2,8 @@
 # The CUDA checks in one run (bfloat16 on cuda:0): the GPU benchmarks (GDN on Triton kernels and on
 # PyTorch ops side by side), the `cuda`-marked tests, a served request through the engine-core
 # process and the TP=2 refusal on one GPU. Figures go to docs/benchmarks.md.
+# Then the lower cache tiers on CUDA: the tier TTFT benchmark (pinned host memory and disk against the
+# device pools) and the tier tests among the `cuda`-marked ones.
 # Usage: scripts/gpu_check.sh OUTDIR   (from the repository root, with the runtime and test packages)
 # Missing packages travel as wheels in .whl/ (scripts/gpu_wheels.sh, run here; the device has no
 # registry): installed below with --no-index. GPU_SHAPE=qwen3.5-0.8b (the default; "builtin" for the
@@ -41,6 +43,12 @@ echo "model: ${model[*]:-built-in} ($((SECONDS - start)) s)" | tee -a "$out/env.
     HYBRIDSERVE_GDN_KERNELS=$gdn timeout "$(left 130)" "${hs[@]}" bench engine --device cuda "${model[@]}" \
         --batch-size 64 --iterations 3 --json "$out/engine_$gdn.json"
     echo "rc=$? ($((SECONDS - start)) s)"
+    if [[ $gdn == triton ]]; then
+      echo "== [triton] tier TTFT (4096-token prefix restored from device, pinned host, disk, after a restart)"
+      HYBRIDSERVE_GDN_KERNELS=triton timeout "$(left 110)" python3 -m benchmarks.tier_ttft --device cuda \
+          "${model[@]}" --rounds 3 --json "$out/tier_ttft.json"
+      echo "rc=$? ($((SECONDS - start)) s)"
+    fi
   done
   echo "== [triton] bench ttft (cache off vs on)"
   HYBRIDSERVE_GDN_KERNELS=triton timeout "$(left 70)" "${hs[@]}" bench ttft --device cuda "${model[@]}" \

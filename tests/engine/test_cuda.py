@@ -1,8 +1,9 @@
-"""The differential and server tests on CUDA in bfloat16 (marked `cuda`; skipped without a GPU).
+"""The differential, lower-tier and server tests on CUDA in bfloat16 (marked `cuda`; skipped without a GPU).
 The parity tests' CUDA variant is in tests/models/test_parity.py. Tolerances: tests/helpers/targets.py (CUDA)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,6 +39,33 @@ def test_differential_cache_on_off_cuda_bf16(text_checkpoint: Path, seed: int) -
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     assert len(on.generate([multi_turn_workload(seed)[-1][0]], params)[0].outputs[0].token_ids) == 8
     on.llm_engine.check_integrity()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_lower_tier_restores_cuda_bf16(text_checkpoint: Path, tier: str, tmp_path: Path) -> None:
+    """Device pools too small for the workload push snapshots and KV down to pinned host memory or
+    disk (through the copy stream); the restored prompts' logits equal a cold run's within the bf16
+    tolerance, and the tier served hits without a failed move."""
+    if tier == "host":
+        flags: dict[str, str] = {"host_cache_memory": "64MiB"}
+    else:
+        (tmp_path / "tiers").mkdir(mode=0o700)
+        os.chmod(tmp_path / "tiers", 0o700)
+        flags = {"disk_cache_dir": str(tmp_path / "tiers"), "disk_cache_size": "64MiB"}
+    on = LLM(model=str(text_checkpoint), **CUDA.engine_kwargs(), kv_cache_mib=0.1, prefix_cache_mib=0.05,
+             snapshot_interval=32, max_num_batched_tokens=160, max_num_seqs=4, **flags)
+    off = LLM(model=str(text_checkpoint), **CUDA.engine_kwargs(), kv_cache_mib=4, prefix_cache_mib=0)
+    for seed in (0, 1):
+        for batch in multi_turn_workload(seed):
+            for prompt in batch:
+                warm = on.llm_engine.prompt_logits(prompt).float().cpu()
+                cold = off.llm_engine.prompt_logits(prompt).float().cpu()
+                assert (warm - cold[-warm.shape[0]:]).abs().max().item() <= CUDA.logit_atol
+            on.llm_engine.check_integrity()
+    stats = next(stats for stats in on.tier_stats() if stats.name == tier)
+    assert stats.demotions > 0 and stats.hits > 0 and stats.promoted_objects > stats.promotions
+    assert stats.failed == 0
+    on.llm_engine.shutdown()
 
 
 @pytest.fixture(scope="module")
