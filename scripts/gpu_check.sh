@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# The CUDA checks in one run (bfloat16 on cuda:0): the GPU benchmarks (GDN on Triton kernels and on
-# PyTorch ops side by side), the `cuda`-marked tests, a served request through the engine-core
-# process and the TP=2 refusal on one GPU. Figures go to docs/benchmarks.md.
-# Then the lower cache tiers on CUDA: the tier TTFT benchmark (pinned host memory and disk against the
-# device pools) and the tier tests among the `cuda`-marked ones.
+# The CUDA checks in one run (bfloat16 on cuda:0), most wanted first: the `cuda`-marked tests (with
+# the lower cache tiers on CUDA), the tier TTFT benchmark (pinned host memory and disk against the
+# device pools), a served request through the engine-core process and the TP=2 refusal on one GPU,
+# then the GPU benchmarks (GDN on Triton kernels and on PyTorch ops). Figures go to docs/benchmarks.md.
 # Usage: scripts/gpu_check.sh OUTDIR   (from the repository root, with the runtime and test packages)
 # Missing packages travel as wheels in .whl/ (scripts/gpu_wheels.sh, run here; the device has no
 # registry): installed below with --no-index. GPU_SHAPE=qwen3.5-0.8b (the default; "builtin" for the
@@ -37,29 +36,21 @@ if [[ $shape != builtin ]]; then
 fi
 echo "model: ${model[*]:-built-in} ($((SECONDS - start)) s)" | tee -a "$out/env.txt"
 
-{
-  for gdn in triton torch; do  # the GDN layers on Triton kernels, then on PyTorch ops
-    echo "== [$gdn] bench engine (4160-token cold prefill, batch-1 decode, batch 64 over 1, vs transformers)"
-    HYBRIDSERVE_GDN_KERNELS=$gdn timeout "$(left 130)" "${hs[@]}" bench engine --device cuda "${model[@]}" \
-        --batch-size 64 --iterations 3 --json "$out/engine_$gdn.json"
-    echo "rc=$? ($((SECONDS - start)) s)"
-    if [[ $gdn == triton ]]; then
-      echo "== [triton] tier TTFT (4096-token prefix restored from device, pinned host, disk, after a restart)"
-      HYBRIDSERVE_GDN_KERNELS=triton timeout "$(left 110)" python3 -m benchmarks.tier_ttft --device cuda \
-          "${model[@]}" --rounds 3 --json "$out/tier_ttft.json"
-      echo "rc=$? ($((SECONDS - start)) s)"
-    fi
-  done
-  echo "== [triton] bench ttft (cache off vs on)"
-  HYBRIDSERVE_GDN_KERNELS=triton timeout "$(left 70)" "${hs[@]}" bench ttft --device cuda "${model[@]}" \
-      --cached-tokens 1024 4096 --iterations 5 --json "$out/ttft_triton.json"
-  echo "rc=$? ($((SECONDS - start)) s)"
-} >"$out/bench.log" 2>&1
-
-TRITON_INTERPRET=0 timeout "$(left 150)" python3 -m pytest -m "cuda or triton" -q -rA -p no:cacheprovider \
-    --timeout 100 tests/engine/test_cuda.py tests/models/test_parity.py tests/kernels/test_triton_gdn.py \
-    >"$out/cuda_tests.log" 2>&1
+# Order: what is most wanted first (each step's timeout is cut to what is left). A step that runs
+# out of time is stopped with SIGINT (pytest still prints its summary) or SIGABRT (with
+# PYTHONFAULTHANDLER, Python prints every thread's stack: where it was stuck).
+export PYTHONFAULTHANDLER=1
+TRITON_INTERPRET=0 timeout -s INT -k 10 "$(left 150)" python3 -m pytest -m "cuda or triton" -q -rA \
+    -p no:cacheprovider --timeout 60 tests/engine/test_cuda.py tests/models/test_parity.py \
+    tests/kernels/test_triton_gdn.py >"$out/cuda_tests.log" 2>&1
 echo "cuda tests rc=$? ($((SECONDS - start)) s)" | tee -a "$out/env.txt"
+
+{
+  echo "== [triton] tier TTFT (4096-token prefix restored from device, pinned host, disk, after a restart)"
+  HYBRIDSERVE_GDN_KERNELS=triton timeout -s ABRT -k 10 "$(left 100)" python3 -m benchmarks.tier_ttft \
+      --device cuda "${model[@]}" --rounds 3 --json "$out/tier_ttft.json"
+  echo "rc=$? ($((SECONDS - start)) s)"
+} >"$out/tier.log" 2>&1
 
 {
   echo "== serve (engine-core process, default memory plan, built-in model)"
@@ -76,3 +67,18 @@ echo "cuda tests rc=$? ($((SECONDS - start)) s)" | tee -a "$out/env.txt"
   echo "== TP=2 on one GPU (must be refused before any process starts)"
   timeout "$(left 20)" "${hs[@]}" generate --device cuda -tp 2 --max-tokens 4; echo "rc=$?"
 } >"$out/serve_check.log" 2>&1
+
+{
+  echo "== [triton] bench engine (4160-token cold prefill, batch-1 decode, batch 64 over 1, vs transformers)"
+  HYBRIDSERVE_GDN_KERNELS=triton timeout -s ABRT -k 10 "$(left 120)" "${hs[@]}" bench engine --device cuda \
+      "${model[@]}" --batch-size 64 --iterations 3 --json "$out/engine_triton.json"
+  echo "rc=$? ($((SECONDS - start)) s)"
+  echo "== [triton] bench ttft (cache off vs on)"
+  HYBRIDSERVE_GDN_KERNELS=triton timeout -s ABRT -k 10 "$(left 70)" "${hs[@]}" bench ttft --device cuda \
+      "${model[@]}" --cached-tokens 1024 4096 --iterations 5 --json "$out/ttft_triton.json"
+  echo "rc=$? ($((SECONDS - start)) s)"
+  echo "== [torch] bench engine (the GDN layers on PyTorch ops)"
+  HYBRIDSERVE_GDN_KERNELS=torch timeout -s ABRT -k 10 "$(left 100)" "${hs[@]}" bench engine --device cuda \
+      "${model[@]}" --batch-size 64 --iterations 3 --json "$out/engine_torch.json"
+  echo "rc=$? ($((SECONDS - start)) s)"
+} >"$out/bench.log" 2>&1

@@ -47,7 +47,7 @@ def median(values: Iterable[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def cache_on_off(config: EngineConfig) -> tuple[EngineConfig, EngineConfig]:
+def cache_on_off(config: EngineConfig) -> tuple[EngineConfig, ...]:
     """(prefix cache on, off) variants of `config`; "on" keeps its pool and lower tiers, or gets 1 GiB
     if it had no pool; "off" has neither."""
     def pool(mib: float) -> EngineConfig:
@@ -56,7 +56,24 @@ def cache_on_off(config: EngineConfig) -> tuple[EngineConfig, EngineConfig]:
     off = pool(0)
     off = dataclasses.replace(off, cache=dataclasses.replace(off.cache, host_cache_memory_bytes=0, disk_cache_dir=None,
                                                              remote_cache_url=None))
-    return (config if config.cache.prefix_cache_enabled else pool(1024.0)), off
+    return _halve_default_gpu_share((config if config.cache.prefix_cache_enabled else pool(1024.0)), off)
+
+
+def _halve_default_gpu_share(*configs: EngineConfig) -> tuple[EngineConfig, ...]:
+    """Engines that share one CUDA device in this process: each gets an equal part of the default
+    memory fraction (each would otherwise plan for the whole device, and the second would not fit).
+    Pool sizes, a fraction or a memory size the caller gave are kept; CPU engines are unchanged."""
+    from hybridserve.engine.engine import resolve_device
+    from hybridserve.engine.memory_plan import DEFAULT_CUDA_MEMORY_FRACTION
+
+    def sized(cache: Any) -> bool:
+        explicit_pools = cache.kv_cache_mib is not None and cache.prefix_cache_mib is not None
+        return explicit_pools or cache.memory_fraction is not None or cache.kv_cache_memory_bytes is not None
+
+    if any(resolve_device(c.device).type != "cuda" or sized(c.cache) for c in configs):
+        return configs
+    share = DEFAULT_CUDA_MEMORY_FRACTION / len(configs)
+    return tuple(dataclasses.replace(c, cache=dataclasses.replace(c.cache, memory_fraction=share)) for c in configs)
 
 
 def result_header(cfg: Any, engine: LLMEngine) -> dict[str, Any]:

@@ -79,9 +79,12 @@ def reference_decode(model: torch.nn.Module, ids: list[int], num_tokens: int) ->
     out = model(input_ids=torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1)
     token = out.logits[0, -1].argmax()
     tokens, steps = [int(token)], []
-    for _ in range(num_tokens - 1):  # the cache object is updated in place
+    # the cache object is updated in place; newer transformers name it `cache`, older ones `past_key_values`
+    cache_kw = "cache" if hasattr(out, "cache") else "past_key_values"
+    cache = {cache_kw: getattr(out, cache_kw)}
+    for _ in range(num_tokens - 1):
         start = time.perf_counter()
-        token = model(input_ids=token.view(1, 1), cache=out.cache, use_cache=True).logits[0, -1].argmax()
+        token = model(input_ids=token.view(1, 1), **cache, use_cache=True).logits[0, -1].argmax()
         tokens.append(int(token))
         steps.append(time.perf_counter() - start)
     return steps, tokens

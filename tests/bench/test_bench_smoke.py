@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridserve.bench.common import format_table, random_token_ids
+from hybridserve.bench.common import cache_on_off, format_table, random_token_ids
 from hybridserve.bench.engine_bench import EngineBenchConfig, format_engine_report, prefill_flops, run_engine_bench
 from hybridserve.bench.trace_bench import TraceBenchConfig, format_trace_report, run_trace_bench
 from hybridserve.bench.ttft_bench import TTFTBenchConfig, format_ttft_report, run_ttft_bench
@@ -55,6 +55,17 @@ def test_prefill_flops_parts_add_up() -> None:
 def test_random_prompts_are_fixed_by_seed() -> None:
     assert random_token_ids(8, 1, 4096) == random_token_ids(8, 1, 4096) != random_token_ids(8, 2, 4096)
     assert "a" in format_table(["a", "b"], [[1, 2]])
+
+
+def test_cache_on_off_engines_split_a_gpu_by_default() -> None:
+    """Two benchmark engines in one process on one GPU each plan for half the default share; a
+    size the caller gave, and CPU engines, are left alone."""
+    on, off = cache_on_off(EngineConfig(device="cuda"))
+    assert on.cache.memory_fraction == off.cache.memory_fraction == 0.45
+    assert on.cache.prefix_cache_mib != 0 and off.cache.prefix_cache_mib == 0
+    given = cache_on_off(EngineConfig(device="cuda", cache=CacheConfig(memory_fraction=0.3)))
+    assert [c.cache.memory_fraction for c in given] == [0.3, 0.3]
+    assert [c.cache.memory_fraction for c in cache_on_off(EngineConfig(device="cpu"))] == [None, None]
 
 
 def test_engine_bench_smoke() -> None:
