@@ -680,3 +680,7 @@ def test_device_pools_gather_scatter_and_layout_check() -> None:
     assert not pools.matches("kv", {**blocks[0], "keys": blocks[0]["keys"].double()})
     assert not pools.matches("kv", {"keys": blocks[0]["keys"]})
     assert pools.read_many("kv", []) == []
+    before = kv.keys[:, 8:12].clone()
+    copy = pools.read_many("kv", [2])[0]
+    kv.keys[:, 8:12] += 1  # the next forward reuses the block: what was read before it is a copy
+    assert torch.equal(copy["keys"], before)
