@@ -99,16 +99,16 @@ class DeviceCachePools:
         self._layouts: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
 
     def read_many(self, kind: str, indices: Sequence[int]) -> list[Payload]:
-        """Copies of several snapshot slots / KV blocks, one gather per tensor with the objects
-        outermost, each object's payload a contiguous view into it. The gather runs before the next
-        forward (which may reuse the slot or block); on CUDA it stays on the device, ordered on the
-        compute stream, and the stores copy it to the host off the engine thread (after the event
-        their mover records), so demoting never waits for a device-to-host copy."""
+        """CPU copies of several snapshot slots / KV blocks: one gather per tensor (a synchronous
+        copy) with the objects outermost, each object's payload a contiguous view into it. The
+        copy is taken before the next forward, which may reuse the slot or block; on CUDA it is
+        synchronous so that no device copy waits in the stores' queues outside the memory plan."""
         if not indices:
             return []
         stacked = self._stacked(kind)
         where = torch.tensor(indices, dtype=torch.int64, device=next(iter(stacked.values())).device)
-        gathered = {name: tensor.transpose(0, 1).index_select(0, where).unbind(0) for name, tensor in stacked.items()}
+        gathered = {name: tensor.transpose(0, 1).index_select(0, where).to("cpu").unbind(0)
+                    for name, tensor in stacked.items()}
         return [dict(zip(gathered, views, strict=True)) for views in zip(*gathered.values(), strict=True)]
 
     def write_many(self, kind: str, indices: Sequence[int], payloads: Sequence[Mapping[str, torch.Tensor]]) -> None:
@@ -397,7 +397,7 @@ class EngineTierMover:
         return True
 
     def _read_device(self, objects: Sequence[TierObject]) -> dict[str, Payload]:
-        """Copies of a demotion's device sources, by object key: one gather per kind (the
+        """CPU copies of a demotion's device sources, by object key: one gather per kind (the
         contract: read before the next forward, which may reuse the slot or block)."""
         copies: dict[str, Payload] = {}
         for kind in (STATE, KV):
