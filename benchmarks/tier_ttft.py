@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="device snapshot pool (default: two and a half snapshots)")
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the built-in model)")
     parser.add_argument("--snapshot-interval", type=int, default=None, help="default: --prefix-tokens")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (pinned host buffers and a copy stream)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the host tier pinned there)")
     parser.add_argument("--dtype", default=None, choices=sorted(LOGPROB_ATOL),
                         help="default: float32 on the CPU, bfloat16 on CUDA")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON here")

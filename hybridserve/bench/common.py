@@ -56,10 +56,10 @@ def cache_on_off(config: EngineConfig) -> tuple[EngineConfig, ...]:
     off = pool(0)
     off = dataclasses.replace(off, cache=dataclasses.replace(off.cache, host_cache_memory_bytes=0, disk_cache_dir=None,
                                                              remote_cache_url=None))
-    return _halve_default_gpu_share((config if config.cache.prefix_cache_enabled else pool(1024.0)), off)
+    return _split_default_gpu_share((config if config.cache.prefix_cache_enabled else pool(1024.0)), off)
 
 
-def _halve_default_gpu_share(*configs: EngineConfig) -> tuple[EngineConfig, ...]:
+def _split_default_gpu_share(*configs: EngineConfig) -> tuple[EngineConfig, ...]:
     """Engines that share one CUDA device in this process: each gets an equal part of the default
     memory fraction (each would otherwise plan for the whole device, and the second would not fit).
     Pool sizes, a fraction or a memory size the caller gave are kept; CPU engines are unchanged."""
