@@ -7,6 +7,7 @@ RNG is left untouched.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +127,38 @@ def reference_text_model(path: str | Path) -> torch.nn.Module:
     from transformers import Qwen3_5ForCausalLM
 
     _quiet_transformers()
-    return Qwen3_5ForCausalLM.from_pretrained(Path(path), dtype=torch.float32).eval()
+    return pin_torch_path(Qwen3_5ForCausalLM.from_pretrained(Path(path), dtype=torch.float32).eval())
+
+
+# GDN-layer attributes that transformers releases before its hub-kernel rewrite bind at construction
+# to flash-linear-attention's kernels whenever fla imports, and their PyTorch fallbacks there.
+_TORCH_FALLBACKS = {"chunk_gated_delta_rule": "torch_chunk_gated_delta_rule",
+                    "recurrent_gated_delta_rule": "torch_recurrent_gated_delta_rule",
+                    "causal_conv1d_update": "torch_causal_conv1d_update"}
+
+
+def pin_torch_path(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every GDN layer on transformers' own PyTorch functions and gated norm. Older
+    transformers bind fla's Triton kernels (and a fused norm placed on the current CUDA device) to
+    each layer whenever fla imports, even for a CPU model: on a machine with a GPU, where fla is
+    installed for the engine, the float32 CPU reference would run them. Newer releases bind
+    nothing to the layers, and this changes nothing there."""
+    modeling = sys.modules[type(model).__module__]
+    plain_norm = getattr(modeling, "Qwen3_5RMSNormGated", None)
+    for module in model.modules():
+        attributes = vars(module)
+        for name, fallback in _TORCH_FALLBACKS.items():
+            if name in attributes and hasattr(modeling, fallback):
+                setattr(module, name, getattr(modeling, fallback))
+        if "causal_conv1d_fn" in attributes:
+            module.causal_conv1d_fn = None  # the layer then runs its own nn.Conv1d
+        norm = getattr(module, "norm", None)
+        if plain_norm is not None and "head_v_dim" in attributes and not isinstance(norm, plain_norm):
+            replacement = plain_norm(module.head_v_dim, eps=module.layer_norm_epsilon)
+            with torch.no_grad():
+                replacement.weight.copy_(norm.weight.detach().to("cpu", torch.float32))
+            module.norm = replacement
+    return model
 
 
 def fresh_text_model(path: str | Path) -> torch.nn.Module:

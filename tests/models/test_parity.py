@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.models.builtin import save_builtin_checkpoint
-from tests.helpers.checkpoints import make_text_checkpoint, reference_text_model
+from tests.helpers.checkpoints import make_text_checkpoint, pin_torch_path, reference_text_model
 from tests.helpers.targets import CPU, CUDA, Target, requires_cuda
 
 SHAPES = {
@@ -105,3 +107,51 @@ def test_builtin_model_parity_on_a_long_prompt(tmp_path: Path) -> None:
             ids = torch.cat([ids, reference(ids).logits[0, -1].argmax().view(1, 1)], dim=1)
     assert out.token_ids == ids[0, len(prompt):].tolist()
     llm.llm_engine.check_integrity()
+
+
+def _fla_kernel() -> None:
+    """Stands in for a flash-linear-attention kernel bound to a layer."""
+
+
+def test_the_reference_runs_transformers_own_gdn_functions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Older transformers bind fla's kernels and a fused gated norm to each GDN layer whenever fla
+    imports; the reference rebinds them to the release's PyTorch functions and plain norm. A fake
+    modeling module and layer stand in for such a release."""
+    fake = types.ModuleType("fake_qwen3_5_modeling")
+
+    def torch_chunk_gated_delta_rule() -> None: ...
+    def torch_recurrent_gated_delta_rule() -> None: ...
+    def torch_causal_conv1d_update() -> None: ...
+
+    class Qwen3_5RMSNormGated(torch.nn.Module):
+        def __init__(self, dim: int, eps: float) -> None:
+            super().__init__()
+            self.weight, self.eps = torch.nn.Parameter(torch.ones(dim)), eps
+
+    class FusedNorm(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.full((4,), 2.0))
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head_v_dim, self.layer_norm_epsilon, self.norm = 4, 1e-6, FusedNorm()
+            self.chunk_gated_delta_rule = self.recurrent_gated_delta_rule = _fla_kernel
+            self.causal_conv1d_update = self.causal_conv1d_fn = _fla_kernel
+
+    for item in (torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule, torch_causal_conv1d_update,
+                 Qwen3_5RMSNormGated):
+        setattr(fake, item.__name__, item)
+    class Model(torch.nn.Sequential):
+        """The model class, defined in the fake modeling module."""
+
+    Model.__module__ = fake.__name__
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    model = Model(Layer())
+    layer = pin_torch_path(model)[0]
+    assert layer.chunk_gated_delta_rule is torch_chunk_gated_delta_rule
+    assert layer.recurrent_gated_delta_rule is torch_recurrent_gated_delta_rule
+    assert layer.causal_conv1d_update is torch_causal_conv1d_update and layer.causal_conv1d_fn is None
+    assert isinstance(layer.norm, Qwen3_5RMSNormGated) and layer.norm.eps == 1e-6
+    assert torch.equal(layer.norm.weight, torch.full((4,), 2.0))
