@@ -62,8 +62,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
                              "across processes; default: $HYBRIDSERVE_BLOCK_HASH_SEED, else a seed file kept in "
                              "--disk-cache-dir, else random per engine start")
     parser.add_argument("--host-cache-memory", default=None, metavar="SIZE",
-                        help="host memory for a joint-cache tier below the device pools (e.g. 64GiB; pinned on "
-                             "CUDA); off when unset")
+                        help="host memory for a joint-cache tier below the device pools (e.g. 64GiB; pageable, "
+                             "also on CUDA); off when unset")
     parser.add_argument("--disk-cache-dir", default=None, metavar="DIR",
                         help="directory of a persistent joint-cache tier on disk (needs --disk-cache-size; kept "
                              "across restarts, one subdirectory per model fingerprint, mode 0700); off when unset")

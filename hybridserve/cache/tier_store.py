@@ -138,13 +138,13 @@ def payload_nbytes(payload: Mapping[str, torch.Tensor]) -> int:
 
 
 def _host_copy(payload: Mapping[str, torch.Tensor], *, pin: bool, stream: Any, ready: Any) -> Payload:
-    """Contiguous CPU copies of `payload` (pinned when `pin`, so a promotion's copy to the GPU is
-    asynchronous). CUDA sources are copied on the side `stream` after the event `ready`, so the
-    copy neither runs before the tensors are written nor waits for the compute stream's later work."""
+    """Contiguous CPU copies of `payload`. CUDA sources are copied into pinned memory (when `pin`)
+    on the side `stream` after the event `ready`, so the copy neither runs before the tensors are
+    written nor waits for the compute stream's later work. CPU sources (what the engine's
+    demotions hand over) stay pageable: torch's pinned allocator rounds each block up to a power of
+    two, which would pin up to twice the host budget."""
     on_cuda = any(t.is_cuda for t in payload.values())
     if not on_cuda:
-        if pin:
-            return {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for name, t in payload.items()}
         return {name: t.detach().clone(memory_format=torch.contiguous_format) for name, t in payload.items()}
     copies: Payload = {}
     with torch.cuda.stream(stream):

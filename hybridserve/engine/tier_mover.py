@@ -114,8 +114,9 @@ class DeviceCachePools:
     def write_many(self, kind: str, indices: Sequence[int], payloads: Sequence[Mapping[str, torch.Tensor]]) -> None:
         """Copy verified payloads into these snapshot slots / KV blocks. On the CPU each object is
         copied straight into its place (stacking them first doubled the bytes moved); on CUDA the
-        objects are copied (asynchronously from pinned host memory) into one device buffer, then
-        scattered with one `index_copy_` per tensor, all on the compute stream before the next forward."""
+        objects are copied into one device buffer (asynchronously where a payload is in pinned
+        memory), then scattered with one `index_copy_` per tensor, all on the compute stream before
+        the next forward."""
         if not indices:
             return
         for name, tensor in self._stacked(kind).items():
