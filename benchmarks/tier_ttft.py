@@ -27,7 +27,10 @@ identical across the five modes (to rounding: float32's, or bfloat16's on a GPU)
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import tempfile
 import time
@@ -41,6 +44,7 @@ MODES = ("cold", "device", "host", "disk", "restart")
 FILLERS = 2  # prompts as long as the timed one: enough to push the prefix out of the small device pools
 HOST_POOLS = 16  # host and disk tiers: this many times the device pools (room for every round's prefix)
 MIB = 1 << 20
+PROFILE_ROWS = 40  # functions listed per ordering in --profile's file
 # Restored and recomputed logprobs agree to rounding: float32's, or bfloat16's (a few layers of bf16
 # GEMMs over a different chunking of the prompt) on a GPU.
 LOGPROB_ATOL = {"float32": 1e-4, "bfloat16": 1e-1, "float16": 1e-2}
@@ -152,6 +156,26 @@ class TierBench:
         reader.llm_engine.shutdown()
         return row
 
+    def profile(self, mode: str, seed: int, path: Path) -> None:
+        """One more `mode` sample with the timed request under cProfile; the functions that took the
+        most time (cumulative, then own) go to `path`, to see where a restore's time goes."""
+        prefix = _tokens(self.prefix_tokens, seed)
+        prompt = prefix + _tokens(self.fresh_tokens, seed + 2)
+        llm = self.engines[mode]
+        if mode != "cold":
+            self._populate(llm, prefix, seed, evict=mode in ("host", "disk"))
+        profiler = cProfile.Profile()
+        profiler.enable()
+        seconds, _ = self._timed(llm, prompt)
+        profiler.disable()
+        text = io.StringIO()
+        text.write(f"{mode}: {seconds * 1e3:.1f} ms\n")
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("cumulative").print_stats(PROFILE_ROWS)
+        stats.sort_stats("tottime").print_stats(PROFILE_ROWS)
+        with path.open("a") as out:
+            out.write(text.getvalue())
+
     @staticmethod
     def _row(seconds: float, out: Any, tier_hits: int) -> dict[str, Any]:
         completion = out.outputs[0]
@@ -186,10 +210,12 @@ def _check(mode: str, row: dict[str, Any], prefix_tokens: int) -> list[str]:
 def run_tier_ttft(prefix_tokens: int = 4096, fresh_tokens: int = 64, rounds: int = 3,
                   kv_cache_mib: float | None = None, prefix_cache_mib: float | None = None,
                   snapshot_interval: int | None = None, model: str | None = None,
-                  log: Callable[[str], None] = print, device: str = "cpu", dtype: str = "float32") -> dict[str, Any]:
+                  log: Callable[[str], None] = print, device: str = "cpu", dtype: str = "float32",
+                  profile: Path | None = None) -> dict[str, Any]:
     """Median TTFT per mode over `rounds` rounds after one warm-up round, modes alternated;
     the `interval` cache policy snapshots every `snapshot_interval` tokens (default: the prefix
-    length, so the one snapshot a prompt leaves is the prefix's own boundary)."""
+    length, so the one snapshot a prompt leaves is the prefix's own boundary). With `profile`,
+    one more device and host sample each, profiled, after the timed rounds (not in the medians)."""
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     cached: dict[str, int] = {}
     problems: list[str] = []
@@ -210,6 +236,9 @@ def run_tier_ttft(prefix_tokens: int = 4096, fresh_tokens: int = 64, rounds: int
                         times[mode].append(rows[mode]["seconds"])
                 log(f"round {round_index}{' (warm-up)' if round_index == 0 else ''}: " +
                     ", ".join(f"{mode} {rows[mode]['seconds']:.3f}s" for mode in MODES))
+            if profile is not None:
+                for mode in ("device", "host"):
+                    bench.profile(mode, 1000 * (rounds + 2), profile)
         finally:
             bench.close()
     median = {mode: statistics.median(values) for mode, values in times.items()}
@@ -254,10 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, choices=sorted(LOGPROB_ATOL),
                         help="default: float32 on the CPU, bfloat16 on CUDA")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON here")
+    parser.add_argument("--profile", metavar="PATH", default=None,
+                        help="append cProfile listings of one more device and host request to PATH")
     args = parser.parse_args(argv)
     result = run_tier_ttft(args.prefix_tokens, args.fresh_tokens, args.rounds, args.kv_cache_mib,
                            args.prefix_cache_mib, args.snapshot_interval, args.model, device=args.device,
-                           dtype=args.dtype or ("float32" if args.device == "cpu" else "bfloat16"))
+                           dtype=args.dtype or ("float32" if args.device == "cpu" else "bfloat16"),
+                           profile=Path(args.profile) if args.profile else None)
     print(format_tier_ttft_report(result), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

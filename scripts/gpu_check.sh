@@ -48,7 +48,7 @@ echo "cuda tests rc=$? ($((SECONDS - start)) s)" | tee -a "$out/env.txt"
 {
   echo "== [triton] tier TTFT (4096-token prefix restored from device, pinned host, disk, after a restart)"
   HYBRIDSERVE_GDN_KERNELS=triton timeout -s ABRT -k 10 "$(left 100)" python3 -m benchmarks.tier_ttft \
-      --device cuda "${model[@]}" --rounds 3 --json "$out/tier_ttft.json"
+      --device cuda "${model[@]}" --rounds 3 --json "$out/tier_ttft.json" --profile "$out/tier_profile.txt"
   echo "rc=$? ($((SECONDS - start)) s)"
 } >"$out/tier.log" 2>&1
 
