@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA checks in one run (bfloat16 on cuda:0), most wanted first: the `cuda`-marked tests (with
-# the lower cache tiers on CUDA), the tier TTFT benchmark (pinned host memory and disk against the
+# the lower cache tiers on CUDA), the tier TTFT benchmark (host memory and disk against the
 # device pools), a served request through the engine-core process and the TP=2 refusal on one GPU,
 # then the GPU benchmarks (GDN on Triton kernels and on PyTorch ops). Figures go to docs/benchmarks.md.
 # Usage: scripts/gpu_check.sh OUTDIR   (from the repository root, with the runtime and test packages)
