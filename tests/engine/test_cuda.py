@@ -43,9 +43,9 @@ def test_differential_cache_on_off_cuda_bf16(text_checkpoint: Path, seed: int) -
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_lower_tier_restores_cuda_bf16(text_checkpoint: Path, tier: str, tmp_path: Path) -> None:
-    """Device pools too small for the workload push snapshots and KV down to (pinned) host memory
-    or disk; the restored prompts' logits equal a cold run's within the bf16 tolerance, and the tier
-    served hits, KV blocks among them, without a failed move."""
+    """Device pools too small for the workload push snapshots and KV down to host memory or disk;
+    the restored prompts' logits equal a cold run's within the bf16 tolerance, and the tier served
+    hits, KV blocks among them, without a failed move."""
     if tier == "host":
         flags: dict[str, str] = {"host_cache_memory": "64MiB"}
     else:
