@@ -22,6 +22,17 @@ from tests.helpers.targets import CUDA, requires_cuda
 pytestmark = [pytest.mark.cuda, requires_cuda, pytest.mark.timeout(300)]
 
 
+def _assert_warm_logits_match_cold(on: LLM, off: LLM, seed: int) -> None:
+    """Over the multi-turn workload of `seed`, the logits of the positions `on` computes equal
+    `off`'s (cache off) within the bf16 tolerance; `on`'s pools consistent after every round."""
+    for batch in multi_turn_workload(seed):
+        for prompt in batch:
+            warm = on.llm_engine.prompt_logits(prompt).float().cpu()
+            cold = off.llm_engine.prompt_logits(prompt).float().cpu()
+            assert (warm - cold[-warm.shape[0]:]).abs().max().item() <= CUDA.logit_atol
+        on.llm_engine.check_integrity()
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_differential_cache_on_off_cuda_bf16(text_checkpoint: Path, seed: int) -> None:
     """Logits of the positions a warm request computes equal those of a cold run within the bf16
@@ -29,12 +40,7 @@ def test_differential_cache_on_off_cuda_bf16(text_checkpoint: Path, seed: int) -
     on = LLM(model=str(text_checkpoint), **CUDA.engine_kwargs(), kv_cache_mib=4, prefix_cache_mib=4,
              snapshot_interval=32, max_num_batched_tokens=160, max_num_seqs=4)
     off = LLM(model=str(text_checkpoint), **CUDA.engine_kwargs(), kv_cache_mib=4, prefix_cache_mib=0)
-    for batch in multi_turn_workload(seed):
-        for prompt in batch:
-            warm = on.llm_engine.prompt_logits(prompt).float().cpu()
-            cold = off.llm_engine.prompt_logits(prompt).float().cpu()
-            assert (warm - cold[-warm.shape[0]:]).abs().max().item() <= CUDA.logit_atol
-        on.llm_engine.check_integrity()
+    _assert_warm_logits_match_cold(on, off, seed)
     assert on.prefix_cache_stats().hits > 0
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     assert len(on.generate([multi_turn_workload(seed)[-1][0]], params)[0].outputs[0].token_ids) == 8
@@ -56,12 +62,7 @@ def test_lower_tier_restores_cuda_bf16(text_checkpoint: Path, tier: str, tmp_pat
              snapshot_interval=32, max_num_batched_tokens=160, max_num_seqs=4, **flags)
     off = LLM(model=str(text_checkpoint), **CUDA.engine_kwargs(), kv_cache_mib=4, prefix_cache_mib=0)
     for seed in (0, 1):
-        for batch in multi_turn_workload(seed):
-            for prompt in batch:
-                warm = on.llm_engine.prompt_logits(prompt).float().cpu()
-                cold = off.llm_engine.prompt_logits(prompt).float().cpu()
-                assert (warm - cold[-warm.shape[0]:]).abs().max().item() <= CUDA.logit_atol
-            on.llm_engine.check_integrity()
+        _assert_warm_logits_match_cold(on, off, seed)
     stats = next(stats for stats in on.tier_stats() if stats.name == tier)
     assert stats.demotions > 0 and stats.hits > 0 and stats.promoted_objects > stats.promotions
     assert stats.failed == 0
