@@ -19,7 +19,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -31,8 +31,7 @@ OpKind = Literal["put", "get", "delete", "call"]
 DEFAULT_MAX_PENDING = 64
 
 
-@dataclass(frozen=True)
-class TierEvent:
+class TierEvent(NamedTuple):
     """A finished operation: `payload` is the tensors of a successful get (else None), `nbytes`
     what was moved, `seconds` from submit to completion, `evicted` the keys the store dropped to
     make room for a put, `result` what a call returned."""
@@ -286,6 +285,13 @@ class StoreMover:
                 if lane is None:
                     break
                 submission = lane[0]
+                if lane is self._reads and not events and all(op.kind == "get" for op in submission):
+                    lane.popleft()  # a whole submission of gets: read in one go
+                    self._bounded -= len(submission)
+                    self._queued -= len(submission)
+                    self._stats.pending = self._queued
+                    self._publish(self._get_all(list(submission)))
+                    continue
                 op = submission.popleft()
                 finished = not submission
                 if finished:
@@ -310,6 +316,20 @@ class StoreMover:
         with self._done:
             self._events.extend(events)
             self._done.notify_all()
+
+    def _get_all(self, ops: list[_Op]) -> list[TierEvent]:
+        """Run a submission of gets: one `get_many` call where the store has one (one lock for all
+        of them), else one get each."""
+        get_many = getattr(self.store, "get_many", None)
+        if get_many is None:
+            return [self._execute(op) for op in ops]
+        try:
+            payloads = get_many([op.key for op in ops])
+        except Exception:
+            logger.exception("tier %s: get of %d objects failed", self.store.tier, len(ops))
+            return [self._event(op, False, None, 0) for op in ops]
+        return [self._event(op, payload is not None, payload, payload_nbytes(payload) if payload else 0)
+                for op, payload in zip(ops, payloads, strict=True)]
 
     def _execute(self, op: _Op) -> TierEvent:
         try:

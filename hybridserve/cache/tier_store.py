@@ -250,14 +250,22 @@ class HostStore:
     def get(self, key: str) -> Payload | None:
         """The held tensors under `key` (shared, not copied: read them, do not modify them)."""
         with self._lock:
-            self._stats.gets += 1
-            entry = self._objects.get(key)
-            if entry is None:
-                self._stats.misses += 1
-                return None
-            self._objects.move_to_end(key)
-            self._stats.hits += 1
-            return dict(entry[0])
+            return self._get_locked(key)
+
+    def _get_locked(self, key: str) -> Payload | None:
+        self._stats.gets += 1
+        entry = self._objects.get(key)
+        if entry is None:
+            self._stats.misses += 1
+            return None
+        self._objects.move_to_end(key)
+        self._stats.hits += 1
+        return dict(entry[0])
+
+    def get_many(self, keys: Sequence[str]) -> list[Payload | None]:
+        """`get` of each key, under one lock."""
+        with self._lock:
+            return [self._get_locked(key) for key in keys]
 
     def delete(self, key: str) -> bool:
         """Drop `key`; whether it was there."""

@@ -28,9 +28,10 @@ rebuilt from those whose state and KV objects are all present; other objects are
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -87,43 +88,105 @@ class _Ticket:
     reads: int = 0  # a cascade's reads from another tier not yet arrived
     ok: bool = True
     payloads: dict[int, Payload] = field(default_factory=dict)  # object index -> payload (promotions)
+    staging: list[torch.Tensor] = field(default_factory=list)  # a demotion's device copies (given back when done)
+
+
+STAGING_KEPT_MAX = 1 << 30  # bytes of demotion staging buffers kept for reuse, at most
+
+
+class StagingBuffers:
+    """Host buffers that demotions gather device objects into, kept for reuse once the stores have
+    taken their copies: a fresh buffer is first touched page by page by the copy (page faults that
+    cost more than the copy itself on the CPU), and on CUDA a reused buffer can be pinned (a fast
+    device-to-host copy) without pinning every host-tier object. Capacities are powers of two
+    elements; returned buffers are kept up to `limit` bytes, beyond that they are freed."""
+
+    def __init__(self, limit: int, *, pin: bool = False) -> None:
+        self.limit = limit
+        self.pin = pin
+        self.kept = 0  # bytes of the buffers waiting for reuse
+        self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat buffer of at least `numel` elements (a kept one when one fits)."""
+        capacity = 1 << max(numel - 1, 0).bit_length()
+        free = self._free.get((dtype, capacity))
+        if free:
+            buffer = free.pop()
+            self.kept -= buffer.nbytes
+            return buffer
+        return torch.empty(capacity, dtype=dtype, pin_memory=self.pin)
+
+    def give_back(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Buffers from `take` that nothing reads any more: kept for reuse while under the limit."""
+        for buffer in buffers:
+            if self.kept + buffer.nbytes <= self.limit:
+                self._free.setdefault((buffer.dtype, buffer.numel()), []).append(buffer)
+                self.kept += buffer.nbytes
+
+
+class DeviceCopies(NamedTuple):
+    """Host copies of device objects (`payloads`, views into `buffers`), and the staging buffers to
+    give back (`DeviceCachePools.release`) once every reader of the payloads is done."""
+
+    payloads: list[Payload]
+    buffers: list[torch.Tensor]
 
 
 class DeviceCachePools:
     """The device tensors the tiers move: snapshot slots (GDN conv + recurrent, every layer) and KV
-    blocks (every attention layer's keys and values)."""
+    blocks (every attention layer's keys and values); demotions read them into reused staging
+    buffers (`StagingBuffers`, kept up to the pools' size or `STAGING_KEPT_MAX`)."""
 
     def __init__(self, kv_cache: PagedKVCache, snapshots: GDNStateTensors) -> None:
         self.kv_cache = kv_cache
         self.snapshots = snapshots
         self._layouts: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
+        tensors = [*self._stacked(STATE).values(), *self._stacked(KV).values()]
+        self.staging = StagingBuffers(min(sum(t.nbytes for t in tensors), STAGING_KEPT_MAX),
+                                      pin=tensors[0].is_cuda)
 
-    def read_many(self, kind: str, indices: Sequence[int]) -> list[Payload]:
-        """CPU copies of several snapshot slots / KV blocks: one gather per tensor (a synchronous
-        copy) with the objects outermost, each object's payload a contiguous view into it. The
-        copy is taken before the next forward, which may reuse the slot or block; on CUDA it is
-        synchronous so that no device copy waits in the stores' queues outside the memory plan."""
+    def read_many(self, kind: str, indices: Sequence[int]) -> DeviceCopies:
+        """Host copies of several snapshot slots / KV blocks: one gather per tensor into a staging
+        buffer, with the objects outermost, each object's payload a contiguous view into it. The
+        copy is taken now, before the next forward, which may reuse the slot or block (on CUDA a
+        synchronous copy, so that no device copy waits in the stores' queues outside the memory
+        plan). Give the buffers back (`release`) once the payloads are no longer read."""
         if not indices:
-            return []
-        stacked = self._stacked(kind)
-        where = torch.tensor(indices, dtype=torch.int64, device=next(iter(stacked.values())).device)
-        gathered = {name: tensor.transpose(0, 1).index_select(0, where).to("cpu").unbind(0)
-                    for name, tensor in stacked.items()}
-        return [dict(zip(gathered, views, strict=True)) for views in zip(*gathered.values(), strict=True)]
+            return DeviceCopies([], [])
+        buffers, gathered = [], {}
+        for name, tensor in self._stacked(kind).items():
+            where = torch.tensor(indices, dtype=torch.int64, device=tensor.device)
+            shape = (len(indices), tensor.shape[0], *tensor.shape[2:])
+            buffer = self.staging.take(math.prod(shape), tensor.dtype)
+            target = buffer[:math.prod(shape)].view(shape)
+            if tensor.is_cuda:
+                target.copy_(tensor.transpose(0, 1).index_select(0, where))
+            else:
+                torch.index_select(tensor.transpose(0, 1), 0, where, out=target)
+            buffers.append(buffer)
+            gathered[name] = target.unbind(0)
+        payloads = [dict(zip(gathered, views, strict=True)) for views in zip(*gathered.values(), strict=True)]
+        return DeviceCopies(payloads, buffers)
+
+    def release(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Give back the staging buffers of a `read_many` whose payloads nothing reads any more."""
+        self.staging.give_back(buffers)
 
     def write_many(self, kind: str, indices: Sequence[int], payloads: Sequence[Mapping[str, torch.Tensor]]) -> None:
         """Copy verified payloads into these snapshot slots / KV blocks. On the CPU each object is
         copied straight into its place (stacking them first doubled the bytes moved); on CUDA the
         objects are copied into one device buffer (asynchronously where a payload is in pinned
         memory), then scattered with one `index_copy_` per tensor, all on the compute stream before
-        the next forward."""
+        the next forward. (The CPU copies go as one `_foreach_copy_` per tensor: one call for every
+        object, not one per object.)"""
         if not indices:
             return
         for name, tensor in self._stacked(kind).items():
             sources = [payload[name] for payload in payloads]
             if not tensor.is_cuda:
-                for index, source in zip(indices, sources, strict=True):
-                    tensor[:, index].copy_(source)
+                places = tensor.unbind(1)
+                torch._foreach_copy_([places[index] for index in indices], sources)
                 continue
             staged = torch.empty((len(sources), *sources[0].shape), dtype=tensor.dtype, device=tensor.device)
             for row, source in zip(staged, sources, strict=True):
@@ -205,7 +268,7 @@ class EngineTierMover:
         """Copy device sources out now; queue the puts (and the reads of tier sources)."""
         record = self._open(ticket, False, objects)
         record.tier = tier
-        copies = self._read_device(objects)
+        copies = self._read_device(objects, record.staging)
         batches: dict[str, list[tuple[_Pending, Payload | None]]] = {}
         for obj in objects:
             if obj.source == DEVICE:
@@ -333,6 +396,7 @@ class EngineTierMover:
         if record.outstanding:
             return
         del self._tickets[ticket]
+        self.pools.release(record.staging)  # every put has taken its copy (or failed)
         if record.promotion and record.ok:
             record.ok = self._install(record)
         self._finished.append((ticket, record.ok))
@@ -397,17 +461,19 @@ class EngineTierMover:
             self.pools.write_many(kind, [target for target, _ in chosen], [payload for _, payload in chosen])
         return True
 
-    def _read_device(self, objects: Sequence[TierObject]) -> dict[str, Payload]:
-        """CPU copies of a demotion's device sources, by object key: one gather per kind (the
-        contract: read before the next forward, which may reuse the slot or block)."""
+    def _read_device(self, objects: Sequence[TierObject], staging: list[torch.Tensor]) -> dict[str, Payload]:
+        """Host copies of a demotion's device sources, by object key: one gather per kind (the
+        contract: read before the next forward, which may reuse the slot or block); the staging
+        buffers they sit in are appended to `staging`."""
         copies: dict[str, Payload] = {}
         for kind in (STATE, KV):
             chosen = [obj for obj in objects if obj.source == DEVICE and obj.kind == kind]
             for obj in chosen:
                 if obj.device_index is None:
                     raise ValueError(f"device object {obj.key} has no device index")
-            payloads = self.pools.read_many(kind, [obj.device_index for obj in chosen if obj.device_index is not None])
-            copies.update(zip((obj.key for obj in chosen), payloads, strict=True))
+            read = self.pools.read_many(kind, [obj.device_index for obj in chosen if obj.device_index is not None])
+            staging += read.buffers
+            copies.update(zip((obj.key for obj in chosen), read.payloads, strict=True))
         return copies
 
     # -- lifecycle ------------------------------------------------------------------------------

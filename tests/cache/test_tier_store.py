@@ -11,7 +11,7 @@ import stat
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -364,6 +364,37 @@ def test_mover_get_miss_cancel_and_drained_close(disk: DiskStore) -> None:
         mover.submit_get("state-a")
 
 
+def test_a_submission_of_gets_is_read_in_one_call_in_order() -> None:
+    """Gets submitted together from a store with `get_many` come back as one event each, in order,
+    with a miss where a key is absent; a store that raises fails the whole batch, counted as misses
+    by the mover, not as a dead thread."""
+    store = HostStore(1 << 20)
+    store.put("kv-a", _payload())
+    store.put("kv-b", _payload(1))
+    mover = StoreMover(store)
+    try:
+        first = mover.submit_many([("kv-a", None), ("kv-missing", None), ("kv-b", None)])
+        assert first is not None
+        events = _collect(mover, 3)
+        assert [(e.seq - first, e.key, e.ok) for e in events] == [(0, "kv-a", True), (1, "kv-missing", False),
+                                                                  (2, "kv-b", True)]
+        got = events[2].payload
+        assert got is not None and torch.equal(got["kv.0.v"], _payload(1)["kv.0.v"])
+        assert events[0].nbytes == payload_nbytes(_payload())
+        assert (store.stats().gets, store.stats().hits, store.stats().misses) == (3, 2, 1)
+
+        def broken(keys: Sequence[str]) -> list[Any]:
+            raise OSError("store went away")
+
+        store.get_many = broken  # type: ignore[method-assign]
+        mover.submit_many([("kv-a", None), ("kv-b", None)])
+        assert [(e.key, e.ok) for e in _collect(mover, 2)] == [("kv-a", False), ("kv-b", False)]
+        mover.submit_get("kv-a")  # the thread lives on
+        assert _collect(mover, 1)[0].ok is False
+    finally:
+        mover.close()
+
+
 def test_held_writes_wait_while_reads_run_until_released(disk: DiskStore) -> None:
     mover = StoreMover(disk, max_pending=8)
     try:
@@ -666,11 +697,11 @@ def test_device_pools_gather_scatter_and_layout_check() -> None:
     kv.values.copy_(torch.randn(kv.values.shape))
     snapshots = SimpleNamespace(conv=torch.randn(2, 5, 3, 4), recurrent=torch.randn(2, 5, 2, 3, 3))
     pools = DeviceCachePools(kv, snapshots)  # type: ignore[arg-type]
-    blocks = pools.read_many("kv", [4, 1])
+    blocks = pools.read_many("kv", [4, 1]).payloads
     assert torch.equal(blocks[0]["keys"], kv.keys[:, 16:20]) and torch.equal(blocks[1]["values"], kv.values[:, 4:8])
     pools.write_many("kv", [0, 5], blocks)
     assert torch.equal(kv.keys[:, 0:4], kv.keys[:, 16:20]) and torch.equal(kv.values[:, 20:24], kv.values[:, 4:8])
-    states = pools.read_many("state", [3])
+    states = pools.read_many("state", [3]).payloads
     pools.write_many("state", [0], states)
     assert torch.equal(snapshots.conv[:, 0], snapshots.conv[:, 3])
     assert torch.equal(snapshots.recurrent[:, 0], snapshots.recurrent[:, 3])
@@ -679,8 +710,41 @@ def test_device_pools_gather_scatter_and_layout_check() -> None:
     assert not pools.matches("kv", {**blocks[0], "keys": blocks[0]["keys"][:, :2]})
     assert not pools.matches("kv", {**blocks[0], "keys": blocks[0]["keys"].double()})
     assert not pools.matches("kv", {"keys": blocks[0]["keys"]})
-    assert pools.read_many("kv", []) == []
+    assert pools.read_many("kv", []) == ([], [])
     before = kv.keys[:, 8:12].clone()
-    copy = pools.read_many("kv", [2])[0]
+    copy = pools.read_many("kv", [2]).payloads[0]
     kv.keys[:, 8:12] += 1  # the next forward reuses the block: what was read before it is a copy
     assert torch.equal(copy["keys"], before)
+
+
+def test_device_reads_reuse_staging_only_once_given_back() -> None:
+    """Demotions gather into staging buffers: a read while an earlier one is still held gets other
+    buffers (its payloads stay intact); once given back, the next read of that size reuses them;
+    nothing is kept past the limit."""
+    from types import SimpleNamespace
+
+    from hybridserve.engine.tier_mover import DeviceCachePools, StagingBuffers
+    from hybridserve.layers.attention import PagedKVCache
+
+    kv = PagedKVCache(num_layers=2, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=3, dtype=torch.float32,
+                      device=torch.device("cpu"))
+    kv.keys.copy_(torch.randn(kv.keys.shape))
+    kv.values.copy_(torch.randn(kv.values.shape))
+    snapshots = SimpleNamespace(conv=torch.randn(2, 5, 3, 4), recurrent=torch.randn(2, 5, 2, 3, 3))
+    pools = DeviceCachePools(kv, snapshots)  # type: ignore[arg-type]
+    first = pools.read_many("kv", [0, 1, 2])
+    held = first.payloads[1]["keys"].clone()
+    second = pools.read_many("kv", [3, 4, 5])
+    assert {b.data_ptr() for b in first.buffers}.isdisjoint(b.data_ptr() for b in second.buffers)
+    assert torch.equal(first.payloads[1]["keys"], held)
+    pools.release(first.buffers)
+    third = pools.read_many("kv", [5, 4, 3])
+    assert {b.data_ptr() for b in third.buffers} == {b.data_ptr() for b in first.buffers}
+    assert torch.equal(third.payloads[2]["keys"], kv.keys[:, 12:16])
+    assert torch.equal(second.payloads[0]["keys"], kv.keys[:, 12:16])
+    staging = StagingBuffers(limit=200)
+    buffer = staging.take(20, torch.float32)
+    assert buffer.numel() == 32  # a power of two
+    staging.give_back([buffer, staging.take(20, torch.float32)])
+    assert staging.kept == 128  # the second (128 bytes more) was past the limit: freed
+    assert staging.take(17, torch.float32) is buffer and staging.kept == 0
