@@ -39,7 +39,7 @@ class LLM:
                  num_threads: int | None = None, quantization: str | None = None,
                  tensor_parallel_size: int = 1, host_cache_memory: int | str | None = None,
                  disk_cache_dir: str | None = None, disk_cache_size: int | str | None = None,
-                 tier_write_policy: str = "write-back", remote_cache_url: str | None = None,
+                 tier_write_policy: str = "write-through", remote_cache_url: str | None = None,
                  block_hash_seed: int | None = None) -> None:
         memory = parse_size(str(kv_cache_memory)) if kv_cache_memory is not None else None
         cache = CacheConfig(block_size=block_size, kv_cache_mib=kv_cache_mib, prefix_cache_mib=prefix_cache_mib,

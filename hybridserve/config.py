@@ -206,7 +206,7 @@ class CacheConfig:
     host_cache_memory_bytes: int = 0
     disk_cache_dir: str | None = None
     disk_cache_size_bytes: int | None = None
-    tier_write_policy: str = "write-back"
+    tier_write_policy: str = "write-through"
     remote_cache_url: str | None = None  # the shared remote tier (cache/remote_store.py): redis://HOST:PORT/DB
 
     def __post_init__(self) -> None:

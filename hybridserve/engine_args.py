@@ -69,9 +69,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
                              "across restarts, one subdirectory per model fingerprint, mode 0700); off when unset")
     parser.add_argument("--disk-cache-size", default=None, metavar="SIZE",
                         help="most bytes the disk tier may hold (e.g. 512GiB); least recently used objects go first")
-    parser.add_argument("--tier-write-policy", default="write-back", choices=TIER_WRITE_POLICIES,
-                        help="write-back: copy an entry to a lower tier when it is evicted from the one above; "
-                             "write-through: copy it when it is cached")
+    parser.add_argument("--tier-write-policy", default="write-through", choices=TIER_WRITE_POLICIES,
+                        help="write-through: copy an entry one tier down when it is cached (an eviction then "
+                             "costs nothing, and what is cached survives a restart or a crash); write-back: "
+                             "copy it only when it is evicted from the tier above (less copying, but the "
+                             "copy lands in the admission that evicts it, and what the device holds at "
+                             "shutdown is not written)")
     parser.add_argument("--remote-cache-url", default=None, metavar="URL",
                         help="redis://HOST:PORT/DB of a Redis server shared by replicas as the last joint-cache "
                              "tier (each published entry is written through; other replicas' entries are found "

@@ -651,7 +651,7 @@ class TierStores:
 
     host: HostStore | None = None
     disk: DiskStore | None = None
-    write_policy: str = "write-back"
+    write_policy: str = "write-through"
     remote: ObjectStore | None = None  # a `RemoteStore` (hybridserve/cache/remote_store.py)
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from hybridserve.config import POLICY_NAMES
+from hybridserve.config import POLICY_NAMES, TIER_WRITE_POLICIES
 from hybridserve.routing.policy import LOAD_HALF_LIFE_S
 from hybridserve.sim.links import DISK_LINK, HOST_LINK, PREFILL_FLOPS
 from hybridserve.sim.routing_report import ROUTERS, known_names, run_routing
@@ -61,8 +61,9 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
                         help="disk latency per transfer, microseconds")
     parser.add_argument("--prefill-tflops", type=float, default=PREFILL_FLOPS / 1e12,
                         help="prefill throughput the saved time is estimated with, TFLOP/s")
-    parser.add_argument("--write-through", action="store_true",
-                        help="copy each snapshot down to the host tier when published (default: on eviction)")
+    parser.add_argument("--tier-write-policy", default="write-through", choices=TIER_WRITE_POLICIES,
+                        help="as the server's: write-through copies each snapshot one tier down when published, "
+                             "write-back when it is evicted")
     parser.add_argument("--oracle", action="store_true",
                         help="add a clairvoyant reference row per budget: the same cache admitting only states a "
                              "later request restores, evicting the one restored last (hybridserve/sim/oracle.py)")
@@ -136,7 +137,7 @@ def run_sim(args: argparse.Namespace) -> int:
         for host, disk in tier_budgets:
             base = SimConfig(ORACLE, int(kv * GIB), int(snapshot_budgets[0] * GIB), args.block_size,
                              args.snapshot_interval, int(host * GIB), int(disk * GIB), links[0], links[1],
-                             args.write_through)
+                             args.tier_write_policy == "write-through")
             for policy in policies:
                 for budget in snapshot_budgets:
                     config = base._replace(policy=policy, snapshot_bytes=int(budget * GIB))

@@ -49,7 +49,8 @@ def run_routing(args: argparse.Namespace, shape: ModelShape, tokens: TraceTokens
     host, disk = _one(tier_budgets, "--host-budgets-gib/--disk-budgets-gib")
     cache = SimConfig(policy, int(_one(kv_budgets, "--kv-budgets-gib") * GIB),
                       int(_one(snapshot_budgets, "--snapshot-budgets-gib") * GIB), args.block_size,
-                      args.snapshot_interval, int(host * GIB), int(disk * GIB), links[0], links[1], args.write_through)
+                      args.snapshot_interval, int(host * GIB), int(disk * GIB), links[0], links[1],
+                      args.tier_write_policy == "write-through")
     results = []
     for router, replicas in [(SINGLE, 1)] + [(name, args.replicas) for name in routers]:
         config = RoutingSimConfig(cache, replicas, router, args.summary_period_s, args.utilization,

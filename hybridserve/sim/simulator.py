@@ -37,7 +37,7 @@ class SimConfig(NamedTuple):
     disk_bytes: int = 0
     host_link: Link = HOST_LINK
     disk_link: Link = DISK_LINK
-    write_through: bool = False
+    write_through: bool = True
 
 
 class SimMover:

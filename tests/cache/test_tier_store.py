@@ -634,13 +634,14 @@ def _parse(*flags: str) -> Any:
 
 def test_flags_build_the_cache_config(tmp_path: Path) -> None:
     config = engine_config_from_args(_parse("--host-cache-memory", "1.5GiB", "--disk-cache-dir", str(tmp_path),
-                                            "--disk-cache-size", "8G", "--tier-write-policy", "write-through"))
+                                            "--disk-cache-size", "8G", "--tier-write-policy", "write-back"))
     cache = config.cache
     assert (cache.host_cache_memory_bytes, cache.disk_cache_size_bytes) == (3 << 29, 8 * 1000 ** 3)
-    assert (cache.disk_cache_dir, cache.tier_write_policy) == (str(tmp_path), "write-through")
+    assert (cache.disk_cache_dir, cache.tier_write_policy) == (str(tmp_path), "write-back")
     off = engine_config_from_args(_parse()).cache
     assert (off.host_cache_memory_bytes, off.disk_cache_dir, off.disk_cache_size_bytes) == (0, None, None)
-    assert off.tier_write_policy == "write-back"
+    assert off.tier_write_policy == "write-through"  # the default, as the API's
+    assert CacheConfig().tier_write_policy == "write-through"
 
 
 @pytest.mark.parametrize(("flags", "needle"), [
@@ -672,12 +673,12 @@ def test_cli_reports_a_bad_directory_in_one_line(tmp_path: Path, monkeypatch: py
 def test_build_tier_stores_follows_the_config(tmp_path: Path) -> None:
     assert build_tier_stores(CacheConfig(), fingerprint=FINGERPRINT) == tier_store.TierStores()
     config = CacheConfig(host_cache_memory_bytes=1 << 20, disk_cache_dir=str(tmp_path / "d"),
-                         disk_cache_size_bytes=1 << 20, tier_write_policy="write-through")
+                         disk_cache_size_bytes=1 << 20, tier_write_policy="write-back")
     stores = build_tier_stores(config, fingerprint=FINGERPRINT)
     try:
         assert stores.host is not None and stores.host.budget_bytes == 1 << 20
         assert stores.disk is not None and stores.disk.path == tmp_path / "d" / FINGERPRINT
-        assert stores.write_policy == "write-through"
+        assert stores.write_policy == "write-back"
     finally:
         stores.close()
     assert check_disk_cache_dir(tmp_path / "d") == tmp_path / "d"

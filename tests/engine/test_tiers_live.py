@@ -67,8 +67,10 @@ def _tier(llm: LLM, name: str) -> TierStats:
     return next(stats for stats in llm.tier_stats() if stats.name == name)
 
 
-def test_host_tier_serves_later_turns_with_identical_outputs(reference: list) -> None:
-    llm = _llm(**SMALL_POOLS, host_cache_memory="64MiB")
+@pytest.mark.parametrize("write_policy", ["write-through", "write-back"])  # the default first
+def test_host_tier_serves_later_turns_with_identical_outputs(reference: list, write_policy: str) -> None:
+    llm = _llm(**SMALL_POOLS, host_cache_memory="64MiB", tier_write_policy=write_policy)
+    assert llm.llm_engine.config.cache.tier_write_policy == write_policy
     results = _conversations(llm)
     _assert_same_outputs(results, reference)
     host = _tier(llm, "host")
@@ -135,8 +137,7 @@ def test_host_cascades_to_disk_and_disk_serves(reference: list, tmp_path: Path) 
 
 def test_disk_tier_survives_a_restart_and_ignores_another_dtype(tmp_path: Path) -> None:
     directory = _private_dir(tmp_path / "tiers")
-    flags = {**SMALL_POOLS, "disk_cache_dir": directory, "disk_cache_size": "64MiB",
-             "tier_write_policy": "write-through"}
+    flags = {**SMALL_POOLS, "disk_cache_dir": directory, "disk_cache_size": "64MiB"}  # the default write-through
     prompt = _tokens(400, seed=7)
     first = _llm(**flags)
     want = first.generate([prompt], PARAMS, use_tqdm=False)[0]
