@@ -51,7 +51,8 @@ class ItlBench:
         roomy: dict[str, Any] = {"kv_cache_mib": 16 * args.kv_cache_mib, "prefix_cache_mib": 32 * args.prefix_cache_mib}
         common: dict[str, Any] = {"device": "cpu", "dtype": "float32", "cache_policy": "interval",
                   "snapshot_interval": args.prefix_tokens, "max_num_batched_tokens": args.max_num_batched_tokens}
-        self.engines = {"off": LLM(**common, **small), "host": LLM(**common, **small, host_cache_memory="512MiB"),
+        self.engines = {"off": LLM(**common, **small), "host": LLM(**common, **small, host_cache_memory="512MiB",
+                                                                      tier_write_policy=args.tier_write_policy),
                         "roomy": LLM(**common, **roomy)}
         self.decode_params = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
         self.churn_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -147,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-mib", type=float, default=8, help="small device KV pool (roomy: 16x)")
     parser.add_argument("--prefix-cache-mib", type=float, default=1, help="small device snapshot pool (roomy: 32x)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill chunk per step")
+    parser.add_argument("--tier-write-policy", default="write-through", choices=("write-through", "write-back"),
+                        help="the host setup's write policy (the server's default: write-through)")
     parser.add_argument("--json", metavar="PATH", default=None)
     args = parser.parse_args(argv)
     result = run(args)

@@ -7,10 +7,11 @@ device pools (GDN snapshot slots, KV blocks) and the lower tiers' stores, one `S
 - Demotion from another tier (a cascade, e.g. host -> disk): a get on the source tier's mover, then,
   when it arrives, a put on the target's. A mover never runs a delete ahead of a read submitted
   before it, so a later discard of the source object cannot overtake the read.
-- Promotion: a get per object; when a ticket's objects have all arrived and match the device layout
-  (names, shapes, dtypes) they are copied into the device slot and blocks in `poll()`, which the
-  engine calls between steps, never while a forward runs. Any missing or malformed object fails the
-  whole ticket and nothing is written.
+- Promotion: a get per object, submitted in chunks of `PROMOTION_CHUNK`; the objects that have
+  arrived and match the device layout (names, shapes, dtypes) are copied into the device slot and
+  blocks in `poll()`, which the engine calls between steps, never while a forward runs (so the copy
+  of one chunk overlaps the store's read of the next). Any missing or malformed object fails the
+  whole ticket: what it wrote sits in blocks and a slot the manager never publishes and frees.
 
 Each `StoreMover` numbers the operations submitted to it and its events carry those numbers; the
 mover keeps what each operation was for by number (reads may finish ahead of queued writes).
@@ -87,10 +88,11 @@ class _Ticket:
     outstanding: int = 0
     reads: int = 0  # a cascade's reads from another tier not yet arrived
     ok: bool = True
-    payloads: dict[int, Payload] = field(default_factory=dict)  # object index -> payload (promotions)
+    payloads: dict[int, Payload] = field(default_factory=dict)  # object index -> payload not yet installed
     staging: list[torch.Tensor] = field(default_factory=list)  # a demotion's device copies (given back when done)
 
 
+PROMOTION_CHUNK = 32  # objects per promotion submission: each chunk is installed as it arrives
 STAGING_KEPT_MAX = 1 << 30  # bytes of demotion staging buffers kept for reuse, at most
 
 
@@ -185,8 +187,9 @@ class DeviceCachePools:
         for name, tensor in self._stacked(kind).items():
             sources = [payload[name] for payload in payloads]
             if not tensor.is_cuda:
-                places = tensor.unbind(1)
-                torch._foreach_copy_([places[index] for index in indices], sources)
+                # one view per target (not `unbind`, whose views of every block of a large pool
+                # cost more than the copies)
+                torch._foreach_copy_([tensor.select(1, index) for index in indices], sources)
                 continue
             staged = torch.empty((len(sources), *sources[0].shape), dtype=tensor.dtype, device=tensor.device)
             for row, source in zip(staged, sources, strict=True):
@@ -295,7 +298,8 @@ class EngineTierMover:
                 raise ValueError(f"promoted object {obj.key} needs a tier source and a device target")
             batches.setdefault(obj.source, []).append((_Pending("read", ticket, obj.key, obj, index=index), None))
         for source, batch in batches.items():
-            self._submit(record, source, batch)
+            for start in range(0, len(batch), PROMOTION_CHUNK):  # installed chunk by chunk as they arrive
+                self._submit(record, source, batch[start:start + PROMOTION_CHUNK])
         self._settle(ticket)
 
     def start_lookup(self, lookup: int, query: DiscoveryQuery) -> bool:
@@ -343,8 +347,16 @@ class EngineTierMover:
     def poll_events(self) -> None:
         """Apply every store event that has arrived (kept for `poll` and `poll_lookups`)."""
         for tier, mover in self.movers.items():
-            for event in mover.poll():
-                self._on_event(tier, event)
+            self._on_events(tier, mover.poll())
+
+    def _on_events(self, tier: str, events: Sequence[TierEvent]) -> None:
+        """Apply `events`, then install what promotions have received so far (the copy of one chunk
+        runs on this thread while the store's thread reads the next)."""
+        for event in events:
+            self._on_event(tier, event)
+        for record in self._tickets.values():
+            if record.promotion and record.payloads and record.ok:
+                record.ok = self._install(record)
 
     def hold_writes(self, held: bool) -> None:
         """Hold (or release) the background stores' queued writes: see `StoreMover.hold_writes`."""
@@ -361,8 +373,7 @@ class EngineTierMover:
         promotion sleeps here instead of spinning); events are kept for the next `poll()`."""
         for tier, mover in self.movers.items():
             if self._pending[tier]:
-                for event in mover.poll(timeout):
-                    self._on_event(tier, event)
+                self._on_events(tier, mover.poll(timeout))
                 return
 
     # -- bookkeeping ----------------------------------------------------------------------------
@@ -397,7 +408,7 @@ class EngineTierMover:
             return
         del self._tickets[ticket]
         self.pools.release(record.staging)  # every put has taken its copy (or failed)
-        if record.promotion and record.ok:
+        if record.promotion and record.ok and record.payloads:
             record.ok = self._install(record)
         self._finished.append((ticket, record.ok))
 
@@ -448,17 +459,22 @@ class EngineTierMover:
         self._settle(pending.ticket)
 
     def _install(self, record: _Ticket) -> bool:
-        """Verify every promoted payload, then copy them all into the device (all or nothing)."""
-        for index, obj in enumerate(record.objects):
-            payload = record.payloads.get(index)
-            if payload is None or not self.pools.matches(obj.kind, payload):
+        """Verify the payloads a promotion has received, then copy them into the device; False (and
+        nothing of them written) when one does not match. Objects installed before a later one
+        fails stay in blocks and a slot the failed ticket never publishes (the manager frees them)."""
+        arrived = sorted(record.payloads.items())
+        for index, payload in arrived:
+            obj = record.objects[index]
+            if not self.pools.matches(obj.kind, payload):
                 logger.warning("tier object %s from %s does not match the device layout; promotion failed",
                                obj.key, obj.source)
                 return False
         for kind in (STATE, KV):
-            chosen = [(obj.device_index, record.payloads[index]) for index, obj in enumerate(record.objects)
-                      if obj.kind == kind and obj.device_index is not None]
-            self.pools.write_many(kind, [target for target, _ in chosen], [payload for _, payload in chosen])
+            chosen = [(record.objects[index].device_index, payload) for index, payload in arrived
+                      if record.objects[index].kind == kind]
+            self.pools.write_many(kind, [target for target, _ in chosen if target is not None],
+                                  [payload for target, payload in chosen if target is not None])
+        record.payloads.clear()
         return True
 
     def _read_device(self, objects: Sequence[TierObject], staging: list[torch.Tensor]) -> dict[str, Payload]:
