@@ -12,16 +12,18 @@ second request to mark the branch point). Modes:
 
 - cold: an engine with the prefix cache off;
 - device: the prefix was just served by the same engine, so its KV and snapshot are on the device;
-- host: as device, then filler prompts push the prefix's snapshot and KV out of a small device pool
-  into the host tier (host memory) before the timed request;
-- disk: the same with the host tier off and a disk tier on (write-back);
+- host: as device, then filler prompts push the prefix's snapshot and KV out of a small device pool,
+  so the timed request restores them from the host tier (host memory);
+- disk: the same with the host tier off and a disk tier on;
 - restart: one engine writes the prefix through to a disk directory and shuts down; a new engine on
   that directory serves one short unrelated request, then the timed one (construction not timed).
 
 Each warm mode checks the restored token count and, for host/disk/restart, that the hit was counted
 by that tier (`LLM.tier_stats()`). The first round is a warm-up; the report gives medians, the goal
 ratios host/device, disk/device and restart/cold, and whether the outputs (token and logprobs) are
-identical across the five modes (to rounding: float32's, or bfloat16's on a GPU).
+identical across the five modes (to rounding: float32's, or bfloat16's on a GPU). The host and disk
+engines use `--tier-write-policy` (default: the server's, write-through; with write-back the timed
+request's own admission also copies out the filler it evicts).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class TierBench:
 
     def __init__(self, prefix_tokens: int, fresh_tokens: int, kv_cache_mib: float | None,
                  prefix_cache_mib: float | None, snapshot_interval: int, workdir: Path, device: str = "cpu",
-                 dtype: str = "float32", model: str | None = None) -> None:
+                 dtype: str = "float32", model: str | None = None, write_policy: str = "write-through") -> None:
         from hybridserve import LLM, SamplingParams
 
         self.llm_class = LLM
@@ -87,8 +89,9 @@ class TierBench:
         self.engines = {
             "cold": LLM(**common, kv_cache_mib=kv_mib, prefix_cache_mib=0),
             "device": LLM(**self.pools),
-            "host": LLM(**self.pools, host_cache_memory=self.lower_tier_size),
-            "disk": LLM(**self.pools, disk_cache_dir=self._private_dir("disk"), disk_cache_size=self.lower_tier_size),
+            "host": LLM(**self.pools, host_cache_memory=self.lower_tier_size, tier_write_policy=write_policy),
+            "disk": LLM(**self.pools, disk_cache_dir=self._private_dir("disk"), disk_cache_size=self.lower_tier_size,
+                        tier_write_policy=write_policy),
         }
 
     def _device_pools(self, model: str | None, dtype: str, kv_cache_mib: float | None,
@@ -211,7 +214,7 @@ def run_tier_ttft(prefix_tokens: int = 4096, fresh_tokens: int = 64, rounds: int
                   kv_cache_mib: float | None = None, prefix_cache_mib: float | None = None,
                   snapshot_interval: int | None = None, model: str | None = None,
                   log: Callable[[str], None] = print, device: str = "cpu", dtype: str = "float32",
-                  profile: Path | None = None) -> dict[str, Any]:
+                  profile: Path | None = None, write_policy: str = "write-through") -> dict[str, Any]:
     """Median TTFT per mode over `rounds` rounds after one warm-up round, modes alternated;
     the `interval` cache policy snapshots every `snapshot_interval` tokens (default: the prefix
     length, so the one snapshot a prompt leaves is the prefix's own boundary). With `profile`,
@@ -222,7 +225,7 @@ def run_tier_ttft(prefix_tokens: int = 4096, fresh_tokens: int = 64, rounds: int
     identical = True
     with tempfile.TemporaryDirectory(prefix="tier-ttft-") as tmp:
         bench = TierBench(prefix_tokens, fresh_tokens, kv_cache_mib, prefix_cache_mib,
-                          snapshot_interval or prefix_tokens, Path(tmp), device, dtype, model)
+                          snapshot_interval or prefix_tokens, Path(tmp), device, dtype, model, write_policy)
         try:
             for round_index in range(rounds + 1):
                 seed = 1000 * (round_index + 1)
@@ -279,9 +282,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="device snapshot pool (default: two and a half snapshots)")
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the built-in model)")
     parser.add_argument("--snapshot-interval", type=int, default=None, help="default: --prefix-tokens")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (the host tier pinned there)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default=None, choices=sorted(LOGPROB_ATOL),
                         help="default: float32 on the CPU, bfloat16 on CUDA")
+    parser.add_argument("--tier-write-policy", default="write-through", choices=("write-through", "write-back"),
+                        help="the host and disk engines' write policy (the server's default: write-through)")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON here")
     parser.add_argument("--profile", metavar="PATH", default=None,
                         help="append cProfile listings of one more device and host request to PATH")
@@ -289,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run_tier_ttft(args.prefix_tokens, args.fresh_tokens, args.rounds, args.kv_cache_mib,
                            args.prefix_cache_mib, args.snapshot_interval, args.model, device=args.device,
                            dtype=args.dtype or ("float32" if args.device == "cpu" else "bfloat16"),
-                           profile=Path(args.profile) if args.profile else None)
+                           profile=Path(args.profile) if args.profile else None,
+                           write_policy=args.tier_write_policy)
     print(format_tier_ttft_report(result), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
