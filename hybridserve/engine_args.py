@@ -71,7 +71,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_positional: b
                         help="most bytes the disk tier may hold (e.g. 512GiB); least recently used objects go first")
     parser.add_argument("--tier-write-policy", default="write-through", choices=TIER_WRITE_POLICIES,
                         help="write-through: copy an entry one tier down when it is cached (an eviction then "
-                             "costs nothing, and what is cached survives a restart or a crash); write-back: "
+                             "costs nothing; with a disk tier alone, what is cached survives a restart or a "
+                             "crash); write-back: "
                              "copy it only when it is evicted from the tier above (less copying, but the "
                              "copy lands in the admission that evicts it, and what the device holds at "
                              "shutdown is not written)")
