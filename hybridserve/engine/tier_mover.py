@@ -93,7 +93,7 @@ class _Ticket:
 
 
 PROMOTION_CHUNK = 32  # objects per promotion submission: each chunk is installed as it arrives
-STAGING_KEPT_MAX = 256 << 20  # bytes of demotion staging buffers kept for reuse, at most (host memory beyond the tiers')
+STAGING_KEPT_MAX = 256 << 20  # staging bytes kept for reuse, at most (host memory beyond the tiers' budgets)
 
 
 class StagingBuffers:
