@@ -684,9 +684,8 @@ def test_build_tier_stores_follows_the_config(tmp_path: Path) -> None:
     assert check_disk_cache_dir(tmp_path / "d") == tmp_path / "d"
 
 
-def test_device_pools_gather_scatter_and_layout_check() -> None:
-    """The engine's device pools read several blocks / slots in one gather and write them back in
-    one scatter, exactly; a payload of another name set, shape or dtype does not match."""
+def _device_pools() -> tuple[Any, Any, Any]:
+    """Small CPU device pools with random contents: (KV cache, snapshot tensors, `DeviceCachePools`)."""
     from types import SimpleNamespace
 
     from hybridserve.engine.tier_mover import DeviceCachePools
@@ -698,6 +697,13 @@ def test_device_pools_gather_scatter_and_layout_check() -> None:
     kv.values.copy_(torch.randn(kv.values.shape))
     snapshots = SimpleNamespace(conv=torch.randn(2, 5, 3, 4), recurrent=torch.randn(2, 5, 2, 3, 3))
     pools = DeviceCachePools(kv, snapshots)  # type: ignore[arg-type]
+    return kv, snapshots, pools
+
+
+def test_device_pools_gather_scatter_and_layout_check() -> None:
+    """The engine's device pools read several blocks / slots in one gather and write them back in
+    one scatter, exactly; a payload of another name set, shape or dtype does not match."""
+    kv, snapshots, pools = _device_pools()
     blocks = pools.read_many("kv", [4, 1]).payloads
     assert torch.equal(blocks[0]["keys"], kv.keys[:, 16:20]) and torch.equal(blocks[1]["values"], kv.values[:, 4:8])
     pools.write_many("kv", [0, 5], blocks)
@@ -722,17 +728,9 @@ def test_device_reads_reuse_staging_only_once_given_back() -> None:
     """Demotions gather into staging buffers: a read while an earlier one is still held gets other
     buffers (its payloads stay intact); once given back, the next read of that size reuses them;
     nothing is kept past the limit."""
-    from types import SimpleNamespace
+    from hybridserve.engine.tier_mover import StagingBuffers
 
-    from hybridserve.engine.tier_mover import DeviceCachePools, StagingBuffers
-    from hybridserve.layers.attention import PagedKVCache
-
-    kv = PagedKVCache(num_layers=2, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=3, dtype=torch.float32,
-                      device=torch.device("cpu"))
-    kv.keys.copy_(torch.randn(kv.keys.shape))
-    kv.values.copy_(torch.randn(kv.values.shape))
-    snapshots = SimpleNamespace(conv=torch.randn(2, 5, 3, 4), recurrent=torch.randn(2, 5, 2, 3, 3))
-    pools = DeviceCachePools(kv, snapshots)  # type: ignore[arg-type]
+    kv, _, pools = _device_pools()
     first = pools.read_many("kv", [0, 1, 2])
     held = first.payloads[1]["keys"].clone()
     second = pools.read_many("kv", [3, 4, 5])
