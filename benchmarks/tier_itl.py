@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from hybridserve.config import TIER_WRITE_POLICIES
+
 SETUPS = ("off", "host", "roomy")
 GOAL = 1.2  # host ITL p99 over off ITL p99
 
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-mib", type=float, default=8, help="small device KV pool (roomy: 16x)")
     parser.add_argument("--prefix-cache-mib", type=float, default=1, help="small device snapshot pool (roomy: 32x)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill chunk per step")
-    parser.add_argument("--tier-write-policy", default="write-through", choices=("write-through", "write-back"),
+    parser.add_argument("--tier-write-policy", default="write-through", choices=TIER_WRITE_POLICIES,
                         help="the host setup's write policy (the server's default: write-through)")
     parser.add_argument("--json", metavar="PATH", default=None)
     args = parser.parse_args(argv)

@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from hybridserve.config import TIER_WRITE_POLICIES
+
 MODES = ("cold", "device", "host", "disk", "restart")
 FILLERS = 2  # prompts as long as the timed one: enough to push the prefix out of the small device pools
 HOST_POOLS = 16  # host and disk tiers: this many times the device pools (room for every round's prefix)
@@ -285,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default=None, choices=sorted(LOGPROB_ATOL),
                         help="default: float32 on the CPU, bfloat16 on CUDA")
-    parser.add_argument("--tier-write-policy", default="write-through", choices=("write-through", "write-back"),
+    parser.add_argument("--tier-write-policy", default="write-through", choices=TIER_WRITE_POLICIES,
                         help="the host and disk engines' write policy (the server's default: write-through)")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON here")
     parser.add_argument("--profile", metavar="PATH", default=None,
