@@ -132,7 +132,23 @@ def _wrong_version(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage", [_flip_last_byte, _truncate, _wrong_version])
+def _truncate_into_header(path: Path) -> None:
+    with open(path, "r+b") as handle:
+        handle.truncate(HEADER.size - 3)
+
+
+def _another_keys_object(path: Path) -> None:
+    """The object of a longer key under this file's name (the reader splits header and payload by
+    the key it asked for)."""
+    data = bytearray(path.read_bytes())
+    magic, version, key_length, payload_length, checksum = HEADER.unpack_from(data)
+    key = bytes(data[HEADER.size:HEADER.size + key_length]) + b"-other"
+    path.write_bytes(HEADER.pack(magic, version, len(key), payload_length, checksum) + key
+                     + bytes(data[HEADER.size + key_length:]))
+
+
+@pytest.mark.parametrize("damage", [_flip_last_byte, _truncate, _wrong_version, _truncate_into_header,
+                                    _another_keys_object])
 def test_damaged_object_is_a_counted_miss_and_deleted(disk: DiskStore, damage: Any) -> None:
     disk.put("state-1", _payload())
     disk.put("state-2", _payload(1))
