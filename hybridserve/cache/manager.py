@@ -446,6 +446,8 @@ class JointCacheManager:
     def _publish(self, reservation: Reservation) -> None:
         """Publish a reserved snapshot and note its prefix (with tiers, copy it down in write-through)."""
         self._snapshot_pool().publish(reservation)
+        if self.policy is not None:
+            self.policy.observe_publish(self._kinds.get(reservation.key))
         joint = self._reserved_paths.pop(reservation.key)
         self._paths[reservation.key] = joint
         if self.tiers is None:
@@ -557,8 +559,11 @@ class JointCacheManager:
         entry = self._entry(restore.request)
         if restore.lookup is not None and not entry.lookup_counted and self.prefix_cache is not None:
             entry.lookup_counted = True  # once per sequence, across reverts and preemptions
+            key = restore.lookup.key
+            if key is not None and self.policy is not None and self.snapshots is not None:
+                self.policy.observe_restore(self._kinds.get(key), self.snapshots.num_hits(key))
             self.prefix_cache.record(restore.lookup)
-            if restore.lookup.key is not None:
+            if key is not None:
                 self._count_hit(restore)
 
     def _count_hit(self, restore: Restore) -> None:

@@ -17,10 +17,13 @@ from hybridserve.config import POLICY_NAMES
 if TYPE_CHECKING:
     from hybridserve.config import ModelConfig
 
-__all__ = ["POLICY_NAMES", "CachePolicy", "PrefixCost", "RequestView", "make_policy"]
+__all__ = ["POLICY_NAMES", "CachePolicy", "KindRates", "PrefixCost", "RequestView", "make_policy"]
 AGE_TURNOVERS = 16.0  # a snapshot's value halves after this many pool turnovers without use
 EVICTION_WINDOW = 256  # value-based policies score this many least-recently-used candidates
 TAIL_MARKS = 4  # interval marks this close to the prompt end (in intervals) are a kind of their own
+RESTORES_COUNTED = 4  # restores of one snapshot its kind's rate counts (one hot prefix is not its kind)
+KIND_HALF_LIFE = 4096.0  # publications; older evidence fades so kind rates follow the workload
+KIND_PRIOR_WEIGHT = 8.0  # pseudo-publications of one restore each that every kind starts with
 
 
 class PrefixCost(NamedTuple):
@@ -94,6 +97,12 @@ class CachePolicy:
     def choose_victim(self, pool: SnapshotPool) -> int | None:
         """Slot to evict (None: the pool's default, least recently used)."""
         return None
+
+    def observe_publish(self, kind: str | None) -> None:
+        """A snapshot of this candidate kind (None: unknown) was published in the device pool."""
+
+    def observe_restore(self, kind: str | None, earlier_restores: int) -> None:
+        """A request restored a device snapshot of this kind that had `earlier_restores` before."""
 
     def evict_kv_first(self, view: RequestView) -> int | None:
         """Released KV blocks starting at or after this position are evicted first (None: none)."""
@@ -172,15 +181,60 @@ class MarconiPolicy(CachePolicy):
         return candidates[min(range(len(candidates)), key=scores.__getitem__)][0]
 
 
+class KindRates:
+    """Restores per published snapshot, by candidate kind (see `CachePolicy.kind_of`; request ends
+    are "end"), decayed by publications. Each snapshot counts at most RESTORES_COUNTED restores, so a
+    few hot shared prefixes do not make their whole kind look valuable. Every kind starts at one
+    restore per snapshot, worth KIND_PRIOR_WEIGHT publications: a kind is judged worth its slot until
+    its own evidence says otherwise (one held out of the pool too early would never be measured)."""
+
+    def __init__(self) -> None:
+        self._decay = 0.5 ** (1.0 / KIND_HALF_LIFE)
+        self._clock = 0
+        self._counts: dict[str, tuple[float, float, int]] = {}  # kind -> restores, publications, clock
+
+    def published(self, kind: str) -> None:
+        """Count one publication of `kind` (the decay clock ticks)."""
+        self._clock += 1
+        self._add(kind, 0.0, 1.0)
+
+    def restored(self, kind: str, earlier_restores: int) -> None:
+        """Count a restore of a `kind` snapshot that had `earlier_restores` restores before it."""
+        if earlier_restores < RESTORES_COUNTED:
+            self._add(kind, 1.0, 0.0)
+
+    def rate(self, kind: str) -> float:
+        """Estimated restores per published snapshot of `kind`."""
+        restores, publications = self.evidence(kind)
+        return (restores + KIND_PRIOR_WEIGHT) / (publications + KIND_PRIOR_WEIGHT)
+
+    def _add(self, kind: str, restores: float, publications: float) -> None:
+        old_restores, old_publications = self.evidence(kind)
+        self._counts[kind] = (old_restores + restores, old_publications + publications, self._clock)
+
+    def evidence(self, kind: str) -> tuple[float, float]:
+        """Decayed (restores, publications) counted for `kind`."""
+        restores, publications, at = self._counts.get(kind, (0.0, 0.0, self._clock))
+        fade = self._decay ** (self._clock - at)
+        return restores * fade, publications * fade
+
+
 class HybridServePolicy(IntervalPolicy):
-    """The default, fixed constants. Admits branch points, request ends, the last block
-    boundary before the prompt end (a re-tokenised chat turn still hits), and every `interval` tokens
-    into free or covered slots only. Evicts, cheapest loss first: a snapshot whose KV is gone, then a covered one, then
-    the lowest value = prefill FLOPs saved beyond the resident parent x (1 + hits + extra paths) /
-    (1 + age in pool turnovers). A released request's KV beyond its deepest snapshot is freed first."""
+    """The default. Admits request ends, branch points, the last block boundary before the prompt end
+    (a re-tokenised chat turn still hits), and every `interval` tokens into free or covered slots
+    only. Learns restores per published snapshot by kind (`KindRates`): a branch point or prompt mark
+    whose kind is restored less than request ends takes only free or covered slots too, so it never
+    pushes out the ends that serve more. Evicts, cheapest loss first: a snapshot whose KV is gone,
+    then a covered one, then the lowest value = prefill FLOPs saved beyond the resident parent x
+    (prior + hits + extra paths) / (1 + age in pool turnovers). A released request's KV beyond its
+    deepest snapshot is freed first."""
 
     name = "hybridserve"
     capture_at_end = True
+
+    def __init__(self, block_size: int, cost: PrefixCost, interval: int) -> None:
+        super().__init__(block_size, cost, interval)
+        self.kind_rates = KindRates()
 
     def captures(self, view: RequestView, start: int, length: int) -> list[int]:
         kept = _within([self._prompt_mark(view), view.branch_point], start, length)
@@ -198,8 +252,17 @@ class HybridServePolicy(IntervalPolicy):
         return None if pool is None else pool.num_free_slots + pool.num_evictable
 
     def is_opportunistic(self, view: RequestView, boundary: int) -> bool:
-        """Interval marks are insurance: they never push out a snapshot that still serves."""
-        return boundary not in (self._prompt_mark(view), view.branch_point)
+        """Interval marks are insurance: they never push out a snapshot that still serves; nor does a
+        branch point or prompt mark while its kind is restored less per snapshot than request ends."""
+        if boundary not in (self._prompt_mark(view), view.branch_point):
+            return True
+        return self.kind_rates.rate(self.kind_of(view, boundary)) < self.kind_rates.rate("end")
+
+    def observe_publish(self, kind: str | None) -> None:
+        self.kind_rates.published(kind or "unknown")
+
+    def observe_restore(self, kind: str | None, earlier_restores: int) -> None:
+        self.kind_rates.restored(kind or "unknown", earlier_restores)
 
     def choose_victim(self, pool: SnapshotPool) -> int | None:
         for slot in pool.covered():

@@ -147,6 +147,11 @@ class SnapshotPool:
             if slot in self._covered:
                 self._covered.move_to_end(slot)
 
+    def num_hits(self, key: BlockHash) -> int:
+        """Restores recorded on ``key``'s published slot since it was published (0 if absent)."""
+        slot = self._published.get(key)
+        return self._hits[slot] if slot is not None else 0
+
     def record_hit(self, key: BlockHash) -> None:
         """A request restores from ``key``: count the hit and mark it most-recently-used."""
         slot = self._published.get(key)

@@ -11,7 +11,15 @@ import torch
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.cache.block_pool import BlockPool
-from hybridserve.cache.policy import PrefixCost, RequestView, make_policy
+from hybridserve.cache.policy import (
+    KIND_HALF_LIFE,
+    RESTORES_COUNTED,
+    HybridServePolicy,
+    KindRates,
+    PrefixCost,
+    RequestView,
+    make_policy,
+)
 from hybridserve.cache.snapshots import ReserveStatus, SnapshotPool
 from hybridserve.config import POLICY_NAMES, CacheConfig
 from hybridserve.sim.shapes import model_shape
@@ -98,6 +106,62 @@ def test_previous_turn_end_is_covered_once_the_next_turn_continues_it() -> None:
 
 
 # ------------------------------------------------------------------- hand-built traces
+
+
+def test_kind_rates_start_at_one_restore_and_follow_evidence() -> None:
+    rates = KindRates()
+    assert rates.rate("branch") == rates.rate("end") == 1.0                   # the benefit of the doubt
+    for _ in range(24):
+        rates.published("branch")
+        rates.published("end")
+        rates.restored("end", 0)
+    assert rates.rate("branch") == pytest.approx(8 / 32, rel=0.02)
+    assert rates.rate("end") == pytest.approx(1.0, rel=0.02)
+    for earlier in range(10):                                              # one hot snapshot ...
+        rates.restored("prompt", earlier)
+    rates.published("prompt")
+    assert rates.rate("prompt") == pytest.approx((RESTORES_COUNTED + 8) / 9, rel=0.02)   # ... counts a few
+    low = rates.rate("branch")
+    for _ in range(int(KIND_HALF_LIFE)):                                   # evidence fades with publications
+        rates.published("end")
+    assert low < rates.rate("branch") < 1.0
+
+
+def test_default_admission_learns_which_kinds_may_push_out_request_ends() -> None:
+    """Branch points and prompt marks may evict while their kind is restored as often as request
+    ends; a kind restored less per snapshot takes free or covered slots only."""
+    policy = make_policy("hybridserve", 16, COST, 256)
+    assert isinstance(policy, HybridServePolicy)
+    view = RequestView(num_prompt_tokens=700, num_tokens=700, branch_point=320, deepest_snapshot=0)
+    assert not policy.is_opportunistic(view, 320) and not policy.is_opportunistic(view, 688)
+    for _ in range(40):
+        policy.observe_publish("branch")
+        policy.observe_publish("end")
+        policy.observe_restore("end", 0)
+    assert policy.is_opportunistic(view, 320)             # continuations nobody returns to
+    assert not policy.is_opportunistic(view, 688)         # no evidence on prompt marks yet
+    for _ in range(40):
+        policy.observe_publish("prompt")
+        policy.observe_restore("prompt", 0)
+        policy.observe_restore("prompt", 1)
+    assert not policy.is_opportunistic(view, 688)         # restored more than ends: it may evict
+    assert policy.is_opportunistic(view, 256)             # interval marks never evict
+
+
+def test_manager_reports_publications_and_restores_by_kind() -> None:
+    run = _run("hybridserve", snapshot_slots=16)
+    policy = run.cache.policy
+    assert isinstance(policy, HybridServePolicy)
+    prompt, output = _tokens(100, 31), _tokens(5, 32)
+    run.serve("a", prompt, output)                                       # publishes its prompt mark and end
+    assert run.serve("b", prompt + output + _tokens(20, 33), _tokens(3, 34)) == 104
+    end_restores, end_publications = policy.kind_rates.evidence("end")
+    prompt_restores, prompt_publications = policy.kind_rates.evidence("prompt")
+    assert end_restores == pytest.approx(1.0, rel=0.01) and end_publications == pytest.approx(2.0, rel=0.01)
+    assert prompt_restores == 0.0 and prompt_publications == pytest.approx(2.0, rel=0.01)
+    run.scheduler.check_integrity()
+
+
 
 
 def test_request_end_inside_a_block_is_restored_exactly() -> None:
