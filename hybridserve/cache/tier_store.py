@@ -428,13 +428,14 @@ class DiskStore:
         start = time.perf_counter()
         with self._lock:
             self._stats.gets += 1
-            if key not in self._index:
+            file_bytes = self._index.get(key)
+            if file_bytes is None:
                 self._stats.misses += 1
                 return None
             self._index.move_to_end(key)
         path = os.path.join(self.path, key_to_filename(key))  # a str: cheaper than a Path per object
         try:
-            payload = self._read(path, key)
+            payload = self._read(path, key, file_bytes)
         except _ObjectFault as fault:
             self._count_fault(key, path, fault)
             return None
@@ -444,13 +445,17 @@ class DiskStore:
         _touch_quietly(path)  # the recency survives a restart (the index is ordered by mtime)
         return payload
 
-    def _read(self, path: str, key: str) -> Payload:
+    def _read(self, path: str, key: str, file_bytes: int) -> Payload:
         try:
-            # The header and key, then the payload into its own bytes: slicing it out of one read
-            # of the whole file would copy every byte once more.
-            with open(path, "rb", buffering=0) as handle:
-                head = handle.read(HEADER.size + len(key.encode()))
-                data = handle.readall()
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                # The header and key, then the payload into its own bytes: slicing it out of one
+                # read of the whole file would copy every byte once more. One byte past the indexed
+                # size, so a file longer than its header says still fails the header check.
+                head = os.read(fd, HEADER.size + len(key.encode()))
+                data = _read_up_to(fd, max(file_bytes - len(head), 0) + 1)
+            finally:
+                os.close(fd)
         except FileNotFoundError as error:
             raise _ObjectFault("file is gone", missing=True) from error
         except OSError as error:
@@ -547,6 +552,21 @@ def _check_header(head: bytes, key: str, file_size: int) -> tuple[int, bytes]:
     if head[HEADER.size:HEADER.size + key_length] != key.encode():
         raise _ObjectFault("key does not match the file name")
     return int(payload_length), bytes(checksum)
+
+
+def _read_up_to(fd: int, limit: int) -> bytes:
+    """Up to `limit` bytes from `fd`'s position, fewer only at the end of the file."""
+    data = os.read(fd, limit)
+    if len(data) == limit or not data:
+        return data
+    parts, count = [data], len(data)
+    while count < limit:
+        chunk = os.read(fd, limit - count)
+        if not chunk:
+            break
+        parts.append(chunk)
+        count += len(chunk)
+    return b"".join(parts)
 
 
 def _write_all(fd: int, data: bytes) -> None:

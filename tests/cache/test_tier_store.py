@@ -147,8 +147,14 @@ def _another_keys_object(path: Path) -> None:
                      + bytes(data[HEADER.size + key_length:]))
 
 
+def _append_bytes(path: Path) -> None:
+    """Bytes past the payload the header declares (the reader reads one byte past the indexed size)."""
+    with open(path, "ab") as handle:
+        handle.write(b"trailing garbage")
+
+
 @pytest.mark.parametrize("damage", [_flip_last_byte, _truncate, _wrong_version, _truncate_into_header,
-                                    _another_keys_object])
+                                    _another_keys_object, _append_bytes])
 def test_damaged_object_is_a_counted_miss_and_deleted(disk: DiskStore, damage: Any) -> None:
     disk.put("state-1", _payload())
     disk.put("state-2", _payload(1))
