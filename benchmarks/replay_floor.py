@@ -52,12 +52,12 @@ class _Suffixes:
         return True
 
 
-def _replay(engines: dict[str, LLMEngine], tokens: dict[str, Any]) -> dict[str, float]:
-    """Step the engines alternately through their replays; seconds of each one's own steps."""
+def _replay(engines: dict[str, LLMEngine], tokens: dict[str, Any]) -> dict[str, _Replay]:
+    """Step the engines alternately through their replays (each one's `seconds` and `outputs`)."""
     replays = {label: _Replay(engine, label, cast(TraceTokens, tokens[label]), 1) for label, engine in engines.items()}
     with torch.inference_mode():
         _replay_alternating(list(replays.values()), progress=False)
-    return {label: replay.seconds for label, replay in replays.items()}
+    return replays
 
 
 def run(num_requests: int, engine_flags: list[str], log: Any = print) -> dict[str, Any]:
@@ -67,16 +67,15 @@ def run(num_requests: int, engine_flags: list[str], log: Any = print) -> dict[st
     records = read_trace(str(default_trace_path()), num_requests, BLOCK_TOKENS, MAX_OUTPUT_TOKENS)
     on, off = LLMEngine(on_config), LLMEngine(off_config)
     tokens = TraceTokens(records, BLOCK_TOKENS, on.model_config.vocab_size)
-    replays = {"on": _Replay(on, "on", tokens, 1), "off": _Replay(off, "off", tokens, 1)}
-    with torch.inference_mode():
-        _replay_alternating(list(replays.values()), progress=False)
+    replays = _replay({"on": on, "off": off}, {"on": tokens, "off": tokens})
     hits = [o.num_cached_tokens if o is not None else 0 for o in replays["on"].outputs]
     measured = {label: replay.seconds for label, replay in replays.items()}
     finish(off, on)
     log(f"phase 1 (bench trace): on {measured['on']:.1f} s, off {measured['off']:.1f} s, "
         f"time on/off {measured['on'] / measured['off']:.3f}")
     full, suffix = LLMEngine(off_config), LLMEngine(off_config)
-    floor = _replay({"full": full, "suffix": suffix}, {"full": tokens, "suffix": _Suffixes(tokens, hits)})
+    floor = {label: replay.seconds for label, replay in
+             _replay({"full": full, "suffix": suffix}, {"full": tokens, "suffix": _Suffixes(tokens, hits)}).items()}
     finish(full, suffix)
     prompt_tokens = sum(len(tokens.prompt(i)) for i in range(len(records)))
     result = {"num_requests": len(records), "prompt_tokens": prompt_tokens, "hit_tokens": sum(hits),
