@@ -23,7 +23,14 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
-from hybridserve.cache.tier_store import ObjectStore, Payload, key_to_filename, payload_nbytes
+from hybridserve.cache.tier_store import (
+    ObjectStore,
+    Payload,
+    ReadTarget,
+    copy_many_into,
+    key_to_filename,
+    payload_nbytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +75,7 @@ class _Op:
     submitted: float
     call: Callable[[], Any] | None = None
     seq: int = 0
+    target: ReadTarget | None = None  # a get that lands in place (its event carries no payload)
 
 
 _Submission = deque[_Op]  # operations submitted together: queued, run and reported as one unit
@@ -113,6 +121,12 @@ class StoreMover:
         self._thread = threading.Thread(target=self._run, name=f"tier-mover-{store.tier}", daemon=True)
         self._thread.start()
 
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether the store reads objects straight into a target's memory (`get_many_into`: the
+        disk); `submit_reads_into` works with any store, copying the others' payloads in."""
+        return callable(getattr(self.store, "get_many_into", None))
+
     # -- caller side (never blocks on the store) -----------------------------------------------
 
     def submit_put(self, key: str, payload: Mapping[str, torch.Tensor]) -> int | None:
@@ -138,6 +152,13 @@ class StoreMover:
                 key_to_filename(key)  # a key no store can hold is a caller's bug: raise it here
                 ops.append(_Op("put", key, payload, ready, now))
         return self._submit(ops, bounded=True)
+
+    def submit_reads_into(self, reads: Sequence[tuple[str, ReadTarget]]) -> int | None:
+        """Queue a get of each key that lands in place in its target (CPU memory the caller holds
+        for it until the event arrives; an event with ok=False means the target holds garbage):
+        its first sequence number, or None when the queue cannot take them all."""
+        now = time.perf_counter()
+        return self._submit([_Op("get", key, None, None, now, target=target) for key, target in reads], bounded=True)
 
     def submit_call(self, key: str, call: Callable[[], Any], *, read: bool = False) -> int | None:
         """Queue `call` (a store operation beyond put/get/delete, e.g. a remote lookup); its event
@@ -320,6 +341,8 @@ class StoreMover:
     def _get_all(self, ops: list[_Op]) -> list[TierEvent]:
         """Run a submission of gets: one `get_many` call where the store has one (one lock for all
         of them), else one get each."""
+        if ops[0].target is not None:
+            return self._read_all_into(ops)
         get_many = getattr(self.store, "get_many", None)
         if get_many is None:
             return [self._execute(op) for op in ops]
@@ -331,12 +354,34 @@ class StoreMover:
         return [self._event(op, payload is not None, payload, payload_nbytes(payload) if payload else 0)
                 for op, payload in zip(ops, payloads, strict=True)]
 
+    def _read_all_into(self, ops: list[_Op]) -> list[TierEvent]:
+        """Run gets that land in place: the store reads into the targets where it can (the disk's
+        `get_many_into`), else each payload is copied in here, on this thread."""
+        keys, targets = [op.key for op in ops], [op.target for op in ops if op.target is not None]
+        try:
+            if len(targets) != len(ops):
+                raise ValueError("a read in place without a target")
+            read_into = getattr(self.store, "get_many_into", None)
+            if read_into is not None:
+                landed = read_into(keys, targets)
+            else:
+                get_many = getattr(self.store, "get_many", None)
+                payloads = get_many(keys) if get_many is not None else [self.store.get(key) for key in keys]
+                landed = copy_many_into(targets, payloads)
+        except Exception:
+            logger.exception("tier %s: read of %d objects in place failed", self.store.tier, len(ops))
+            landed = [False] * len(ops)
+        return [self._event(op, ok, None, target.layout.nbytes if ok else 0)
+                for op, target, ok in zip(ops, targets, landed, strict=False)]
+
     def _execute(self, op: _Op) -> TierEvent:
         try:
             if op.kind == "put":
                 assert op.payload is not None
                 result = self.store.put(op.key, op.payload, op.ready)
                 return self._event(op, result.ok, None, result.nbytes, result.evicted)
+            if op.kind == "get" and op.target is not None:
+                return self._read_all_into([op])[0]
             if op.kind == "get":
                 payload = self.store.get(op.key)
                 return self._event(op, payload is not None, payload, payload_nbytes(payload) if payload else 0)

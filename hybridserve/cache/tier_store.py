@@ -22,6 +22,12 @@ to a `.tmp-` name and `os.replace`d, so a crash leaves either the old object, th
 temporary file that the next start removes. Files are not fsynced: after a power loss a torn file
 fails its length or checksum check and is a miss. A corrupted, truncated, vanished or wrong-version
 object is a counted miss and is deleted: never an exception, never wrong data.
+
+Reads in place (`ReadTarget`): a promotion into CPU pools names, for each object, the block or slot
+it fills. `DiskStore` then reads the file straight into that memory (one `preadv` of the header and
+every layer's piece) and verifies the checksum over it there, with no decoded copy between; other
+stores copy their payload in (`copy_into`). A read that fails has still written into the target,
+which the caller must not use (the tiers free a failed promotion's blocks and slot unpublished).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 from urllib.parse import unquote
 
 import safetensors
@@ -63,6 +69,7 @@ TEMP_PREFIX = ".tmp-"
 LOCK_NAME = ".lock"
 MAX_KEY_FILENAME = 240  # escaped key length; file names are at most 255 bytes
 _KEY_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+_IOV_MAX = 1024  # buffers per preadv call (Linux's and macOS's IOV_MAX)
 _ALL_SAFE = re.compile(r"[A-Za-z0-9_\-]+")  # a key of `_KEY_SAFE` characters only is its own file name
 
 
@@ -196,6 +203,74 @@ def key_to_filename(key: str) -> str:
 def filename_to_key(name: str) -> str:
     """The key `key_to_filename` escaped into `name`."""
     return unquote(name[: -len(OBJECT_SUFFIX)], errors="strict")
+
+
+class PoolLayout:
+    """How the objects of one kind lie in CPU pool tensors that hold one object per index along
+    dimension 1 (e.g. KV blocks: keys and values of shape [layers, blocks, ...]): an object is one
+    contiguous piece per index of dimension 0, per tensor. Gives each object's memory as writable byte
+    views in the order its safetensors encoding lays the tensors out, and that encoding's header (the
+    same for every object of the layout), so a file read can land in the pool as it is."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            if tensor.is_cuda or not tensor.is_contiguous() or tensor.dim() < 2:
+                raise ValueError(f"pool tensor {name!r} must be a contiguous CPU tensor of >= 2 dimensions")
+        self.tensors = dict(tensors)
+        encoded = encode_payload({name: torch.zeros(t.shape[:1] + t.shape[2:], dtype=t.dtype)
+                                  for name, t in tensors.items()})
+        header_end = 8 + int.from_bytes(encoded[:8], "little")
+        self.encoded_header = encoded[:header_end]  # safetensors' length prefix and JSON header
+        self.nbytes = len(encoded) - header_end     # tensor bytes of one object
+        offsets = {name: spec["data_offsets"][0] for name, spec in json.loads(encoded[8:header_end]).items()
+                   if name != "__metadata__"}
+        self._pieces = []  # per tensor in encoding order: flat bytes, dim-0 stride, object stride, piece size
+        for name in sorted(offsets, key=offsets.__getitem__):
+            tensor = self.tensors[name]
+            flat = tensor.view(-1).view(torch.uint8).numpy().data
+            size = tensor.element_size()
+            self._pieces.append((flat, tensor.stride(0) * size, tensor.stride(1) * size, tensor.shape[0]))
+
+    def byte_views(self, index: int) -> list[memoryview]:
+        """Writable views of object `index`'s memory, in encoding order."""
+        return [flat[layer * outer + index * step:layer * outer + (index + 1) * step]
+                for flat, outer, step, count in self._pieces for layer in range(count)]
+
+    def tensors_of(self, index: int) -> Payload:
+        """Object `index`'s tensors (views of the pools)."""
+        return {name: tensor.select(1, index) for name, tensor in self.tensors.items()}
+
+
+class ReadTarget(NamedTuple):
+    """Where a read in place lands: object `position` of `layout`."""
+
+    layout: PoolLayout
+    position: int
+
+
+def copy_into(target: ReadTarget, payload: Mapping[str, torch.Tensor]) -> bool:
+    """Copy `payload` into `target`'s memory; False (nothing copied) when its tensor names, shapes or
+    dtypes are not the layout's."""
+    return copy_many_into([target], [payload])[0]
+
+
+def copy_many_into(targets: Sequence[ReadTarget], payloads: Sequence[Mapping[str, torch.Tensor] | None]) -> list[bool]:
+    """`copy_into` of each payload (None: a miss) into its target, as one `_foreach_copy_` for all
+    of them (the per-copy dispatch, not the bytes, is what many small objects cost)."""
+    landed: list[bool] = []
+    sources: list[torch.Tensor] = []
+    destinations: list[torch.Tensor] = []
+    for target, payload in zip(targets, payloads, strict=True):
+        destination = target.layout.tensors_of(target.position)
+        fits = payload is not None and payload.keys() == destination.keys() and all(
+            (t.shape, t.dtype) == (destination[name].shape, destination[name].dtype) for name, t in payload.items())
+        if fits and payload is not None:
+            sources += payload.values()
+            destinations += (destination[name] for name in payload)
+        landed.append(fits)
+    if sources:
+        torch._foreach_copy_(destinations, sources)
+    return landed
 
 
 def _cuda_copy_stream(device: torch.device | None) -> Any:
@@ -468,6 +543,69 @@ class DiskStore:
         except Exception as error:  # a payload whose checksum matches but does not parse
             raise _ObjectFault(f"unreadable payload: {error}") from error
 
+    def get_into(self, key: str, target: ReadTarget) -> bool:
+        """Read the object under `key` straight into `target` and verify its checksum there; False
+        (a counted miss, a damaged file deleted) when absent, damaged or of another layout. On False
+        the target may hold part of the object: the caller must not use it."""
+        start = time.perf_counter()
+        with self._lock:
+            self._stats.gets += 1
+            file_bytes = self._index.get(key)
+            if file_bytes is None:
+                self._stats.misses += 1
+                return False
+            self._index.move_to_end(key)
+        path = os.path.join(self.path, key_to_filename(key))
+        try:
+            ok = self._read_into(path, key, file_bytes, target)
+        except _ObjectFault as fault:
+            self._count_fault(key, path, fault)
+            return False
+        with self._lock:
+            if ok:
+                self._stats.hits += 1
+                self._stats.transfer_seconds += time.perf_counter() - start
+            else:
+                self._stats.misses += 1
+        if ok:
+            _touch_quietly(path)
+        return ok
+
+    def get_many_into(self, keys: Sequence[str], targets: Sequence[ReadTarget]) -> list[bool]:
+        """`get_into` of each key into its target."""
+        return [self.get_into(key, target) for key, target in zip(keys, targets, strict=True)]
+
+    def _read_into(self, path: str, key: str, file_bytes: int, target: ReadTarget) -> bool:
+        """One `preadv` of the file into a header buffer and the target's byte views (and one byte
+        past them, to tell a longer file); an object of another layout goes the decoding way
+        (False when it does not fit the target). Raises `_ObjectFault` for a damaged object."""
+        layout, key_bytes = target.layout, key.encode()
+        head = bytearray(HEADER.size + len(key_bytes) + len(layout.encoded_header))
+        views = layout.byte_views(target.position)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                count = _preadv_all(fd, [head, *views, bytearray(1)])
+            finally:
+                os.close(fd)
+        except FileNotFoundError as error:
+            raise _ObjectFault("file is gone", missing=True) from error
+        except OSError as error:
+            raise _ObjectFault(f"cannot read: {error.strerror or error}") from error
+        if count < HEADER.size:
+            raise _ObjectFault("truncated header")
+        encoded_header = memoryview(head)[HEADER.size + len(key_bytes):]
+        payload_length = HEADER.unpack_from(head)[3]
+        if payload_length != len(encoded_header) + layout.nbytes or encoded_header != layout.encoded_header:
+            return copy_into(target, self._read(path, key, file_bytes))  # another layout, or another writer's
+        _, checksum = _check_header(head, key, count)  # count is one past the object when the file is longer
+        digest = xxhash.xxh3_128(encoded_header)
+        for view in views:
+            digest.update(view)
+        if digest.digest() != checksum:
+            raise _ObjectFault("checksum mismatch")
+        return True
+
     def _count_fault(self, key: str, path: str, fault: _ObjectFault) -> None:
         logger.warning("disk cache: object %s is a miss: %s", os.path.basename(path), fault)
         _unlink_quietly(path)
@@ -536,7 +674,7 @@ def _object_bytes(key: str, data: bytes) -> bytes:
     return header + key_bytes + data
 
 
-def _check_header(head: bytes, key: str, file_size: int) -> tuple[int, bytes]:
+def _check_header(head: bytes | bytearray, key: str, file_size: int) -> tuple[int, bytes]:
     """(payload length, checksum) of an object file whose first bytes (at least the header and
     the key) are `head`, after checking the magic, the version, the key and that the file is
     exactly as long as the header says."""
@@ -567,6 +705,22 @@ def _read_up_to(fd: int, limit: int) -> bytes:
         parts.append(chunk)
         count += len(chunk)
     return b"".join(parts)
+
+
+def _preadv_all(fd: int, buffers: list[Any]) -> int:
+    """Fill `buffers` (writable bytes-like objects, in order) from the start of `fd`, as far as the
+    file goes; the bytes read."""
+    pending, total = [memoryview(buffer).cast("B") for buffer in buffers], 0
+    while pending:
+        count = os.preadv(fd, pending[:_IOV_MAX], total)
+        if count <= 0:
+            break
+        total += count
+        while pending and count >= len(pending[0]):
+            count -= len(pending.pop(0))
+        if count:
+            pending[0] = pending[0][count:]
+    return total
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -7,11 +7,16 @@ device pools (GDN snapshot slots, KV blocks) and the lower tiers' stores, one `S
 - Demotion from another tier (a cascade, e.g. host -> disk): a get on the source tier's mover, then,
   when it arrives, a put on the target's. A mover never runs a delete ahead of a read submitted
   before it, so a later discard of the source object cannot overtake the read.
-- Promotion: a get per object, submitted in chunks of `PROMOTION_CHUNK`; the objects that have
-  arrived and match the device layout (names, shapes, dtypes) are copied into the device slot and
-  blocks in `poll()`, which the engine calls between steps, never while a forward runs (so the copy
-  of one chunk overlaps the store's read of the next). Any missing or malformed object fails the
-  whole ticket: what it wrote sits in blocks and a slot the manager never publishes and frees.
+- Promotion: a get per object, submitted in chunks of `PROMOTION_CHUNK`. From the disk into CPU
+  pools the gets land in place: the store reads each file straight into its reserved slot or block
+  on its own thread (`tier_store.ReadTarget`), so no decoded copy is made and the engine's thread
+  copies nothing. Otherwise (the host and remote tiers, CUDA pools) the objects that have arrived
+  and match the device layout (names, shapes, dtypes) are copied into the device slot and blocks
+  in `poll()`, which the engine calls between steps, never while a forward runs (so the copy of one
+  chunk overlaps the store's read of the next). Any missing or
+  malformed object fails the whole ticket: what it wrote sits in blocks and a slot the manager
+  never publishes and frees (an in-flight promotion's blocks and slot stay reserved until its
+  ticket finishes, even when its request goes away).
 
 Each `StoreMover` numbers the operations submitted to it and its events carry those numbers; the
 mover keeps what each operation was for by number (reads may finish ahead of queued writes).
@@ -39,7 +44,15 @@ import torch
 from hybridserve.cache.block_pool import block_hash_key_id
 from hybridserve.cache.state_tensors import GDNStateTensors
 from hybridserve.cache.store_mover import DEFAULT_MAX_PENDING, StoreMover, TierEvent
-from hybridserve.cache.tier_store import Payload, TierStores, TierStoreStats, build_tier_stores, engine_fingerprint
+from hybridserve.cache.tier_store import (
+    Payload,
+    PoolLayout,
+    ReadTarget,
+    TierStores,
+    TierStoreStats,
+    build_tier_stores,
+    engine_fingerprint,
+)
 from hybridserve.cache.tiers import (
     DEVICE,
     KV,
@@ -63,7 +76,7 @@ REMOTE = "remote"
 REMOTE_BOOKS_BUDGET = 1 << 40  # the remote tier's logical budget when the server sets no maxmemory
 DISK_OBJECT_OVERHEAD = 1024  # bound on a disk object's bytes beyond its tensors (header, key, safetensors header)
 
-Purpose = Literal["write", "read-for-write", "read", "delete", "index", "lookup"]
+Purpose = Literal["write", "read-for-write", "read", "read-in-place", "delete", "index", "lookup"]
 
 
 @dataclass
@@ -145,6 +158,8 @@ class DeviceCachePools:
         self.snapshots = snapshots
         self._layouts: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
         tensors = [*self._stacked(STATE).values(), *self._stacked(KV).values()]
+        # CPU pools take promotions in place: a store reads each object straight into its block or slot
+        self._in_place = {} if tensors[0].is_cuda else {kind: PoolLayout(self._stacked(kind)) for kind in (STATE, KV)}
         self.staging = StagingBuffers(min(sum(t.nbytes for t in tensors), STAGING_KEPT_MAX),
                                       pin=tensors[0].is_cuda)
 
@@ -170,6 +185,12 @@ class DeviceCachePools:
             gathered[name] = target.unbind(0)
         payloads = [dict(zip(gathered, views, strict=True)) for views in zip(*gathered.values(), strict=True)]
         return DeviceCopies(payloads, buffers)
+
+    def read_target(self, kind: str, index: int) -> ReadTarget | None:
+        """Where a promoted object of `kind` lands in place (snapshot slot or KV block `index`), or
+        None where the pools cannot take reads in place (CUDA: payloads are installed in `write_many`)."""
+        layout = self._in_place.get(kind)
+        return None if layout is None else ReadTarget(layout, index)
 
     def release(self, buffers: Sequence[torch.Tensor]) -> None:
         """Give back the staging buffers of a `read_many` whose payloads nothing reads any more."""
@@ -292,14 +313,17 @@ class EngineTierMover:
     def start_promotion(self, ticket: int, objects: Sequence[TierObject]) -> None:
         """Queue a read of each object from its source tier (copied to the device in `poll`)."""
         record = self._open(ticket, True, objects)
-        batches: dict[str, list[tuple[_Pending, Payload | None]]] = {}
+        batches: dict[str, list[tuple[_Pending, ReadTarget | None]]] = {}
         for index, obj in enumerate(objects):
             if obj.device_index is None or obj.source == DEVICE:
                 raise ValueError(f"promoted object {obj.key} needs a tier source and a device target")
-            batches.setdefault(obj.source, []).append((_Pending("read", ticket, obj.key, obj, index=index), None))
+            mover = self.movers.get(obj.source)
+            target = self.pools.read_target(obj.kind, obj.device_index) if mover and mover.reads_in_place else None
+            purpose: Purpose = "read" if target is None else "read-in-place"
+            batches.setdefault(obj.source, []).append((_Pending(purpose, ticket, obj.key, obj, index=index), target))
         for source, batch in batches.items():
             for start in range(0, len(batch), PROMOTION_CHUNK):  # installed chunk by chunk as they arrive
-                self._submit(record, source, batch[start:start + PROMOTION_CHUNK])
+                self._submit_reads(record, source, batch[start:start + PROMOTION_CHUNK])
         self._settle(ticket)
 
     def start_lookup(self, lookup: int, query: DiscoveryQuery) -> bool:
@@ -394,6 +418,21 @@ class EngineTierMover:
             record.ok = False
             return
         seq = mover.submit_many([(pending.key, payload) for pending, payload in batch])
+        if seq is None:
+            record.ok = False
+            return
+        record.outstanding += len(batch)
+        self._pending[tier].update(enumerate((pending for pending, _ in batch), start=seq))
+
+    def _submit_reads(self, record: _Ticket, tier: str, batch: Sequence[tuple[_Pending, ReadTarget | None]]) -> None:
+        """Submit a promotion's gets: in place where they have a target (the whole batch has or has
+        none), else reads whose payloads `_install` copies in."""
+        targets = [target for _, target in batch if target is not None]
+        mover = self.movers.get(tier)
+        if len(targets) != len(batch) or mover is None:
+            self._submit(record, tier, [(pending, None) for pending, _ in batch])
+            return
+        seq = mover.submit_reads_into([(pending.key, target) for (pending, _), target in zip(batch, targets)])
         if seq is None:
             record.ok = False
             return

@@ -769,3 +769,118 @@ def test_device_reads_reuse_staging_only_once_given_back() -> None:
     staging.give_back([buffer, staging.take(20, torch.float32)])
     assert staging.kept == 128  # the second (128 bytes more) was past the limit: freed
     assert staging.take(17, torch.float32) is buffer and staging.kept == 0
+
+
+# -- reads in place ---------------------------------------------------------------------------------
+
+
+def _pool_layout(objects: int = 5) -> tuple[dict[str, torch.Tensor], tier_store.PoolLayout]:
+    """CPU pool tensors of several dtypes with the objects along dimension 1, and their layout."""
+    pools = {"keys": torch.zeros(3, objects, 4, 2, dtype=torch.bfloat16), "values": torch.zeros(3, objects, 4, 2),
+             "conv": torch.zeros(2, objects, 5, dtype=torch.int64)}
+    return pools, tier_store.PoolLayout(pools)
+
+
+def _object(layout: tier_store.PoolLayout, seed: int) -> Payload:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: (torch.randn(t.shape[:1] + t.shape[2:], generator=generator) * 100).to(t.dtype)
+            for name, t in layout.tensors.items()}
+
+
+def test_disk_reads_an_object_in_place_exactly(disk: DiskStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`get_into` lands an object in its pool position (every tensor, every layer), touches no other
+    position, and counts a hit; with fewer buffers per `preadv` than pieces it still reads them all."""
+    pools, layout = _pool_layout()
+    disk.put("kv-a", _object(layout, 1))
+    disk.put("kv-b", _object(layout, 2))
+    monkeypatch.setattr(tier_store, "_IOV_MAX", 3)  # the 3 x 3 layer pieces take several calls
+    assert disk.get_many_into(["kv-a", "kv-b"], [tier_store.ReadTarget(layout, 3), tier_store.ReadTarget(layout, 0)])
+    _assert_same(layout.tensors_of(3), _object(layout, 1))
+    _assert_same(layout.tensors_of(0), _object(layout, 2))
+    for position in (1, 2, 4):
+        assert all(not tensor.select(1, position).any() for tensor in pools.values())
+    stats = disk.stats()
+    assert (stats.gets, stats.hits, stats.misses) == (2, 2, 0)
+    assert not disk.get_into("kv-missing", tier_store.ReadTarget(layout, 1)) and disk.stats().misses == 1
+
+
+@pytest.mark.parametrize("damage", [_flip_last_byte, _truncate, _wrong_version, _truncate_into_header,
+                                    _another_keys_object, _append_bytes])
+def test_a_damaged_object_read_in_place_is_a_counted_miss_and_deleted(disk: DiskStore, damage: Any) -> None:
+    _, layout = _pool_layout()
+    disk.put("kv-a", _object(layout, 1))
+    disk.put("kv-b", _object(layout, 2))
+    damage(_object_path(disk, "kv-a"))
+    assert not disk.get_into("kv-a", tier_store.ReadTarget(layout, 0))
+    stats = disk.stats()
+    assert (stats.corrupt_misses, stats.misses, stats.hits, stats.objects) == (1, 1, 0, 1)
+    assert not _object_path(disk, "kv-a").exists() and not disk.contains("kv-a")
+    assert disk.get_into("kv-b", tier_store.ReadTarget(layout, 1))  # the neighbour is untouched
+    _assert_same(layout.tensors_of(1), _object(layout, 2))
+
+
+def test_an_object_of_another_layout_read_in_place_is_a_miss_that_stays(disk: DiskStore) -> None:
+    """An intact object whose tensors differ from the target's is a plain miss (not corruption: the
+    file stays); one of the same tensors under a differently written header (another safetensors
+    writer's metadata) is decoded and lands all the same."""
+    _, layout = _pool_layout()
+    wrong = _object(layout, 1)
+    disk.put("kv-wrong", {**wrong, "keys": wrong["keys"][:, :2]})
+    assert not disk.get_into("kv-wrong", tier_store.ReadTarget(layout, 0))
+    stats = disk.stats()
+    assert (stats.misses, stats.corrupt_misses, stats.hits) == (1, 0, 0) and disk.contains("kv-wrong")
+    data = save(_object(layout, 2), metadata={"writer": "another"})
+    disk.put("kv-other", _object(layout, 3))
+    _object_path(disk, "kv-other").write_bytes(tier_store._object_bytes("kv-other", data))
+    disk._index["kv-other"] = _object_path(disk, "kv-other").stat().st_size  # as a restart would index it
+    assert disk.get_into("kv-other", tier_store.ReadTarget(layout, 4))
+    _assert_same(layout.tensors_of(4), _object(layout, 2))
+
+
+def test_mover_reads_in_place_from_every_store(disk: DiskStore) -> None:
+    """`submit_reads_into` lands each object in its target: the disk reads the file into it, a store
+    without reads in place (the host's) has its payload copied in on the mover's thread; events
+    carry no payload, a miss is ok=False, and a store that raises fails the batch, not the thread."""
+    host = HostStore(1 << 20)
+    _, layout = _pool_layout()
+    for store in (disk, host):
+        store.put("kv-a", _object(layout, 1))
+        store.put("kv-b", _object(layout, 2))
+    for store, positions in ((disk, (0, 1)), (host, (2, 3))):
+        mover = StoreMover(store)
+        try:
+            reads = [(key, tier_store.ReadTarget(layout, position))
+                     for key, position in (("kv-a", positions[0]), ("kv-none", 4), ("kv-b", positions[1]))]
+            first = mover.submit_reads_into(reads)
+            assert first is not None
+            events = _collect(mover, 3)
+            assert [(e.seq - first, e.key, e.ok, e.payload) for e in events] == [
+                (0, "kv-a", True, None), (1, "kv-none", False, None), (2, "kv-b", True, None)]
+            assert events[0].nbytes == layout.nbytes and events[1].nbytes == 0
+            _assert_same(layout.tensors_of(positions[0]), _object(layout, 1))
+            _assert_same(layout.tensors_of(positions[1]), _object(layout, 2))
+
+            def broken(*args: Any) -> list[Any]:
+                raise OSError("store went away")
+
+            setattr(store, "get_many_into" if store is disk else "get_many", broken)
+            mover.submit_reads_into(reads[:1])
+            assert [(e.key, e.ok) for e in _collect(mover, 1)] == [("kv-a", False)]
+        finally:
+            mover.close()
+
+
+def test_cpu_device_pools_take_reads_in_place_where_their_blocks_lie() -> None:
+    """A CPU pool's read target is the block's or slot's own memory: an object copied in (or read
+    into its byte views) is what the pool then holds there."""
+    kv, snapshots, pools = _device_pools()
+    block = pools.read_many("kv", [4]).payloads[0]
+    target = pools.read_target("kv", 1)
+    assert target is not None and tier_store.copy_into(target, block)
+    assert torch.equal(kv.keys[:, 4:8], kv.keys[:, 16:20]) and torch.equal(kv.values[:, 4:8], kv.values[:, 16:20])
+    state = pools.read_target("state", 2)
+    assert state is not None
+    for view in state.layout.byte_views(state.position):
+        view[:] = bytes(len(view))
+    assert not snapshots.conv[:, 2].any() and not snapshots.recurrent[:, 2].any() and snapshots.conv[:, 1].any()
+    assert not tier_store.copy_into(target, {**block, "keys": block["keys"][:, :2]})

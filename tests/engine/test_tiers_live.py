@@ -183,6 +183,53 @@ def test_a_corrupt_disk_object_is_a_counted_miss_not_a_wrong_restore(tmp_path: P
     restarted.llm_engine.shutdown()
 
 
+def test_a_corrupt_disk_object_in_a_later_chunk_fails_the_promotion_read_in_place(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the disk, a promotion's objects land in their reserved blocks as the store reads them; a
+    corrupt object in a later chunk fails the whole ticket after earlier chunks landed: those blocks
+    and the slot are never published, the request recomputes with the cache-off output, the object
+    is a counted corrupt miss, and nothing leaks."""
+    import itertools
+
+    from hybridserve.cache.tier_store import DiskStore
+    from hybridserve.engine.tier_mover import PROMOTION_CHUNK
+
+    depth = 3 * PROMOTION_CHUNK * 16  # three chunks of KV blocks of 16 tokens
+    flags = {"kv_cache_mib": 8, "prefix_cache_mib": 2, "snapshot_interval": depth, "cache_policy": "interval",
+             "disk_cache_dir": _private_dir(tmp_path / "tiers"), "disk_cache_size": "128MiB"}
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prefix, fresh = _tokens(depth, seed=21), _tokens(8, seed=22)
+    want = _llm(kv_cache_mib=8, prefix_cache_mib=0).generate([prefix + fresh], params, use_tqdm=False)[0]
+    llm = _llm(**flags)
+    llm.generate([prefix + _tokens(8, seed=23)], params, use_tqdm=False)
+    for seed in (24, 25):  # as long as the prefix: push it off the device (it is on the disk already)
+        llm.generate([_tokens(depth + 8, seed=seed)], params, use_tqdm=False)
+    landed: list[bool] = []
+    chunks = itertools.count()
+    real_get_many_into = DiskStore.get_many_into
+
+    def get_many_into(store: DiskStore, keys: list[str], targets: list[object]) -> list[bool]:
+        if next(chunks) == 1:  # the second chunk: flip a payload byte of its last object's file
+            path = store.path / f"{keys[-1]}.obj"
+            data = bytearray(path.read_bytes())
+            data[-100] ^= 0xFF
+            path.write_bytes(bytes(data))
+        landed.extend(real_get_many_into(store, keys, targets))  # type: ignore[arg-type]
+        return landed[-len(keys):]
+
+    monkeypatch.setattr(DiskStore, "get_many_into", get_many_into)
+    got = llm.generate([prefix + fresh], params, use_tqdm=False)[0]
+    disk = _tier(llm, "disk")
+    assert sum(landed) >= PROMOTION_CHUNK and not all(landed)  # landed in part, then a corrupt one
+    assert disk.failed == 1 and disk.hits == 0
+    store = next(stats for stats in llm.llm_engine.tier_mover.store_stats() if stats.tier == "disk")
+    assert store.corrupt_misses == 1
+    assert got.num_cached_tokens == 0 and got.outputs[0].token_ids == want.outputs[0].token_ids
+    llm.llm_engine.check_integrity()
+    monkeypatch.undo()
+    llm.llm_engine.shutdown()
+
+
 def test_tensor_parallel_engine_refuses_lower_tiers() -> None:
     config = EngineConfig(**CPU.engine_kwargs(), tensor_parallel_size=2,
                           cache=CacheConfig(host_cache_memory_bytes=1 << 20))
