@@ -124,7 +124,7 @@ class StoreMover:
     @property
     def reads_in_place(self) -> bool:
         """Whether the store reads objects straight into a target's memory (`get_many_into`: the
-        disk); `submit_reads_into` works with any store, copying the others' payloads in."""
+        disk and host stores); `submit_reads_into` works with any store, copying others' payloads in."""
         return callable(getattr(self.store, "get_many_into", None))
 
     # -- caller side (never blocks on the store) -----------------------------------------------

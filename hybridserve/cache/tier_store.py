@@ -25,8 +25,9 @@ object is a counted miss and is deleted: never an exception, never wrong data.
 
 Reads in place (`ReadTarget`): a promotion into CPU pools names, for each object, the block or slot
 it fills. `DiskStore` then reads the file straight into that memory (one `preadv` of the header and
-every layer's piece) and verifies the checksum over it there, with no decoded copy between; other
-stores copy their payload in (`copy_into`). A read that fails has still written into the target,
+every layer's piece) and verifies the checksum over it there, with no decoded copy between;
+`HostStore` copies the bytes it keeps with each object (plain memory copies, no tensor calls);
+other stores' payloads are copied in (`copy_into`). A read that fails has still written into the target,
 which the caller must not use (the tiers free a failed promotion's blocks and slot unpublished).
 """
 
@@ -224,8 +225,10 @@ class PoolLayout:
         self.nbytes = len(encoded) - header_end     # tensor bytes of one object
         offsets = {name: spec["data_offsets"][0] for name, spec in json.loads(encoded[8:header_end]).items()
                    if name != "__metadata__"}
-        self._pieces = []  # per tensor in encoding order: flat bytes, dim-0 stride, object stride, piece size
-        for name in sorted(offsets, key=offsets.__getitem__):
+        self.signature = _signature({name: t.select(1, 0) for name, t in tensors.items()})
+        self.names = sorted(offsets, key=offsets.__getitem__)  # encoding order
+        self._pieces = []  # per tensor in encoding order: flat bytes, dim-0 stride, object stride, piece count
+        for name in self.names:
             tensor = self.tensors[name]
             flat = tensor.view(-1).view(torch.uint8).numpy().data
             size = tensor.element_size()
@@ -236,9 +239,29 @@ class PoolLayout:
         return [flat[layer * outer + index * step:layer * outer + (index + 1) * step]
                 for flat, outer, step, count in self._pieces for layer in range(count)]
 
+    def copy_bytes_in(self, index: int, sources: Mapping[str, memoryview]) -> None:
+        """Copy each tensor's contiguous bytes (`sources`, by name, of an object of this layout's
+        `signature`) into object `index`, piece by piece: plain memory copies, no tensor dispatch."""
+        views = iter(self.byte_views(index))
+        for name, (_, _, step, count) in zip(self.names, self._pieces, strict=True):
+            source = sources[name]
+            for layer in range(count):
+                next(views)[:] = source[layer * step:(layer + 1) * step]
+
     def tensors_of(self, index: int) -> Payload:
         """Object `index`'s tensors (views of the pools)."""
         return {name: tensor.select(1, index) for name, tensor in self.tensors.items()}
+
+
+def _signature(payload: Mapping[str, torch.Tensor]) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
+    """Names, dtypes and shapes of an object's tensors (what a read target must match)."""
+    return tuple(sorted((name, t.dtype, tuple(t.shape)) for name, t in payload.items()))
+
+
+def _contiguous_bytes(payload: Mapping[str, torch.Tensor]) -> dict[str, memoryview]:
+    """Each contiguous CPU tensor's bytes as a read-only view (kept with a host object, so a read
+    in place copies bytes without a tensor call)."""
+    return {name: t.view(-1).view(torch.uint8).numpy().data.toreadonly() for name, t in payload.items()}
 
 
 class ReadTarget(NamedTuple):
@@ -281,7 +304,8 @@ def _cuda_copy_stream(device: torch.device | None) -> Any:
 
 class HostStore:
     """Objects in host memory under a byte budget: CPU tensors, pinned when the engine runs on
-    CUDA (copied on a side stream). A put that does not fit is refused and counted."""
+    CUDA (copied on a side stream). A put that does not fit is refused and counted. Pageable
+    objects keep their bytes' views and layout beside them, for reads in place (`get_many_into`)."""
 
     def __init__(self, budget_bytes: int, *, device: torch.device | None = None) -> None:
         if budget_bytes < 0:
@@ -291,6 +315,7 @@ class HostStore:
         self._pin = device is not None and device.type == "cuda"
         self._stream = _cuda_copy_stream(device)
         self._objects: OrderedDict[str, tuple[Payload, int]] = OrderedDict()
+        self._bytes: dict[str, tuple[tuple[Any, ...], dict[str, memoryview]]] = {}  # signature and bytes (CPU)
         self._lock = threading.Lock()
         self._stats = TierStoreStats(tier=self.tier, budget_bytes=budget_bytes)
 
@@ -306,6 +331,7 @@ class HostStore:
             self._stats.bytes += nbytes  # reserved while copying
         try:
             copy = _host_copy(payload, pin=self._pin, stream=self._stream, ready=ready)
+            raw = None if self._pin else (_signature(copy), _contiguous_bytes(copy))
         except BaseException:
             with self._lock:
                 self._stats.bytes -= nbytes
@@ -313,9 +339,12 @@ class HostStore:
         with self._lock:
             self._stats.bytes -= nbytes
             old = self._objects.pop(key, None)
+            self._bytes.pop(key, None)
             if old is not None:
                 self._stats.bytes -= old[1]
             self._objects[key] = (copy, nbytes)
+            if raw is not None:
+                self._bytes[key] = raw
             self._stats.bytes += nbytes
             self._stats.objects = len(self._objects)
             self._stats.puts += 1
@@ -342,9 +371,35 @@ class HostStore:
         with self._lock:
             return [self._get_locked(key) for key in keys]
 
+    def get_many_into(self, keys: Sequence[str], targets: Sequence[ReadTarget]) -> list[bool]:
+        """Copy each object under `keys` into its target (memory copies of the bytes kept with it);
+        False for a miss or an object of another layout (counted as a miss)."""
+        with self._lock:
+            found = []
+            for key in keys:
+                self._stats.gets += 1
+                entry = self._objects.get(key)
+                if entry is not None:
+                    self._objects.move_to_end(key)
+                found.append((entry[0] if entry else None, self._bytes.get(key)))
+        landed = []
+        for target, (payload, raw) in zip(targets, found, strict=True):
+            if raw is None:  # pinned objects (a CUDA engine's) keep no byte views: a tensor copy
+                landed.append(payload is not None and copy_many_into([target], [payload])[0])
+                continue
+            fits = raw[0] == target.layout.signature
+            if fits:
+                target.layout.copy_bytes_in(target.position, raw[1])
+            landed.append(fits)
+        with self._lock:
+            self._stats.hits += sum(landed)
+            self._stats.misses += len(landed) - sum(landed)
+        return landed
+
     def delete(self, key: str) -> bool:
         """Drop `key`; whether it was there."""
         with self._lock:
+            self._bytes.pop(key, None)
             entry = self._objects.pop(key, None)
             if entry is None:
                 return False
@@ -371,6 +426,7 @@ class HostStore:
         """Drop every object."""
         with self._lock:
             self._objects.clear()
+            self._bytes.clear()
             self._stats.bytes = 0
             self._stats.objects = 0
 

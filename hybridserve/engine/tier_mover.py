@@ -7,10 +7,11 @@ device pools (GDN snapshot slots, KV blocks) and the lower tiers' stores, one `S
 - Demotion from another tier (a cascade, e.g. host -> disk): a get on the source tier's mover, then,
   when it arrives, a put on the target's. A mover never runs a delete ahead of a read submitted
   before it, so a later discard of the source object cannot overtake the read.
-- Promotion: a get per object, submitted in chunks of `PROMOTION_CHUNK`. From the disk into CPU
-  pools the gets land in place: the store reads each file straight into its reserved slot or block
-  on its own thread (`tier_store.ReadTarget`), so no decoded copy is made and the engine's thread
-  copies nothing. Otherwise (the host and remote tiers, CUDA pools) the objects that have arrived
+- Promotion: a get per object, submitted in chunks of `PROMOTION_CHUNK`. Into CPU pools, from the
+  disk and host tiers, the gets land in place on the store's thread (`tier_store.ReadTarget`): the
+  disk reads each file straight into its reserved slot or block, the host copies the bytes it keeps
+  with each object, so no decoded copy is made and the engine's thread copies nothing. Otherwise
+  (the remote tier, CUDA pools) the objects that have arrived
   and match the device layout (names, shapes, dtypes) are copied into the device slot and blocks
   in `poll()`, which the engine calls between steps, never while a forward runs (so the copy of one
   chunk overlaps the store's read of the next). Any missing or

@@ -837,17 +837,35 @@ def test_an_object_of_another_layout_read_in_place_is_a_miss_that_stays(disk: Di
     _assert_same(layout.tensors_of(4), _object(layout, 2))
 
 
+class _PlainStore:
+    """A store with only the protocol's verbs (no `get_many`, no reads in place)."""
+
+    def __init__(self, store: HostStore) -> None:
+        self.store, self.tier, self.budget_bytes = store, "plain", store.budget_bytes
+
+    def put(self, key: str, payload: Mapping[str, torch.Tensor], ready: Any = None) -> PutResult:
+        return self.store.put(key, payload, ready)
+
+    def get(self, key: str) -> Payload | None:
+        return self.store.get(key)
+
+    def stats(self) -> TierStoreStats:
+        return self.store.stats()
+
+
 def test_mover_reads_in_place_from_every_store(disk: DiskStore) -> None:
-    """`submit_reads_into` lands each object in its target: the disk reads the file into it, a store
-    without reads in place (the host's) has its payload copied in on the mover's thread; events
-    carry no payload, a miss is ok=False, and a store that raises fails the batch, not the thread."""
+    """`submit_reads_into` lands each object in its target: the disk reads the file into it, the
+    host copies the bytes it keeps, a store with neither has its payload copied in on the mover's
+    thread; events carry no payload, a miss is ok=False, and a store that raises fails the batch,
+    not the thread."""
+    _, layout = _pool_layout(8)
+    plain = _PlainStore(HostStore(1 << 20))
     host = HostStore(1 << 20)
-    _, layout = _pool_layout()
-    for store in (disk, host):
+    for store, positions in ((disk, (0, 1)), (host, (2, 3)), (plain, (5, 6))):
         store.put("kv-a", _object(layout, 1))
         store.put("kv-b", _object(layout, 2))
-    for store, positions in ((disk, (0, 1)), (host, (2, 3))):
-        mover = StoreMover(store)
+        mover = StoreMover(store)  # type: ignore[arg-type]
+        assert mover.reads_in_place == (store is not plain)
         try:
             reads = [(key, tier_store.ReadTarget(layout, position))
                      for key, position in (("kv-a", positions[0]), ("kv-none", 4), ("kv-b", positions[1]))]
@@ -863,11 +881,33 @@ def test_mover_reads_in_place_from_every_store(disk: DiskStore) -> None:
             def broken(*args: Any) -> list[Any]:
                 raise OSError("store went away")
 
-            setattr(store, "get_many_into" if store is disk else "get_many", broken)
+            setattr(store, "get" if store is plain else "get_many_into", broken)
             mover.submit_reads_into(reads[:1])
             assert [(e.key, e.ok) for e in _collect(mover, 1)] == [("kv-a", False)]
         finally:
             mover.close()
+
+
+def test_host_reads_in_place_copy_the_bytes_kept_with_each_object() -> None:
+    """The host store copies an object into a read target from the bytes it keeps beside it; an
+    object of another layout, a deleted or a replaced one is judged by what it holds now, and
+    misses are counted."""
+    _, layout = _pool_layout()
+    host = HostStore(1 << 20)
+    host.put("kv-a", _object(layout, 1))
+    host.put("kv-b", _object(layout, 2))
+    host.put("kv-wrong", {**_object(layout, 3), "keys": _object(layout, 3)["keys"][:, :2]})
+    targets = [tier_store.ReadTarget(layout, position) for position in range(4)]
+    assert host.get_many_into(["kv-a", "kv-b", "kv-wrong", "kv-none"], targets) == [True, True, False, False]
+    _assert_same(layout.tensors_of(0), _object(layout, 1))
+    _assert_same(layout.tensors_of(1), _object(layout, 2))
+    assert not layout.tensors_of(2)["values"].any()  # the wrong object wrote nothing
+    host.put("kv-a", _object(layout, 4))  # replaced: the bytes kept are the new object's
+    host.delete("kv-b")
+    assert host.get_many_into(["kv-a", "kv-b"], targets[2:]) == [True, False]
+    _assert_same(layout.tensors_of(2), _object(layout, 4))
+    stats = host.stats()
+    assert (stats.gets, stats.hits, stats.misses) == (6, 3, 3)
 
 
 def test_cpu_device_pools_take_reads_in_place_where_their_blocks_lie() -> None:

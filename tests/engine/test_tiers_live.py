@@ -259,11 +259,11 @@ def test_a_prefix_deeper_than_the_store_queue_restores_from_host() -> None:
 
 def test_a_bad_object_in_a_later_chunk_fails_the_promotion_after_earlier_chunks_were_copied(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A promotion is installed chunk by chunk as its objects arrive; an object of the wrong layout
-    in a later chunk fails the whole ticket: the blocks and slot the earlier chunks were copied into
-    are never published, the request recomputes with the cache-off output, and nothing leaks."""
+    """A promotion lands chunk by chunk in its reserved blocks (copied in on the host store's
+    thread); an object of the wrong layout in a later chunk fails the whole ticket: the blocks and
+    slot the earlier chunks were copied into are never published, the request recomputes with the
+    cache-off output, and nothing leaks."""
     import itertools
-    import threading
 
     from hybridserve.cache.tier_store import HostStore
     from hybridserve.engine.tier_mover import PROMOTION_CHUNK
@@ -278,28 +278,23 @@ def test_a_bad_object_in_a_later_chunk_fails_the_promotion_after_earlier_chunks_
     llm.generate([prefix + _tokens(8, seed=23)], params, use_tqdm=False)
     for seed in (24, 25):  # as long as the prefix: push it off the device (it is on the host already)
         llm.generate([_tokens(depth + 8, seed=seed)], params, use_tqdm=False)
-    installed: list[int] = []
-    first_chunk_in = threading.Event()
+    landed: list[bool] = []
     chunks = itertools.count()
-    real_get_many, real_write_many = HostStore.get_many, llm.llm_engine.tier_mover.pools.write_many
+    real_get_many_into = HostStore.get_many_into
 
-    def get_many(store: HostStore, keys: list[str]) -> list[object]:
-        payloads = real_get_many(store, keys)
-        if next(chunks) == 1:  # the second chunk, once the first is copied: a KV object of the wrong shape
-            assert first_chunk_in.wait(timeout=30)
-            payloads[-1] = {name: tensor[:, :1] for name, tensor in payloads[-1].items()}
-        return payloads
+    def get_many_into(store: HostStore, keys: list[str], targets: list[object]) -> list[bool]:
+        if next(chunks) == 1:  # the second chunk: its last object replaced by one of the wrong shape
+            payload = store.get(keys[-1])
+            assert payload is not None
+            store.put(keys[-1], {name: tensor[:, :1] for name, tensor in payload.items()})
+        landed.extend(real_get_many_into(store, keys, targets))  # type: ignore[arg-type]
+        return landed[-len(keys):]
 
-    def write_many(kind: str, indices: list[int], payloads: list[object]) -> None:
-        installed.append(len(indices))
-        real_write_many(kind, indices, payloads)  # type: ignore[arg-type]
-        first_chunk_in.set()
-
-    monkeypatch.setattr(HostStore, "get_many", get_many)
-    monkeypatch.setattr(llm.llm_engine.tier_mover.pools, "write_many", write_many)
+    monkeypatch.setattr(HostStore, "get_many_into", get_many_into)
     got = llm.generate([prefix + fresh], params, use_tqdm=False)[0]
     host = _tier(llm, "host")
-    assert sum(installed) >= PROMOTION_CHUNK and host.failed == 1 and host.hits == 0  # copied in part, then failed
+    assert sum(landed) >= PROMOTION_CHUNK and not all(landed)  # copied in part, then a bad one
+    assert host.failed == 1 and host.hits == 0
     assert got.num_cached_tokens == 0 and got.outputs[0].token_ids == want.outputs[0].token_ids
     llm.llm_engine.check_integrity()
     monkeypatch.undo()
