@@ -218,14 +218,14 @@ class PoolLayout:
             if tensor.is_cuda or not tensor.is_contiguous() or tensor.dim() < 2:
                 raise ValueError(f"pool tensor {name!r} must be a contiguous CPU tensor of >= 2 dimensions")
         self.tensors = dict(tensors)
-        encoded = encode_payload({name: torch.zeros(t.shape[:1] + t.shape[2:], dtype=t.dtype)
-                                  for name, t in tensors.items()})
+        one_object = {name: torch.zeros(t.shape[:1] + t.shape[2:], dtype=t.dtype) for name, t in tensors.items()}
+        encoded = encode_payload(one_object)
         header_end = 8 + int.from_bytes(encoded[:8], "little")
         self.encoded_header = encoded[:header_end]  # safetensors' length prefix and JSON header
         self.nbytes = len(encoded) - header_end     # tensor bytes of one object
         offsets = {name: spec["data_offsets"][0] for name, spec in json.loads(encoded[8:header_end]).items()
                    if name != "__metadata__"}
-        self.signature = _signature({name: t.select(1, 0) for name, t in tensors.items()})
+        self.signature = _signature(one_object)
         self.names = sorted(offsets, key=offsets.__getitem__)  # encoding order
         self._pieces = []  # per tensor in encoding order: flat bytes, dim-0 stride, object stride, piece count
         for name in self.names:
