@@ -44,10 +44,10 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 from urllib.parse import unquote
 
 import safetensors
@@ -62,6 +62,7 @@ from hybridserve.config import CacheConfig, EngineConfig
 logger = logging.getLogger(__name__)
 
 Payload = dict[str, torch.Tensor]
+_Read = TypeVar("_Read")
 FORMAT_VERSION = 1
 MAGIC = b"HSTIER\x00\x00"
 HEADER = struct.Struct("<8sIIQ16s")  # magic, format version, key length, payload length, xxh3_128
@@ -556,6 +557,11 @@ class DiskStore:
     def get(self, key: str) -> Payload | None:
         """The payload under `key`, read and checksum-verified; None (a counted miss, the file
         deleted) when absent, corrupted, truncated, vanished or of another format version."""
+        return self._get_with(key, lambda path, file_bytes: self._read(path, key, file_bytes))
+
+    def _get_with(self, key: str, read: Callable[[str, int], _Read | None]) -> _Read | None:
+        """Look `key` up, then `read(path, indexed file bytes)`: its result, or None (a counted miss)
+        when absent, when `read` returns None, or when it raises `_ObjectFault` (the file deleted)."""
         start = time.perf_counter()
         with self._lock:
             self._stats.gets += 1
@@ -566,31 +572,28 @@ class DiskStore:
             self._index.move_to_end(key)
         path = os.path.join(self.path, key_to_filename(key))  # a str: cheaper than a Path per object
         try:
-            payload = self._read(path, key, file_bytes)
+            result = read(path, file_bytes)
         except _ObjectFault as fault:
             self._count_fault(key, path, fault)
             return None
         with self._lock:
+            if result is None:
+                self._stats.misses += 1
+                return None
             self._stats.hits += 1
             self._stats.transfer_seconds += time.perf_counter() - start
         _touch_quietly(path)  # the recency survives a restart (the index is ordered by mtime)
-        return payload
+        return result
 
     def _read(self, path: str, key: str, file_bytes: int) -> Payload:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                # The header and key, then the payload into its own bytes: slicing it out of one
-                # read of the whole file would copy every byte once more. One byte past the indexed
-                # size, so a file longer than its header says still fails the header check.
-                head = os.read(fd, HEADER.size + len(key.encode()))
-                data = _read_up_to(fd, max(file_bytes - len(head), 0) + 1)
-            finally:
-                os.close(fd)
-        except FileNotFoundError as error:
-            raise _ObjectFault("file is gone", missing=True) from error
-        except OSError as error:
-            raise _ObjectFault(f"cannot read: {error.strerror or error}") from error
+        def head_and_payload(fd: int) -> tuple[bytes, bytes]:
+            # The header and key, then the payload into its own bytes: slicing it out of one read
+            # of the whole file would copy every byte once more. One byte past the indexed size,
+            # so a file longer than its header says still fails the header check.
+            head = os.read(fd, HEADER.size + len(key.encode()))
+            return head, _read_up_to(fd, max(file_bytes - len(head), 0) + 1)
+
+        head, data = _read_object_file(path, head_and_payload)
         _, checksum = _check_header(head, key, len(head) + len(data))
         if xxhash.xxh3_128_digest(data) != checksum:
             raise _ObjectFault("checksum mismatch")
@@ -603,29 +606,8 @@ class DiskStore:
         """Read the object under `key` straight into `target` and verify its checksum there; False
         (a counted miss, a damaged file deleted) when absent, damaged or of another layout. On False
         the target may hold part of the object: the caller must not use it."""
-        start = time.perf_counter()
-        with self._lock:
-            self._stats.gets += 1
-            file_bytes = self._index.get(key)
-            if file_bytes is None:
-                self._stats.misses += 1
-                return False
-            self._index.move_to_end(key)
-        path = os.path.join(self.path, key_to_filename(key))
-        try:
-            ok = self._read_into(path, key, file_bytes, target)
-        except _ObjectFault as fault:
-            self._count_fault(key, path, fault)
-            return False
-        with self._lock:
-            if ok:
-                self._stats.hits += 1
-                self._stats.transfer_seconds += time.perf_counter() - start
-            else:
-                self._stats.misses += 1
-        if ok:
-            _touch_quietly(path)
-        return ok
+        landed = self._get_with(key, lambda path, file_bytes: self._read_into(path, key, file_bytes, target) or None)
+        return landed is not None
 
     def get_many_into(self, keys: Sequence[str], targets: Sequence[ReadTarget]) -> list[bool]:
         """`get_into` of each key into its target."""
@@ -638,16 +620,7 @@ class DiskStore:
         layout, key_bytes = target.layout, key.encode()
         head = bytearray(HEADER.size + len(key_bytes) + len(layout.encoded_header))
         views = layout.byte_views(target.position)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                count = _preadv_all(fd, [head, *views, bytearray(1)])
-            finally:
-                os.close(fd)
-        except FileNotFoundError as error:
-            raise _ObjectFault("file is gone", missing=True) from error
-        except OSError as error:
-            raise _ObjectFault(f"cannot read: {error.strerror or error}") from error
+        count = _read_object_file(path, lambda fd: _preadv_all(fd, [head, *views, bytearray(1)]))
         if count < HEADER.size:
             raise _ObjectFault("truncated header")
         encoded_header = memoryview(head)[HEADER.size + len(key_bytes):]
@@ -761,6 +734,21 @@ def _read_up_to(fd: int, limit: int) -> bytes:
         parts.append(chunk)
         count += len(chunk)
     return b"".join(parts)
+
+
+def _read_object_file(path: str, read: Callable[[int], _Read]) -> _Read:
+    """`read(fd)` of the file at `path`, opened read-only and closed after; a vanished file or an
+    I/O error is an `_ObjectFault` (a miss)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return read(fd)
+        finally:
+            os.close(fd)
+    except FileNotFoundError as error:
+        raise _ObjectFault("file is gone", missing=True) from error
+    except OSError as error:
+        raise _ObjectFault(f"cannot read: {error.strerror or error}") from error
 
 
 def _preadv_all(fd: int, buffers: list[Any]) -> int:

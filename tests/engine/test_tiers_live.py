@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -183,6 +184,24 @@ def test_a_corrupt_disk_object_is_a_counted_miss_not_a_wrong_restore(tmp_path: P
     restarted.llm_engine.shutdown()
 
 
+CHUNK_PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def _three_chunk_prefix_pushed_down(**tier: object) -> tuple[LLM, list[int], Any]:
+    """An engine with `tier` whose device pools no longer hold a prefix of three promotion chunks
+    of KV blocks (the tier does), a prompt on that prefix, and its cache-off output."""
+    from hybridserve.engine.tier_mover import PROMOTION_CHUNK
+
+    depth = 3 * PROMOTION_CHUNK * 16  # KV blocks of 16 tokens
+    prefix, prompt = _tokens(depth, seed=21), _tokens(depth, seed=21) + _tokens(8, seed=22)
+    want = _llm(kv_cache_mib=8, prefix_cache_mib=0).generate([prompt], CHUNK_PARAMS, use_tqdm=False)[0]
+    llm = _llm(kv_cache_mib=8, prefix_cache_mib=2, snapshot_interval=depth, cache_policy="interval", **tier)
+    llm.generate([prefix + _tokens(8, seed=23)], CHUNK_PARAMS, use_tqdm=False)
+    for seed in (24, 25):  # as long as the prefix: push it off the device (it is in the tier already)
+        llm.generate([_tokens(depth + 8, seed=seed)], CHUNK_PARAMS, use_tqdm=False)
+    return llm, prompt, want
+
+
 def test_a_corrupt_disk_object_in_a_later_chunk_fails_the_promotion_read_in_place(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """From the disk, a promotion's objects land in their reserved blocks as the store reads them; a
@@ -194,16 +213,8 @@ def test_a_corrupt_disk_object_in_a_later_chunk_fails_the_promotion_read_in_plac
     from hybridserve.cache.tier_store import DiskStore
     from hybridserve.engine.tier_mover import PROMOTION_CHUNK
 
-    depth = 3 * PROMOTION_CHUNK * 16  # three chunks of KV blocks of 16 tokens
-    flags = {"kv_cache_mib": 8, "prefix_cache_mib": 2, "snapshot_interval": depth, "cache_policy": "interval",
-             "disk_cache_dir": _private_dir(tmp_path / "tiers"), "disk_cache_size": "128MiB"}
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    prefix, fresh = _tokens(depth, seed=21), _tokens(8, seed=22)
-    want = _llm(kv_cache_mib=8, prefix_cache_mib=0).generate([prefix + fresh], params, use_tqdm=False)[0]
-    llm = _llm(**flags)
-    llm.generate([prefix + _tokens(8, seed=23)], params, use_tqdm=False)
-    for seed in (24, 25):  # as long as the prefix: push it off the device (it is on the disk already)
-        llm.generate([_tokens(depth + 8, seed=seed)], params, use_tqdm=False)
+    llm, prompt, want = _three_chunk_prefix_pushed_down(disk_cache_dir=_private_dir(tmp_path / "tiers"),
+                                                        disk_cache_size="128MiB")
     landed: list[bool] = []
     chunks = itertools.count()
     real_get_many_into = DiskStore.get_many_into
@@ -218,7 +229,7 @@ def test_a_corrupt_disk_object_in_a_later_chunk_fails_the_promotion_read_in_plac
         return landed[-len(keys):]
 
     monkeypatch.setattr(DiskStore, "get_many_into", get_many_into)
-    got = llm.generate([prefix + fresh], params, use_tqdm=False)[0]
+    got = llm.generate([prompt], CHUNK_PARAMS, use_tqdm=False)[0]
     disk = _tier(llm, "disk")
     assert sum(landed) >= PROMOTION_CHUNK and not all(landed)  # landed in part, then a corrupt one
     assert disk.failed == 1 and disk.hits == 0
@@ -268,16 +279,7 @@ def test_a_bad_object_in_a_later_chunk_fails_the_promotion_after_earlier_chunks_
     from hybridserve.cache.tier_store import HostStore
     from hybridserve.engine.tier_mover import PROMOTION_CHUNK
 
-    depth = 3 * PROMOTION_CHUNK * 16  # three chunks of KV blocks of 16 tokens
-    flags = {"kv_cache_mib": 8, "prefix_cache_mib": 2, "snapshot_interval": depth, "cache_policy": "interval",
-             "host_cache_memory": "128MiB"}
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    prefix, fresh = _tokens(depth, seed=21), _tokens(8, seed=22)
-    want = _llm(kv_cache_mib=8, prefix_cache_mib=0).generate([prefix + fresh], params, use_tqdm=False)[0]
-    llm = _llm(**flags)
-    llm.generate([prefix + _tokens(8, seed=23)], params, use_tqdm=False)
-    for seed in (24, 25):  # as long as the prefix: push it off the device (it is on the host already)
-        llm.generate([_tokens(depth + 8, seed=seed)], params, use_tqdm=False)
+    llm, prompt, want = _three_chunk_prefix_pushed_down(host_cache_memory="128MiB")
     landed: list[bool] = []
     chunks = itertools.count()
     real_get_many_into = HostStore.get_many_into
@@ -291,14 +293,14 @@ def test_a_bad_object_in_a_later_chunk_fails_the_promotion_after_earlier_chunks_
         return landed[-len(keys):]
 
     monkeypatch.setattr(HostStore, "get_many_into", get_many_into)
-    got = llm.generate([prefix + fresh], params, use_tqdm=False)[0]
+    got = llm.generate([prompt], CHUNK_PARAMS, use_tqdm=False)[0]
     host = _tier(llm, "host")
     assert sum(landed) >= PROMOTION_CHUNK and not all(landed)  # copied in part, then a bad one
     assert host.failed == 1 and host.hits == 0
     assert got.num_cached_tokens == 0 and got.outputs[0].token_ids == want.outputs[0].token_ids
     llm.llm_engine.check_integrity()
     monkeypatch.undo()
-    again = llm.generate([prefix + fresh], params, use_tqdm=False)[0]
+    again = llm.generate([prompt], CHUNK_PARAMS, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == want.outputs[0].token_ids
     llm.llm_engine.check_integrity()
     llm.llm_engine.shutdown()
