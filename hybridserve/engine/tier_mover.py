@@ -160,7 +160,9 @@ class DeviceCachePools:
         self._layouts: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
         tensors = [*self._stacked(STATE).values(), *self._stacked(KV).values()]
         # CPU pools take promotions in place: a store reads each object straight into its block or slot
-        self._in_place = {} if tensors[0].is_cuda else {kind: PoolLayout(self._stacked(kind)) for kind in (STATE, KV)}
+        pools = {kind: self._stacked(kind) for kind in (STATE, KV)}
+        self._in_place = {kind: PoolLayout(pool) for kind, pool in pools.items()
+                          if all(not t.is_cuda and t.is_contiguous() for t in pool.values())}
         self.staging = StagingBuffers(min(sum(t.nbytes for t in tensors), STAGING_KEPT_MAX),
                                       pin=tensors[0].is_cuda)
 
