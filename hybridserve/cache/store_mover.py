@@ -355,8 +355,9 @@ class StoreMover:
                 for op, payload in zip(ops, payloads, strict=True)]
 
     def _read_all_into(self, ops: list[_Op]) -> list[TierEvent]:
-        """Run gets that land in place: the store reads into the targets where it can (the disk's
-        `get_many_into`), else each payload is copied in here, on this thread."""
+        """Run gets that land in place: the store reads into the targets where it can
+        (`get_many_into`: the disk and host stores), else each payload is copied in here, on this
+        thread."""
         keys, targets = [op.key for op in ops], [op.target for op in ops if op.target is not None]
         try:
             if len(targets) != len(ops):

@@ -11,13 +11,12 @@ device pools (GDN snapshot slots, KV blocks) and the lower tiers' stores, one `S
   disk and host tiers, the gets land in place on the store's thread (`tier_store.ReadTarget`): the
   disk reads each file straight into its reserved slot or block, the host copies the bytes it keeps
   with each object, so no decoded copy is made and the engine's thread copies nothing. Otherwise
-  (the remote tier, CUDA pools) the objects that have arrived
-  and match the device layout (names, shapes, dtypes) are copied into the device slot and blocks
-  in `poll()`, which the engine calls between steps, never while a forward runs (so the copy of one
-  chunk overlaps the store's read of the next). Any missing or
-  malformed object fails the whole ticket: what it wrote sits in blocks and a slot the manager
-  never publishes and frees (an in-flight promotion's blocks and slot stay reserved until its
-  ticket finishes, even when its request goes away).
+  (the remote tier, CUDA pools) the objects that have arrived and match the device layout (names,
+  shapes, dtypes) are copied into the device slot and blocks in `poll()`, which the engine calls
+  between steps, never while a forward runs (so the copy of one chunk overlaps the store's read of
+  the next). Any missing or malformed object fails the whole ticket: what it wrote sits in blocks
+  and a slot the manager never publishes and frees (an in-flight promotion's blocks and slot stay
+  reserved until its ticket finishes, even when its request goes away).
 
 Each `StoreMover` numbers the operations submitted to it and its events carry those numbers; the
 mover keeps what each operation was for by number (reads may finish ahead of queued writes).
@@ -314,7 +313,8 @@ class EngineTierMover:
         self._settle(ticket)
 
     def start_promotion(self, ticket: int, objects: Sequence[TierObject]) -> None:
-        """Queue a read of each object from its source tier (copied to the device in `poll`)."""
+        """Queue a read of each object from its source tier: in place on the store's thread where
+        the store and pools allow it, else copied to the device in `poll`."""
         record = self._open(ticket, True, objects)
         batches: dict[str, list[tuple[_Pending, ReadTarget | None]]] = {}
         for index, obj in enumerate(objects):
@@ -428,19 +428,22 @@ class EngineTierMover:
         self._pending[tier].update(enumerate((pending for pending, _ in batch), start=seq))
 
     def _submit_reads(self, record: _Ticket, tier: str, batch: Sequence[tuple[_Pending, ReadTarget | None]]) -> None:
-        """Submit a promotion's gets: in place where they have a target (the whole batch has or has
-        none), else reads whose payloads `_install` copies in."""
-        targets = [target for _, target in batch if target is not None]
-        mover = self.movers.get(tier)
-        if len(targets) != len(batch) or mover is None:
-            self._submit(record, tier, [(pending, None) for pending, _ in batch])
+        """Submit a promotion's gets: those with a target to land in place, the others as reads whose
+        payloads `_install` copies in (a store without the mover, or a pool without reads in place)."""
+        plain = [(pending, None) for pending, target in batch if target is None]
+        in_place = [(pending, target) for pending, target in batch if target is not None]
+        if plain:
+            self._submit(record, tier, plain)
+        if not in_place:
             return
-        seq = mover.submit_reads_into([(pending.key, target) for (pending, _), target in zip(batch, targets)])
+        mover = self.movers.get(tier)
+        reads = [(pending.key, target) for pending, target in in_place]
+        seq = None if mover is None else mover.submit_reads_into(reads)
         if seq is None:
             record.ok = False
             return
-        record.outstanding += len(batch)
-        self._pending[tier].update(enumerate((pending for pending, _ in batch), start=seq))
+        record.outstanding += len(in_place)
+        self._pending[tier].update(enumerate((pending for pending, _ in in_place), start=seq))
 
     def _settle(self, ticket: int) -> None:
         """One outstanding operation of `ticket` is done; finish it when none remain."""

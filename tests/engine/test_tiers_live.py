@@ -184,7 +184,7 @@ def test_a_corrupt_disk_object_is_a_counted_miss_not_a_wrong_restore(tmp_path: P
     restarted.llm_engine.shutdown()
 
 
-CHUNK_PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+CHUNK_PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
 def _three_chunk_prefix_pushed_down(**tier: object) -> tuple[LLM, list[int], Any]:
@@ -238,6 +238,25 @@ def test_a_corrupt_disk_object_in_a_later_chunk_fails_the_promotion_read_in_plac
     assert got.num_cached_tokens == 0 and got.outputs[0].token_ids == want.outputs[0].token_ids
     llm.llm_engine.check_integrity()
     monkeypatch.undo()
+    llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_promotion_part_in_place_part_installed_restores_exactly(tmp_path: Path, tier: str) -> None:
+    """Where only some of a promotion's objects can land in place (here the snapshot slot cannot),
+    those read in place and the others are installed: all of them arrive, the restore is whole and
+    the output is the cache-off one."""
+    flags = {"host_cache_memory": "128MiB"} if tier == "host" else {
+        "disk_cache_dir": _private_dir(tmp_path / "tiers"), "disk_cache_size": "128MiB"}
+    llm, prompt, want = _three_chunk_prefix_pushed_down(**flags)
+    pools = llm.llm_engine.tier_mover.pools  # type: ignore[union-attr]
+    pools._in_place.pop("state")
+    got = llm.generate([prompt], CHUNK_PARAMS, use_tqdm=False)[0]
+    stats = _tier(llm, tier)
+    assert stats.hits == 1 and stats.failed == 0 and got.num_cached_tokens == len(prompt) - 8
+    _assert_same_outputs([(got.outputs[0].token_ids, got.outputs[0].logprobs, 0)],
+                         [(want.outputs[0].token_ids, want.outputs[0].logprobs, 0)])
+    llm.llm_engine.check_integrity()
     llm.llm_engine.shutdown()
 
 
