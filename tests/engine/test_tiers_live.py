@@ -202,42 +202,60 @@ def _three_chunk_prefix_pushed_down(**tier: object) -> tuple[LLM, list[int], Any
     return llm, prompt, want
 
 
-def test_a_corrupt_disk_object_in_a_later_chunk_fails_the_promotion_read_in_place(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """From the disk, a promotion's objects land in their reserved blocks as the store reads them; a
-    corrupt object in a later chunk fails the whole ticket after earlier chunks landed: those blocks
-    and the slot are never published, the request recomputes with the cache-off output, the object
-    is a counted corrupt miss, and nothing leaks."""
+def _flip_a_payload_byte(store: Any, key: str) -> None:
+    """A corrupt disk object: one payload byte of its file flipped (its checksum fails)."""
+    path = store.path / f"{key}.obj"
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _reshape_host_object(store: Any, key: str) -> None:
+    """A host object of the wrong layout: replaced by one of another shape."""
+    payload = store.get(key)
+    assert payload is not None
+    store.put(key, {name: tensor[:, :1] for name, tensor in payload.items()})
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_bad_object_in_a_later_chunk_fails_the_promotion_after_earlier_chunks_landed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tier: str) -> None:
+    """A promotion lands chunk by chunk in its reserved blocks, in place on the store's thread; a bad
+    object in a later chunk (a wrong-shaped host object, a corrupt disk file: a counted corrupt miss)
+    fails the whole ticket: the blocks and slot the earlier chunks landed in are never published,
+    the request recomputes with the cache-off output, and nothing leaks."""
     import itertools
 
-    from hybridserve.cache.tier_store import DiskStore
+    from hybridserve.cache.tier_store import DiskStore, HostStore
     from hybridserve.engine.tier_mover import PROMOTION_CHUNK
 
-    llm, prompt, want = _three_chunk_prefix_pushed_down(disk_cache_dir=_private_dir(tmp_path / "tiers"),
-                                                        disk_cache_size="128MiB")
+    store_class, spoil = (HostStore, _reshape_host_object) if tier == "host" else (DiskStore, _flip_a_payload_byte)
+    flags = {"host_cache_memory": "128MiB"} if tier == "host" else {
+        "disk_cache_dir": _private_dir(tmp_path / "tiers"), "disk_cache_size": "128MiB"}
+    llm, prompt, want = _three_chunk_prefix_pushed_down(**flags)
     landed: list[bool] = []
     chunks = itertools.count()
-    real_get_many_into = DiskStore.get_many_into
+    real_get_many_into = store_class.get_many_into
 
-    def get_many_into(store: DiskStore, keys: list[str], targets: list[object]) -> list[bool]:
-        if next(chunks) == 1:  # the second chunk: flip a payload byte of its last object's file
-            path = store.path / f"{keys[-1]}.obj"
-            data = bytearray(path.read_bytes())
-            data[-100] ^= 0xFF
-            path.write_bytes(bytes(data))
-        landed.extend(real_get_many_into(store, keys, targets))  # type: ignore[arg-type]
+    def get_many_into(store: Any, keys: list[str], targets: list[object]) -> list[bool]:
+        if next(chunks) == 1:  # the second chunk: its last object spoiled
+            spoil(store, keys[-1])
+        landed.extend(real_get_many_into(store, keys, targets))
         return landed[-len(keys):]
 
-    monkeypatch.setattr(DiskStore, "get_many_into", get_many_into)
+    monkeypatch.setattr(store_class, "get_many_into", get_many_into)
     got = llm.generate([prompt], CHUNK_PARAMS, use_tqdm=False)[0]
-    disk = _tier(llm, "disk")
-    assert sum(landed) >= PROMOTION_CHUNK and not all(landed)  # landed in part, then a corrupt one
-    assert disk.failed == 1 and disk.hits == 0
-    store = next(stats for stats in llm.llm_engine.tier_mover.store_stats() if stats.tier == "disk")
-    assert store.corrupt_misses == 1
+    stats = _tier(llm, tier)
+    assert sum(landed) >= PROMOTION_CHUNK and not all(landed)  # landed in part, then a bad one
+    assert stats.failed == 1 and stats.hits == 0
+    store = next(s for s in llm.llm_engine.tier_mover.store_stats() if s.tier == tier)  # type: ignore[union-attr]
+    assert store.corrupt_misses == (tier == "disk")
     assert got.num_cached_tokens == 0 and got.outputs[0].token_ids == want.outputs[0].token_ids
     llm.llm_engine.check_integrity()
     monkeypatch.undo()
+    again = llm.generate([prompt], CHUNK_PARAMS, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == want.outputs[0].token_ids
+    llm.llm_engine.check_integrity()
     llm.llm_engine.shutdown()
 
 
@@ -287,39 +305,3 @@ def test_a_prefix_deeper_than_the_store_queue_restores_from_host() -> None:
     llm.llm_engine.check_integrity()
 
 
-def test_a_bad_object_in_a_later_chunk_fails_the_promotion_after_earlier_chunks_were_copied(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A promotion lands chunk by chunk in its reserved blocks (copied in on the host store's
-    thread); an object of the wrong layout in a later chunk fails the whole ticket: the blocks and
-    slot the earlier chunks were copied into are never published, the request recomputes with the
-    cache-off output, and nothing leaks."""
-    import itertools
-
-    from hybridserve.cache.tier_store import HostStore
-    from hybridserve.engine.tier_mover import PROMOTION_CHUNK
-
-    llm, prompt, want = _three_chunk_prefix_pushed_down(host_cache_memory="128MiB")
-    landed: list[bool] = []
-    chunks = itertools.count()
-    real_get_many_into = HostStore.get_many_into
-
-    def get_many_into(store: HostStore, keys: list[str], targets: list[object]) -> list[bool]:
-        if next(chunks) == 1:  # the second chunk: its last object replaced by one of the wrong shape
-            payload = store.get(keys[-1])
-            assert payload is not None
-            store.put(keys[-1], {name: tensor[:, :1] for name, tensor in payload.items()})
-        landed.extend(real_get_many_into(store, keys, targets))  # type: ignore[arg-type]
-        return landed[-len(keys):]
-
-    monkeypatch.setattr(HostStore, "get_many_into", get_many_into)
-    got = llm.generate([prompt], CHUNK_PARAMS, use_tqdm=False)[0]
-    host = _tier(llm, "host")
-    assert sum(landed) >= PROMOTION_CHUNK and not all(landed)  # copied in part, then a bad one
-    assert host.failed == 1 and host.hits == 0
-    assert got.num_cached_tokens == 0 and got.outputs[0].token_ids == want.outputs[0].token_ids
-    llm.llm_engine.check_integrity()
-    monkeypatch.undo()
-    again = llm.generate([prompt], CHUNK_PARAMS, use_tqdm=False)[0]
-    assert again.outputs[0].token_ids == want.outputs[0].token_ids
-    llm.llm_engine.check_integrity()
-    llm.llm_engine.shutdown()
