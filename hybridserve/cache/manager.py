@@ -18,7 +18,17 @@ from hybridserve.cache.policy import CachePolicy, RequestView
 from hybridserve.cache.prefix_cache import PrefixCache, PrefixCacheStats, PrefixHit, PrefixLookup
 from hybridserve.cache.snapshots import Reservation, ReserveStatus, SnapshotPool, SnapshotPoolStats
 from hybridserve.cache.state_slots import StateSlotPool
-from hybridserve.cache.tiers import DEVICE, DiscoveryQuery, JointEntry, TieredCache, TierHit, TierObject, TierStats
+from hybridserve.cache.tiers import (
+    DEVICE,
+    KV,
+    STATE,
+    DiscoveryQuery,
+    JointEntry,
+    TieredCache,
+    TierHit,
+    TierObject,
+    TierStats,
+)
 from hybridserve.routing.summary import JointBoundary
 
 
@@ -256,7 +266,7 @@ class JointCacheManager:
         self.block_pool.touch(held)
         entry.block_ids = list(hit.block_ids)
         try:
-            entry.block_ids += self.block_pool.allocate(new_needed)
+            entry.block_ids += self._allocate_blocks(new_needed)
             entry.state_slot = self.state_slots.allocate()
             if hit.snapshot_slot is not None:
                 self._snapshot_pool().pin(hit.snapshot_slot)
@@ -373,13 +383,13 @@ class JointCacheManager:
                 return None
             self._paths.pop(joint.key, None)
             self._kinds.pop(joint.key, None)
-        reservation = pool.reserve(joint.key, joint.num_tokens)
+        reservation = self._reserve_snapshot(joint.key, joint.num_tokens)
         if reservation.status is not ReserveStatus.RESERVED:
             return None
         self._reserved_paths[joint.key] = joint
         self._kinds[joint.key] = self.tiers.kind_of(hit)
         self.block_pool.touch(cached)
-        targets = self.block_pool.allocate(len(joint.blocks) - len(cached))  # may demote device snapshots
+        targets = self._allocate_blocks(len(joint.blocks) - len(cached))  # may demote device snapshots
         assert reservation.slot is not None
         ticket = self.tiers.promote(hit, reservation.slot, list(zip(joint.blocks[len(cached):], targets)))
         objects = self.tiers.promotion_objects(ticket)
@@ -512,9 +522,24 @@ class JointCacheManager:
             return []
         if not self.block_pool.can_allocate(needed):
             return None
-        new_blocks = self.block_pool.allocate(needed)
+        new_blocks = self._allocate_blocks(needed)
         entry.block_ids.extend(new_blocks)
         return new_blocks
+
+    def _allocate_blocks(self, n: int) -> list[int]:
+        """Take `n` KV blocks for writing (`BlockPool.allocate`), once no lower tier still reads them."""
+        blocks = self.block_pool.allocate(n)
+        if self.tiers is not None and blocks:
+            self.tiers.reusing(KV, blocks)
+        return blocks
+
+    def _reserve_snapshot(self, key: BlockHash, num_tokens: int, parent: BlockHash | None = None,
+                          opportunistic: bool = False, branch: bool = False) -> Reservation:
+        """`SnapshotPool.reserve`; a slot it hands out is written only once no lower tier still reads it."""
+        reservation = self._snapshot_pool().reserve(key, num_tokens, parent, opportunistic, branch)
+        if self.tiers is not None and reservation.slot is not None:
+            self.tiers.reusing(STATE, [reservation.slot])
+        return reservation
 
     def reserve_captures(self, seq: CacheSequence, start: int, length: int, captures: list[Reservation]) -> None:
         """Reserve snapshot slots for the boundaries the policy wants from the forward of tokens
@@ -528,7 +553,7 @@ class JointCacheManager:
             # An opportunistic capture must not push out a snapshot that still serves; with a lower
             # tier the pushed-out snapshot is demoted and still serves, so it may take any slot.
             opportunistic = self.tiers is None and self.policy.is_opportunistic(view, boundary)
-            reservation = self.snapshots.reserve(key, boundary, self._parent_key(entry, boundary), opportunistic,
+            reservation = self._reserve_snapshot(key, boundary, self._parent_key(entry, boundary), opportunistic,
                                                  branch=boundary == entry.branch_point)
             if reservation.status is ReserveStatus.RESERVED:
                 captures.append(reservation)
@@ -634,7 +659,7 @@ class JointCacheManager:
         entry = self._entry(child)
         shared = source.block_ids[:num_full]
         self.block_pool.touch(shared)
-        copied = self.block_pool.allocate(1) if partial else []
+        copied = self._allocate_blocks(1) if partial else []
         entry.block_ids = list(shared) + copied
         entry.num_registered_blocks = min(source.num_registered_blocks, num_full)
         entry.state_slot = self.state_slots.allocate()
@@ -664,7 +689,7 @@ class JointCacheManager:
         if partial:
             parent = self.block_hashes(seq, full)[-1] if full else None
             self.block_pool.register_tail(entry.block_ids[full], key, parent, partial)
-        reservation = self.snapshots.reserve(key, end, self._parent_key(entry, end))
+        reservation = self._reserve_snapshot(key, end, self._parent_key(entry, end))
         if reservation.status is not ReserveStatus.RESERVED:
             if reservation.status is ReserveStatus.DUPLICATE:
                 entry.snapshot_depth, entry.snapshot_key = end, key

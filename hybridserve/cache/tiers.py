@@ -88,10 +88,15 @@ class TierMover(Protocol):
     must take effect in order: a `discard` after a `start_demotion` that reads the same object from
     a tier takes effect after that read."""
 
-    def start_demotion(self, ticket: int, tier: str, objects: Sequence[TierObject]) -> None:
+    def start_demotion(self, ticket: int, tier: str, objects: Sequence[TierObject], device_kept: bool = False) -> None:
         """Copy `objects` into `tier` under their keys, each from its source (a device slot or block,
         or another tier). Device sources must be read before the next forward starts (the slot or
-        block may be reused by it); the rest may finish later."""
+        block may be reused by it), unless `device_kept`: the device keeps them (a write-through
+        copy of a published snapshot), unchanged until `reusing` names them; the rest may finish later."""
+
+    def reusing(self, kind: str, indices: Sequence[int]) -> None:
+        """These device snapshot slots or KV blocks (`kind`) are about to be written: finish reading
+        any of them a `device_kept` demotion still reads before returning."""
 
     def start_promotion(self, ticket: int, objects: Sequence[TierObject]) -> None:
         """Copy each object from its source tier into the device slot or block `device_index`,
@@ -515,11 +520,12 @@ class TieredCache:
         return None
 
     def demote(self, entry: JointEntry, state_slot: int | None, device_blocks: DeviceBlocks, into: int = 0,
-               restores: int = 0, kind: str | None = None) -> bool:
+               restores: int = 0, kind: str | None = None, device_kept: bool = False) -> bool:
         """Copy a joint entry into tier `into` or, where it cannot fit, the next one down; each object
         from the device (`state_slot`, `device_blocks`) or a tier holding it; `restores`: what it
         earned above (its value); `kind`: what candidate it is (its label for learned restore rates:
-        "end", "prompt", "branch", "interval", "output"; default its class). False when dropped."""
+        "end", "prompt", "branch", "interval", "output"; default its class); `device_kept`: the
+        device keeps its copy (see `TierMover.start_demotion`). False when dropped."""
         for index in range(into, len(self.tiers)):
             tier = self.tiers[index]
             if entry.key in tier.entries:
@@ -541,7 +547,7 @@ class TieredCache:
             if objects is None:
                 tier.remove(entry.key)
                 break
-            self._start(False, tier, entry, objects)
+            self._start(False, tier, entry, objects, device_kept)
             return True
         self.tiers[min(into, len(self.tiers) - 1)].dropped += 1
         return False
@@ -601,7 +607,7 @@ class TieredCache:
         return True
 
     def _start(self, promotion: bool, tier: _Tier, entry: JointEntry,
-               hashed: list[tuple[BlockHash, TierObject]]) -> int:
+               hashed: list[tuple[BlockHash, TierObject]], device_kept: bool = False) -> int:
         ticket = self._next_ticket
         self._next_ticket += 1
         objects = [obj for _, obj in hashed]
@@ -621,7 +627,7 @@ class TieredCache:
             tier.demotions += 1
             tier.demoted_bytes += nbytes
             tier.demoted_objects += len(objects)
-            self.mover.start_demotion(ticket, tier.name, objects)
+            self.mover.start_demotion(ticket, tier.name, objects, device_kept)
         return ticket
 
     def hold(self, hit: TierHit, held: bool = True) -> None:
@@ -658,9 +664,13 @@ class TieredCache:
         """A device snapshot was published: copy it down now with `write_through`, and write it
         through to the shared tier (so a replica that dies has already shared it)."""
         if self.write_through:
-            self.demote(entry, state_slot, device_blocks, kind=kind)
+            self.demote(entry, state_slot, device_blocks, kind=kind, device_kept=True)
         if self.shared is not None and entry.key not in self.shared.entries:
-            self.demote(entry, state_slot, device_blocks, into=len(self.tiers) - 1, kind=kind)
+            self.demote(entry, state_slot, device_blocks, into=len(self.tiers) - 1, kind=kind, device_kept=True)
+
+    def reusing(self, kind: str, indices: Sequence[int]) -> None:
+        """Device slots or blocks about to be written (the manager allocated them): see `TierMover.reusing`."""
+        self.mover.reusing(kind, indices)
 
     def discover(self, query: DiscoveryQuery) -> int | None:
         """Start a discovery lookup in the shared tier's store; its id (poll until `discovering` is

@@ -3,7 +3,11 @@ device pools (GDN snapshot slots, KV blocks) and the lower tiers' stores, one `S
 
 - Demotion from the device: the slot's or block's tensors are copied into CPU tensors at once (the
   contract: a device source is read before the next forward, which may reuse the slot or block);
-  the store writes them on its mover's thread.
+  the store writes them on its mover's thread. A write-through copy into the host tier from CPU
+  pools (the device keeps its copy) is not staged: the host store copies the slot's and blocks'
+  memory itself on its thread, and `reusing`, which the manager calls before it hands such a slot or
+  block out to be written, waits for that copy (a disk or remote store could be slow: they still
+  take staged copies, so nothing waits on them).
 - Demotion from another tier (a cascade, e.g. host -> disk): a get on the source tier's mover, then,
   when it arrives, a put on the target's. A mover never runs a delete ahead of a read submitted
   before it, so a later discard of the source object cannot overtake the read.
@@ -89,6 +93,7 @@ class _Pending:
     obj: TierObject | None = None
     target: str = ""  # the tier a read-for-write feeds
     index: int = 0    # the object's position in its ticket
+    in_place_source: bool = False  # a put reading its device slot or block itself (`reusing` waits for it)
 
 
 @dataclass
@@ -105,6 +110,7 @@ class _Ticket:
     staging: list[torch.Tensor] = field(default_factory=list)  # a demotion's device copies (given back when done)
 
 
+REUSE_POLL_S = 0.05  # `reusing` wakes at least this often while it waits for a put
 PROMOTION_CHUNK = 32  # objects per promotion submission: each chunk is installed as it arrives
 STAGING_KEPT_MAX = 256 << 20  # staging bytes kept for reuse, at most (host memory beyond the tiers' budgets)
 
@@ -162,6 +168,7 @@ class DeviceCachePools:
         pools = {kind: self._stacked(kind) for kind in (STATE, KV)}
         self._in_place = {kind: PoolLayout(pool) for kind, pool in pools.items()
                           if all(not t.is_cuda and t.is_contiguous() for t in pool.values())}
+        self._cpu_pools = {kind: list(pools[kind].items()) for kind in self._in_place}
         self.staging = StagingBuffers(min(sum(t.nbytes for t in tensors), STAGING_KEPT_MAX),
                                       pin=tensors[0].is_cuda)
 
@@ -187,6 +194,12 @@ class DeviceCachePools:
             gathered[name] = target.unbind(0)
         payloads = [dict(zip(gathered, views, strict=True)) for views in zip(*gathered.values(), strict=True)]
         return DeviceCopies(payloads, buffers)
+
+    def views(self, kind: str, index: int) -> Payload | None:
+        """Snapshot slot or KV block `index` of `kind` as views of the pool tensors (one object: each
+        tensor without its object dimension), or None where the pools are not contiguous CPU tensors."""
+        pool = self._cpu_pools.get(kind)
+        return None if pool is None else {name: tensor[:, index] for name, tensor in pool}
 
     def read_target(self, kind: str, index: int) -> ReadTarget | None:
         """Where a promoted object of `kind` lands in place (snapshot slot or KV block `index`), or
@@ -262,6 +275,10 @@ class EngineTierMover:
         self._found: list[tuple[int, JointEntry | None, bool]] = []
         self.store_evicted = 0  # objects a store dropped itself (the disk's own LRU; their entries then miss)
         self.tiers: TieredCache | None = None   # bound after construction: the entries tickets move
+        # device objects a queued put still reads in place: (kind, index) -> {tier: its put's seq}
+        self._device_reads: dict[tuple[str, int], dict[str, int]] = {}
+        self._late_readers = {stores.host.tier} if stores.host is not None else set()
+        self.reuse_waits = 0  # `reusing` calls that had to wait for such a put
 
     def bind(self, tiers: TieredCache) -> None:
         """The logical tiers this mover serves; the disk tier's surviving entries are adopted."""
@@ -290,15 +307,18 @@ class EngineTierMover:
 
     # -- TierMover ------------------------------------------------------------------------------
 
-    def start_demotion(self, ticket: int, tier: str, objects: Sequence[TierObject]) -> None:
-        """Copy device sources out now; queue the puts (and the reads of tier sources)."""
+    def start_demotion(self, ticket: int, tier: str, objects: Sequence[TierObject], device_kept: bool = False) -> None:
+        """Copy device sources out now, or hand the host store views of them when the device keeps
+        them (`_kept_views`); queue the puts (and the reads of tier sources)."""
         record = self._open(ticket, False, objects)
         record.tier = tier
-        copies = self._read_device(objects, record.staging)
+        views = self._kept_views(objects) if device_kept and tier in self._late_readers else {}
+        copies = {**views, **self._read_device([obj for obj in objects if obj.key not in views], record.staging)}
         batches: dict[str, list[tuple[_Pending, Payload | None]]] = {}
         for obj in objects:
             if obj.source == DEVICE:
-                batches.setdefault(tier, []).append((_Pending("write", ticket, obj.key, obj), copies[obj.key]))
+                pending = _Pending("write", ticket, obj.key, obj, in_place_source=obj.key in views)
+                batches.setdefault(tier, []).append((pending, copies[obj.key]))
             else:
                 record.reads += 1
                 pending = _Pending("read-for-write", ticket, obj.key, obj, target=tier)
@@ -311,6 +331,15 @@ class EngineTierMover:
         if tier == REMOTE and not record.reads:
             self._index_remote(record, ticket)
         self._settle(ticket)
+
+    def reusing(self, kind: str, indices: Sequence[int]) -> None:
+        """Wait until no queued put reads these device slots or blocks any more (see `_kept_views`)."""
+        for index in indices:
+            readers = self._device_reads.get((kind, index))
+            if readers:
+                self.reuse_waits += 1
+                for tier, seq in list(readers.items()):
+                    self._wait_for(tier, seq)
 
     def start_promotion(self, ticket: int, objects: Sequence[TierObject]) -> None:
         """Queue a read of each object from its source tier: in place on the store's thread where
@@ -414,7 +443,8 @@ class EngineTierMover:
 
     def _submit(self, record: _Ticket, tier: str, batch: Sequence[tuple[_Pending, Payload | None]]) -> None:
         """Submit puts (with a payload) and gets to one tier's mover, in order and all at once; a
-        refused batch (a full queue) fails the ticket."""
+        refused batch (a full queue) fails the ticket. Puts of device views are noted by device
+        object, so `reusing` can wait for them."""
         mover = self.movers.get(tier)
         if mover is None:
             logger.error("tier objects %s... name unknown tier %r", batch[0][0].key, tier)
@@ -426,6 +456,10 @@ class EngineTierMover:
             return
         record.outstanding += len(batch)
         self._pending[tier].update(enumerate((pending for pending, _ in batch), start=seq))
+        for number, (pending, _) in enumerate(batch, start=seq):
+            if pending.in_place_source:
+                source = _device_source(pending)
+                self._device_reads.setdefault(source, {})[tier] = number
 
     def _submit_reads(self, record: _Ticket, tier: str, batch: Sequence[tuple[_Pending, ReadTarget | None]]) -> None:
         """Submit a promotion's gets: those with a target to land in place, the others as reads whose
@@ -478,6 +512,8 @@ class EngineTierMover:
         pending = self._pending[tier].pop(event.seq)
         if pending.key != event.key:
             raise RuntimeError(f"tier {tier}: event for {event.key!r} while expecting {pending.key!r}")
+        if pending.in_place_source:
+            self._read_done(tier, event.seq, _device_source(pending))
         self.store_evicted += len(event.evicted)
         if pending.purpose == "lookup":
             assert pending.ticket is not None
@@ -522,6 +558,33 @@ class EngineTierMover:
         record.payloads.clear()
         return True
 
+    def _kept_views(self, objects: Sequence[TierObject]) -> dict[str, Payload]:
+        """Views of the device sources the host store may copy on its own thread (CPU pools), by
+        object key. The device keeps them until the manager hands the slot or block out again, and
+        `reusing` waits for the put first."""
+        views: dict[str, Payload] = {}
+        for obj in objects:
+            if obj.source == DEVICE and obj.device_index is not None:
+                view = self.pools.views(obj.kind, obj.device_index)
+                if view is not None:
+                    views[obj.key] = view
+        return views
+
+    def _wait_for(self, tier: str, seq: int) -> None:
+        """Apply `tier`'s events until operation `seq` has completed."""
+        mover = self.movers[tier]
+        mover.hold_writes(False)  # never wait on a write held back for a forward
+        while seq in self._pending[tier]:
+            self._on_events(tier, mover.poll(REUSE_POLL_S))
+
+    def _read_done(self, tier: str, seq: int, source: tuple[str, int]) -> None:
+        """A put that read a device object in place completed (or failed)."""
+        readers = self._device_reads.get(source)
+        if readers is not None and readers.get(tier) == seq:
+            del readers[tier]
+            if not readers:
+                del self._device_reads[source]
+
     def _read_device(self, objects: Sequence[TierObject], staging: list[torch.Tensor]) -> dict[str, Payload]:
         """Host copies of a demotion's device sources, by object key: one gather per kind (the
         contract: read before the next forward, which may reuse the slot or block); the staging
@@ -548,6 +611,12 @@ class EngineTierMover:
         for mover in self.movers.values():
             mover.close(drain=True)
         self.stores.close()
+
+
+def _device_source(pending: _Pending) -> tuple[str, int]:
+    """The device object (kind, slot or block) a put of device views reads."""
+    assert pending.obj is not None and pending.obj.device_index is not None
+    return pending.obj.kind, pending.obj.device_index
 
 
 def _meta_key(state_key: str) -> str:

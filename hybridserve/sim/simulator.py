@@ -58,10 +58,13 @@ class SimMover:
             by_tier[far] = by_tier.get(far, 0) + obj.nbytes
         return sum(self.links[name].seconds(nbytes) for name, nbytes in by_tier.items())
 
-    def start_demotion(self, ticket: int, tier: str, objects: Sequence[TierObject]) -> None:
+    def start_demotion(self, ticket: int, tier: str, objects: Sequence[TierObject], device_kept: bool = False) -> None:
         """Count the copy down to `tier`."""
         self.demotion_seconds += self._seconds(objects, tier)
         self._done.append((ticket, True))
+
+    def reusing(self, kind: str, indices: Sequence[int]) -> None:
+        """Nothing is read late: every copy completed when it started."""
 
     def start_promotion(self, ticket: int, objects: Sequence[TierObject]) -> None:
         """Count the copy up to the device."""

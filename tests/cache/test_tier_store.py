@@ -29,6 +29,7 @@ from hybridserve.cache.tier_store import (
     HostStore,
     Payload,
     PutResult,
+    TierStores,
     TierStoreStats,
     build_tier_stores,
     engine_fingerprint,
@@ -717,7 +718,7 @@ def _device_pools() -> tuple[Any, Any, Any]:
                       device=torch.device("cpu"))
     kv.keys.copy_(torch.randn(kv.keys.shape))
     kv.values.copy_(torch.randn(kv.values.shape))
-    snapshots = SimpleNamespace(conv=torch.randn(2, 5, 3, 4), recurrent=torch.randn(2, 5, 2, 3, 3))
+    snapshots = SimpleNamespace(conv=torch.randn(2, 5, 3, 4), recurrent=torch.randn(2, 5, 2, 3, 3), num_slots=5)
     pools = DeviceCachePools(kv, snapshots)  # type: ignore[arg-type]
     return kv, snapshots, pools
 
@@ -769,6 +770,46 @@ def test_device_reads_reuse_staging_only_once_given_back() -> None:
     staging.give_back([buffer, staging.take(20, torch.float32)])
     assert staging.kept == 128  # the second (128 bytes more) was past the limit: freed
     assert staging.take(17, torch.float32) is buffer and staging.kept == 0
+
+
+def test_a_kept_device_object_is_copied_by_the_host_store_before_it_is_reused() -> None:
+    """A write-through demotion into the host tier hands the store views of the CPU pools (no staged
+    copy); `reusing` a slot or block such a put still reads waits for it, even while writes are held
+    for a forward, so what the host keeps is what the device held when the snapshot was published.
+    A write-back demotion (the device does not keep its copy) is staged at once: nothing to wait for."""
+    from hybridserve.cache.tiers import DEVICE, KV, STATE, TierObject
+    from hybridserve.engine.tier_mover import EngineTierMover
+
+    kv, snapshots, pools = _device_pools()
+    mover = EngineTierMover(pools, TierStores(host=HostStore(1 << 20)))
+    try:
+        state_before, keys_before = snapshots.recurrent[:, 3].clone(), kv.keys[:, 8:12].clone()
+        mover.hold_writes(True)  # as during a forward: the put waits
+        mover.start_demotion(1, "host", [TierObject(STATE, "state-a1", 0, DEVICE, 3),
+                                         TierObject(KV, "kv-b2", 0, DEVICE, 2)], device_kept=True)
+        mover.start_demotion(2, "host", [TierObject(STATE, "state-c3", 0, DEVICE, 1)])
+        mover.reusing(STATE, [0, 4])
+        mover.reusing(KV, [1, 3])
+        assert mover.reuse_waits == 0  # nothing reads those
+        mover.reusing(STATE, [3])
+        assert mover.reuse_waits == 1
+        snapshots.recurrent[:, 3] += 1  # the next forward writes the slot and the block
+        kv.keys[:, 8:12] += 1
+        mover.reusing(KV, [2])  # the same put read it: done already
+        assert mover.reuse_waits == 1
+        mover.hold_writes(False)
+        done: list[tuple[int, bool]] = []
+        while len(done) < 2:
+            mover.wait(1.0)
+            done += mover.poll()
+        assert sorted(done) == [(1, True), (2, True)]
+        host = mover.stores.host
+        assert host is not None
+        assert torch.equal(host.get("state-a1")["recurrent"], state_before)  # type: ignore[index]
+        assert torch.equal(host.get("kv-b2")["keys"], keys_before)  # type: ignore[index]
+        assert torch.equal(host.get("state-c3")["conv"], snapshots.conv[:, 1])  # type: ignore[index]
+    finally:
+        mover.close()
 
 
 # -- reads in place ---------------------------------------------------------------------------------

@@ -37,7 +37,10 @@ class FakeDevice:
 
 class FakeMover:
     """An in-memory `TierMover` for tests: reads its sources when a transfer starts (as the engine
-    must), writes the destination when it completes, after `delay` polls; `fail` fails a transfer."""
+    must), except device sources the device keeps (`device_kept`): those are read when the transfer
+    completes or when `reusing` names them, whichever comes first (so a slot or block the manager
+    hands out without `reusing` would be copied with its new contents); writes the destination
+    when it completes, after `delay` polls; `fail` fails a transfer."""
 
     def __init__(self, device: FakeDevice, delay: int = 0, fail_rate: float = 0.0, seed: int = 0) -> None:
         self.device = device
@@ -55,9 +58,18 @@ class FakeMover:
             return table[obj.device_index]
         return self.stores[obj.source][obj.key]
 
-    def start_demotion(self, ticket: int, tier: str, objects: Sequence[TierObject]) -> None:
-        """Read every source now; write into `tier` on completion."""
-        self._in_flight.append([self.delay, ticket, tier, [(obj, self._read(obj)) for obj in objects]])
+    def start_demotion(self, ticket: int, tier: str, objects: Sequence[TierObject], device_kept: bool = False) -> None:
+        """Read every source now (device sources the device keeps: later); write into `tier` on completion."""
+        late = [device_kept and obj.source == DEVICE for obj in objects]
+        self._in_flight.append([self.delay, ticket, tier,
+                                [(obj, None if later else self._read(obj)) for obj, later in zip(objects, late)]])
+
+    def reusing(self, kind: str, indices: Sequence[int]) -> None:
+        """Read the device sources not read yet among these slots or blocks."""
+        for transfer in self._in_flight:
+            transfer[3] = [(obj, self._read(obj) if content is None and obj.kind == kind
+                            and obj.device_index in indices else content)
+                           for obj, content in transfer[3]]  # type: ignore[attr-defined]
 
     def start_promotion(self, ticket: int, objects: Sequence[TierObject]) -> None:
         """Read every source tier now; write the device slot and blocks on completion."""
@@ -86,6 +98,7 @@ class FakeMover:
                 self.failed.update((str(tier), obj.key) for obj, _ in payload)  # type: ignore[attr-defined]
             if ok:
                 for obj, content in payload:  # type: ignore[attr-defined]
+                    content = self._read(obj) if content is None else content  # a kept device source
                     if tier == DEVICE:
                         table = self.device.snapshots if obj.kind == STATE else self.device.blocks
                         table[obj.device_index] = content
