@@ -172,6 +172,17 @@ class StoreMover:
         assert seq is not None
         return seq
 
+    def replace_payload(self, seq: int, payload: Mapping[str, torch.Tensor]) -> bool:
+        """Give the put numbered `seq` another payload (the caller's copy of what the first one
+        viewed), if it is still queued; False once it has started or finished."""
+        with self._work:
+            for submission in self._writes:
+                for op in submission:
+                    if op.seq == seq and op.kind == "put":
+                        op.payload = payload
+                        return True
+        return False
+
     def hold_writes(self, held: bool) -> None:
         """While held, queued writes wait (reads still run) unless the queue is half full or the
         oldest write was queued before the last release (it was held through a forward already):

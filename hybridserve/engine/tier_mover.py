@@ -278,7 +278,8 @@ class EngineTierMover:
         # device objects a queued put still reads in place: (kind, index) -> {tier: its put's seq}
         self._device_reads: dict[tuple[str, int], dict[str, int]] = {}
         self._late_readers = {stores.host.tier} if stores.host is not None else set()
-        self.reuse_waits = 0  # `reusing` calls that had to wait for such a put
+        self.reuse_waits = 0  # puts `reusing` had to wait for (they had started)
+        self.restaged = 0     # queued puts `reusing` gave a staged copy instead
 
     def bind(self, tiers: TieredCache) -> None:
         """The logical tiers this mover serves; the disk tier's surviving entries are adopted."""
@@ -327,18 +328,29 @@ class EngineTierMover:
                 meta = _meta_payload(self.tiers.ticket_entry(ticket))
                 batches.setdefault(tier, []).append((_Pending("write", ticket, _meta_key(obj.key)), meta))
         for source, batch in batches.items():
-            self._submit(record, source, batch)
+            # a snapshot slot read in place goes alone: its event (a submission reports when all of
+            # its puts are done) comes as soon as it is copied, for `reusing` to wait on
+            alone = [pending.in_place_source and pending.obj is not None and pending.obj.kind == STATE
+                     for pending, _ in batch]
+            for part in ([item for item, first in zip(batch, alone) if first],
+                         [item for item, first in zip(batch, alone) if not first]):
+                if part:
+                    self._submit(record, source, part)
         if tier == REMOTE and not record.reads:
             self._index_remote(record, ticket)
         self._settle(ticket)
 
     def reusing(self, kind: str, indices: Sequence[int]) -> None:
-        """Wait until no queued put reads these device slots or blocks any more (see `_kept_views`)."""
+        """Make sure no put reads these device slots or blocks any more (see `_kept_views`): a put
+        still queued gets a staged copy instead (as a write-back demotion's), one already running
+        is waited for."""
         for index in indices:
             readers = self._device_reads.get((kind, index))
-            if readers:
-                self.reuse_waits += 1
-                for tier, seq in list(readers.items()):
+            if not readers:
+                continue
+            for tier, seq in list(readers.items()):
+                if not self._restage(tier, seq, kind, index):
+                    self.reuse_waits += 1
                     self._wait_for(tier, seq)
 
     def start_promotion(self, ticket: int, objects: Sequence[TierObject]) -> None:
@@ -569,6 +581,20 @@ class EngineTierMover:
                 if view is not None:
                     views[obj.key] = view
         return views
+
+    def _restage(self, tier: str, seq: int, kind: str, index: int) -> bool:
+        """Copy device object `index` into staging and hand it to the queued put `seq` in place of
+        its views; False (nothing changed) when the put has started already."""
+        pending = self._pending[tier][seq]
+        copy = self.pools.read_many(kind, [index])
+        if not self.movers[tier].replace_payload(seq, copy.payloads[0]):
+            self.pools.release(copy.buffers)
+            return False
+        assert pending.ticket is not None
+        self._tickets[pending.ticket].staging += copy.buffers  # given back when the ticket settles
+        self._read_done(tier, seq, (kind, index))
+        self.restaged += 1
+        return True
 
     def _wait_for(self, tier: str, seq: int) -> None:
         """Apply `tier`'s events until operation `seq` has completed."""

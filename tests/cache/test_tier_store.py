@@ -772,43 +772,62 @@ def test_device_reads_reuse_staging_only_once_given_back() -> None:
     assert staging.take(17, torch.float32) is buffer and staging.kept == 0
 
 
-def test_a_kept_device_object_is_copied_by_the_host_store_before_it_is_reused() -> None:
+def test_a_kept_device_object_is_copied_before_the_slot_or_block_is_reused() -> None:
     """A write-through demotion into the host tier hands the store views of the CPU pools (no staged
-    copy); `reusing` a slot or block such a put still reads waits for it, even while writes are held
-    for a forward, so what the host keeps is what the device held when the snapshot was published.
-    A write-back demotion (the device does not keep its copy) is staged at once: nothing to wait for."""
+    copy). `reusing` a slot or block that a queued put still reads gives that put a staged copy
+    instead (here while writes are held for a forward); a put already running is waited for. Either
+    way the host keeps what the device held when the snapshot was published. A write-back demotion
+    (the device does not keep its copy) is staged at once: nothing to do."""
     from hybridserve.cache.tiers import DEVICE, KV, STATE, TierObject
     from hybridserve.engine.tier_mover import EngineTierMover
 
     kv, snapshots, pools = _device_pools()
-    mover = EngineTierMover(pools, TierStores(host=HostStore(1 << 20)))
+    host = HostStore(1 << 20)
+    mover = EngineTierMover(pools, TierStores(host=host))
+    entered, release = threading.Event(), threading.Event()
+    put = host.put
+
+    def slow_put(key: str, payload: Mapping[str, torch.Tensor], ready: Any = None) -> PutResult:
+        if key == "state-d4":
+            entered.set()
+            release.wait(5)
+        return put(key, payload, ready)
+
+    host.put = slow_put  # type: ignore[method-assign]
     try:
         state_before, keys_before = snapshots.recurrent[:, 3].clone(), kv.keys[:, 8:12].clone()
-        mover.hold_writes(True)  # as during a forward: the put waits
+        mover.hold_writes(True)  # as during a forward: the puts wait
         mover.start_demotion(1, "host", [TierObject(STATE, "state-a1", 0, DEVICE, 3),
                                          TierObject(KV, "kv-b2", 0, DEVICE, 2)], device_kept=True)
         mover.start_demotion(2, "host", [TierObject(STATE, "state-c3", 0, DEVICE, 1)])
         mover.reusing(STATE, [0, 4])
         mover.reusing(KV, [1, 3])
-        assert mover.reuse_waits == 0  # nothing reads those
+        assert (mover.restaged, mover.reuse_waits) == (0, 0)  # nothing reads those
         mover.reusing(STATE, [3])
-        assert mover.reuse_waits == 1
-        snapshots.recurrent[:, 3] += 1  # the next forward writes the slot and the block
+        assert (mover.restaged, mover.reuse_waits) == (1, 0)
+        snapshots.recurrent[:, 3] += 1  # the next forward writes the slot
+        mover.reusing(KV, [2])
+        assert (mover.restaged, mover.reuse_waits) == (2, 0)
         kv.keys[:, 8:12] += 1
-        mover.reusing(KV, [2])  # the same put read it: done already
-        assert mover.reuse_waits == 1
         mover.hold_writes(False)
+        conv_before = snapshots.conv[:, 4].clone()
+        mover.start_demotion(3, "host", [TierObject(STATE, "state-d4", 0, DEVICE, 4)], device_kept=True)
+        assert entered.wait(5)  # the put of slot 4 is running
+        threading.Timer(0.2, release.set).start()
+        mover.reusing(STATE, [4])  # too late to restage: waits for the put
+        assert (mover.restaged, mover.reuse_waits) == (2, 1)
+        snapshots.conv[:, 4] += 1
         done: list[tuple[int, bool]] = []
-        while len(done) < 2:
+        while len(done) < 3:
             mover.wait(1.0)
             done += mover.poll()
-        assert sorted(done) == [(1, True), (2, True)]
-        host = mover.stores.host
-        assert host is not None
+        assert sorted(done) == [(1, True), (2, True), (3, True)]
         assert torch.equal(host.get("state-a1")["recurrent"], state_before)  # type: ignore[index]
         assert torch.equal(host.get("kv-b2")["keys"], keys_before)  # type: ignore[index]
         assert torch.equal(host.get("state-c3")["conv"], snapshots.conv[:, 1])  # type: ignore[index]
+        assert torch.equal(host.get("state-d4")["conv"], conv_before)  # type: ignore[index]
     finally:
+        release.set()
         mover.close()
 
 
