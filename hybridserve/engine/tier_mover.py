@@ -5,9 +5,10 @@ device pools (GDN snapshot slots, KV blocks) and the lower tiers' stores, one `S
   contract: a device source is read before the next forward, which may reuse the slot or block);
   the store writes them on its mover's thread. A write-through copy into the host tier from CPU
   pools (the device keeps its copy) is not staged: the host store copies the slot's and blocks'
-  memory itself on its thread, and `reusing`, which the manager calls before it hands such a slot or
-  block out to be written, waits for that copy (a disk or remote store could be slow: they still
-  take staged copies, so nothing waits on them).
+  memory itself on its thread. `reusing`, which the manager calls before it hands such a slot or
+  block out to be written, gives a put still queued a staged copy instead and waits for one
+  already running (a disk or remote store could be slow: they still take staged copies, so nothing
+  waits on them).
 - Demotion from another tier (a cascade, e.g. host -> disk): a get on the source tier's mover, then,
   when it arrives, a put on the target's. A mover never runs a delete ahead of a read submitted
   before it, so a later discard of the source object cannot overtake the read.
