@@ -276,8 +276,8 @@ class EngineTierMover:
         self._found: list[tuple[int, JointEntry | None, bool]] = []
         self.store_evicted = 0  # objects a store dropped itself (the disk's own LRU; their entries then miss)
         self.tiers: TieredCache | None = None   # bound after construction: the entries tickets move
-        # device objects a queued put still reads in place: (kind, index) -> {tier: its put's seq}
-        self._device_reads: dict[tuple[str, int], dict[str, int]] = {}
+        # device objects queued puts still read in place: (kind, index) -> {(tier, the put's seq)}
+        self._device_reads: dict[tuple[str, int], set[tuple[str, int]]] = {}
         self._late_readers = {stores.host.tier} if stores.host is not None else set()
         self.reuse_waits = 0  # puts `reusing` had to wait for (they had started)
         self.restaged = 0     # queued puts `reusing` gave a staged copy instead
@@ -349,7 +349,9 @@ class EngineTierMover:
             readers = self._device_reads.get((kind, index))
             if not readers:
                 continue
-            for tier, seq in list(readers.items()):
+            for tier, seq in sorted(readers):
+                if seq not in self._pending[tier]:  # done while an earlier one was waited for
+                    continue
                 if not self._restage(tier, seq, kind, index):
                     self.reuse_waits += 1
                     self._wait_for(tier, seq)
@@ -472,7 +474,7 @@ class EngineTierMover:
         for number, (pending, _) in enumerate(batch, start=seq):
             if pending.in_place_source:
                 source = _device_source(pending)
-                self._device_reads.setdefault(source, {})[tier] = number
+                self._device_reads.setdefault(source, set()).add((tier, number))
 
     def _submit_reads(self, record: _Ticket, tier: str, batch: Sequence[tuple[_Pending, ReadTarget | None]]) -> None:
         """Submit a promotion's gets: those with a target to land in place, the others as reads whose
@@ -607,8 +609,8 @@ class EngineTierMover:
     def _read_done(self, tier: str, seq: int, source: tuple[str, int]) -> None:
         """A put that read a device object in place completed (or failed)."""
         readers = self._device_reads.get(source)
-        if readers is not None and readers.get(tier) == seq:
-            del readers[tier]
+        if readers is not None:
+            readers.discard((tier, seq))
             if not readers:
                 del self._device_reads[source]
 

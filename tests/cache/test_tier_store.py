@@ -809,19 +809,26 @@ def test_a_kept_device_object_is_copied_before_the_slot_or_block_is_reused() -> 
         mover.reusing(KV, [2])
         assert (mover.restaged, mover.reuse_waits) == (2, 0)
         kv.keys[:, 8:12] += 1
+        slot0 = snapshots.conv[:, 0].clone()  # two queued puts read one slot: both get copies
+        for ticket, key in ((4, "state-e5"), (5, "state-f6")):
+            mover.start_demotion(ticket, "host", [TierObject(STATE, key, 0, DEVICE, 0)], device_kept=True)
+        mover.reusing(STATE, [0])
+        assert (mover.restaged, mover.reuse_waits) == (4, 0)
+        snapshots.conv[:, 0] += 1
         mover.hold_writes(False)
         conv_before = snapshots.conv[:, 4].clone()
         mover.start_demotion(3, "host", [TierObject(STATE, "state-d4", 0, DEVICE, 4)], device_kept=True)
         assert entered.wait(5)  # the put of slot 4 is running
         threading.Timer(0.2, release.set).start()
         mover.reusing(STATE, [4])  # too late to restage: waits for the put
-        assert (mover.restaged, mover.reuse_waits) == (2, 1)
+        assert (mover.restaged, mover.reuse_waits) == (4, 1)
         snapshots.conv[:, 4] += 1
         done: list[tuple[int, bool]] = []
-        while len(done) < 3:
+        while len(done) < 5:
             mover.wait(1.0)
             done += mover.poll()
-        assert sorted(done) == [(1, True), (2, True), (3, True)]
+        assert sorted(done) == [(1, True), (2, True), (3, True), (4, True), (5, True)]
+        assert all(torch.equal(host.get(key)["conv"], slot0) for key in ("state-e5", "state-f6"))  # type: ignore[index]
         assert torch.equal(host.get("state-a1")["recurrent"], state_before)  # type: ignore[index]
         assert torch.equal(host.get("kv-b2")["keys"], keys_before)  # type: ignore[index]
         assert torch.equal(host.get("state-c3")["conv"], snapshots.conv[:, 1])  # type: ignore[index]
