@@ -169,7 +169,6 @@ class DeviceCachePools:
         pools = {kind: self._stacked(kind) for kind in (STATE, KV)}
         self._in_place = {kind: PoolLayout(pool) for kind, pool in pools.items()
                           if all(not t.is_cuda and t.is_contiguous() for t in pool.values())}
-        self._cpu_pools = {kind: list(pools[kind].items()) for kind in self._in_place}
         self.staging = StagingBuffers(min(sum(t.nbytes for t in tensors), STAGING_KEPT_MAX),
                                       pin=tensors[0].is_cuda)
 
@@ -199,8 +198,8 @@ class DeviceCachePools:
     def views(self, kind: str, index: int) -> Payload | None:
         """Snapshot slot or KV block `index` of `kind` as views of the pool tensors (one object: each
         tensor without its object dimension), or None where the pools are not contiguous CPU tensors."""
-        pool = self._cpu_pools.get(kind)
-        return None if pool is None else {name: tensor[:, index] for name, tensor in pool}
+        layout = self._in_place.get(kind)
+        return None if layout is None else layout.tensors_of(index)
 
     def read_target(self, kind: str, index: int) -> ReadTarget | None:
         """Where a promoted object of `kind` lands in place (snapshot slot or KV block `index`), or
