@@ -94,7 +94,7 @@ class _Pending:
     obj: TierObject | None = None
     target: str = ""  # the tier a read-for-write feeds
     index: int = 0    # the object's position in its ticket
-    in_place_source: bool = False  # a put reading its device slot or block itself (`reusing` waits for it)
+    reads_device: bool = False  # a put reading its device slot or block itself (`reusing` waits for it)
 
 
 @dataclass
@@ -318,7 +318,7 @@ class EngineTierMover:
         batches: dict[str, list[tuple[_Pending, Payload | None]]] = {}
         for obj in objects:
             if obj.source == DEVICE:
-                pending = _Pending("write", ticket, obj.key, obj, in_place_source=obj.key in views)
+                pending = _Pending("write", ticket, obj.key, obj, reads_device=obj.key in views)
                 batches.setdefault(tier, []).append((pending, copies[obj.key]))
             else:
                 record.reads += 1
@@ -330,7 +330,7 @@ class EngineTierMover:
         for source, batch in batches.items():
             # a snapshot slot read in place goes alone: its event (a submission reports when all of
             # its puts are done) comes as soon as it is copied, for `reusing` to wait on
-            alone = [pending.in_place_source and pending.obj is not None and pending.obj.kind == STATE
+            alone = [pending.reads_device and pending.obj is not None and pending.obj.kind == STATE
                      for pending, _ in batch]
             for part in ([item for item, first in zip(batch, alone) if first],
                          [item for item, first in zip(batch, alone) if not first]):
@@ -457,23 +457,14 @@ class EngineTierMover:
 
     def _submit(self, record: _Ticket, tier: str, batch: Sequence[tuple[_Pending, Payload | None]]) -> None:
         """Submit puts (with a payload) and gets to one tier's mover, in order and all at once; a
-        refused batch (a full queue) fails the ticket. Puts of device views are noted by device
-        object, so `reusing` can wait for them."""
+        refused batch (a full queue) fails the ticket."""
         mover = self.movers.get(tier)
         if mover is None:
             logger.error("tier objects %s... name unknown tier %r", batch[0][0].key, tier)
             record.ok = False
             return
         seq = mover.submit_many([(pending.key, payload) for pending, payload in batch])
-        if seq is None:
-            record.ok = False
-            return
-        record.outstanding += len(batch)
-        self._pending[tier].update(enumerate((pending for pending, _ in batch), start=seq))
-        for number, (pending, _) in enumerate(batch, start=seq):
-            if pending.in_place_source:
-                source = _device_source(pending)
-                self._device_reads.setdefault(source, set()).add((tier, number))
+        self._track(record, tier, seq, [pending for pending, _ in batch])
 
     def _submit_reads(self, record: _Ticket, tier: str, batch: Sequence[tuple[_Pending, ReadTarget | None]]) -> None:
         """Submit a promotion's gets: those with a target to land in place, the others as reads whose
@@ -482,16 +473,22 @@ class EngineTierMover:
         in_place = [(pending, target) for pending, target in batch if target is not None]
         if plain:
             self._submit(record, tier, plain)
-        if not in_place:
-            return
-        mover = self.movers.get(tier)
-        reads = [(pending.key, target) for pending, target in in_place]
-        seq = None if mover is None else mover.submit_reads_into(reads)
+        if in_place:
+            mover = self.movers.get(tier)
+            seq = None if mover is None else mover.submit_reads_into([(p.key, target) for p, target in in_place])
+            self._track(record, tier, seq, [pending for pending, _ in in_place])
+
+    def _track(self, record: _Ticket, tier: str, seq: int | None, pendings: Sequence[_Pending]) -> None:
+        """Note what a submission numbered from `seq` is for (None: refused, the ticket fails); puts
+        reading device memory are noted by device object too, for `reusing`."""
         if seq is None:
             record.ok = False
             return
-        record.outstanding += len(in_place)
-        self._pending[tier].update(enumerate((pending for pending, _ in in_place), start=seq))
+        record.outstanding += len(pendings)
+        self._pending[tier].update(enumerate(pendings, start=seq))
+        for number, pending in enumerate(pendings, start=seq):
+            if pending.reads_device:
+                self._device_reads.setdefault(_device_source(pending), set()).add((tier, number))
 
     def _settle(self, ticket: int) -> None:
         """One outstanding operation of `ticket` is done; finish it when none remain."""
@@ -526,7 +523,7 @@ class EngineTierMover:
         pending = self._pending[tier].pop(event.seq)
         if pending.key != event.key:
             raise RuntimeError(f"tier {tier}: event for {event.key!r} while expecting {pending.key!r}")
-        if pending.in_place_source:
+        if pending.reads_device:
             self._read_done(tier, event.seq, _device_source(pending))
         self.store_evicted += len(event.evicted)
         if pending.purpose == "lookup":
