@@ -158,7 +158,7 @@ class GatedAttention(nn.Module):
     def _attend_chunk(self, queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk, end: int,
                       batch: ForwardBatch, ctx: ForwardContext) -> torch.Tensor:
         """Causal attention of a prefill chunk's last `len(queries)` rows (its rows end at flat row
-        `end`). The chunk's own K/V are in the cache already, so a short chunk on CPU is attended
+        `end`). The chunk's own K/V are in the cache already, so on CPU (AVX-512) a chunk is attended
         over the paged cache in place (`native.prefill_attention`); otherwise the sequence's keys
         are gathered in one read behind a prefix, or taken from this step's k/v without one."""
         chunk_slots = batch.kv_write_slots[chunk.token_offset:end]

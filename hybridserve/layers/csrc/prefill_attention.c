@@ -1,12 +1,14 @@
-/* Causal attention of a short prompt chunk over its sequence's paged KV (float32 activations over
+/* Causal attention of a prompt chunk over its sequence's paged KV (float32 activations over
  * float32 KV, or bfloat16 KV widened a key block at a time for the fused step; AVX-512 only).
  *
- * A warm request prefills a short suffix (64 tokens) behind thousands of cached tokens. The eager
- * path gathers every key and value of the sequence from the paged cache into new tensors, builds a
- * [T, prefix + T] mask and runs torch's CPU flash attention: ~4 ms of SDPA and ~1 ms of gathers per
- * attention layer for 64 queries over 4160 keys on the 2-core host. Here the keys and values are
- * read in place through the slot table, the mask is a bound per query, and each KV head's queries
- * (its G query heads times a block of tokens) share every key block while it is in L1.
+ * A warm request prefills a suffix behind thousands of cached tokens. The eager path gathers every
+ * key and value of the sequence from the paged cache into new tensors, builds a [T, prefix + T]
+ * mask and runs torch's CPU flash attention, which applies the mask to every key block instead of
+ * skipping the blocks it hides: ~4 ms of SDPA and ~1 ms of gathers per attention layer for 64
+ * queries over 4160 keys on the 2-core host. Here the keys and values are read in place through
+ * the slot table, the mask is a bound per query, a query row skips every key block past its bound,
+ * and each KV head's queries (its G query heads times a block of tokens) share every key block
+ * while it is in L1.
  *
  * Per task (a KV head and a block of tokens, as many tasks as threads where the KV heads allow:
  * 64 queries over 4160 keys took 2.6-2.75 ms with blocks of 16 tokens, 2.0-2.2 with one block per
@@ -31,7 +33,9 @@
 #define ATT_KEYS 64          /* keys per block */
 #define ATT_ROWS 6           /* query rows per score tile */
 #define ATT_VCHUNK 64        /* floats of the value head accumulated in registers at once */
-#define ATT_MAX_TOKENS 128   /* longest chunk taken; longer ones are worth torch's kernels */
+#define ATT_MAX_TOKENS (1 << 20)  /* longest chunk taken */
+#define ATT_SHORT_TOKENS 128 /* up to this many tokens a KV head's rows are split only to feed every thread */
+#define ATT_LONG_BLOCK 64    /* tokens per block of a longer chunk (split_of) */
 #define ATT_MAX_HEAD_DIM 256
 #define ATT_MASKED -1e30f    /* a score that no real score reaches: its weight is set to 0 */
 
@@ -207,7 +211,10 @@ static void attention_task(const float *q, int64_t heads, int64_t dim, int64_t l
             widen_rows(value, dim, wide_values);
         }
         transpose_keys(key, dim, keys_t);
-        for (int64_t r = 0; r < rows; r += ATT_ROWS) {
+        /* rows are in token order, so their bounds rise: rows whose bound is before this block
+         * see none of it and are skipped (the causal triangle of the chunk's own keys) */
+        int64_t first_row = (j0 - num_prefix - t0) * group;
+        for (int64_t r = first_row > 0 ? first_row : 0; r < rows; r += ATT_ROWS) {
             int n = (int)(rows - r < ATT_ROWS ? rows - r : ATT_ROWS);
             task_rows(qs + r * dim, acc + r * dim, m + r, l + r, limit + r, dim, j0, count, keys_t, value, n);
         }
@@ -219,30 +226,44 @@ static void attention_task(const float *q, int64_t heads, int64_t dim, int64_t l
     }
 }
 
-/* One call's operands, shared by its tasks (a task is a KV head and a block of tokens). */
+/* How a call splits its work: each task is a KV head and a lane, and lane k of a head attends
+ * its token blocks k, k + lanes, ... one after another in the task's scratch. */
+typedef struct {
+    int64_t token_block, lanes;
+} AttentionSplit;
+
+/* A short chunk: as few tasks as give every thread one, a token block each (each task transposes
+ * every key block once, so fewer, larger token blocks do less of it and share each key and value
+ * block among more rows). A longer one: blocks of ATT_LONG_BLOCK tokens, dealt round-robin to
+ * as many lanes per head, so each lane gets early (short) and late (long) blocks alike and the
+ * scratch stays that of a few blocks however long the chunk is. */
+static AttentionSplit split_of(int64_t tokens, int64_t kv_heads, int threads) {
+    int64_t per_head = threads > kv_heads ? (threads + kv_heads - 1) / kv_heads : 1;
+    int64_t block = tokens > ATT_SHORT_TOKENS ? ATT_LONG_BLOCK : (tokens + per_head - 1) / per_head;
+    int64_t blocks = (tokens + block - 1) / block;
+    return (AttentionSplit){block, blocks < per_head ? blocks : per_head};
+}
+
+/* One call's operands, shared by its tasks. */
 typedef struct {
     const float *q;
     const void *keys, *values;
     int kv_bf16;
     const int64_t *slots;
     float *out, *scratch;
-    int64_t tokens, heads, dim, ld_q, kv_heads, num_prefix, token_block, task_scratch;
+    int64_t tokens, heads, dim, ld_q, kv_heads, num_prefix, task_scratch;
+    AttentionSplit split;
     float scale;
 } AttentionCall;
 
 static void attention_pool_task(void *context, int64_t task) {
     const AttentionCall *c = context;
-    int64_t g = task % c->kv_heads, t0 = (task / c->kv_heads) * c->token_block;
-    int64_t t1 = t0 + c->token_block < c->tokens ? t0 + c->token_block : c->tokens;
-    attention_task(c->q, c->heads, c->dim, c->ld_q, c->keys, c->values, c->kv_bf16, c->kv_heads, c->slots,
-                   c->num_prefix, c->scale, c->out, g, t0, t1, c->scratch + task * c->task_scratch);
-}
-
-/* as few tasks as give every thread one: each task transposes every key block once, so fewer,
- * larger token blocks do less of it and share each key and value block among more rows */
-static int64_t token_block_of(int64_t tokens, int64_t kv_heads, int threads) {
-    int64_t blocks_per_head = threads > kv_heads ? (threads + kv_heads - 1) / kv_heads : 1;
-    return (tokens + blocks_per_head - 1) / blocks_per_head;
+    int64_t g = task % c->kv_heads, lane = task / c->kv_heads, block = c->split.token_block;
+    for (int64_t t0 = lane * block; t0 < c->tokens; t0 += c->split.lanes * block) {
+        int64_t t1 = t0 + block < c->tokens ? t0 + block : c->tokens;
+        attention_task(c->q, c->heads, c->dim, c->ld_q, c->keys, c->values, c->kv_bf16, c->kv_heads, c->slots,
+                       c->num_prefix, c->scale, c->out, g, t0, t1, c->scratch + task * c->task_scratch);
+    }
 }
 
 static int shape_taken(int64_t tokens, int64_t heads, int64_t dim, int64_t kv_heads) {
@@ -265,9 +286,8 @@ int prefill_attention_max_tokens(void) {
 int64_t prefill_attention_scratch_floats(int64_t tokens, int64_t heads, int64_t dim, int64_t kv_heads, int threads) {
 #if defined(__AVX512F__)
     if (!shape_taken(tokens, heads, dim, kv_heads)) return 0;
-    int64_t token_block = token_block_of(tokens, kv_heads, threads);
-    int64_t tasks = kv_heads * ((tokens + token_block - 1) / token_block);
-    return tasks * task_scratch_floats(token_block * (heads / kv_heads), dim);
+    AttentionSplit split = split_of(tokens, kv_heads, threads);
+    return kv_heads * split.lanes * task_scratch_floats(split.token_block * (heads / kv_heads), dim);
 #else
     (void)tokens; (void)heads; (void)dim; (void)kv_heads; (void)threads;
     return 0;
@@ -284,12 +304,11 @@ int prefill_attention_f32_scratch(const float *q, int64_t tokens, int64_t heads,
                                   float *scratch) {
 #if defined(__AVX512F__)
     if (!shape_taken(tokens, heads, dim, kv_heads) || num_prefix < 0) return 1;
-    int64_t token_block = token_block_of(tokens, kv_heads, threads);
-    int64_t token_blocks = (tokens + token_block - 1) / token_block;
+    AttentionSplit split = split_of(tokens, kv_heads, threads);
     AttentionCall call = {q, keys, values, kv_bf16, slots, out, scratch, tokens, heads, dim, ld_q, kv_heads,
-                          num_prefix, token_block, task_scratch_floats(token_block * (heads / kv_heads), dim), scale};
+                          num_prefix, task_scratch_floats(split.token_block * (heads / kv_heads), dim), split, scale};
     unsigned int saved_csr = denormals_flush_begin();  /* the pool's workers keep it set */
-    task_pool_run(threads, attention_pool_task, &call, kv_heads * token_blocks);
+    task_pool_run(threads, attention_pool_task, &call, kv_heads * split.lanes);
     denormals_flush_end(saved_csr);
     return 0;
 #else
