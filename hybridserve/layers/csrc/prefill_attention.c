@@ -4,9 +4,8 @@
  * A warm request prefills a suffix behind thousands of cached tokens. The eager path gathers every
  * key and value of the sequence from the paged cache into new tensors, builds a [T, prefix + T]
  * mask and runs torch's CPU flash attention, which applies the mask to every key block instead of
- * skipping the blocks it hides: ~4 ms of SDPA and ~1 ms of gathers per attention layer for 64
- * queries over 4160 keys on the 2-core host. Here the keys and values are read in place through
- * the slot table, the mask is a bound per query, a query row skips every key block past its bound,
+ * skipping the blocks it hides (docs/decisions.md has the figures). Here the keys and values are
+ * read in place through the slot table, the mask is a bound per query, a query row skips every key block past its bound,
  * and each KV head's queries (its G query heads times a block of tokens) share every key block
  * while it is in L1.
  *
