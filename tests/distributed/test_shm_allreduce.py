@@ -10,8 +10,11 @@ three and then on a group of two; a failed check raises in its rank and
 
 from __future__ import annotations
 
+import faulthandler
+import gc
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -73,6 +76,7 @@ def _expect_error(call: Callable[[], Any], *reasons: str) -> str:
     with pytest.raises(ShmAllReduceError) as error:
         call()
     message = str(error.value)
+    del error  # the traceback's frames hold the caller's group: no cycle keeps it past its destruction
     assert message.endswith(reasons), message
     return message
 
@@ -165,7 +169,13 @@ def _checks(group: Any) -> None:
 
 
 def _run(rank: int, port: int) -> None:
-    """One of three ranks: every check on all three, then on a group of ranks 0 and 1."""
+    """One of three ranks: every check on all three, then on a group of ranks 0 and 1.
+
+    A rank that passed ends with `os._exit(0)` once its groups are destroyed: gloo backends that
+    Python frees only at interpreter exit can abort the process there (pytorch/pytorch#190489),
+    which is torch's teardown, not what this test checks. A failed check still raises, and a crash
+    before the end prints every thread's Python stack (faulthandler) to the captured stderr."""
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
                             timeout=timedelta(seconds=120))
@@ -174,9 +184,14 @@ def _run(rank: int, port: int) -> None:
         pair = dist.new_group([0, 1], backend="gloo")
         if rank < 2:
             _checks(pair)
+        del pair
         dist.barrier()
     finally:
         dist.destroy_process_group()
+        gc.collect()  # the backends go now, while the interpreter is whole
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.mark.skipif(not HAVE_COMPILER, reason="no C compiler: the ranks all-reduce through gloo")
