@@ -5,19 +5,18 @@
  * key and value of the sequence from the paged cache into new tensors, builds a [T, prefix + T]
  * mask and runs torch's CPU flash attention, which applies the mask to every key block instead of
  * skipping the blocks it hides (docs/decisions.md has the figures). Here the keys and values are
- * read in place through the slot table, the mask is a bound per query, a query row skips every key block past its bound,
- * and each KV head's queries (its G query heads times a block of tokens) share every key block
- * while it is in L1.
+ * read in place through the slot table, the mask is a bound per query, a query row skips every
+ * key block past its bound, and each KV head's queries (its G query heads times a block of tokens)
+ * share every key block while it is in L1.
  *
- * Per task (a KV head and a block of tokens, as many tasks as threads where the KV heads allow:
- * 64 queries over 4160 keys took 2.6-2.75 ms with blocks of 16 tokens, 2.0-2.2 with one block per
- * KV head on 2 threads): the queries are scaled into a local copy; keys come in
- * blocks of ATT_KEYS, transposed in registers once per block; for each group of ATT_ROWS query rows
- * the scores of all ATT_KEYS keys are then broadcast FMAs into registers (dot-product tiles, as in
- * csrc/gemm_rows.c, spent a third of their instructions summing lanes at a head size of 64: 2.89-2.93
- * against 2.39-2.52 ms for 64 queries over 4160 keys), then an online softmax (running max and sum
- * per row, the output rescaled when the max grows) and the weighted values, ATT_VCHUNK floats of
- * the head at a time, accumulated in registers over the key block.
+ * Per task (a KV head and a lane of token blocks, split_of; docs/cpu-kernels.md has the timings
+ * behind these choices): the queries are scaled into a local copy; keys come in blocks of
+ * ATT_KEYS, transposed in registers once per block; for each group of ATT_ROWS query rows the
+ * scores of all ATT_KEYS keys are then broadcast FMAs into registers (dot-product tiles, as in
+ * csrc/gemm_rows.c, spent a third of their instructions summing lanes at a head size of 64), then
+ * an online softmax (running max and sum per row, the output rescaled when the max grows) and the
+ * weighted values, ATT_VCHUNK floats of the head at a time, accumulated in registers over the key
+ * block.
  */
 #include <stdint.h>
 #include <stdlib.h>
