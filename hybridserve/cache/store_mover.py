@@ -309,35 +309,68 @@ class StoreMover:
 
     def _run_queued(self) -> None:
         """Run queued operations, reads first, until nothing is runnable; each submission's events
-        are published together when it completes (or when the run stops part-way through one)."""
+        are published together when it completes (or when the run stops part-way through one).
+        Stores are called without `_work` held, so a submit never waits for a copy or a disk."""
         events: list[TierEvent] = []
         while True:
+            batch: tuple[Callable[[list[_Op]], list[TierEvent]], list[_Op]] | None = None
             with self._work:
                 lane = self._runnable_lane()
                 if lane is None:
                     break
                 submission = lane[0]
-                if lane is self._reads and not events and all(op.kind == "get" for op in submission):
-                    lane.popleft()  # a whole submission of gets: read in one go
+                whole = self._whole_submission(lane, submission, events)
+                if whole is not None:
+                    lane.popleft()
+                    batch = (whole, list(submission))
+                    for op in submission:
+                        if op.kind == "put":
+                            self._mutation_done(op.key)
                     self._bounded -= len(submission)
                     self._queued -= len(submission)
-                    self._stats.pending = self._queued
-                    self._publish(self._get_all(list(submission)))
-                    continue
-                op = submission.popleft()
-                finished = not submission
-                if finished:
-                    lane.popleft()
-                if op.kind in ("put", "delete"):
-                    self._mutation_done(op.key)
-                self._bounded -= op.kind != "delete"
-                self._queued -= 1
+                else:
+                    op = submission.popleft()
+                    finished = not submission
+                    if finished:
+                        lane.popleft()
+                    if op.kind in ("put", "delete"):
+                        self._mutation_done(op.key)
+                    self._bounded -= op.kind != "delete"
+                    self._queued -= 1
                 self._stats.pending = self._queued
+            if batch is not None:
+                self._publish(batch[0](batch[1]))
+                continue
             events.append(self._execute(op))
             if finished:
                 self._publish(events)
                 events = []
         self._publish(events)
+
+    def _whole_submission(self, lane: deque[_Submission], submission: _Submission,
+                          events: list[TierEvent]) -> Callable[[list[_Op]], list[TierEvent]] | None:
+        """How to run `submission` in one store call, if it is whole (none of it run yet) and all
+        gets (`_get_all`) or all puts into a store with `put_many` (`_put_all`); else None (caller
+        holds `_work`)."""
+        if events:
+            return None
+        if lane is self._reads and all(op.kind == "get" for op in submission):
+            return self._get_all
+        if (lane is self._writes and callable(getattr(self.store, "put_many", None))
+                and all(op.kind == "put" for op in submission)):
+            return self._put_all
+        return None
+
+    def _put_all(self, ops: list[_Op]) -> list[TierEvent]:
+        """Run a submission of puts as one `put_many` (its copies as one tensor call: one hand-off
+        of the interpreter lock for the whole submission, not several per object)."""
+        try:
+            results = self.store.put_many([(op.key, op.payload) for op in ops], ops[0].ready)  # type: ignore[attr-defined]
+        except Exception:  # a store bug must not kill the thread and leave the engine waiting
+            logger.exception("tier %s: put of %d objects failed", self.store.tier, len(ops))
+            return [self._event(op, False, None, 0) for op in ops]
+        return [self._event(op, result.ok, None, result.nbytes, result.evicted)
+                for op, result in zip(ops, results, strict=True)]
 
     def _publish(self, events: list[TierEvent]) -> None:
         """Hand finished operations' events to `poll` and wake a waiting poll."""

@@ -56,6 +56,7 @@ import xxhash
 from safetensors.torch import load as load_safetensors
 
 from hybridserve.cache.block_pool import block_hash_key_id
+from hybridserve.cache.host_arena import HostArena, Signature, signature_of
 from hybridserve.cache.tier_dir import DiskCacheDirError, prepare_store_dir
 from hybridserve.config import CacheConfig, EngineConfig
 
@@ -226,7 +227,7 @@ class PoolLayout:
         self.nbytes = len(encoded) - header_end     # tensor bytes of one object
         offsets = {name: spec["data_offsets"][0] for name, spec in json.loads(encoded[8:header_end]).items()
                    if name != "__metadata__"}
-        self.signature = _signature(one_object)
+        self.signature = signature_of(one_object)
         self.names = sorted(offsets, key=offsets.__getitem__)  # encoding order
         self._pieces = []  # per tensor in encoding order: flat bytes, dim-0 stride, object stride, piece count
         for name in self.names:
@@ -252,11 +253,6 @@ class PoolLayout:
     def tensors_of(self, index: int) -> Payload:
         """Object `index`'s tensors (views of the pools)."""
         return {name: tensor.select(1, index) for name, tensor in self.tensors.items()}
-
-
-def _signature(payload: Mapping[str, torch.Tensor]) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
-    """Names, dtypes and shapes of an object's tensors (what a read target must match)."""
-    return tuple(sorted((name, t.dtype, tuple(t.shape)) for name, t in payload.items()))
 
 
 def _contiguous_bytes(payload: Mapping[str, torch.Tensor]) -> dict[str, memoryview]:
@@ -304,9 +300,12 @@ def _cuda_copy_stream(device: torch.device | None) -> Any:
 
 
 class HostStore:
-    """Objects in host memory under a byte budget: CPU tensors, pinned when the engine runs on
-    CUDA (copied on a side stream). A put that does not fit is refused and counted. Pageable
-    objects keep their bytes' views and layout beside them, for reads in place (`get_many_into`)."""
+    """Objects in host memory under a byte budget. On the CPU each object is copied into a slot of
+    a `HostArena` (memory kept for reuse, no Python objects per stored object); one that finds no
+    slot (the arena's chunks are held by other layouts) is copied into memory of its own, with its
+    byte views kept beside it. On CUDA objects are pinned copies made on a side stream. A put that
+    does not fit the budget is refused and counted. Reads of arena objects copy out under the
+    store's lock: a deleted object's slot is reused by the next put."""
 
     def __init__(self, budget_bytes: int, *, device: torch.device | None = None) -> None:
         if budget_bytes < 0:
@@ -315,57 +314,102 @@ class HostStore:
         self.budget_bytes = budget_bytes
         self._pin = device is not None and device.type == "cuda"
         self._stream = _cuda_copy_stream(device)
-        self._objects: OrderedDict[str, tuple[Payload, int]] = OrderedDict()
-        self._bytes: dict[str, tuple[tuple[Any, ...], dict[str, memoryview]]] = {}  # signature and bytes (CPU)
+        self._arena = None if self._pin else HostArena(budget_bytes)
+        self._objects: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
+        self._slots: dict[str, int] = {}  # objects held in the arena: their slots
+        self._own: dict[str, Payload] = {}  # objects in memory of their own (pinned, or no slot)
+        self._bytes: dict[str, tuple[Signature, Mapping[str, memoryview]]] = {}  # byte views of `_own` CPU ones
+        self._copying = (0, 0)  # bytes and arena slots reserved by puts still copying
         self._lock = threading.Lock()
         self._stats = TierStoreStats(tier=self.tier, budget_bytes=budget_bytes)
 
     def put(self, key: str, payload: Mapping[str, torch.Tensor], ready: Any = None) -> PutResult:
         """Store a host copy of `payload`; refused (counted, `ok=False`) when it does not fit."""
+        return self.put_many([(key, payload)], ready)[0]
+
+    def put_many(self, items: Sequence[tuple[str, Mapping[str, torch.Tensor]]], ready: Any = None) -> list[PutResult]:
+        """`put` of each (key, payload) in order; the copies into arena slots go as one tensor call."""
         start = time.perf_counter()
-        nbytes = payload_nbytes(payload)
+        results: list[PutResult] = []
+        planned: list[tuple[str, Mapping[str, torch.Tensor], int, int | None]] = []
+        slotted: list[tuple[Mapping[str, torch.Tensor], dict[str, torch.Tensor]]] = []
         with self._lock:
-            replaced = self._objects[key][1] if key in self._objects else 0
-            if self._stats.bytes - replaced + nbytes > self.budget_bytes:
-                self._stats.refused_puts += 1
-                return PutResult(False, nbytes)
-            self._stats.bytes += nbytes  # reserved while copying
+            for key, payload in items:
+                nbytes = payload_nbytes(payload)
+                if self._stats.bytes - self._objects.get(key, 0) + nbytes > self.budget_bytes:
+                    self._stats.refused_puts += 1
+                    results.append(PutResult(False, nbytes))
+                    continue
+                self._stats.bytes += nbytes  # reserved while copying
+                slot = self._take_slot(payload)
+                if slot is not None:
+                    assert self._arena is not None
+                    slotted.append((payload, self._arena.tensors(slot)))
+                planned.append((key, payload, nbytes, slot))
+                results.append(PutResult(True, nbytes))
+            self._reserve(planned, 1)
+        own: dict[int, Payload] = {}
         try:
-            copy = _host_copy(payload, pin=self._pin, stream=self._stream, ready=ready)
-            raw = None if self._pin else (_signature(copy), _contiguous_bytes(copy))
+            if slotted:
+                _copy_into_slots(slotted)
+            for number, (_, payload, _, slot) in enumerate(planned):
+                if slot is None:
+                    own[number] = _host_copy(payload, pin=self._pin, stream=self._stream, ready=ready)
         except BaseException:
             with self._lock:
-                self._stats.bytes -= nbytes
+                self._reserve(planned, -1)
+                for _, _, nbytes, slot in planned:
+                    self._stats.bytes -= nbytes
+                    if slot is not None and self._arena is not None:
+                        self._arena.give(slot)
             raise
         with self._lock:
-            self._stats.bytes -= nbytes
-            old = self._objects.pop(key, None)
-            self._bytes.pop(key, None)
-            if old is not None:
-                self._stats.bytes -= old[1]
-            self._objects[key] = (copy, nbytes)
-            if raw is not None:
-                self._bytes[key] = raw
-            self._stats.bytes += nbytes
+            self._reserve(planned, -1)
+            for number, (key, _, nbytes, slot) in enumerate(planned):
+                self._stats.bytes -= nbytes
+                self._drop_locked(key)
+                self._objects[key] = nbytes
+                if slot is not None:
+                    self._slots[key] = slot
+                else:
+                    self._own[key] = own[number]
+                    if not self._pin:
+                        self._bytes[key] = (signature_of(own[number]), _contiguous_bytes(own[number]))
+                self._stats.bytes += nbytes
+                self._stats.puts += 1
             self._stats.objects = len(self._objects)
-            self._stats.puts += 1
             self._stats.transfer_seconds += time.perf_counter() - start
-        return PutResult(True, nbytes)
+        return results
+
+    def _reserve(self, planned: Sequence[tuple[Any, Any, int, Any]], sign: int) -> None:
+        """Note (sign 1) or forget (-1) the bytes and slots of puts that are copying (lock held)."""
+        nbytes, slots = self._copying
+        self._copying = (nbytes + sign * sum(p[2] for p in planned),
+                         slots + sign * sum(p[3] is not None for p in planned))
+
+    def _take_slot(self, payload: Mapping[str, torch.Tensor]) -> int | None:
+        """An arena slot for a CPU payload (caller holds the lock); None on CUDA or without room."""
+        if self._arena is None or any(t.device.type != "cpu" for t in payload.values()):
+            return None
+        return self._arena.take(signature_of(payload))
 
     def get(self, key: str) -> Payload | None:
-        """The held tensors under `key` (shared, not copied: read them, do not modify them)."""
+        """The tensors under `key`: a copy of an arena object; a pinned one's own tensors, shared
+        (read them, do not modify them)."""
         with self._lock:
             return self._get_locked(key)
 
     def _get_locked(self, key: str) -> Payload | None:
         self._stats.gets += 1
-        entry = self._objects.get(key)
-        if entry is None:
+        if key not in self._objects:
             self._stats.misses += 1
             return None
         self._objects.move_to_end(key)
         self._stats.hits += 1
-        return dict(entry[0])
+        slot = self._slots.get(key)
+        if slot is not None and self._arena is not None:  # the slot is reused once the object is deleted
+            return {name: t.clone() for name, t in self._arena.tensors(slot).items()}
+        return dict(self._own[key])
 
     def get_many(self, keys: Sequence[str]) -> list[Payload | None]:
         """`get` of each key, under one lock."""
@@ -373,40 +417,54 @@ class HostStore:
             return [self._get_locked(key) for key in keys]
 
     def get_many_into(self, keys: Sequence[str], targets: Sequence[ReadTarget]) -> list[bool]:
-        """Copy each object under `keys` into its target (memory copies of the bytes kept with it);
-        False for a miss or an object of another layout (counted as a miss)."""
-        with self._lock:
-            found = []
-            for key in keys:
-                self._stats.gets += 1
-                entry = self._objects.get(key)
-                if entry is not None:
-                    self._objects.move_to_end(key)
-                found.append((entry[0] if entry else None, self._bytes.get(key)))
+        """Copy each object under `keys` into its target (memory copies of its bytes); False for a
+        miss or an object of another layout (counted as a miss)."""
         landed = []
-        for target, (payload, raw) in zip(targets, found, strict=True):
-            if raw is None:  # pinned objects (a CUDA engine's) keep no byte views: a tensor copy
-                landed.append(payload is not None and copy_many_into([target], [payload])[0])
-                continue
-            fits = raw[0] == target.layout.signature
-            if fits:
-                target.layout.copy_bytes_in(target.position, raw[1])
-            landed.append(fits)
         with self._lock:
+            for key, target in zip(keys, targets, strict=True):
+                self._stats.gets += 1
+                if key in self._objects:
+                    self._objects.move_to_end(key)
+                landed.append(self._copy_out_locked(key, target))
             self._stats.hits += sum(landed)
             self._stats.misses += len(landed) - sum(landed)
         return landed
 
+    def _copy_out_locked(self, key: str, target: ReadTarget) -> bool:
+        """Copy object `key` into `target`; False when it is absent or of another layout."""
+        slot = self._slots.get(key)
+        if slot is not None and self._arena is not None:
+            raw: tuple[Signature, Mapping[str, memoryview]] | None = (self._arena.signature(slot),
+                                                                       self._arena.byte_views(slot))
+        else:
+            raw = self._bytes.get(key)
+        if raw is None:  # pinned objects (a CUDA engine's) keep no byte views: a tensor copy
+            own = self._own.get(key)
+            return own is not None and copy_many_into([target], [own])[0]
+        if raw[0] != target.layout.signature:
+            return False
+        target.layout.copy_bytes_in(target.position, raw[1])
+        return True
+
     def delete(self, key: str) -> bool:
         """Drop `key`; whether it was there."""
         with self._lock:
-            self._bytes.pop(key, None)
-            entry = self._objects.pop(key, None)
-            if entry is None:
-                return False
-            self._stats.bytes -= entry[1]
+            found = self._drop_locked(key)
             self._stats.objects = len(self._objects)
-            return True
+            return found
+
+    def _drop_locked(self, key: str) -> bool:
+        """Forget `key` and free its bytes and slot (caller holds the lock)."""
+        self._bytes.pop(key, None)
+        self._own.pop(key, None)
+        slot = self._slots.pop(key, None)
+        if slot is not None and self._arena is not None:
+            self._arena.give(slot)
+        nbytes = self._objects.pop(key, None)
+        if nbytes is None:
+            return False
+        self._stats.bytes -= nbytes
+        return True
 
     def contains(self, key: str) -> bool:
         """Whether `key` is held."""
@@ -423,13 +481,41 @@ class HostStore:
         with self._lock:
             return TierStoreStats(**asdict(self._stats))
 
+    def check_integrity(self) -> None:
+        """Raise AssertionError when the held objects, their memory and the counters disagree."""
+        with self._lock:
+            copying_bytes, copying_slots = self._copying
+            assert self._stats.bytes == sum(self._objects.values()) + copying_bytes, "host bytes out of step"
+            assert self._stats.bytes <= self.budget_bytes, "host store over its budget"
+            assert self._slots.keys().isdisjoint(self._own), "an object both in the arena and outside it"
+            assert self._slots.keys() | self._own.keys() == self._objects.keys(), "an object without memory"
+            assert self._bytes.keys() <= self._own.keys(), "byte views outlived their object"
+            if self._arena is not None:
+                assert self._arena.used_slots == len(self._slots) + copying_slots, "an arena slot has no object"
+                self._arena.check_integrity()
+
     def close(self) -> None:
-        """Drop every object."""
+        """Drop every object and give back the arena's memory."""
         with self._lock:
             self._objects.clear()
             self._bytes.clear()
+            self._slots.clear()
+            self._own.clear()
+            if self._arena is not None:
+                self._arena.clear()
             self._stats.bytes = 0
             self._stats.objects = 0
+
+
+def _copy_into_slots(items: Sequence[tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]]) -> None:
+    """Copy each payload into its slot's tensors: one `_foreach_copy_` for all of them."""
+    sources: list[torch.Tensor] = []
+    destinations: list[torch.Tensor] = []
+    for payload, slot in items:
+        for name, tensor in payload.items():
+            sources.append(tensor.detach())
+            destinations.append(slot[name])
+    torch._foreach_copy_(destinations, sources)
 
 
 class _ObjectFault(Exception):

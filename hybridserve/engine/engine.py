@@ -694,6 +694,8 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """Assert pool accounting is consistent; when idle, every block and slot is free again."""
         self.scheduler.check_integrity()
+        if self.tier_mover is not None:
+            self.tier_mover.check_stores()
         if not self.has_unfinished_requests():
             usage = self.cache.usage()
             assert usage.kv_blocks_free == usage.kv_blocks, "KV blocks still in use while idle"

@@ -631,6 +631,13 @@ class EngineTierMover:
         """Each store's counters, highest tier first."""
         return [mover.store.stats() for mover in self.movers.values()]
 
+    def check_stores(self) -> None:
+        """Each store's own books, where it keeps any (the host store's arena slots and counters)."""
+        for store in self.stores.in_order():
+            check = getattr(store, "check_integrity", None)
+            if callable(check):
+                check()
+
     def close(self) -> None:
         """Finish the queued writes (so write-back objects reach the disk), then close the stores."""
         for mover in self.movers.values():

@@ -248,16 +248,26 @@ def test_host_budget_refuses_and_never_raises() -> None:
     assert host.delete("a") and host.stats().bytes == 0 and not host.delete("a")
 
 
-def test_host_put_that_fails_to_copy_releases_its_reservation(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("in_arena", [True, False], ids=["arena-slot", "own-memory"])
+def test_host_put_that_fails_to_copy_releases_its_reservation(monkeypatch: pytest.MonkeyPatch, in_arena: bool) -> None:
     host = HostStore(1 << 20)
 
     def broken_copy(*args: Any, **kwargs: Any) -> Payload:
         raise RuntimeError("copy failed")
 
-    monkeypatch.setattr(tier_store, "_host_copy", broken_copy)
+    if in_arena:
+        monkeypatch.setattr(tier_store, "_copy_into_slots", broken_copy)
+    else:  # no slot for it: the copy into memory of its own fails
+        monkeypatch.setattr(tier_store.HostArena, "take", lambda self, signature: None)
+        monkeypatch.setattr(tier_store, "_host_copy", broken_copy)
     with pytest.raises(RuntimeError):
-        host.put("a", _payload())
+        host.put_many([("a", _payload()), ("b", _payload(1))])
     assert (host.stats().bytes, host.stats().objects, host.keys()) == (0, 0, [])
+    host.check_integrity()  # the slots taken for the failed copies are free again
+    monkeypatch.undo()
+    assert host.put("a", _payload()).ok
+    _assert_same(host.get("a"), _payload())
+    host.check_integrity()
 
 
 # -- the asynchronous front -----------------------------------------------------------------------
@@ -785,15 +795,15 @@ def test_a_kept_device_object_is_copied_before_the_slot_or_block_is_reused() -> 
     host = HostStore(1 << 20)
     mover = EngineTierMover(pools, TierStores(host=host))
     entered, release = threading.Event(), threading.Event()
-    put = host.put
+    put_many = host.put_many
 
-    def slow_put(key: str, payload: Mapping[str, torch.Tensor], ready: Any = None) -> PutResult:
-        if key == "state-d4":
+    def slow_put_many(items: Sequence[tuple[str, Mapping[str, torch.Tensor]]], ready: Any = None) -> list[PutResult]:
+        if any(key == "state-d4" for key, _ in items):
             entered.set()
             release.wait(5)
-        return put(key, payload, ready)
+        return put_many(items, ready)
 
-    host.put = slow_put  # type: ignore[method-assign]
+    host.put_many = slow_put_many  # type: ignore[method-assign]
     try:
         state_before, keys_before = snapshots.recurrent[:, 3].clone(), kv.keys[:, 8:12].clone()
         mover.hold_writes(True)  # as during a forward: the puts wait
