@@ -40,13 +40,15 @@ class _Chunk:
     views: dict[str, torch.Tensor]  # per tensor name: [slots, *shape], each slot's tensor contiguous
     flat: memoryview  # the buffer's bytes, read-only
     in_use: list[bool]
+    free: list[int]  # free indices, a stack (a new chunk's lowest on top)
     used: int = 0
 
 
 @dataclass
 class _Slab:
-    """The chunks of one layout and their free slots (lowest chunk first, so objects gather in the
-    first chunks and the last ones empty out to be given back)."""
+    """The chunks of one layout. A slot is taken from the lowest chunk with a free one, so objects
+    gather in the first chunks and the last ones empty out to be given back; every operation costs
+    the same however many chunks there are (no scans)."""
 
     number: int
     signature: Signature
@@ -55,7 +57,19 @@ class _Slab:
     stride: int  # bytes from one slot to the next
     per_chunk: int
     chunks: list[_Chunk | None] = field(default_factory=list)
-    free: list[int] = field(default_factory=list)  # a heap of chunk << _FIELD_BITS | index
+    open: list[int] = field(default_factory=list)  # a heap of chunks with free slots (stale entries skipped)
+    holes: list[int] = field(default_factory=list)  # a heap of chunk numbers given back, reused first
+    empty: set[int] = field(default_factory=set)  # chunks that hold no object
+
+    def open_chunk(self) -> int | None:
+        """The lowest chunk with a free slot, if any."""
+        while self.open:
+            number = self.open[0]
+            chunk = self.chunks[number]
+            if chunk is not None and chunk.free:
+                return number
+            heapq.heappop(self.open)
+        return None
 
 
 def _layout(signature: Signature) -> tuple[dict[str, int], dict[str, int], int]:
@@ -91,23 +105,32 @@ class HostArena:
         slab = self._slab(signature)
         if slab is None:
             return None
-        if not slab.free and not self._grow(slab):
-            return None
-        place = heapq.heappop(slab.free)
-        chunk = slab.chunks[place >> _FIELD_BITS]
+        number = slab.open_chunk()
+        if number is None:
+            number = self._grow(slab)
+            if number is None:
+                return None
+        chunk = slab.chunks[number]
         assert chunk is not None
-        chunk.in_use[place & _FIELD_MASK] = True
+        index = chunk.free.pop()
+        chunk.in_use[index] = True
         chunk.used += 1
+        slab.empty.discard(number)
         self.used_slots += 1
-        return slab.number << (2 * _FIELD_BITS) | place
+        return slab.number << (2 * _FIELD_BITS) | number << _FIELD_BITS | index
 
     def give(self, slot: int) -> None:
         """Free `slot` (its chunk stays allocated for the next object of the layout)."""
         slab, chunk, index = self._in_use(slot)
+        number = self.place(slot)[0]
         chunk.in_use[index] = False
         chunk.used -= 1
         self.used_slots -= 1
-        heapq.heappush(slab.free, slot & ((1 << 2 * _FIELD_BITS) - 1))
+        chunk.free.append(index)  # reused first: its memory is the most recently touched
+        if len(chunk.free) == 1:
+            heapq.heappush(slab.open, number)
+        if not chunk.used:
+            slab.empty.add(number)
 
     def tensors(self, slot: int) -> dict[str, torch.Tensor]:
         """Views of `slot`'s memory, one contiguous tensor per name (made per call: the arena keeps
@@ -134,16 +157,13 @@ class HostArena:
         """Give back every chunk that holds no object; the bytes given back."""
         released = 0
         for slab in self._by_number:
-            emptied = {number for number, chunk in enumerate(slab.chunks) if chunk is not None and not chunk.used}
-            if not emptied:
-                continue
-            for number in emptied:
+            for number in slab.empty:
                 chunk = slab.chunks[number]
                 assert chunk is not None
                 released += chunk.buffer.numel()
                 slab.chunks[number] = None
-            slab.free = [place for place in slab.free if place >> _FIELD_BITS not in emptied]
-            heapq.heapify(slab.free)
+                heapq.heappush(slab.holes, number)
+            slab.empty.clear()
         self.allocated_bytes -= released
         return released
 
@@ -161,14 +181,13 @@ class HostArena:
             live = {n: c for n, c in enumerate(slab.chunks) if c is not None}
             allocated += sum(c.buffer.numel() for c in live.values())
             used += sum(c.used for c in live.values())
-            free_per_chunk = dict.fromkeys(live, 0)
-            for place in slab.free:
-                number, index = place >> _FIELD_BITS, place & _FIELD_MASK
-                assert number in live and not live[number].in_use[index], f"free slot {place} taken or gone"
-                free_per_chunk[number] += 1
             for number, chunk in live.items():
-                assert chunk.used + free_per_chunk[number] == len(chunk.in_use), f"chunk {number}: slots lost"
-                assert sum(chunk.in_use) == chunk.used, f"chunk {number}: use marks disagree"
+                assert set(chunk.free) == {i for i, taken in enumerate(chunk.in_use) if not taken}, \
+                    f"chunk {number}: free slots disagree with the use marks"
+                assert chunk.used == sum(chunk.in_use) == len(chunk.in_use) - len(chunk.free), f"chunk {number}: count"
+                assert not chunk.free or number in slab.open, f"chunk {number}: free slots not findable"
+            assert slab.empty == {n for n, c in live.items() if not c.used}, "empty chunks out of step"
+            assert sorted(slab.holes) == [n for n, c in enumerate(slab.chunks) if c is None], "holes out of step"
         assert (allocated, used) == (self.allocated_bytes, self.used_slots), "arena counters disagree"
         assert self.allocated_bytes <= self.limit_bytes, "arena over its limit"
 
@@ -192,26 +211,28 @@ class HostArena:
             self._by_number.append(slab)
         return slab
 
-    def _grow(self, slab: _Slab) -> bool:
-        """Add a chunk to `slab`: `per_chunk` slots, or as many as the limit leaves room for."""
+    def _grow(self, slab: _Slab) -> int | None:
+        """Add a chunk to `slab` (`per_chunk` slots, or as many as the limit leaves room for): its
+        number, or None without room."""
         room = (self.limit_bytes - self.allocated_bytes) // slab.stride
         if room < slab.per_chunk:
             self.release_empty()
             room = (self.limit_bytes - self.allocated_bytes) // slab.stride
         count = min(room, slab.per_chunk, _FIELD_MASK)
-        number = next((n for n, chunk in enumerate(slab.chunks) if chunk is None), len(slab.chunks))
+        number = slab.holes[0] if slab.holes else len(slab.chunks)
         if count < 1 or number > _FIELD_MASK:
-            return False
+            return None
         buffer = torch.empty(count * slab.stride, dtype=torch.uint8)
         rows = buffer.view(count, slab.stride)
         views = {name: rows[:, slab.offsets[name]:slab.offsets[name] + slab.sizes[name]].view(dtype).view(count, *shape)
                  for name, dtype, shape in slab.signature}
-        chunk = _Chunk(buffer, views, buffer.numpy().data.toreadonly(), [False] * count)
+        chunk = _Chunk(buffer, views, buffer.numpy().data.toreadonly(), [False] * count, list(range(count - 1, -1, -1)))
         if number == len(slab.chunks):
             slab.chunks.append(chunk)
         else:
+            heapq.heappop(slab.holes)
             slab.chunks[number] = chunk
-        for index in range(count):
-            heapq.heappush(slab.free, number << _FIELD_BITS | index)
+        heapq.heappush(slab.open, number)
+        slab.empty.add(number)
         self.allocated_bytes += buffer.numel()
-        return True
+        return number

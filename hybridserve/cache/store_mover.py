@@ -96,7 +96,8 @@ class StoreMover:
     demotions that making room for it started; a get of a key with a put or delete still queued
     goes behind it in the write lane. Within a lane, operations run in submission order. The
     operations of one submission are queued, run and reported together (one wake-up for a whole
-    entry's objects, not one per object). Each event carries its operation's sequence number,
+    entry's objects, not one per object; one store call where the store takes them all at once:
+    `get_many`, `put_many`). Each event carries its operation's sequence number,
     counted from the one `submit_many`/`submit_call` returned."""
 
     def __init__(self, store: ObjectStore, *, max_pending: int = DEFAULT_MAX_PENDING) -> None:
@@ -362,8 +363,8 @@ class StoreMover:
         return None
 
     def _put_all(self, ops: list[_Op]) -> list[TierEvent]:
-        """Run a submission of puts as one `put_many` (its copies as one tensor call: one hand-off
-        of the interpreter lock for the whole submission, not several per object)."""
+        """Run a submission of puts as one `put_many` (the host store copies them all with one
+        tensor call)."""
         try:
             results = self.store.put_many([(op.key, op.payload) for op in ops], ops[0].ready)  # type: ignore[attr-defined]
         except Exception:  # a store bug must not kill the thread and leave the engine waiting

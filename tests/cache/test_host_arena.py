@@ -186,3 +186,32 @@ def test_stored_objects_add_nothing_for_the_cyclic_collector() -> None:
     assert after - before < 100, f"{after - before} tracked objects for 1,000 more stored objects"
     assert host.stats().objects == 1050
     host.check_integrity()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_takes_gives_and_releases_across_many_chunks(seed: int) -> None:
+    """Two layouts in small chunks near the limit: slots are never handed out twice, a take fails
+    only when no free slot, empty chunk or room is left, freed chunk numbers are reused, and the
+    books (free slots, empty chunks, holes) agree after every operation."""
+    rng = random.Random(seed)
+    layouts = [signature_of(_object(0)), signature_of(_object(0, rows=16))]  # 256- and 640-byte slots
+    arena = HostArena(40 * 1024, chunk_bytes=1024)
+    held: dict[int, Any] = {}
+    for _ in range(2000):
+        if held and rng.random() < 0.45:
+            slot = rng.choice(list(held))
+            arena.give(slot)
+            del held[slot]
+        elif rng.random() < 0.05:
+            arena.release_empty()
+        else:
+            signature = rng.choice(layouts)
+            slot = arena.take(signature)
+            if slot is None:
+                assert arena.allocated_bytes + 1024 > arena.limit_bytes  # no room for another chunk
+            else:
+                assert slot not in held and arena.signature(slot) == signature
+                held[slot] = signature
+        arena.check_integrity()
+    assert arena.used_slots == len(held)
+    assert max(arena.place(slot)[0] for slot in held) < 64  # chunk numbers reused, not ever growing
