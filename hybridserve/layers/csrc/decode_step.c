@@ -4,9 +4,9 @@
  * linears) and bfloat16 ones (bfloat16 weights, KV and conv state, widened to float32 as they are
  * read: every activation stays float32).
  *
- * After the GEMV and the fused layer kernels, a batch-1 decode step of the built-in model spent
- * ~4 ms of ~12 outside the linears: ~150 PyTorch ops and ~40 module calls at 10-30 us each on this
- * 2-core VM. Here the same work runs as straight C: it calls the kernels the module path calls
+ * After the GEMV and the fused layer kernels, most of a decode step outside the linears was the
+ * module path's own overhead: many small PyTorch ops and module calls, each costing more than its
+ * arithmetic (figures in docs/cpu-kernels.md). Here the same work runs as straight C: it calls the kernels the module path calls
  * (gemv_f32 / gemv_i8 / gemm_rows, rms_norm_f32, rms_norm_rope_f32, gdn_decode_f32) in the same
  * order, adds the decode attention over the paged KV (a chunk of 8 or more rows takes
  * prefill_attention.c's chunk attention), and does the small elementwise steps inline. It is the
@@ -269,8 +269,8 @@ static void context_rows8(const DecodeModel *m, const void *storage, int64_t lay
 
 /* Scores of 8 consecutive context positions [j, j + 8) against the group's query heads (dim a
  * multiple of 8): the 8 key rows are read once for all heads, and each head's 8 dot products are
- * summed together (a prompt chunk's rows attend over long contexts: per-key dot products with
- * their own lane sums took ~4 ms of a 16-row step over 2048 tokens). */
+ * summed together (a prompt chunk's rows attend over long contexts, where per-key dot products,
+ * each with its own lane sum, were the step's largest cost: docs/cpu-kernels.md). */
 static void scores_block8(const DecodeModel *m, int64_t layer_rows, int64_t kv_head, const int64_t *table,
                           int64_t block_size, int64_t j, int64_t group, int64_t first_head, int64_t first_score,
                           float *key_buffer, Workspace *w, int64_t max_context) {

@@ -5,8 +5,7 @@
  *
  * The GEMV (csrc/gemv.c) and the float32 tile (csrc/gemm_rows.c) widen each weight to float32 and
  * spend one FMA per weight per row: at 16 rows of a decode step that is compute, not the weight
- * stream (the built-in model's bf16 linears: 4.3-4.8 ms at 16 rows against 1.1-1.2 ms at one). A
- * tile multiply (TDPBF16PS) does 16 x 16 x 32 multiply-adds at once, so the rows cost little.
+ * stream (docs/cpu-kernels.md has the figures). A tile multiply (TDPBF16PS) does 16 x 16 x 32 multiply-adds at once, so the rows cost little.
  *
  * Numerics: a bf16 weight is bf16 already and an int8 one is a bf16 value exactly (integers to 256
  * are); each float32 input x is split exactly into three bf16 parts (x = hi + mid + lo: hi is x with
@@ -24,15 +23,14 @@
  * and up rows and writes silu(gate) * up. A ragged end (in not a multiple of 32, or out not of 32)
  * goes through a zero-padded tile, so nothing past the matrix is read.
  *
- * Built-in model's 33 linears, 2 threads, C harness: bf16 against the GEMV, 6 rows 0.80x the
- * time, 8 rows 0.83-0.89x, 16 rows 0.50-0.53x, 32 rows 0.44x, 4 rows 1.03x; int8 against the float32
- * tile, 6 rows 1.27x, 8 rows 0.89x, 16 rows 0.66x, 32 rows 0.63x (hence the lower bounds).
+ * The lower row bounds (6 for bf16, 8 for int8) are where the tiles start to beat the GEMV and the
+ * float32 tile on the built-in model's linears (docs/cpu-kernels.md).
  *
  * The tile registers need the kernel's permission (arch_prctl ARCH_REQ_XCOMP_PERM, once per
  * process) and a tile configuration in each thread. Other libraries in the process (oneDNN's AMX
  * kernels) load their own configuration and release it, so every call configures each thread it
  * runs on, at that thread's first task of the call; the configuration is left in place afterwards
- * (releasing it per task measured ~0.3 us a task). HYBRIDSERVE_AMX=0 (native.py) turns it off. */
+ * (releasing it per task added a fixed cost to every task). HYBRIDSERVE_AMX=0 (native.py) turns it off. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
