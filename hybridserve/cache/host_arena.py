@@ -1,7 +1,7 @@
 """Host memory for the host tier's objects (`HostArena`): slots of one object layout, in chunks that
 stay allocated once made.
 
-The arena keeps no Python object per stored object: a slot is two numbers, and its tensor and byte
+The arena keeps no Python object per stored object: a slot is one int, and its tensor and byte
 views are made when asked for. A host tier of many objects held as tensors of their own (a dict, two
 tensors and their byte views each) made every full collection of Python's cyclic collector walk
 them all, a pause on whichever thread triggered it that grew with the tier. A put into a freed slot
