@@ -9,7 +9,8 @@ also copies into memory touched before (no allocation, no page faults), and the 
 submission's objects with one tensor call.
 
 The arena never holds more than its limit: a chunk that would pass it is made only after every
-chunk with no object in it has been given back, and smaller when that is all the room left. A slot
+chunk with no object in it has been given back, and smaller when that is all the room left; the
+owner can also empty a chunk of another layout by moving its objects (`evacuation`). A slot
 is reused as soon as its object is deleted, so a reader must copy out what it needs while the owner
 (`HostStore`) holds its lock.
 """
@@ -17,7 +18,7 @@ is reused as soon as its object is deleted, so a reader must copy out what it ne
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +61,7 @@ class _Slab:
     open: list[int] = field(default_factory=list)  # a heap of chunks with free slots (stale entries skipped)
     holes: list[int] = field(default_factory=list)  # a heap of chunk numbers given back, reused first
     empty: set[int] = field(default_factory=set)  # chunks that hold no object
+    free_slots: int = 0  # over all its chunks
 
     def open_chunk(self) -> int | None:
         """The lowest chunk with a free slot, if any."""
@@ -115,6 +117,7 @@ class HostArena:
         index = chunk.free.pop()
         chunk.in_use[index] = True
         chunk.used += 1
+        slab.free_slots -= 1
         slab.empty.discard(number)
         self.used_slots += 1
         return slab.number << (2 * _FIELD_BITS) | number << _FIELD_BITS | index
@@ -127,6 +130,7 @@ class HostArena:
         chunk.used -= 1
         self.used_slots -= 1
         chunk.free.append(index)  # reused first: its memory is the most recently touched
+        slab.free_slots += 1
         if len(chunk.free) == 1:
             heapq.heappush(slab.open, number)
         if not chunk.used:
@@ -153,6 +157,45 @@ class HostArena:
         """`slot`'s chunk number in its layout and its index in the chunk."""
         return slot >> _FIELD_BITS & _FIELD_MASK, slot & _FIELD_MASK
 
+    def evacuation(self, keep: Signature, movable: Callable[[int], bool]) -> list[tuple[int, int]]:
+        """Moves that empty one chunk of a layout other than `keep`, so its memory can go to `keep`:
+        (slot, new slot) pairs, the new slots taken (in lower chunks of the same layout). The caller
+        copies each object over and gives the old slots back. Only a chunk whose objects are all
+        `movable` (not being written) and fit in its layout's other free slots is chosen: the last
+        one of its layout, where objects gather least. Empty when no layout has such a chunk."""
+        for slab in self._by_number:
+            if slab.signature == keep or not slab.free_slots:
+                continue
+            live = [(c.used, -n) for n, c in enumerate(slab.chunks)
+                    if c is not None and c.used and slab.free_slots - len(c.free) >= c.used]
+            if not live:
+                continue
+            number = -min(live)[1]
+            chunk = slab.chunks[number]
+            assert chunk is not None
+            base = slab.number << (2 * _FIELD_BITS) | number << _FIELD_BITS
+            old = [base | index for index, taken in enumerate(chunk.in_use) if taken]
+            if not all(movable(slot) for slot in old):
+                continue
+            return list(zip(old, self._take_elsewhere(slab, number, len(old)), strict=True))
+        return []
+
+    def _take_elsewhere(self, slab: _Slab, number: int, count: int) -> list[int]:
+        """Take `count` slots of `slab` outside chunk `number` (its free slots are set aside meanwhile)."""
+        chunk = slab.chunks[number]
+        assert chunk is not None
+        aside, chunk.free = chunk.free, []
+        slab.free_slots -= len(aside)
+        try:
+            taken = [self.take(slab.signature) for _ in range(count)]
+        finally:
+            chunk.free = aside
+            slab.free_slots += len(aside)
+            if aside:
+                heapq.heappush(slab.open, number)
+        assert None not in taken, "fewer free slots than counted"
+        return [slot for slot in taken if slot is not None]
+
     def release_empty(self) -> int:
         """Give back every chunk that holds no object; the bytes given back."""
         released = 0
@@ -161,6 +204,7 @@ class HostArena:
                 chunk = slab.chunks[number]
                 assert chunk is not None
                 released += chunk.buffer.numel()
+                slab.free_slots -= len(chunk.free)
                 slab.chunks[number] = None
                 heapq.heappush(slab.holes, number)
             slab.empty.clear()
@@ -187,6 +231,7 @@ class HostArena:
                 assert chunk.used == sum(chunk.in_use) == len(chunk.in_use) - len(chunk.free), f"chunk {number}: count"
                 assert not chunk.free or number in slab.open, f"chunk {number}: free slots not findable"
             assert slab.empty == {n for n, c in live.items() if not c.used}, "empty chunks out of step"
+            assert slab.free_slots == sum(len(c.free) for c in live.values()), "free slot count out of step"
             assert sorted(slab.holes) == [n for n, c in enumerate(slab.chunks) if c is None], "holes out of step"
         assert (allocated, used) == (self.allocated_bytes, self.used_slots), "arena counters disagree"
         assert self.allocated_bytes <= self.limit_bytes, "arena over its limit"
@@ -234,5 +279,6 @@ class HostArena:
             slab.chunks[number] = chunk
         heapq.heappush(slab.open, number)
         slab.empty.add(number)
+        slab.free_slots += count
         self.allocated_bytes += buffer.numel()
         return number

@@ -317,6 +317,7 @@ class HostStore:
         self._arena = None if self._pin else HostArena(budget_bytes)
         self._objects: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
         self._slots: dict[str, int] = {}  # objects held in the arena: their slots
+        self._key_of_slot: dict[int, str] = {}  # the same, the other way (slots being written are in neither)
         self._own: dict[str, Payload] = {}  # objects in memory of their own (pinned, or no slot)
         self._bytes: dict[str, tuple[Signature, Mapping[str, memoryview]]] = {}  # byte views of `_own` CPU ones
         self._copying = (0, 0)  # bytes and arena slots reserved by puts still copying
@@ -334,20 +335,25 @@ class HostStore:
         planned: list[tuple[str, Mapping[str, torch.Tensor], int, int | None]] = []
         slotted: list[tuple[Mapping[str, torch.Tensor], dict[str, torch.Tensor]]] = []
         with self._lock:
-            for key, payload in items:
-                nbytes = payload_nbytes(payload)
-                if self._stats.bytes - self._objects.get(key, 0) + nbytes > self.budget_bytes:
-                    self._stats.refused_puts += 1
-                    results.append(PutResult(False, nbytes))
-                    continue
-                self._stats.bytes += nbytes  # reserved while copying
-                slot = self._take_slot(payload)
-                if slot is not None:
-                    assert self._arena is not None
-                    slotted.append((payload, self._arena.tensors(slot)))
-                planned.append((key, payload, nbytes, slot))
-                results.append(PutResult(True, nbytes))
-            self._reserve(planned, 1)
+            self._reserve(planned, 1)  # grows with `planned` below: bytes and slots of the copies to make
+            try:
+                for key, payload in items:
+                    nbytes = payload_nbytes(payload)
+                    if self._stats.bytes - self._objects.get(key, 0) + nbytes > self.budget_bytes:
+                        self._stats.refused_puts += 1
+                        results.append(PutResult(False, nbytes))
+                        continue
+                    slot = self._take_slot(payload)
+                    self._stats.bytes += nbytes  # reserved while copying
+                    if slot is not None:
+                        assert self._arena is not None
+                        slotted.append((payload, self._arena.tensors(slot)))
+                    planned.append((key, payload, nbytes, slot))
+                    self._reserve(planned[-1:], 1)
+                    results.append(PutResult(True, nbytes))
+            except BaseException:
+                self._unplan(planned)
+                raise
         own: dict[int, Payload] = {}
         try:
             if slotted:
@@ -357,11 +363,7 @@ class HostStore:
                     own[number] = _host_copy(payload, pin=self._pin, stream=self._stream, ready=ready)
         except BaseException:
             with self._lock:
-                self._reserve(planned, -1)
-                for _, _, nbytes, slot in planned:
-                    self._stats.bytes -= nbytes
-                    if slot is not None and self._arena is not None:
-                        self._arena.give(slot)
+                self._unplan(planned)
             raise
         with self._lock:
             self._reserve(planned, -1)
@@ -371,6 +373,7 @@ class HostStore:
                 self._objects[key] = nbytes
                 if slot is not None:
                     self._slots[key] = slot
+                    self._key_of_slot[slot] = key
                 else:
                     self._own[key] = own[number]
                     if not self._pin:
@@ -380,6 +383,14 @@ class HostStore:
             self._stats.objects = len(self._objects)
             self._stats.transfer_seconds += time.perf_counter() - start
         return results
+
+    def _unplan(self, planned: Sequence[tuple[str, Any, int, int | None]]) -> None:
+        """Give back the bytes and slots of puts that will not complete (lock held)."""
+        self._reserve(planned, -1)
+        for _, _, nbytes, slot in planned:
+            self._stats.bytes -= nbytes
+            if slot is not None and self._arena is not None:
+                self._arena.give(slot)
 
     def _reserve(self, planned: Sequence[tuple[Any, Any, int, Any]], sign: int) -> None:
         """Note (sign 1) or forget (-1) the bytes and slots of puts that are copying (lock held)."""
@@ -391,7 +402,32 @@ class HostStore:
         """An arena slot for a CPU payload (caller holds the lock); None on CUDA or without room."""
         if self._arena is None or any(t.device.type != "cpu" for t in payload.values()):
             return None
-        return self._arena.take(signature_of(payload))
+        signature = signature_of(payload)
+        slot = self._arena.take(signature)
+        while slot is None and self._move_out_of_one_chunk(signature):
+            slot = self._arena.take(signature)
+        return slot
+
+    def _move_out_of_one_chunk(self, signature: Signature) -> bool:
+        """Make room for `signature` when the arena is full: move the objects of another layout's
+        last chunk into that layout's free slots, so the chunk empties and can be given back (lock
+        held). False when no chunk can be emptied that way."""
+        assert self._arena is not None
+        moves = self._arena.evacuation(signature, self._key_of_slot.__contains__)
+        if not moves:
+            return False
+        sources, destinations = [], []
+        for old, new in moves:
+            for name, tensor in self._arena.tensors(old).items():
+                sources.append(tensor)
+                destinations.append(self._arena.tensors(new)[name])
+        torch._foreach_copy_(destinations, sources)
+        for old, new in moves:
+            key = self._key_of_slot.pop(old)
+            self._slots[key] = new
+            self._key_of_slot[new] = key
+            self._arena.give(old)
+        return True
 
     def get(self, key: str) -> Payload | None:
         """The tensors under `key`: a copy of an arena object; a pinned one's own tensors, shared
@@ -459,6 +495,7 @@ class HostStore:
         self._own.pop(key, None)
         slot = self._slots.pop(key, None)
         if slot is not None and self._arena is not None:
+            del self._key_of_slot[slot]
             self._arena.give(slot)
         nbytes = self._objects.pop(key, None)
         if nbytes is None:
@@ -490,6 +527,7 @@ class HostStore:
             assert self._slots.keys().isdisjoint(self._own), "an object both in the arena and outside it"
             assert self._slots.keys() | self._own.keys() == self._objects.keys(), "an object without memory"
             assert self._bytes.keys() <= self._own.keys(), "byte views outlived their object"
+            assert {slot: key for key, slot in self._slots.items()} == self._key_of_slot, "slot owners out of step"
             if self._arena is not None:
                 assert self._arena.used_slots == len(self._slots) + copying_slots, "an arena slot has no object"
                 self._arena.check_integrity()
@@ -500,6 +538,7 @@ class HostStore:
             self._objects.clear()
             self._bytes.clear()
             self._slots.clear()
+            self._key_of_slot.clear()
             self._own.clear()
             if self._arena is not None:
                 self._arena.clear()

@@ -215,3 +215,23 @@ def test_random_takes_gives_and_releases_across_many_chunks(seed: int) -> None:
         arena.check_integrity()
     assert arena.used_slots == len(held)
     assert max(arena.place(slot)[0] for slot in held) < 64  # chunk numbers reused, not ever growing
+
+
+def test_a_full_arena_moves_another_layouts_objects_to_make_room() -> None:
+    """The arena's chunks all belong to one layout, half of their slots free but spread over every
+    chunk: a put of another layout moves objects out of one chunk into the free slots of the
+    others (their data intact), that chunk is given back, and the new object gets a slot in the
+    arena, not memory of its own."""
+    small, large = _pool_object(0, 4), _pool_object(0, 64)
+    host = HostStore(8 * 1024)
+    host._arena = HostArena(8 * 1024, chunk_bytes=1024)  # 4 small objects (256 bytes) a chunk, 8 chunks
+    for i in range(32):
+        assert host.put(f"kv-{i}", _pool_object(i, 4)).ok
+    for i in range(0, 32, 2):  # every chunk half full
+        assert host.delete(f"kv-{i}")
+    assert host.put("state", large).ok
+    assert "state" in host._slots and not host._own  # in the arena
+    assert all(_same(host.get(f"kv-{i}"), _pool_object(i, 4)) for i in range(1, 32, 2))
+    assert _same(host.get("state"), large)
+    assert host.stats().bytes == 16 * payload_nbytes(small) + payload_nbytes(large)
+    host.check_integrity()
