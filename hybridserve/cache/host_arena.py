@@ -28,6 +28,7 @@ CHUNK_BYTES = 4 << 20  # one chunk of small objects; an object larger than this 
 _ALIGN = 64  # each tensor of a slot starts on a cache line
 _FIELD_BITS = 24  # a slot number: layout, chunk and index, 24 bits each for the last two
 _FIELD_MASK = (1 << _FIELD_BITS) - 1
+_EVACUATION_WINDOW = 64  # chunks from the end of a layout's list an evacuation looks at
 
 
 def signature_of(payload: Mapping[str, torch.Tensor]) -> Signature:
@@ -159,18 +160,20 @@ class HostArena:
 
     def evacuation(self, keep: Signature, movable: Callable[[int], bool]) -> list[tuple[int, int]]:
         """Moves that empty one chunk of a layout other than `keep`, so its memory can go to `keep`:
-        (slot, new slot) pairs, the new slots taken (in lower chunks of the same layout). The caller
-        copies each object over and gives the old slots back. Only a chunk whose objects are all
-        `movable` (not being written) and fit in its layout's other free slots is chosen: the last
-        one of its layout, where objects gather least. Empty when no layout has such a chunk."""
+        (slot, new slot) pairs, the new slots taken in the layout's other chunks. The caller copies
+        each object over and gives the old slots back. The chunk is the least used of its layout's
+        last `_EVACUATION_WINDOW` (where objects gather least; a bounded look, not a scan) whose
+        objects are all `movable` (not being written) and fit in the layout's other free slots.
+        Empty when no layout has such a chunk."""
         for slab in self._by_number:
             if slab.signature == keep or not slab.free_slots:
                 continue
-            live = [(c.used, -n) for n, c in enumerate(slab.chunks)
-                    if c is not None and c.used and slab.free_slots - len(c.free) >= c.used]
-            if not live:
+            tail = range(len(slab.chunks) - 1, max(len(slab.chunks) - 1 - _EVACUATION_WINDOW, -1), -1)
+            fits = [(c.used, -n) for n in tail if (c := slab.chunks[n]) is not None and c.used
+                    and slab.free_slots - len(c.free) >= c.used]
+            if not fits:
                 continue
-            number = -min(live)[1]
+            number = -min(fits)[1]  # the least used, the later one on a tie
             chunk = slab.chunks[number]
             assert chunk is not None
             base = slab.number << (2 * _FIELD_BITS) | number << _FIELD_BITS

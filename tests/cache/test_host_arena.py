@@ -235,3 +235,21 @@ def test_a_full_arena_moves_another_layouts_objects_to_make_room() -> None:
     assert _same(host.get("state"), large)
     assert host.stats().bytes == 16 * payload_nbytes(small) + payload_nbytes(large)
     host.check_integrity()
+
+
+def test_an_evacuation_moves_only_objects_that_may_move_and_fit() -> None:
+    small, large = signature_of(_object(0)), signature_of(_object(0, rows=64))
+    arena = HostArena(2048, chunk_bytes=1024)  # two chunks of four small slots
+    slots = [arena.take(small) for _ in range(8)]
+    for slot in slots[1::2]:
+        arena.give(slot)  # type: ignore[arg-type]
+    assert arena.evacuation(large, lambda slot: False) == []  # objects being written stay
+    assert arena.evacuation(small, lambda slot: True) == []  # never the layout asking
+    moves = arena.evacuation(large, lambda slot: True)
+    assert len(moves) == 2 and {arena.place(old)[0] for old, _ in moves} == {1}  # the later chunk empties
+    assert {arena.place(new)[0] for _, new in moves} == {0}
+    for old, _ in moves:
+        arena.give(old)
+    arena.check_integrity()
+    assert arena.take(large) is None  # 1,024 bytes free: not room for a 2,304-byte slot
+    arena.check_integrity()
