@@ -335,7 +335,6 @@ class HostStore:
         planned: list[tuple[str, Mapping[str, torch.Tensor], int, int | None]] = []
         slotted: list[tuple[Mapping[str, torch.Tensor], dict[str, torch.Tensor]]] = []
         with self._lock:
-            self._reserve(planned, 1)  # grows with `planned` below: bytes and slots of the copies to make
             try:
                 for key, payload in items:
                     nbytes = payload_nbytes(payload)
@@ -349,7 +348,7 @@ class HostStore:
                         assert self._arena is not None
                         slotted.append((payload, self._arena.tensors(slot)))
                     planned.append((key, payload, nbytes, slot))
-                    self._reserve(planned[-1:], 1)
+                    self._reserve(planned[-1:], 1)  # copying from here on
                     results.append(PutResult(True, nbytes))
             except BaseException:
                 self._unplan(planned)
@@ -409,18 +408,20 @@ class HostStore:
         return slot
 
     def _move_out_of_one_chunk(self, signature: Signature) -> bool:
-        """Make room for `signature` when the arena is full: move the objects of another layout's
-        last chunk into that layout's free slots, so the chunk empties and can be given back (lock
-        held). False when no chunk can be emptied that way."""
+        """Make room for `signature` when the arena is full: move the objects of one chunk of another
+        layout into that layout's other free slots (`HostArena.evacuation`), so the chunk empties and
+        can be given back (lock held). False when no chunk can be emptied that way. Each call empties
+        a chunk that held objects and fills none that was empty, so the caller's loop ends."""
         assert self._arena is not None
         moves = self._arena.evacuation(signature, self._key_of_slot.__contains__)
         if not moves:
             return False
         sources, destinations = [], []
         for old, new in moves:
+            target = self._arena.tensors(new)
             for name, tensor in self._arena.tensors(old).items():
                 sources.append(tensor)
-                destinations.append(self._arena.tensors(new)[name])
+                destinations.append(target[name])
         torch._foreach_copy_(destinations, sources)
         for old, new in moves:
             key = self._key_of_slot.pop(old)
