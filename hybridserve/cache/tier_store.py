@@ -26,7 +26,7 @@ object is a counted miss and is deleted: never an exception, never wrong data.
 Reads in place (`ReadTarget`): a promotion into CPU pools names, for each object, the block or slot
 it fills. `DiskStore` then reads the file straight into that memory (one `preadv` of the header and
 every layer's piece) and verifies the checksum over it there, with no decoded copy between;
-`HostStore` copies the bytes it keeps with each object (plain memory copies, no tensor calls);
+`HostStore` copies each object's bytes out of its arena slot (plain memory copies, no tensor calls);
 other stores' payloads are copied in (`copy_into`). A read that fails has still written into the target,
 which the caller must not use (the tiers free a failed promotion's blocks and slot unpublished).
 """
