@@ -111,6 +111,7 @@ class _SequenceCache:
     state_slot: int | None = None
     num_registered_blocks: int = 0
     branch_point: int = 0                      # KV matched this deep at admission, with no snapshot there
+    resumes: bool = False                      # ... where an earlier request's cached end tail continues
     snapshot_depth: int = 0                    # deepest snapshot on its path (restored or taken)
     snapshot_key: BlockHash | None = None      # ... and its key (the parent of the next one taken)
     lookup_counted: bool = False               # its admission is in the prefix-cache stats
@@ -278,6 +279,7 @@ class JointCacheManager:
         kv_copy = None
         if lookup is not None:
             entry.branch_point = lookup.kv_match_tokens if lookup.kv_match_tokens > hit.num_tokens else 0
+            entry.resumes = entry.branch_point > 0 and self._resumes_tail(seq, entry.branch_point)
             entry.snapshot_depth, entry.snapshot_key = hit.num_tokens, lookup.key
             if hit.tail_block is not None:
                 kv_copy = (hit.tail_block, entry.block_ids[num_hit_blocks])
@@ -554,16 +556,32 @@ class JointCacheManager:
             # tier the pushed-out snapshot is demoted and still serves, so it may take any slot.
             opportunistic = self.tiers is None and self.policy.is_opportunistic(view, boundary)
             reservation = self._reserve_snapshot(key, boundary, self._parent_key(entry, boundary), opportunistic,
-                                                 branch=boundary == entry.branch_point)
+                                                 branch=self.policy.holds_as_branch(view, boundary, key))
             if reservation.status is ReserveStatus.RESERVED:
                 captures.append(reservation)
                 self._note_reserved(seq, reservation, self.policy.kind_of(view, boundary))
             if reservation.status is not ReserveStatus.SKIPPED:
                 entry.snapshot_depth, entry.snapshot_key = boundary, key
 
+    def _resumes_tail(self, seq: CacheSequence, boundary: int) -> bool:
+        """Whether the block after `boundary` starts with a cached tail (an earlier request ended
+        there): the sequence continues that request rather than branching off a shared prefix."""
+        full = boundary // self.block_size
+        parent = self.block_hashes(seq, full)[-1] if full else None
+        tails = self.block_pool.tails_after(parent)
+        if not tails:
+            return False
+        keys = self._extra_keys(seq)
+        for length in set(tails.values()):
+            if boundary + length < seq.num_prompt_tokens and hash_tail(
+                    parent, seq.token_ids[boundary:boundary + length], keys, self.block_hash) in tails:
+                return True
+        return False
+
     @staticmethod
     def _view(seq: CacheSequence, entry: _SequenceCache) -> RequestView:
-        return RequestView(seq.num_prompt_tokens, seq.num_tokens, entry.branch_point, entry.snapshot_depth)
+        return RequestView(seq.num_prompt_tokens, seq.num_tokens, entry.branch_point, entry.snapshot_depth,
+                           entry.resumes)
 
     @staticmethod
     def _parent_key(entry: _SequenceCache, boundary: int) -> BlockHash | None:

@@ -64,6 +64,7 @@ class RequestView(NamedTuple):
     num_tokens: int
     branch_point: int      # KV matched this deep but no snapshot did (0: none)
     deepest_snapshot: int  # deepest boundary with a snapshot on the request's path (hit or captured)
+    resumes: bool = False  # the branch point is an earlier request's end (its cached tail continues)
 
 
 class CachePolicy:
@@ -98,6 +99,11 @@ class CachePolicy:
         """Slot to evict (None: the pool's default, least recently used)."""
         return None
 
+    def holds_as_branch(self, view: RequestView, boundary: int, key: BlockHash) -> bool:
+        """Whether a capture at `boundary` (named `key`) counts as a branch point in the pool (a path beside the
+        request's own, so a deeper snapshot never covers it)."""
+        return boundary == view.branch_point
+
     def observe_publish(self, kind: str | None) -> None:
         """A snapshot of this candidate kind (None: unknown) was published in the device pool."""
 
@@ -118,7 +124,7 @@ class CachePolicy:
         diverge), another interval mark, or a mark in the output (lower tiers learn restore rates by
         kind)."""
         if boundary == view.branch_point:
-            return "branch"
+            return "resume" if view.resumes else "branch"
         if boundary == self._prompt_mark(view):
             return "prompt"
         if boundary > view.num_prompt_tokens:
@@ -181,6 +187,14 @@ class MarconiPolicy(CachePolicy):
         return candidates[min(range(len(candidates)), key=scores.__getitem__)][0]
 
 
+POOLED_KINDS = {"resume": "branch"}  # a kind whose evidence also counts toward a wider one (admission)
+
+
+def _counted_as(kind: str) -> tuple[str, ...]:
+    pooled = POOLED_KINDS.get(kind)
+    return (kind,) if pooled is None else (kind, pooled)
+
+
 class KindRates:
     """Restores per published snapshot, by candidate kind (see `CachePolicy.kind_of`; request ends
     are "end"), decayed by publications. Each snapshot counts at most RESTORES_COUNTED restores, so a
@@ -196,17 +210,19 @@ class KindRates:
     def published(self, kind: str) -> None:
         """Count one publication of `kind` (the decay clock ticks)."""
         self._clock += 1
-        self._add(kind, 0.0, 1.0)
+        for counted in _counted_as(kind):
+            self._add(counted, 0.0, 1.0)
 
     def restored(self, kind: str, earlier_restores: int) -> None:
         """Count a restore of a `kind` snapshot that had `earlier_restores` restores before it."""
         if earlier_restores < RESTORES_COUNTED:
-            self._add(kind, 1.0, 0.0)
+            for counted in _counted_as(kind):
+                self._add(counted, 1.0, 0.0)
 
-    def rate(self, kind: str) -> float:
-        """Estimated restores per published snapshot of `kind`."""
+    def rate(self, kind: str, prior: float = 1.0) -> float:
+        """Estimated restores per published snapshot of `kind` (`prior`: the rate before evidence)."""
         restores, publications = self.evidence(kind)
-        return (restores + KIND_PRIOR_WEIGHT) / (publications + KIND_PRIOR_WEIGHT)
+        return (restores + KIND_PRIOR_WEIGHT * prior) / (publications + KIND_PRIOR_WEIGHT)
 
     def _add(self, kind: str, restores: float, publications: float) -> None:
         old_restores, old_publications = self.evidence(kind)
@@ -235,6 +251,7 @@ class HybridServePolicy(IntervalPolicy):
     def __init__(self, block_size: int, cost: PrefixCost, interval: int) -> None:
         super().__init__(block_size, cost, interval)
         self.kind_rates = KindRates()
+        self._resumes_wanted: OrderedDict[BlockHash, None] = OrderedDict()
 
     def captures(self, view: RequestView, start: int, length: int) -> list[int]:
         kept = _within([self._prompt_mark(view), view.branch_point], start, length)
@@ -256,7 +273,28 @@ class HybridServePolicy(IntervalPolicy):
         branch point or prompt mark while its kind is restored less per snapshot than request ends."""
         if boundary not in (self._prompt_mark(view), view.branch_point):
             return True
-        return self.kind_rates.rate(self.kind_of(view, boundary)) < self.kind_rates.rate("end")
+        kind = self.kind_of(view, boundary)
+        return self.kind_rates.rate(POOLED_KINDS.get(kind, kind)) < self.kind_rates.rate("end")
+
+    def holds_as_branch(self, view: RequestView, boundary: int, key: BlockHash) -> bool:
+        """A capture where an earlier request ended ("resume") is a continuation: the request's own
+        deeper snapshots cover it, so it goes first once they exist. That holds while resumes are
+        restored no more per snapshot than request ends (resumes start at the ends' rate); once they
+        are restored more (siblings and later turns fall back to them), each is a branch point. A
+        resume captured again within a pool's worth of captures counts as a restore: it was wanted
+        again after it was evicted or skipped."""
+        if boundary != view.branch_point:
+            return False
+        if not view.resumes:
+            return True
+        if key in self._resumes_wanted:
+            self.kind_rates.restored("resume", 0)
+        self._resumes_wanted[key] = None
+        self._resumes_wanted.move_to_end(key)
+        while len(self._resumes_wanted) > max(self.snapshot_pool.num_slots if self.snapshot_pool else 0, 1):
+            self._resumes_wanted.popitem(last=False)
+        end = self.kind_rates.rate("end")
+        return self.kind_rates.rate("resume", prior=end) > end
 
     def observe_publish(self, kind: str | None) -> None:
         self.kind_rates.published(kind or "unknown")

@@ -164,6 +164,59 @@ def test_manager_reports_publications_and_restores_by_kind() -> None:
 
 
 
+def _evict_all_snapshots(run: AccountingRun) -> None:
+    """Drop every device snapshot through the manager's eviction path, keeping the KV cached."""
+    for slot in list(run.snapshots.evictable()):
+        key = run.snapshots.key_of(slot)
+        run.cache._on_block_evicted(key)
+        assert run.snapshots.lookup(key) is None
+
+
+def test_a_continuation_past_an_evicted_end_is_a_resume_not_a_branch() -> None:
+    """Where the KV match ends at an earlier request's cached end tail, the request continues that
+    request ("resume"); where another path's blocks diverge, it is a branch point."""
+    run = _run("hybridserve", snapshot_slots=16)
+    policy = run.cache.policy
+    assert isinstance(policy, HybridServePolicy)
+    prompt, output = _tokens(100, 41), _tokens(5, 42)
+    run.serve("a", prompt, output)                                       # end tail: tokens 96..104
+    _evict_all_snapshots(run)
+    assert run.serve("b", prompt + output + _tokens(20, 43), _tokens(3, 44)) == 0
+    assert policy.kind_rates.evidence("resume")[1] == pytest.approx(1.0, rel=0.01)
+    assert policy.kind_rates.evidence("branch")[1] == pytest.approx(1.0, rel=0.01)   # pooled for admission
+    _evict_all_snapshots(run)
+    assert run.serve("c", prompt[:96] + _tokens(30, 45), _tokens(3, 46)) == 0       # diverges at 96
+    assert policy.kind_rates.evidence("resume")[1] == pytest.approx(1.0, rel=0.01)
+    assert policy.kind_rates.evidence("branch")[1] == pytest.approx(2.0, rel=0.01)
+    run.scheduler.check_integrity()
+
+
+def test_a_resume_is_covered_until_resumes_prove_worth_more_than_ends() -> None:
+    policy = make_policy("hybridserve", 16, COST, 256)
+    assert isinstance(policy, HybridServePolicy)
+    policy.bind(BlockPool(64), SnapshotPool(8))
+    branch = RequestView(num_prompt_tokens=700, num_tokens=700, branch_point=320, deepest_snapshot=0)
+    resume = branch._replace(resumes=True)
+    assert policy.holds_as_branch(branch, 320, b"k" * 16)                # a path beside the request's own
+    assert not policy.holds_as_branch(branch, 256, b"k" * 16)            # not the branch point
+    assert not policy.holds_as_branch(resume, 320, b"r0" * 8)            # starts at the ends' rate
+    assert policy.kind_of(resume, 320) == "resume" and policy.kind_of(branch, 320) == "branch"
+    for index in range(8):                                               # siblings: each wanted twice
+        key = bytes([index]) * 16
+        policy.observe_publish("resume")
+        policy.observe_publish("end")
+        policy.holds_as_branch(resume, 320, key)
+        policy.holds_as_branch(resume, 320, key)
+    restores, publications = policy.kind_rates.evidence("resume")
+    assert restores == pytest.approx(8.0, rel=0.01) and publications == pytest.approx(8.0, rel=0.01)
+    assert policy.holds_as_branch(resume, 320, b"r1" * 8)                # restored more than ends now
+    for index in range(40):                                              # ends return, resumes do not
+        policy.observe_publish("resume")
+        policy.observe_publish("end")
+        policy.observe_restore("end", 0)
+    assert not policy.holds_as_branch(resume, 320, b"r2" * 8)
+
+
 def test_request_end_inside_a_block_is_restored_exactly() -> None:
     run = _run("hybridserve", snapshot_slots=16)
     prompt, output = _tokens(100, 1), _tokens(5, 2)
