@@ -240,7 +240,9 @@ class HybridServePolicy(IntervalPolicy):
     (a re-tokenised chat turn still hits), and every `interval` tokens into free or covered slots
     only. Learns restores per published snapshot by kind (`KindRates`): a branch point or prompt mark
     whose kind is restored less than request ends takes only free or covered slots too, so it never
-    pushes out the ends that serve more. Evicts, cheapest loss first: a snapshot whose KV is gone,
+    pushes out the ends that serve more. A branch point that resumes an earlier request's end is
+    covered by the request's own snapshots until resumes prove worth more than ends
+    (`holds_as_branch`). Evicts, cheapest loss first: a snapshot whose KV is gone,
     then a covered one, then the lowest value = prefill FLOPs saved beyond the resident parent x
     (prior + hits + extra paths) / (1 + age in pool turnovers). A released request's KV beyond its
     deepest snapshot is freed first."""

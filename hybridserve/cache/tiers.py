@@ -524,7 +524,7 @@ class TieredCache:
         """Copy a joint entry into tier `into` or, where it cannot fit, the next one down; each object
         from the device (`state_slot`, `device_blocks`) or a tier holding it; `restores`: what it
         earned above (its value); `kind`: what candidate it is (its label for learned restore rates:
-        "end", "prompt", "branch", "interval", "output"; default its class); `device_kept`: the
+        "end", "prompt", "branch", "resume", "interval", "output"; default its class); `device_kept`: the
         device keeps its copy (see `TierMover.start_demotion`). False when dropped."""
         for index in range(into, len(self.tiers)):
             tier = self.tiers[index]
