@@ -567,16 +567,9 @@ class JointCacheManager:
         """Whether the block after `boundary` starts with a cached tail (an earlier request ended
         there): the sequence continues that request rather than branching off a shared prefix."""
         full = boundary // self.block_size
-        parent = self.block_hashes(seq, full)[-1] if full else None
-        tails = self.block_pool.tails_after(parent)
-        if not tails:
-            return False
-        keys = self._extra_keys(seq)
-        for length in set(tails.values()):
-            if boundary + length < seq.num_prompt_tokens and hash_tail(
-                    parent, seq.token_ids[boundary:boundary + length], keys, self.block_hash) in tails:
-                return True
-        return False
+        tails = self.block_pool.tails_after(self.block_hashes(seq, full)[-1] if full else None)
+        return any(boundary + length < seq.num_prompt_tokens and self.boundary_key(seq, boundary + length) in tails
+                   for length in set(tails.values()))
 
     @staticmethod
     def _view(seq: CacheSequence, entry: _SequenceCache) -> RequestView:

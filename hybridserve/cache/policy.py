@@ -389,7 +389,7 @@ class _Ghost(NamedTuple):
 
 
 class AdaptiveHybridServePolicy(HybridServePolicy):
-    """Experimental, not the default (it does not yet beat `hybridserve`; docs/benchmarks.md). Admits
+    """Experimental, not the default (it loses to `hybridserve` on most workloads; docs/benchmarks.md). Admits
     the candidates of `hybridserve` (branch points, request ends, the prompt
     mark, interval marks) and learns what they are worth: restores per snapshot life by candidate kind
     and depth (`RestoreRates`). A kind restored less than average is admitted only into free or
