@@ -155,17 +155,17 @@ class JointCacheManager:
         self.snapshots = snapshots
         self.policy = policy
         self.prefix_cache: PrefixCache | None = None
-        if snapshots is not None and policy is not None:
-            policy.bind(block_pool, snapshots)
-            block_pool.on_evict = self._on_block_evicted
-            self.prefix_cache = PrefixCache(block_pool, snapshots, block_size)
-        self._sequences: dict[int, _SequenceCache] = {}
-        self.tiers = tiers
         # The prefix of each published (and reserved) device snapshot: to demote it whole (tiers), and
         # to tell which snapshots are joint hits now (`joint_boundaries`).
         self._paths: dict[BlockHash, JointEntry] = {}
         self._reserved_paths: dict[BlockHash, JointEntry] = {}
-        self._kinds: dict[BlockHash, str] = {}  # candidate kind of each of those (tiers learn by it)
+        self._kinds: dict[BlockHash, str] = {}  # candidate kind of each of those (the policy and tiers learn by it)
+        if snapshots is not None and policy is not None:
+            policy.bind(block_pool, snapshots, self._kinds)
+            block_pool.on_evict = self._on_block_evicted
+            self.prefix_cache = PrefixCache(block_pool, snapshots, block_size)
+        self._sequences: dict[int, _SequenceCache] = {}
+        self.tiers = tiers
         self._promotions: dict[int, _Promotion] = {}    # by ticket
         self._promotion_of: dict[int, int] = {}         # id(owner) -> ticket
         self.device_hits = self.device_hit_tokens = 0
@@ -459,7 +459,7 @@ class JointCacheManager:
         """Publish a reserved snapshot and note its prefix (with tiers, copy it down in write-through)."""
         self._snapshot_pool().publish(reservation)
         if self.policy is not None:
-            self.policy.observe_publish(self._kinds.get(reservation.key))
+            self.policy.observe_publish(self._kinds.get(reservation.key), reservation.key)
         joint = self._reserved_paths.pop(reservation.key)
         self._paths[reservation.key] = joint
         if self.tiers is None:
@@ -553,8 +553,8 @@ class JointCacheManager:
         for boundary in self.policy.captures(view, start, length):
             key = self.boundary_key(seq, boundary)
             # An opportunistic capture must not push out a snapshot that still serves; with a lower
-            # tier the pushed-out snapshot is demoted and still serves, so it may take any slot.
-            opportunistic = self.tiers is None and self.policy.is_opportunistic(view, boundary)
+            # tier the pushed-out snapshot is demoted and still serves (the policy weighs that).
+            opportunistic = self.policy.is_opportunistic(view, boundary, demoted=self.tiers is not None)
             reservation = self._reserve_snapshot(key, boundary, self._parent_key(entry, boundary), opportunistic,
                                                  branch=self.policy.holds_as_branch(view, boundary, key))
             if reservation.status is ReserveStatus.RESERVED:
@@ -597,7 +597,7 @@ class JointCacheManager:
             entry.lookup_counted = True  # once per sequence, across reverts and preemptions
             key = restore.lookup.key
             if key is not None and self.policy is not None and self.snapshots is not None:
-                self.policy.observe_restore(self._kinds.get(key), self.snapshots.num_hits(key))
+                self.policy.observe_restore(self._kinds.get(key), self.snapshots.num_hits(key), key)
             self.prefix_cache.record(restore.lookup)
             if key is not None:
                 self._count_hit(restore)

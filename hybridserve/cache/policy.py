@@ -7,7 +7,8 @@ same code. docs/prefix-cache.md tables the four policies: `interval`, `last-bloc
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 from hybridserve.cache.block_pool import BlockHash, BlockPool
@@ -24,6 +25,8 @@ TAIL_MARKS = 4  # interval marks this close to the prompt end (in intervals) are
 RESTORES_COUNTED = 4  # restores of one snapshot its kind's rate counts (one hot prefix is not its kind)
 KIND_HALF_LIFE = 4096.0  # publications; older evidence fades so kind rates follow the workload
 KIND_PRIOR_WEIGHT = 8.0  # pseudo-publications of one restore each that every kind starts with
+REUSE_GAPS_KEPT = 64  # branch-point reuses whose idle gaps set how long an idle one stays protected
+GHOSTS_PER_SLOT = 64  # evicted branch points remembered by key, per slot (captured again: a reuse)
 
 
 class PrefixCost(NamedTuple):
@@ -79,11 +82,15 @@ class CachePolicy:
         self.interval = interval  # tokens between interval marks (policies that take them)
         self.block_pool: BlockPool | None = None
         self.snapshot_pool: SnapshotPool | None = None
+        self.kinds: Mapping[BlockHash, str] = {}
 
-    def bind(self, block_pool: BlockPool, snapshots: SnapshotPool) -> None:
-        """Attach to the pools this policy judges (eviction callbacks included)."""
+    def bind(self, block_pool: BlockPool, snapshots: SnapshotPool, kinds: Mapping[BlockHash, str] | None = None
+             ) -> None:
+        """Attach to the pools this policy judges (eviction callbacks included) and to the candidate
+        kind of each snapshot in them (`kinds`, kept by the cache manager; see `kind_of`)."""
         self.block_pool = block_pool
         self.snapshot_pool = snapshots
+        self.kinds = kinds if kinds is not None else {}
         snapshots.choose_victim = self.choose_victim if type(self).choose_victim is not CachePolicy.choose_victim \
             else None
 
@@ -91,8 +98,9 @@ class CachePolicy:
         """Boundaries in (start, start + length] to snapshot during this chunk, ascending."""
         return []
 
-    def is_opportunistic(self, view: RequestView, boundary: int) -> bool:
-        """Whether a capture may only use a free or covered slot (never evict a useful one)."""
+    def is_opportunistic(self, view: RequestView, boundary: int, demoted: bool = False) -> bool:
+        """Whether a capture may only use a free or covered slot (never evict a useful one). `demoted`:
+        what a capture pushes out goes to a lower tier, where it still serves."""
         return False
 
     def choose_victim(self, pool: SnapshotPool) -> int | None:
@@ -104,11 +112,12 @@ class CachePolicy:
         request's own, so a deeper snapshot never covers it)."""
         return boundary == view.branch_point
 
-    def observe_publish(self, kind: str | None) -> None:
-        """A snapshot of this candidate kind (None: unknown) was published in the device pool."""
+    def observe_publish(self, kind: str | None, key: BlockHash) -> None:
+        """A snapshot of this candidate kind (None: unknown) was published in the device pool as `key`."""
 
-    def observe_restore(self, kind: str | None, earlier_restores: int) -> None:
-        """A request restored a device snapshot of this kind that had `earlier_restores` before."""
+    def observe_restore(self, kind: str | None, earlier_restores: int, key: BlockHash) -> None:
+        """A request is restoring the device snapshot `key` of this kind, which had `earlier_restores`
+        before (the pool has not counted this one yet)."""
 
     def evict_kv_first(self, view: RequestView) -> int | None:
         """Released KV blocks starting at or after this position are evicted first (None: none)."""
@@ -235,6 +244,53 @@ class KindRates:
         return restores * fade, publications * fade
 
 
+class BranchProtection:
+    """Which branch points the default keeps out of ordinary eviction (a protected segment, as in
+    segmented LRU), learned from their reuse. A snapshot of kind "branch" (a shared prefix that
+    requests left, such as a document or system prompt) is protected while it has been idle no
+    longer than the longest idle gap before a reuse among the last REUSE_GAPS_KEPT reuses of branch
+    points: a first restore, or a capture again of one evicted before (remembered by key). So a
+    workload whose shared prefixes return after long gaps keeps them that long, and one whose branch
+    points are not reused lets them go at the age horizon. Protected snapshots fill at most the
+    share of the pool that branch points earn: their decayed share of all restores."""
+
+    def __init__(self) -> None:
+        self._gaps: deque[float] = deque(maxlen=REUSE_GAPS_KEPT)  # pool turnovers idle before a reuse
+        self._ghosts: OrderedDict[BlockHash, int] = OrderedDict()  # evicted branch point -> its last use
+        self._decay = 0.5 ** (1.0 / KIND_HALF_LIFE)
+        self._branch_restores = 0.0
+        self._restores = 0.0
+
+    def horizon(self) -> float:
+        """Pool turnovers a branch point stays protected while idle."""
+        return max(self._gaps) if self._gaps else AGE_TURNOVERS
+
+    def share(self) -> float:
+        """The most of the pool protected snapshots may fill (a fraction of its slots)."""
+        return self._branch_restores / max(self._restores, 1.0)
+
+    def restored(self, branch: bool, idle_turnovers: float | None) -> None:
+        """Count a restore (of a branch point, or not); a branch point's first restore after `idle_turnovers`
+        idle is a reuse gap."""
+        self._restores = self._restores * self._decay + 1.0
+        self._branch_restores = self._branch_restores * self._decay + (1.0 if branch else 0.0)
+        if branch and idle_turnovers is not None:
+            self._gaps.append(idle_turnovers)
+
+    def evicted(self, key: BlockHash, last_use: int, num_slots: int) -> None:
+        """Remember an evicted branch point (its last use on the pool clock)."""
+        self._ghosts[key] = last_use
+        self._ghosts.move_to_end(key)
+        while len(self._ghosts) > GHOSTS_PER_SLOT * max(num_slots, 1):
+            self._ghosts.popitem(last=False)
+
+    def published(self, key: BlockHash, clock: int, num_slots: int) -> None:
+        """A branch point was published: if it was evicted before, its return is a reuse gap."""
+        last_use = self._ghosts.pop(key, None)
+        if last_use is not None:
+            self._gaps.append((clock - last_use) / max(num_slots, 1))
+
+
 class HybridServePolicy(IntervalPolicy):
     """The default. Admits request ends, branch points, the last block boundary before the prompt end
     (a re-tokenised chat turn still hits), and every `interval` tokens into free or covered slots
@@ -244,8 +300,10 @@ class HybridServePolicy(IntervalPolicy):
     covered by the request's own snapshots until resumes prove worth more than ends
     (`holds_as_branch`). Evicts, cheapest loss first: a snapshot whose KV is gone,
     then a covered one, then the lowest value = prefill FLOPs saved beyond the resident parent x
-    (prior + hits + extra paths) / (1 + age in pool turnovers). A released request's KV beyond its
-    deepest snapshot is freed first."""
+    (prior + hits + extra paths) / (1 + age in pool turnovers), taken from the unprotected
+    snapshots while protected branch points fill less than their share (`BranchProtection`). When
+    every evictable snapshot is protected, a prompt mark or resume takes only a free or covered slot.
+    A released request's KV beyond its deepest snapshot is freed first."""
 
     name = "hybridserve"
     capture_at_end = True
@@ -253,6 +311,7 @@ class HybridServePolicy(IntervalPolicy):
     def __init__(self, block_size: int, cost: PrefixCost, interval: int) -> None:
         super().__init__(block_size, cost, interval)
         self.kind_rates = KindRates()
+        self.protection = BranchProtection()
         self._resumes_wanted: OrderedDict[BlockHash, None] = OrderedDict()
 
     def captures(self, view: RequestView, start: int, length: int) -> list[int]:
@@ -270,13 +329,30 @@ class HybridServePolicy(IntervalPolicy):
         pool = self.snapshot_pool
         return None if pool is None else pool.num_free_slots + pool.num_evictable
 
-    def is_opportunistic(self, view: RequestView, boundary: int) -> bool:
+    def is_opportunistic(self, view: RequestView, boundary: int, demoted: bool = False) -> bool:
         """Interval marks are insurance: they never push out a snapshot that still serves; nor does a
-        branch point or prompt mark while its kind is restored less per snapshot than request ends."""
+        branch point or prompt mark while its kind is restored less per snapshot than request ends,
+        nor a prompt mark or resume while every evictable snapshot is a protected branch point. With
+        a lower tier (`demoted`) only the last rule holds: a demoted snapshot still serves from there."""
         if boundary not in (self._prompt_mark(view), view.branch_point):
-            return True
+            return not demoted
         kind = self.kind_of(view, boundary)
-        return self.kind_rates.rate(POOLED_KINDS.get(kind, kind)) < self.kind_rates.rate("end")
+        if kind != "branch" and self._only_protected_evictable():
+            return True
+        return not demoted and self.kind_rates.rate(POOLED_KINDS.get(kind, kind)) < self.kind_rates.rate("end")
+
+    def _only_protected_evictable(self) -> bool:
+        """Whether every snapshot eviction would weigh is a protected branch point."""
+        pool = self.snapshot_pool
+        if pool is None:
+            return False
+        protected = self._protected_test(pool)
+        return all(protected(key, last_use) for _, key, _, last_use, *_ in pool.candidates(EVICTION_WINDOW))
+
+    def _protected_test(self, pool: SnapshotPool) -> Callable[[BlockHash, int], bool]:
+        """Whether a published snapshot (key, last use) is a protected branch point now."""
+        kinds, oldest_use = self.kinds, pool.clock - self.protection.horizon() * max(pool.num_slots, 1)
+        return lambda key, last_use: last_use >= oldest_use and kinds.get(key) == "branch"
 
     def holds_as_branch(self, view: RequestView, boundary: int, key: BlockHash) -> bool:
         """A capture where an earlier request ended ("resume") is a continuation: the request's own
@@ -298,16 +374,36 @@ class HybridServePolicy(IntervalPolicy):
         end = self.kind_rates.rate("end")
         return self.kind_rates.rate("resume", prior=end) > end
 
-    def observe_publish(self, kind: str | None) -> None:
+    def observe_publish(self, kind: str | None, key: BlockHash) -> None:
         self.kind_rates.published(kind or "unknown")
+        if kind == "branch" and self.snapshot_pool is not None:
+            self.protection.published(key, self.snapshot_pool.clock, self.snapshot_pool.num_slots)
 
-    def observe_restore(self, kind: str | None, earlier_restores: int) -> None:
+    def observe_restore(self, kind: str | None, earlier_restores: int, key: BlockHash) -> None:
         self.kind_rates.restored(kind or "unknown", earlier_restores)
+        pool, idle = self.snapshot_pool, None
+        if kind == "branch" and earlier_restores == 0 and pool is not None:
+            ticks = pool.idle_ticks(key)
+            idle = None if ticks is None else ticks / max(pool.num_slots, 1)
+        self.protection.restored(kind == "branch", idle)
 
     def choose_victim(self, pool: SnapshotPool) -> int | None:
+        slot = self._lowest_value(pool)
+        if slot is not None:
+            key = pool.key_of(slot)
+            ticks = pool.idle_ticks(key)
+            if self.kinds.get(key) == "branch" and ticks is not None:
+                self.protection.evicted(key, pool.clock - ticks, pool.num_slots)
+        return slot
+
+    def _lowest_value(self, pool: SnapshotPool) -> int | None:
+        """The victim: a covered snapshot, one whose KV is gone, else the lowest value among the
+        unprotected while protected ones fill less than their share, else among all."""
         for slot in pool.covered():
             return slot
         best_slot, best_value = None, float("inf")
+        open_slot, open_value, num_protected = None, float("inf"), 0
+        protected = self._protected_test(pool)
         horizon, clock, kv_present = AGE_TURNOVERS * max(pool.num_slots, 1), pool.clock, self.kv_present
         linear, quadratic = self.cost.linear_flops_per_token, self.cost.attention_flops_coeff
         # An unproven snapshot is worth the restores per snapshot the pool has seen (at most one):
@@ -322,6 +418,12 @@ class HybridServePolicy(IntervalPolicy):
             value = saved * (prior + hits + (paths - 1 if paths > 1 else 0)) / (1.0 + (clock - last_use) / horizon)
             if value < best_value:
                 best_slot, best_value = slot, value
+            if protected(key, last_use):
+                num_protected += 1
+            elif value < open_value:
+                open_slot, open_value = slot, value
+        if open_slot is not None and num_protected < self.protection.share() * pool.num_slots:
+            return open_slot
         return best_slot
 
     def evict_kv_first(self, view: RequestView) -> int | None:
@@ -409,8 +511,9 @@ class AdaptiveHybridServePolicy(HybridServePolicy):
         self._pending: OrderedDict[int, str] = OrderedDict()  # boundary -> kind, captured, key unknown
         self._ghosts: OrderedDict[BlockHash, _Ghost] = OrderedDict()
 
-    def bind(self, block_pool: BlockPool, snapshots: SnapshotPool) -> None:
-        super().bind(block_pool, snapshots)
+    def bind(self, block_pool: BlockPool, snapshots: SnapshotPool, kinds: Mapping[BlockHash, str] | None = None
+             ) -> None:
+        super().bind(block_pool, snapshots, kinds)
         self.snapshots = snapshots
 
     def captures(self, view: RequestView, start: int, length: int) -> list[int]:
@@ -420,9 +523,12 @@ class AdaptiveHybridServePolicy(HybridServePolicy):
             self._expect(boundary, self.kind_of(view, boundary))
         return boundaries
 
-    def is_opportunistic(self, view: RequestView, boundary: int) -> bool:
+    def is_opportunistic(self, view: RequestView, boundary: int, demoted: bool = False) -> bool:
         """A candidate whose kind is restored less than average never pushes out a useful snapshot;
-        until the pool has seen restores to compare, interval marks are the insurance ones."""
+        until the pool has seen restores to compare, interval marks are the insurance ones. With a
+        lower tier (`demoted`) every capture may evict."""
+        if demoted:
+            return False
         kind = self.kind_of(view, boundary)
         if not self.rates.has_restores():
             return kind in ("interval", "tail")

@@ -147,6 +147,11 @@ class SnapshotPool:
             if slot in self._covered:
                 self._covered.move_to_end(slot)
 
+    def idle_ticks(self, key: BlockHash) -> int | None:
+        """Pool clock ticks since ``key``'s published slot was published or last used (None if absent)."""
+        slot = self._published.get(key)
+        return self.clock - self._last_use[slot] if slot is not None else None
+
     def num_hits(self, key: BlockHash) -> int:
         """Restores recorded on ``key``'s published slot since it was published (0 if absent)."""
         slot = self._published.get(key)

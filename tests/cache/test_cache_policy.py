@@ -135,15 +135,15 @@ def test_default_admission_learns_which_kinds_may_push_out_request_ends() -> Non
     view = RequestView(num_prompt_tokens=700, num_tokens=700, branch_point=320, deepest_snapshot=0)
     assert not policy.is_opportunistic(view, 320) and not policy.is_opportunistic(view, 688)
     for _ in range(40):
-        policy.observe_publish("branch")
-        policy.observe_publish("end")
-        policy.observe_restore("end", 0)
+        policy.observe_publish("branch", b"k" * 16)
+        policy.observe_publish("end", b"k" * 16)
+        policy.observe_restore("end", 0, b"k" * 16)
     assert policy.is_opportunistic(view, 320)             # continuations nobody returns to
     assert not policy.is_opportunistic(view, 688)         # no evidence on prompt marks yet
     for _ in range(40):
-        policy.observe_publish("prompt")
-        policy.observe_restore("prompt", 0)
-        policy.observe_restore("prompt", 1)
+        policy.observe_publish("prompt", b"k" * 16)
+        policy.observe_restore("prompt", 0, b"k" * 16)
+        policy.observe_restore("prompt", 1, b"k" * 16)
     assert not policy.is_opportunistic(view, 688)         # restored more than ends: it may evict
     assert policy.is_opportunistic(view, 256)             # interval marks never evict
 
@@ -203,17 +203,17 @@ def test_a_resume_is_covered_until_resumes_prove_worth_more_than_ends() -> None:
     assert policy.kind_of(resume, 320) == "resume" and policy.kind_of(branch, 320) == "branch"
     for index in range(8):                                               # siblings: each wanted twice
         key = bytes([index]) * 16
-        policy.observe_publish("resume")
-        policy.observe_publish("end")
+        policy.observe_publish("resume", b"k" * 16)
+        policy.observe_publish("end", b"k" * 16)
         policy.holds_as_branch(resume, 320, key)
         policy.holds_as_branch(resume, 320, key)
     restores, publications = policy.kind_rates.evidence("resume")
     assert restores == pytest.approx(8.0, rel=0.01) and publications == pytest.approx(8.0, rel=0.01)
     assert policy.holds_as_branch(resume, 320, b"r1" * 8)                # restored more than ends now
     for index in range(40):                                              # ends return, resumes do not
-        policy.observe_publish("resume")
-        policy.observe_publish("end")
-        policy.observe_restore("end", 0)
+        policy.observe_publish("resume", b"k" * 16)
+        policy.observe_publish("end", b"k" * 16)
+        policy.observe_restore("end", 0, b"k" * 16)
     assert not policy.holds_as_branch(resume, 320, b"r2" * 8)
 
 

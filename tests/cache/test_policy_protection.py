@@ -1,0 +1,136 @@
+"""hybridserve keeps branch points (shared prefixes such as documents) out of ordinary eviction while
+they have been idle no longer than branch points' reuses have shown, up to the share of the pool
+their restores earn; a prompt mark or resume then takes only free or covered slots."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridserve.cache.block_pool import BlockHash, BlockPool
+from hybridserve.cache.policy import (
+    AGE_TURNOVERS,
+    EVICTION_WINDOW,
+    REUSE_GAPS_KEPT,
+    BranchProtection,
+    HybridServePolicy,
+    PrefixCost,
+    RequestView,
+    make_policy,
+)
+from hybridserve.cache.snapshots import ReserveStatus, SnapshotPool
+from hybridserve.sim.shapes import model_shape
+from hybridserve.sim.simulator import AccountingRun, SimConfig
+
+COST = PrefixCost(1.0e6, 1.0, 64, 1000)
+VIEW = RequestView(num_prompt_tokens=700, num_tokens=700, branch_point=320, deepest_snapshot=0)
+
+
+def test_the_horizon_is_the_longest_idle_gap_before_a_reuse() -> None:
+    protection = BranchProtection()
+    assert protection.horizon() == AGE_TURNOVERS and protection.share() == 0.0
+    protection.restored(True, 3.0)
+    protection.restored(True, 40.0)
+    protection.restored(False, None)
+    assert protection.horizon() == 40.0
+    assert protection.share() == pytest.approx(2 / 3, rel=0.01)
+    protection.evicted(b"doc", last_use=100, num_slots=10)
+    protection.published(b"doc", clock=1100, num_slots=10)            # back 100 turnovers after its last use
+    assert protection.horizon() == 100.0
+    protection.published(b"doc", clock=5000, num_slots=10)            # a ghost counts once
+    assert protection.horizon() == 100.0
+    for _ in range(REUSE_GAPS_KEPT):                                   # old gaps age out
+        protection.restored(True, 1.0)
+    assert protection.horizon() == 1.0
+
+
+def _policy_and_pool(num_slots: int) -> tuple[HybridServePolicy, SnapshotPool, dict[BlockHash, str]]:
+    policy = make_policy("hybridserve", 16, COST, 0)
+    assert isinstance(policy, HybridServePolicy)
+    policy.kv_present = lambda key: True  # type: ignore[method-assign]
+    pool, kinds = SnapshotPool(num_slots), {}
+    policy.bind(BlockPool(8), pool, kinds)
+    return policy, pool, kinds
+
+
+def _publish(policy: HybridServePolicy, pool: SnapshotPool, kinds: dict[BlockHash, str], key: bytes,
+             tokens: int, kind: str) -> int:
+    reservation = pool.reserve(key, tokens, branch=kind == "branch")
+    assert reservation.status is ReserveStatus.RESERVED and reservation.slot is not None
+    kinds[key] = kind
+    pool.publish(reservation)
+    policy.observe_publish(kind, key)
+    return reservation.slot
+
+
+def test_a_document_outlives_deeper_unproven_ends_while_branch_points_earn_restores() -> None:
+    policy, pool, kinds = _policy_and_pool(4)
+    document = _publish(policy, pool, kinds, b"doc", 64, "branch")
+    ends = [_publish(policy, pool, kinds, f"end{index}".encode(), 4096, "end") for index in range(3)]
+    assert pool.choose_victim is not None
+    assert pool.choose_victim(pool) == document                        # no restores yet: value decides
+    policy.observe_restore("branch", 0, b"doc")                        # branch points earn the pool
+    assert pool.choose_victim(pool) in ends
+    for _ in range(int(AGE_TURNOVERS * 4) + 1):                        # idle past the horizon
+        pool.touch(b"end0")
+    assert pool.choose_victim(pool) == document
+
+
+def test_protected_snapshots_fill_at_most_their_share_of_the_pool() -> None:
+    policy, pool, kinds = _policy_and_pool(4)
+    documents = [_publish(policy, pool, kinds, f"doc{index}".encode(), 64, "branch") for index in range(3)]
+    _publish(policy, pool, kinds, b"end", 4096, "end")
+    policy.observe_restore("branch", 0, b"doc0")
+    assert pool.choose_victim is not None and pool.choose_victim(pool) not in documents
+    policy.observe_restore("end", 0, b"end")                           # share 1/2: 2 of 4 slots
+    assert pool.choose_victim(pool) in documents
+
+
+def test_a_prompt_mark_or_resume_never_pushes_out_the_last_unprotected_slot_holder() -> None:
+    policy, pool, kinds = _policy_and_pool(2)
+    _publish(policy, pool, kinds, b"doc0", 64, "branch")
+    _publish(policy, pool, kinds, b"doc1", 128, "branch")
+    policy.observe_restore("branch", 0, b"doc0")
+    policy.observe_restore("branch", 1, b"doc0")                       # branch points as good as ends
+    resume = VIEW._replace(resumes=True)
+    assert policy.is_opportunistic(VIEW, 688)                          # the prompt mark
+    assert policy.is_opportunistic(resume, 320)
+    assert not policy.is_opportunistic(VIEW, 320)                      # another branch point may evict
+    assert policy.is_opportunistic(VIEW, 688, demoted=True)            # with a lower tier too
+    assert not policy.is_opportunistic(VIEW, 256, demoted=True)        # interval marks evict into a tier
+
+
+def test_an_evicted_document_captured_again_lengthens_the_horizon() -> None:
+    policy, pool, kinds = _policy_and_pool(2)
+    _publish(policy, pool, kinds, b"doc", 64, "branch")
+    _publish(policy, pool, kinds, b"end0", 4096, "end")
+    assert pool.choose_victim is not None
+    victim = pool.choose_victim(pool)
+    assert pool.key_of(victim) == b"doc"                               # no branch restores yet
+    reservation = pool.reserve(b"end1", 4096)                          # the pool evicts doc itself
+    del kinds[b"doc"]
+    pool.publish(reservation)
+    for _ in range(200):
+        pool.touch(b"end1")
+    end = pool.lookup(b"end0")
+    assert end is not None
+    pool.evict(b"end0")
+    _publish(policy, pool, kinds, b"doc", 64, "branch")                # wanted again ~100 turnovers later
+    assert policy.protection.horizon() == pytest.approx(101.0, rel=0.02)
+
+
+def test_conversations_sharing_documents_restore_them_through_the_manager() -> None:
+    """Long first prompts (each with its end and prompt mark) between returns of a few shared
+    documents, through the real cache manager: every return restores its document, branch points
+    earn their share, and the pools' accounting holds."""
+    shape = model_shape("builtin")
+    run = AccountingRun(SimConfig("hybridserve", 1 << 34, 6 * shape.cost.snapshot_bytes, 16, 256), shape)
+    documents = [[1000 * doc + offset for offset in range(48 + 16 * doc)] for doc in range(3)]
+    hits = []
+    for turn in range(40):
+        prompt = documents[turn % 3] + [50_000 + 1000 * turn + offset for offset in range(300)]
+        hits.append(run.serve(str(turn), prompt, [7, 8, 9]))
+    assert all(hit >= len(documents[turn % 3]) for turn, hit in enumerate(hits) if turn >= 6)
+    assert len(list(run.snapshots.candidates(EVICTION_WINDOW))) <= 6
+    policy = run.cache.policy
+    assert isinstance(policy, HybridServePolicy) and policy.protection.share() > 0.5
+    run.scheduler.check_integrity()
