@@ -342,9 +342,10 @@ class HybridServePolicy(IntervalPolicy):
         return not demoted and self.kind_rates.rate(POOLED_KINDS.get(kind, kind)) < self.kind_rates.rate("end")
 
     def _only_protected_evictable(self) -> bool:
-        """Whether every snapshot eviction would weigh is a protected branch point."""
+        """Whether every snapshot eviction would weigh is a protected branch point (never before branch
+        points have earned a share of the pool, as in eviction)."""
         pool = self.snapshot_pool
-        if pool is None:
+        if pool is None or self.protection.share() == 0.0:
             return False
         protected = self._protected_test(pool)
         return all(protected(key, last_use) for _, key, _, last_use, *_ in pool.candidates(EVICTION_WINDOW))

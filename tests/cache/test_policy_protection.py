@@ -89,6 +89,7 @@ def test_a_prompt_mark_or_resume_never_pushes_out_the_last_unprotected_slot_hold
     policy, pool, kinds = _policy_and_pool(2)
     _publish(policy, pool, kinds, b"doc0", 64, "branch")
     _publish(policy, pool, kinds, b"doc1", 128, "branch")
+    assert not policy.is_opportunistic(VIEW, 688)                      # no branch restores: nothing protected
     policy.observe_restore("branch", 0, b"doc0")
     policy.observe_restore("branch", 1, b"doc0")                       # branch points as good as ends
     resume = VIEW._replace(resumes=True)
