@@ -279,7 +279,10 @@ class JointCacheManager:
         kv_copy = None
         if lookup is not None:
             entry.branch_point = lookup.kv_match_tokens if lookup.kv_match_tokens > hit.num_tokens else 0
-            entry.resumes = entry.branch_point > 0 and self._resumes_tail(seq, entry.branch_point)
+            tail_key = self._resumed_tail(seq, entry.branch_point) if entry.branch_point > 0 else None
+            entry.resumes = tail_key is not None
+            if tail_key is not None and self.policy is not None:
+                self.policy.observe_missed_end(tail_key)
             entry.snapshot_depth, entry.snapshot_key = hit.num_tokens, lookup.key
             if hit.tail_block is not None:
                 kv_copy = (hit.tail_block, entry.block_ids[num_hit_blocks])
@@ -563,13 +566,17 @@ class JointCacheManager:
             if reservation.status is not ReserveStatus.SKIPPED:
                 entry.snapshot_depth, entry.snapshot_key = boundary, key
 
-    def _resumes_tail(self, seq: CacheSequence, boundary: int) -> bool:
-        """Whether the block after `boundary` starts with a cached tail (an earlier request ended
-        there): the sequence continues that request rather than branching off a shared prefix."""
+    def _resumed_tail(self, seq: CacheSequence, boundary: int) -> BlockHash | None:
+        """The key of the cached tail the block after `boundary` starts with (an earlier request ended
+        there, and its end snapshot is gone): the sequence continues that request rather than
+        branching off a shared prefix. None when no such tail is cached."""
         full = boundary // self.block_size
         tails = self.block_pool.tails_after(self.block_hashes(seq, full)[-1] if full else None)
-        return any(boundary + length < seq.num_prompt_tokens and self.boundary_key(seq, boundary + length) in tails
-                   for length in set(tails.values()))
+        for length in sorted(set(tails.values()), reverse=True):
+            key = self.boundary_key(seq, boundary + length) if boundary + length < seq.num_prompt_tokens else None
+            if key is not None and key in tails:
+                return key
+        return None
 
     @staticmethod
     def _view(seq: CacheSequence, entry: _SequenceCache) -> RequestView:

@@ -7,6 +7,7 @@ same code. docs/prefix-cache.md tables the four policies: `interval`, `last-bloc
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, NamedTuple
@@ -27,6 +28,8 @@ KIND_HALF_LIFE = 4096.0  # publications; older evidence fades so kind rates foll
 KIND_PRIOR_WEIGHT = 8.0  # pseudo-publications of one restore each that every kind starts with
 REUSE_GAPS_KEPT = 64  # branch-point reuses whose idle gaps set how long an idle one stays protected
 GHOSTS_PER_SLOT = 64  # evicted branch points remembered by key, per slot (captured again: a reuse)
+KIND_GAPS_KEPT = 256  # first-reuse idle gaps kept per candidate kind (`ReuseGaps`)
+KIND_GAPS_NEEDED = 16  # gaps a kind needs before its own reuse curve replaces the age horizon
 
 
 class PrefixCost(NamedTuple):
@@ -118,6 +121,10 @@ class CachePolicy:
     def observe_restore(self, kind: str | None, earlier_restores: int, key: BlockHash) -> None:
         """A request is restoring the device snapshot `key` of this kind, which had `earlier_restores`
         before (the pool has not counted this one yet)."""
+
+    def observe_missed_end(self, key: BlockHash) -> None:
+        """A request continues where an earlier request ended (`key`: that end's snapshot key), and
+        the end's snapshot is gone: it was wanted after it was evicted."""
 
     def evict_kv_first(self, view: RequestView) -> int | None:
         """Released KV blocks starting at or after this position are evicted first (None: none)."""
@@ -291,6 +298,50 @@ class BranchProtection:
             self._gaps.append((clock - last_use) / max(num_slots, 1))
 
 
+class ReuseGaps:
+    """How long unreused snapshots of each candidate kind sat idle before they were first wanted, in
+    pool turnovers: the last KIND_GAPS_KEPT gaps per kind, from first restores and from request ends
+    wanted again after they were evicted (remembered by key, GHOSTS_PER_SLOT per slot). The
+    evicted ones matter: gaps seen only on restores are capped by how long the pool kept things, so
+    a curve learned from them alone would justify evicting ever younger snapshots. `later(kind,
+    idle)` is the share of a kind's gaps at least `idle` long: how much of an unreused snapshot's
+    chance of reuse is still ahead of it."""
+
+    def __init__(self) -> None:
+        self._recent: dict[str, deque[float]] = {}  # kind -> gaps, oldest first
+        self._sorted: dict[str, list[float]] = {}   # kind -> the same gaps, ascending
+        self._end_ghosts: OrderedDict[BlockHash, int] = OrderedDict()  # evicted unreused end -> last use
+
+    def add(self, kind: str, gap: float) -> None:
+        """Count a first reuse of a `kind` snapshot after `gap` pool turnovers idle."""
+        recent = self._recent.setdefault(kind, deque())
+        ordered = self._sorted.setdefault(kind, [])
+        if len(recent) == KIND_GAPS_KEPT:
+            del ordered[bisect.bisect_left(ordered, recent.popleft())]
+        recent.append(gap)
+        bisect.insort(ordered, gap)
+
+    def end_evicted(self, key: BlockHash, last_use: int, num_slots: int) -> None:
+        """Remember an unreused request end evicted from the pool (its last use on the pool clock)."""
+        self._end_ghosts[key] = last_use
+        while len(self._end_ghosts) > GHOSTS_PER_SLOT * max(num_slots, 1):
+            self._end_ghosts.popitem(last=False)
+
+    def end_missed(self, key: BlockHash, clock: int, num_slots: int) -> None:
+        """A request continued an evicted end: if it is remembered, its idle time until now is a gap."""
+        last_use = self._end_ghosts.pop(key, None)
+        if last_use is not None:
+            self.add("end", (clock - last_use) / max(num_slots, 1))
+
+    def gaps(self, kind: str) -> list[float]:
+        """The gaps kept for `kind`, ascending."""
+        return list(self._sorted.get(kind, ()))
+
+    def curves(self) -> dict[str, list[float]]:
+        """Each kind's gaps, ascending, for the kinds with at least KIND_GAPS_NEEDED of them."""
+        return {kind: gaps for kind, gaps in self._sorted.items() if len(gaps) >= KIND_GAPS_NEEDED}
+
+
 class HybridServePolicy(IntervalPolicy):
     """The default. Admits request ends, branch points, the last block boundary before the prompt end
     (a re-tokenised chat turn still hits), and every `interval` tokens into free or covered slots
@@ -300,7 +351,9 @@ class HybridServePolicy(IntervalPolicy):
     covered by the request's own snapshots until resumes prove worth more than ends
     (`holds_as_branch`). Evicts, cheapest loss first: a snapshot whose KV is gone,
     then a covered one, then the lowest value = prefill FLOPs saved beyond the resident parent x
-    (prior + hits + extra paths) / (1 + age in pool turnovers), taken from the unprotected
+    (prior + hits + extra paths) x the share of its reuse still ahead: for an unreused snapshot of a
+    kind whose idle gaps before reuse are known (`ReuseGaps`), the share of those gaps longer than
+    its idle time, else 1 / (1 + idle pool turnovers / AGE_TURNOVERS); taken from the unprotected
     snapshots while protected branch points fill less than their share (`BranchProtection`). When
     every evictable snapshot is protected, a prompt mark or resume takes only a free or covered slot.
     A released request's KV beyond its deepest snapshot is freed first."""
@@ -313,6 +366,7 @@ class HybridServePolicy(IntervalPolicy):
         self.kind_rates = KindRates()
         self.protection = BranchProtection()
         self._resumes_wanted: OrderedDict[BlockHash, None] = OrderedDict()
+        self.reuse_gaps = ReuseGaps()
 
     def captures(self, view: RequestView, start: int, length: int) -> list[int]:
         kept = _within([self._prompt_mark(view), view.branch_point], start, length)
@@ -383,18 +437,28 @@ class HybridServePolicy(IntervalPolicy):
     def observe_restore(self, kind: str | None, earlier_restores: int, key: BlockHash) -> None:
         self.kind_rates.restored(kind or "unknown", earlier_restores)
         pool, idle = self.snapshot_pool, None
-        if kind == "branch" and earlier_restores == 0 and pool is not None:
+        if earlier_restores == 0 and pool is not None:
             ticks = pool.idle_ticks(key)
             idle = None if ticks is None else ticks / max(pool.num_slots, 1)
-        self.protection.restored(kind == "branch", idle)
+            if idle is not None:
+                self.reuse_gaps.add(kind or "unknown", idle)
+        self.protection.restored(kind == "branch", idle if kind == "branch" else None)
+
+    def observe_missed_end(self, key: BlockHash) -> None:
+        pool = self.snapshot_pool
+        if pool is not None:
+            self.reuse_gaps.end_missed(key, pool.clock, pool.num_slots)
 
     def choose_victim(self, pool: SnapshotPool) -> int | None:
         slot = self._lowest_value(pool)
         if slot is not None:
             key = pool.key_of(slot)
             ticks = pool.idle_ticks(key)
-            if self.kinds.get(key) == "branch" and ticks is not None:
+            kind = self.kinds.get(key)
+            if kind == "branch" and ticks is not None:
                 self.protection.evicted(key, pool.clock - ticks, pool.num_slots)
+            elif kind == "end" and ticks is not None and pool.num_hits(key) == 0:
+                self.reuse_gaps.end_evicted(key, pool.clock - ticks, pool.num_slots)
         return slot
 
     def _lowest_value(self, pool: SnapshotPool) -> int | None:
@@ -410,13 +474,19 @@ class HybridServePolicy(IntervalPolicy):
         # An unproven snapshot is worth the restores per snapshot the pool has seen (at most one):
         # when slots are scarce and few snapshots are ever restored, proven ones outweigh deep guesses.
         prior = min(1.0, (pool.hits_total + 1.0) / (pool.published_total + 1.0))
+        curves, kinds, turnover = self.reuse_gaps.curves(), self.kinds, float(max(pool.num_slots, 1))
         for slot, key, tokens, last_use, hits, paths, parent_tokens in pool.candidates(EVICTION_WINDOW):
             if not kv_present(key):
                 return slot
             # prefill_flops(tokens) - prefill_flops(parent_tokens), factored (this loop is the
             # simulator's hottest): what a hit saves beyond the parent, where a miss falls back.
             saved = (tokens - parent_tokens) * (linear + quadratic * (tokens + parent_tokens))
-            value = saved * (prior + hits + (paths - 1 if paths > 1 else 0)) / (1.0 + (clock - last_use) / horizon)
+            gaps = curves.get(kinds.get(key) or "unknown") if hits == 0 else None
+            if gaps is None:
+                ahead = 1.0 / (1.0 + (clock - last_use) / horizon)
+            else:  # the share of this kind's reuse gaps longer than its idle time (one pseudo-gap)
+                ahead = (1.0 + len(gaps) - bisect.bisect_left(gaps, (clock - last_use) / turnover)) / (1.0 + len(gaps))
+            value = saved * (prior + hits + (paths - 1 if paths > 1 else 0)) * ahead
             if value < best_value:
                 best_slot, best_value = slot, value
             if protected(key, last_use):
