@@ -6,22 +6,18 @@ from __future__ import annotations
 
 import pytest
 
-from hybridserve.cache.block_pool import BlockHash, BlockPool
 from hybridserve.cache.policy import (
     AGE_TURNOVERS,
     EVICTION_WINDOW,
     REUSE_GAPS_KEPT,
     BranchProtection,
     HybridServePolicy,
-    PrefixCost,
     RequestView,
-    make_policy,
 )
-from hybridserve.cache.snapshots import ReserveStatus, SnapshotPool
 from hybridserve.sim.shapes import model_shape
 from hybridserve.sim.simulator import AccountingRun, SimConfig
+from tests.helpers.policy_pools import policy_and_pool, publish
 
-COST = PrefixCost(1.0e6, 1.0, 64, 1000)
 VIEW = RequestView(num_prompt_tokens=700, num_tokens=700, branch_point=320, deepest_snapshot=0)
 
 
@@ -43,29 +39,10 @@ def test_the_horizon_is_the_longest_idle_gap_before_a_reuse() -> None:
     assert protection.horizon() == 1.0
 
 
-def _policy_and_pool(num_slots: int) -> tuple[HybridServePolicy, SnapshotPool, dict[BlockHash, str]]:
-    policy = make_policy("hybridserve", 16, COST, 0)
-    assert isinstance(policy, HybridServePolicy)
-    policy.kv_present = lambda key: True  # type: ignore[method-assign]
-    pool, kinds = SnapshotPool(num_slots), {}
-    policy.bind(BlockPool(8), pool, kinds)
-    return policy, pool, kinds
-
-
-def _publish(policy: HybridServePolicy, pool: SnapshotPool, kinds: dict[BlockHash, str], key: bytes,
-             tokens: int, kind: str) -> int:
-    reservation = pool.reserve(key, tokens, branch=kind == "branch")
-    assert reservation.status is ReserveStatus.RESERVED and reservation.slot is not None
-    kinds[key] = kind
-    pool.publish(reservation)
-    policy.observe_publish(kind, key)
-    return reservation.slot
-
-
 def test_a_document_outlives_deeper_unproven_ends_while_branch_points_earn_restores() -> None:
-    policy, pool, kinds = _policy_and_pool(4)
-    document = _publish(policy, pool, kinds, b"doc", 64, "branch")
-    ends = [_publish(policy, pool, kinds, f"end{index}".encode(), 4096, "end") for index in range(3)]
+    policy, pool, kinds = policy_and_pool(4)
+    document = publish(policy, pool, kinds, b"doc", 64, "branch")
+    ends = [publish(policy, pool, kinds, f"end{index}".encode(), 4096, "end") for index in range(3)]
     assert pool.choose_victim is not None
     assert pool.choose_victim(pool) == document                        # no restores yet: value decides
     policy.observe_restore("branch", 0, b"doc")                        # branch points earn the pool
@@ -76,9 +53,9 @@ def test_a_document_outlives_deeper_unproven_ends_while_branch_points_earn_resto
 
 
 def test_protected_snapshots_fill_at_most_their_share_of_the_pool() -> None:
-    policy, pool, kinds = _policy_and_pool(4)
-    documents = [_publish(policy, pool, kinds, f"doc{index}".encode(), 64, "branch") for index in range(3)]
-    _publish(policy, pool, kinds, b"end", 4096, "end")
+    policy, pool, kinds = policy_and_pool(4)
+    documents = [publish(policy, pool, kinds, f"doc{index}".encode(), 64, "branch") for index in range(3)]
+    publish(policy, pool, kinds, b"end", 4096, "end")
     policy.observe_restore("branch", 0, b"doc0")
     assert pool.choose_victim is not None and pool.choose_victim(pool) not in documents
     policy.observe_restore("end", 0, b"end")                           # share 1/2: 2 of 4 slots
@@ -86,9 +63,9 @@ def test_protected_snapshots_fill_at_most_their_share_of_the_pool() -> None:
 
 
 def test_a_prompt_mark_or_resume_never_pushes_out_the_last_unprotected_slot_holder() -> None:
-    policy, pool, kinds = _policy_and_pool(2)
-    _publish(policy, pool, kinds, b"doc0", 64, "branch")
-    _publish(policy, pool, kinds, b"doc1", 128, "branch")
+    policy, pool, kinds = policy_and_pool(2)
+    publish(policy, pool, kinds, b"doc0", 64, "branch")
+    publish(policy, pool, kinds, b"doc1", 128, "branch")
     assert not policy.is_opportunistic(VIEW, 688)                      # no branch restores: nothing protected
     policy.observe_restore("branch", 0, b"doc0")
     policy.observe_restore("branch", 1, b"doc0")                       # branch points as good as ends
@@ -101,9 +78,9 @@ def test_a_prompt_mark_or_resume_never_pushes_out_the_last_unprotected_slot_hold
 
 
 def test_an_evicted_document_captured_again_lengthens_the_horizon() -> None:
-    policy, pool, kinds = _policy_and_pool(2)
-    _publish(policy, pool, kinds, b"doc", 64, "branch")
-    _publish(policy, pool, kinds, b"end0", 4096, "end")
+    policy, pool, kinds = policy_and_pool(2)
+    publish(policy, pool, kinds, b"doc", 64, "branch")
+    publish(policy, pool, kinds, b"end0", 4096, "end")
     assert pool.choose_victim is not None
     victim = pool.choose_victim(pool)
     assert pool.key_of(victim) == b"doc"                               # no branch restores yet
@@ -115,7 +92,7 @@ def test_an_evicted_document_captured_again_lengthens_the_horizon() -> None:
     end = pool.lookup(b"end0")
     assert end is not None
     pool.evict(b"end0")
-    _publish(policy, pool, kinds, b"doc", 64, "branch")                # wanted again ~100 turnovers later
+    publish(policy, pool, kinds, b"doc", 64, "branch")                # wanted again ~100 turnovers later
     assert policy.protection.horizon() == pytest.approx(101.0, rel=0.02)
 
 

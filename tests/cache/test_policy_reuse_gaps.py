@@ -4,21 +4,10 @@ share of those gaps still ahead of it."""
 
 from __future__ import annotations
 
-from hybridserve.cache.block_pool import BlockHash, BlockPool
-from hybridserve.cache.policy import (
-    GHOSTS_PER_SLOT,
-    KIND_GAPS_KEPT,
-    KIND_GAPS_NEEDED,
-    HybridServePolicy,
-    PrefixCost,
-    ReuseGaps,
-    make_policy,
-)
-from hybridserve.cache.snapshots import ReserveStatus, SnapshotPool
+from hybridserve.cache.policy import GHOSTS_PER_SLOT, KIND_GAPS_KEPT, KIND_GAPS_NEEDED, HybridServePolicy, ReuseGaps
 from hybridserve.sim.shapes import model_shape
 from hybridserve.sim.simulator import AccountingRun, SimConfig
-
-COST = PrefixCost(1.0e6, 1.0, 64, 1000)
+from tests.helpers.policy_pools import policy_and_pool, publish
 
 
 def test_a_kind_gets_a_curve_after_enough_gaps_and_keeps_the_latest() -> None:
@@ -47,29 +36,10 @@ def test_an_evicted_end_continued_later_is_a_gap_counted_once() -> None:
     assert gaps.gaps("end") == [30.0]
 
 
-def _policy_and_pool(num_slots: int) -> tuple[HybridServePolicy, SnapshotPool, dict[BlockHash, str]]:
-    policy = make_policy("hybridserve", 16, COST, 0)
-    assert isinstance(policy, HybridServePolicy)
-    policy.kv_present = lambda key: True  # type: ignore[method-assign]
-    pool, kinds = SnapshotPool(num_slots), {}
-    policy.bind(BlockPool(8), pool, kinds)
-    return policy, pool, kinds
-
-
-def _publish(policy: HybridServePolicy, pool: SnapshotPool, kinds: dict[BlockHash, str], key: bytes,
-             tokens: int, kind: str) -> int:
-    reservation = pool.reserve(key, tokens)
-    assert reservation.status is ReserveStatus.RESERVED and reservation.slot is not None
-    kinds[key] = kind
-    pool.publish(reservation)
-    policy.observe_publish(kind, key)
-    return reservation.slot
-
-
 def test_an_end_idle_past_every_reuse_gap_goes_before_a_shallower_young_one() -> None:
-    policy, pool, kinds = _policy_and_pool(2)
-    old = _publish(policy, pool, kinds, b"old", 2048, "end")
-    young = _publish(policy, pool, kinds, b"young", 1024, "end")
+    policy, pool, kinds = policy_and_pool(2)
+    old = publish(policy, pool, kinds, b"old", 2048, "end")
+    young = publish(policy, pool, kinds, b"young", 1024, "end")
     for _ in range(12):
         pool.touch(b"young")                                           # "old" idle 6.5 turnovers
     assert pool.choose_victim is not None

@@ -1,3 +1,3 @@
 """Shared test helpers: tiny checkpoints, device targets, greedy runs, a live server and its
-engine probes, and the prefix-cache workloads. Test modules import helpers only from here, never
-from another test module."""
+engine probes, the prefix-cache workloads, and the default cache policy on a bare pool. Test
+modules import helpers only from here, never from another test module."""
