@@ -303,9 +303,9 @@ class ReuseGaps:
     pool turnovers: the last KIND_GAPS_KEPT gaps per kind, from first restores and from request ends
     wanted again after they were evicted (remembered by key, GHOSTS_PER_SLOT per slot). The
     evicted ones matter: gaps seen only on restores are capped by how long the pool kept things, so
-    a curve learned from them alone would justify evicting ever younger snapshots. `later(kind,
-    idle)` is the share of a kind's gaps at least `idle` long: how much of an unreused snapshot's
-    chance of reuse is still ahead of it."""
+    a curve learned from them alone would justify evicting ever younger snapshots. The share of a
+    kind's gaps (`curves`) longer than an unreused snapshot's idle time is how much of its chance of
+    reuse is still ahead of it."""
 
     def __init__(self) -> None:
         self._recent: dict[str, deque[float]] = {}  # kind -> gaps, oldest first
