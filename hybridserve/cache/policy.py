@@ -251,6 +251,26 @@ class KindRates:
         return restores * fade, publications * fade
 
 
+class Ghosts:
+    """Keys evicted from the snapshot pool with their last use on the pool clock, GHOSTS_PER_SLOT per
+    slot (oldest forgotten first): when one is wanted again, the pool turnovers it was idle."""
+
+    def __init__(self) -> None:
+        self._last_use: OrderedDict[BlockHash, int] = OrderedDict()
+
+    def remember(self, key: BlockHash, last_use: int, num_slots: int) -> None:
+        """Remember an evicted `key` (its last use on the pool clock)."""
+        self._last_use[key] = last_use
+        self._last_use.move_to_end(key)
+        while len(self._last_use) > GHOSTS_PER_SLOT * max(num_slots, 1):
+            self._last_use.popitem(last=False)
+
+    def wanted(self, key: BlockHash, clock: int, num_slots: int) -> float | None:
+        """Pool turnovers since `key`'s last use if it is remembered (then forgotten), else None."""
+        last_use = self._last_use.pop(key, None)
+        return None if last_use is None else (clock - last_use) / max(num_slots, 1)
+
+
 class BranchProtection:
     """Which branch points the default keeps out of ordinary eviction (a protected segment, as in
     segmented LRU), learned from their reuse. A snapshot of kind "branch" (a shared prefix that
@@ -263,7 +283,7 @@ class BranchProtection:
 
     def __init__(self) -> None:
         self._gaps: deque[float] = deque(maxlen=REUSE_GAPS_KEPT)  # pool turnovers idle before a reuse
-        self._ghosts: OrderedDict[BlockHash, int] = OrderedDict()  # evicted branch point -> its last use
+        self._ghosts = Ghosts()  # evicted branch points
         self._decay = 0.5 ** (1.0 / KIND_HALF_LIFE)
         self._branch_restores = 0.0
         self._restores = 0.0
@@ -286,16 +306,13 @@ class BranchProtection:
 
     def evicted(self, key: BlockHash, last_use: int, num_slots: int) -> None:
         """Remember an evicted branch point (its last use on the pool clock)."""
-        self._ghosts[key] = last_use
-        self._ghosts.move_to_end(key)
-        while len(self._ghosts) > GHOSTS_PER_SLOT * max(num_slots, 1):
-            self._ghosts.popitem(last=False)
+        self._ghosts.remember(key, last_use, num_slots)
 
     def published(self, key: BlockHash, clock: int, num_slots: int) -> None:
         """A branch point was published: if it was evicted before, its return is a reuse gap."""
-        last_use = self._ghosts.pop(key, None)
-        if last_use is not None:
-            self._gaps.append((clock - last_use) / max(num_slots, 1))
+        gap = self._ghosts.wanted(key, clock, num_slots)
+        if gap is not None:
+            self._gaps.append(gap)
 
 
 class ReuseGaps:
@@ -310,7 +327,7 @@ class ReuseGaps:
     def __init__(self) -> None:
         self._recent: dict[str, deque[float]] = {}  # kind -> gaps, oldest first
         self._sorted: dict[str, list[float]] = {}   # kind -> the same gaps, ascending
-        self._end_ghosts: OrderedDict[BlockHash, int] = OrderedDict()  # evicted unreused end -> last use
+        self._end_ghosts = Ghosts()  # evicted unreused request ends
 
     def add(self, kind: str, gap: float) -> None:
         """Count a first reuse of a `kind` snapshot after `gap` pool turnovers idle."""
@@ -323,15 +340,13 @@ class ReuseGaps:
 
     def end_evicted(self, key: BlockHash, last_use: int, num_slots: int) -> None:
         """Remember an unreused request end evicted from the pool (its last use on the pool clock)."""
-        self._end_ghosts[key] = last_use
-        while len(self._end_ghosts) > GHOSTS_PER_SLOT * max(num_slots, 1):
-            self._end_ghosts.popitem(last=False)
+        self._end_ghosts.remember(key, last_use, num_slots)
 
     def end_missed(self, key: BlockHash, clock: int, num_slots: int) -> None:
         """A request continued an evicted end: if it is remembered, its idle time until now is a gap."""
-        last_use = self._end_ghosts.pop(key, None)
-        if last_use is not None:
-            self.add("end", (clock - last_use) / max(num_slots, 1))
+        gap = self._end_ghosts.wanted(key, clock, num_slots)
+        if gap is not None:
+            self.add("end", gap)
 
     def gaps(self, kind: str) -> list[float]:
         """The gaps kept for `kind`, ascending."""
