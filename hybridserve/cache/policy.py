@@ -315,6 +315,22 @@ class BranchProtection:
             self._gaps.append(gap)
 
 
+class GapCurve:
+    """The last KIND_GAPS_KEPT idle gaps (pool turnovers) before some kind of reuse, kept in arrival
+    order and ascending."""
+
+    def __init__(self) -> None:
+        self._recent: deque[float] = deque()  # oldest first
+        self.ascending: list[float] = []      # the same gaps, ascending
+
+    def add(self, gap: float) -> None:
+        """Count one gap (the oldest is forgotten beyond KIND_GAPS_KEPT)."""
+        if len(self._recent) == KIND_GAPS_KEPT:
+            del self.ascending[bisect.bisect_left(self.ascending, self._recent.popleft())]
+        self._recent.append(gap)
+        bisect.insort(self.ascending, gap)
+
+
 class ReuseGaps:
     """How long unreused snapshots of each candidate kind sat idle before they were first wanted, in
     pool turnovers: the last KIND_GAPS_KEPT gaps per kind, from first restores and from request ends
@@ -325,18 +341,12 @@ class ReuseGaps:
     reuse is still ahead of it."""
 
     def __init__(self) -> None:
-        self._recent: dict[str, deque[float]] = {}  # kind -> gaps, oldest first
-        self._sorted: dict[str, list[float]] = {}   # kind -> the same gaps, ascending
+        self._curves: dict[str, GapCurve] = {}  # kind -> its gaps
         self._end_ghosts = Ghosts()  # evicted unreused request ends
 
     def add(self, kind: str, gap: float) -> None:
         """Count a first reuse of a `kind` snapshot after `gap` pool turnovers idle."""
-        recent = self._recent.setdefault(kind, deque())
-        ordered = self._sorted.setdefault(kind, [])
-        if len(recent) == KIND_GAPS_KEPT:
-            del ordered[bisect.bisect_left(ordered, recent.popleft())]
-        recent.append(gap)
-        bisect.insort(ordered, gap)
+        self._curves.setdefault(kind, GapCurve()).add(gap)
 
     def end_evicted(self, key: BlockHash, last_use: int, num_slots: int) -> None:
         """Remember an unreused request end evicted from the pool (its last use on the pool clock)."""
@@ -350,11 +360,51 @@ class ReuseGaps:
 
     def gaps(self, kind: str) -> list[float]:
         """The gaps kept for `kind`, ascending."""
-        return list(self._sorted.get(kind, ()))
+        curve = self._curves.get(kind)
+        return list(curve.ascending) if curve is not None else []
 
     def curves(self) -> dict[str, list[float]]:
         """Each kind's gaps, ascending, for the kinds with at least KIND_GAPS_NEEDED of them."""
-        return {kind: gaps for kind, gaps in self._sorted.items() if len(gaps) >= KIND_GAPS_NEEDED}
+        return {kind: curve.ascending for kind, curve in self._curves.items()
+                if len(curve.ascending) >= KIND_GAPS_NEEDED}
+
+
+class SiblingGaps:
+    """How long a covered request end that one continuation restored sat idle before another
+    restored it too (a sibling continuation of the same turn, as when an agent branches): gaps in
+    pool turnovers, from second restores while it was covered and from covered ends that a later
+    request continued after they were evicted (remembered by key, GHOSTS_PER_SLOT per slot, so the
+    curve is not capped by how long the pool kept them). Such an end is held from insurance marks
+    while at least half of the gaps are as long as its idle time."""
+
+    def __init__(self) -> None:
+        self._curve = GapCurve()
+        self._ghosts = Ghosts()  # evicted covered ends restored once
+
+    def holds(self, idle: float) -> bool:
+        """Whether a covered end restored once, idle for `idle` pool turnovers, may still be wanted by
+        a sibling (never before KIND_GAPS_NEEDED gaps are known)."""
+        gaps = self._curve.ascending
+        return len(gaps) >= KIND_GAPS_NEEDED and idle <= gaps[(len(gaps) - 1) // 2]
+
+    def gaps(self) -> list[float]:
+        """The gaps kept, ascending."""
+        return list(self._curve.ascending)
+
+    def restored(self, idle: float) -> None:
+        """A covered end restored once was restored again after `idle` pool turnovers."""
+        self._curve.add(idle)
+
+    def evicted(self, key: BlockHash, last_use: int, num_slots: int) -> None:
+        """Remember a covered end restored once that left the pool (its last use on the pool clock)."""
+        self._ghosts.remember(key, last_use, num_slots)
+
+    def missed(self, key: BlockHash, clock: int, num_slots: int) -> None:
+        """A request continued an evicted end: if it was a covered end restored once, its idle time
+        until now is a gap."""
+        gap = self._ghosts.wanted(key, clock, num_slots)
+        if gap is not None:
+            self._curve.add(gap)
 
 
 class HybridServePolicy(IntervalPolicy):
@@ -371,7 +421,9 @@ class HybridServePolicy(IntervalPolicy):
     its idle time, else 1 / (1 + idle pool turnovers / AGE_TURNOVERS); taken from the unprotected
     snapshots while protected branch points fill less than their share (`BranchProtection`). When
     every evictable snapshot is protected, a prompt mark or resume takes only a free or covered slot.
-    A released request's KV beyond its deepest snapshot is freed first."""
+    A capture that takes only a free or covered slot passes over a covered request end restored
+    once while a sibling continuation of its turn may still want it (`SiblingGaps`). A released
+    request's KV beyond its deepest snapshot is freed first."""
 
     name = "hybridserve"
     capture_at_end = True
@@ -382,6 +434,12 @@ class HybridServePolicy(IntervalPolicy):
         self.protection = BranchProtection()
         self._resumes_wanted: OrderedDict[BlockHash, None] = OrderedDict()
         self.reuse_gaps = ReuseGaps()
+        self.sibling_gaps = SiblingGaps()
+
+    def bind(self, block_pool: BlockPool, snapshots: SnapshotPool, kinds: Mapping[BlockHash, str] | None = None
+             ) -> None:
+        super().bind(block_pool, snapshots, kinds)
+        snapshots.choose_covered = self.choose_covered
 
     def captures(self, view: RequestView, start: int, length: int) -> list[int]:
         kept = _within([self._prompt_mark(view), view.branch_point], start, length)
@@ -458,23 +516,49 @@ class HybridServePolicy(IntervalPolicy):
             if idle is not None:
                 self.reuse_gaps.add(kind or "unknown", idle)
         self.protection.restored(kind == "branch", idle if kind == "branch" else None)
+        if earlier_restores == 1 and kind == "end" and pool is not None and pool.is_covered(key):
+            ticks = pool.idle_ticks(key)
+            if ticks is not None:
+                self.sibling_gaps.restored(ticks / max(pool.num_slots, 1))
 
     def observe_missed_end(self, key: BlockHash) -> None:
         pool = self.snapshot_pool
         if pool is not None:
             self.reuse_gaps.end_missed(key, pool.clock, pool.num_slots)
+            self.sibling_gaps.missed(key, pool.clock, pool.num_slots)
+
+    def choose_covered(self, pool: SnapshotPool) -> int | None:
+        """The covered slot an opportunistic capture takes (None: it is skipped): the least recently
+        used, passing over request ends restored once that a sibling may still want (`SiblingGaps`)."""
+        turnover = float(max(pool.num_slots, 1))
+        for slot, key, _, last_use, hits, _, _ in pool.covered_candidates(EVICTION_WINDOW):
+            idle = (pool.clock - last_use) / turnover
+            if hits == 1 and self.kinds.get(key) == "end" and self.sibling_gaps.holds(idle):
+                continue
+            self._note_eviction(pool, slot)
+            return slot
+        return None
 
     def choose_victim(self, pool: SnapshotPool) -> int | None:
         slot = self._lowest_value(pool)
         if slot is not None:
-            key = pool.key_of(slot)
-            ticks = pool.idle_ticks(key)
-            kind = self.kinds.get(key)
-            if kind == "branch" and ticks is not None:
-                self.protection.evicted(key, pool.clock - ticks, pool.num_slots)
-            elif kind == "end" and ticks is not None and pool.num_hits(key) == 0:
-                self.reuse_gaps.end_evicted(key, pool.clock - ticks, pool.num_slots)
+            self._note_eviction(pool, slot)
         return slot
+
+    def _note_eviction(self, pool: SnapshotPool, slot: int) -> None:
+        """Remember what the policy learns from when it is evicted: a branch point, an unreused end, a
+        covered end restored once."""
+        key = pool.key_of(slot)
+        ticks = pool.idle_ticks(key)
+        if ticks is None:
+            return
+        kind, hits = self.kinds.get(key), pool.num_hits(key)
+        if kind == "branch":
+            self.protection.evicted(key, pool.clock - ticks, pool.num_slots)
+        elif kind == "end" and hits == 0:
+            self.reuse_gaps.end_evicted(key, pool.clock - ticks, pool.num_slots)
+        elif kind == "end" and hits == 1 and pool.is_covered(key):
+            self.sibling_gaps.evicted(key, pool.clock - ticks, pool.num_slots)
 
     def _lowest_value(self, pool: SnapshotPool) -> int | None:
         """The victim: a covered snapshot, one whose KV is gone, else the lowest value among the

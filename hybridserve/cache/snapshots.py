@@ -94,6 +94,9 @@ class SnapshotPool:
         self._covered: OrderedDict[int, None] = OrderedDict()
         self.clock = 0
         self.choose_victim = choose_victim
+        # The covered slot an opportunistic reservation takes (it is skipped when this returns None);
+        # unset, the least recently used covered slot.
+        self.choose_covered: VictimChooser | None = None
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_slots))
         self._reserved: dict[BlockHash, int] = {}
         self._published: dict[BlockHash, int] = {}
@@ -157,6 +160,11 @@ class SnapshotPool:
         slot = self._published.get(key)
         return self._hits[slot] if slot is not None else 0
 
+    def is_covered(self, key: BlockHash) -> bool:
+        """Whether `key` is published and covered (see `covered`)."""
+        slot = self._published.get(key)
+        return slot is not None and slot in self._covered
+
     def record_hit(self, key: BlockHash) -> None:
         """A request restores from ``key``: count the hit and mark it most-recently-used."""
         slot = self._published.get(key)
@@ -179,9 +187,16 @@ class SnapshotPool:
     def candidates(self, limit: int) -> Iterable[tuple[int, BlockHash, int, int, int, int, int]]:
         """What eviction weighs of the `limit` least recently used evictable slots: (slot, key, tokens,
         last use, hits, paths continuing past it, depth of the resident parent or 0)."""
+        return self._describe(islice(self._lru, limit))
+
+    def covered_candidates(self, limit: int) -> Iterable[tuple[int, BlockHash, int, int, int, int, int]]:
+        """The same as `candidates`, for the `limit` least recently used covered slots."""
+        return self._describe(islice(self._covered, limit))
+
+    def _describe(self, slots: Iterable[int]) -> Iterable[tuple[int, BlockHash, int, int, int, int, int]]:
         keys, num_tokens, last_use, hits = self._key, self._num_tokens, self._last_use, self._hits
         parents, branch, children, published = self._parent, self._branch, self._children, self._published
-        for slot in islice(self._lru, limit):
+        for slot in slots:
             key = keys[slot]
             count = children.get(key, 0)  # type: ignore[arg-type]
             paths = max(2, count + 1) if branch[slot] else count
@@ -383,7 +398,12 @@ class SnapshotPool:
     def _victim(self, opportunistic: bool = False) -> int | None:
         """The slot to evict for a new reservation, or None when nothing is evictable."""
         if opportunistic:
-            return next(iter(self._covered), None)
+            if self.choose_covered is None:
+                return next(iter(self._covered), None)
+            slot = self.choose_covered(self)
+            if slot is not None and slot not in self._covered:
+                raise ValueError(f"eviction policy chose slot {slot}, which is not covered")
+            return slot
         if not self._lru:
             return None
         if self.choose_victim is None:

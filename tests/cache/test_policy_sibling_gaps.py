@@ -1,0 +1,83 @@
+"""hybridserve learns how soon a request end that one continuation restored is restored again by a
+sibling continuation (an agent's branch), and keeps such an end from insurance marks while most of
+those siblings are still to come."""
+
+from __future__ import annotations
+
+from hybridserve.cache.policy import GHOSTS_PER_SLOT, KIND_GAPS_NEEDED, HybridServePolicy, SiblingGaps
+from hybridserve.cache.snapshots import ReserveStatus, SnapshotPool
+from hybridserve.sim.shapes import model_shape
+from hybridserve.sim.simulator import AccountingRun, SimConfig
+from tests.helpers.policy_pools import policy_and_pool, publish
+
+
+def test_an_end_is_held_while_idle_no_longer_than_the_median_sibling_gap() -> None:
+    gaps = SiblingGaps()
+    for _ in range(KIND_GAPS_NEEDED - 1):
+        gaps.restored(0.5)
+    assert not gaps.holds(0.0)                                         # too few gaps to hold anything
+    for _ in range(KIND_GAPS_NEEDED):
+        gaps.restored(4.0)
+    assert gaps.holds(0.5) and gaps.holds(4.0)                         # the median is 4.0 (31 gaps)
+    assert not gaps.holds(4.5)
+
+
+def test_a_covered_end_evicted_then_continued_is_a_gap_counted_once() -> None:
+    gaps = SiblingGaps()
+    gaps.evicted(b"end", last_use=100, num_slots=10)
+    gaps.missed(b"end", clock=130, num_slots=10)                       # 3 turnovers after its last use
+    gaps.missed(b"end", clock=900, num_slots=10)
+    gaps.missed(b"other", clock=900, num_slots=10)                     # never evicted here: no gap
+    for _ in range(KIND_GAPS_NEEDED - 1):
+        gaps.restored(0.0)
+    assert gaps.holds(0.0) and not gaps.holds(0.1)                     # 15 gaps of 0 and one of 3
+    for index in range(GHOSTS_PER_SLOT + 1):                           # ghosts are bounded per slot
+        gaps.evicted(f"e{index}".encode(), last_use=0, num_slots=1)
+    gaps.missed(b"e0", clock=10, num_slots=1)
+    assert not gaps.holds(0.1)
+
+
+def _covered_end(policy: HybridServePolicy, pool: SnapshotPool, kinds: dict[bytes, str]) -> int:
+    """Publish a request end, restore it once and publish its continuation's snapshot under it: the
+    end is covered. Its slot."""
+    end = publish(policy, pool, kinds, b"end", 1000, "end")
+    policy.observe_restore("end", 0, b"end")
+    pool.record_hit(b"end")
+    child = pool.reserve(b"child", 1500, parent=b"end")
+    assert child.status is ReserveStatus.RESERVED
+    kinds[b"child"] = "interval"
+    pool.publish(child)
+    assert pool.is_covered(b"end")
+    return end
+
+
+def test_an_insurance_mark_passes_over_a_young_covered_end_once_siblings_are_learned() -> None:
+    policy, pool, kinds = policy_and_pool(2)
+    end = _covered_end(policy, pool, kinds)
+    assert pool.choose_covered is not None
+    assert pool.choose_covered(pool) == end                            # nothing learned: the oldest covered
+    for _ in range(KIND_GAPS_NEEDED):
+        policy.sibling_gaps.restored(1.0)                              # siblings come within a turnover
+    assert pool.choose_covered(pool) is None
+    assert pool.reserve(b"mark", 512, opportunistic=True).status is ReserveStatus.SKIPPED
+    for _ in range(4):
+        pool.touch(b"child")                                           # the end idle 2 turnovers
+    assert pool.choose_covered(pool) == end
+    assert pool.reserve(b"mark", 512, opportunistic=True).evicted_key == b"end"
+    pool.check_integrity()
+
+
+def test_a_sibling_restore_reaches_the_policy_through_the_manager() -> None:
+    """A turn, a continuation that restores its end (and covers it with its own snapshots), then a
+    sibling continuation of the same turn: the second restore of the covered end is a sibling gap."""
+    shape = model_shape("builtin")
+    run = AccountingRun(SimConfig("hybridserve", 1 << 34, 16 * shape.cost.snapshot_bytes, 16, 64), shape)
+    policy = run.cache.policy
+    assert isinstance(policy, HybridServePolicy)
+    first, output = list(range(100, 300)), [5, 6, 7]
+    run.serve("0", first, output)
+    run.serve("1", first + output + list(range(900, 1000)), [8])
+    assert policy.sibling_gaps.gaps() == []
+    run.serve("2", first + output + list(range(2000, 2100)), [9])
+    assert len(policy.sibling_gaps.gaps()) == 1
+    run.scheduler.check_integrity()
