@@ -370,20 +370,28 @@ class ReuseGaps:
 
 
 class SiblingGaps:
-    """How long a covered request end that one continuation restored sat idle before another
-    restored it too (a sibling continuation of the same turn, as when an agent branches): gaps in
-    pool turnovers, from second restores while it was covered and from covered ends that a later
-    request continued after they were evicted (remembered by key, GHOSTS_PER_SLOT per slot, so the
-    curve is not capped by how long the pool kept them). Such an end is held from insurance marks
-    while at least half of the gaps are as long as its idle time."""
+    """How long a covered snapshot where one continuation left a turn sat idle before another
+    continuation of the same turn wanted it too (a sibling, as when an agent branches or a chat
+    turn is regenerated): a request end the first continuation restored, or the resume it captured
+    where that end was gone (`is_sibling_point`). Gaps in pool turnovers, from restores while it was
+    covered and from covered ones that a later request continued after they were evicted
+    (remembered by key, GHOSTS_PER_SLOT per slot, so the curve is not capped by how long the pool
+    kept them). Such a snapshot is held from insurance marks while at least half of the gaps are as
+    long as its idle time."""
 
     def __init__(self) -> None:
         self._curve = GapCurve()
-        self._ghosts = Ghosts()  # evicted covered ends restored once
+        self._ghosts = Ghosts()  # evicted covered sibling points
+
+    @staticmethod
+    def is_sibling_point(kind: str | None, restores: int) -> bool:
+        """Whether a covered snapshot of `kind` with `restores` is where one continuation left a turn:
+        a request end restored once, or a resume not restored yet."""
+        return (kind == "end" and restores == 1) or (kind == "resume" and restores == 0)
 
     def holds(self, idle: float) -> bool:
-        """Whether a covered end restored once, idle for `idle` pool turnovers, may still be wanted by
-        a sibling (never before KIND_GAPS_NEEDED gaps are known)."""
+        """Whether a covered sibling point, idle for `idle` pool turnovers, may still be wanted by a
+        sibling (never before KIND_GAPS_NEEDED gaps are known)."""
         gaps = self._curve.ascending
         return len(gaps) >= KIND_GAPS_NEEDED and idle <= gaps[(len(gaps) - 1) // 2]
 
@@ -392,16 +400,16 @@ class SiblingGaps:
         return list(self._curve.ascending)
 
     def restored(self, idle: float) -> None:
-        """A covered end restored once was restored again after `idle` pool turnovers."""
+        """A covered sibling point was restored after `idle` pool turnovers idle."""
         self._curve.add(idle)
 
     def evicted(self, key: BlockHash, last_use: int, num_slots: int) -> None:
-        """Remember a covered end restored once that left the pool (its last use on the pool clock)."""
+        """Remember a covered sibling point that left the pool (its last use on the pool clock)."""
         self._ghosts.remember(key, last_use, num_slots)
 
     def missed(self, key: BlockHash, clock: int, num_slots: int) -> None:
-        """A request continued an evicted end: if it was a covered end restored once, its idle time
-        until now is a gap."""
+        """A request continued where an evicted snapshot was: if it was a covered sibling point, its
+        idle time until now is a gap."""
         gap = self._ghosts.wanted(key, clock, num_slots)
         if gap is not None:
             self._curve.add(gap)
@@ -422,7 +430,8 @@ class HybridServePolicy(IntervalPolicy):
     snapshots while protected branch points fill less than their share (`BranchProtection`). When
     every evictable snapshot is protected, a prompt mark or resume takes only a free or covered slot.
     A capture that takes only a free or covered slot passes over a covered request end restored
-    once while a sibling continuation of its turn may still want it (`SiblingGaps`). A released
+    once (or the resume captured where it was gone) while a sibling continuation of its turn may
+    still want it (`SiblingGaps`). A released
     request's KV beyond its deepest snapshot is freed first."""
 
     name = "hybridserve"
@@ -516,7 +525,7 @@ class HybridServePolicy(IntervalPolicy):
             if idle is not None:
                 self.reuse_gaps.add(kind or "unknown", idle)
         self.protection.restored(kind == "branch", idle if kind == "branch" else None)
-        if earlier_restores == 1 and kind == "end" and pool is not None and pool.is_covered(key):
+        if SiblingGaps.is_sibling_point(kind, earlier_restores) and pool is not None and pool.is_covered(key):
             ticks = pool.idle_ticks(key)
             if ticks is not None:
                 self.sibling_gaps.restored(ticks / max(pool.num_slots, 1))
@@ -529,11 +538,11 @@ class HybridServePolicy(IntervalPolicy):
 
     def choose_covered(self, pool: SnapshotPool) -> int | None:
         """The covered slot an opportunistic capture takes (None: it is skipped): the least recently
-        used, passing over request ends restored once that a sibling may still want (`SiblingGaps`)."""
+        used, passing over sibling points that a sibling may still want (`SiblingGaps`)."""
         turnover = float(max(pool.num_slots, 1))
         for slot, key, _, last_use, hits, _, _ in pool.covered_candidates(EVICTION_WINDOW):
             idle = (pool.clock - last_use) / turnover
-            if hits == 1 and self.kinds.get(key) == "end" and self.sibling_gaps.holds(idle):
+            if SiblingGaps.is_sibling_point(self.kinds.get(key), hits) and self.sibling_gaps.holds(idle):
                 continue
             self._note_eviction(pool, slot)
             return slot
@@ -547,7 +556,7 @@ class HybridServePolicy(IntervalPolicy):
 
     def _note_eviction(self, pool: SnapshotPool, slot: int) -> None:
         """Remember what the policy learns from when it is evicted: a branch point, an unreused end, a
-        covered end restored once."""
+        covered sibling point."""
         key = pool.key_of(slot)
         ticks = pool.idle_ticks(key)
         if ticks is None:
@@ -557,7 +566,7 @@ class HybridServePolicy(IntervalPolicy):
             self.protection.evicted(key, pool.clock - ticks, pool.num_slots)
         elif kind == "end" and hits == 0:
             self.reuse_gaps.end_evicted(key, pool.clock - ticks, pool.num_slots)
-        elif kind == "end" and hits == 1 and pool.is_covered(key):
+        elif SiblingGaps.is_sibling_point(kind, hits) and pool.is_covered(key):
             self.sibling_gaps.evicted(key, pool.clock - ticks, pool.num_slots)
 
     def _lowest_value(self, pool: SnapshotPool) -> int | None:

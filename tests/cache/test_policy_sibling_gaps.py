@@ -1,8 +1,11 @@
-"""hybridserve learns how soon a request end that one continuation restored is restored again by a
-sibling continuation (an agent's branch), and keeps such an end from insurance marks while most of
-those siblings are still to come."""
+"""hybridserve learns how soon the snapshot where one continuation left a turn (the request end it
+restored, or the resume it captured where that end was gone) is wanted again by a sibling
+continuation (an agent's branch, a regenerated chat turn), and keeps such a snapshot from insurance
+marks while at least half of those siblings are still to come."""
 
 from __future__ import annotations
+
+import pytest
 
 from hybridserve.cache.policy import GHOSTS_PER_SLOT, KIND_GAPS_NEEDED, HybridServePolicy, SiblingGaps
 from hybridserve.cache.snapshots import ReserveStatus, SnapshotPool
@@ -37,12 +40,20 @@ def test_a_covered_end_evicted_then_continued_is_a_gap_counted_once() -> None:
     assert not gaps.holds(0.1)
 
 
-def _covered_end(policy: HybridServePolicy, pool: SnapshotPool, kinds: dict[bytes, str]) -> int:
-    """Publish a request end, restore it once and publish its continuation's snapshot under it: the
-    end is covered. Its slot."""
-    end = publish(policy, pool, kinds, b"end", 1000, "end")
-    policy.observe_restore("end", 0, b"end")
-    pool.record_hit(b"end")
+def test_sibling_points_are_ends_restored_once_and_resumes_not_restored_yet() -> None:
+    assert SiblingGaps.is_sibling_point("end", 1) and SiblingGaps.is_sibling_point("resume", 0)
+    assert not SiblingGaps.is_sibling_point("end", 0)                  # a continuation restores an end
+    assert not SiblingGaps.is_sibling_point("resume", 1)
+    assert not SiblingGaps.is_sibling_point("interval", 1)
+
+
+def _covered_end(policy: HybridServePolicy, pool: SnapshotPool, kinds: dict[bytes, str], kind: str = "end") -> int:
+    """Publish a request end (restored once) or a resume (`kind`) and its continuation's snapshot
+    under it: it is covered. Its slot."""
+    end = publish(policy, pool, kinds, b"end", 1000, kind)
+    if kind == "end":
+        policy.observe_restore("end", 0, b"end")
+        pool.record_hit(b"end")
     child = pool.reserve(b"child", 1500, parent=b"end")
     assert child.status is ReserveStatus.RESERVED
     kinds[b"child"] = "interval"
@@ -51,9 +62,10 @@ def _covered_end(policy: HybridServePolicy, pool: SnapshotPool, kinds: dict[byte
     return end
 
 
-def test_an_insurance_mark_passes_over_a_young_covered_end_once_siblings_are_learned() -> None:
+@pytest.mark.parametrize("kind", ["end", "resume"])
+def test_an_insurance_mark_passes_over_a_young_sibling_point_once_siblings_are_learned(kind: str) -> None:
     policy, pool, kinds = policy_and_pool(2)
-    end = _covered_end(policy, pool, kinds)
+    end = _covered_end(policy, pool, kinds, kind)
     assert pool.choose_covered is not None
     assert pool.choose_covered(pool) == end                            # nothing learned: the oldest covered
     for _ in range(KIND_GAPS_NEEDED):
