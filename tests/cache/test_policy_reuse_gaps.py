@@ -4,10 +4,8 @@ share of those gaps still ahead of it."""
 
 from __future__ import annotations
 
-from hybridserve.cache.policy import GHOSTS_PER_SLOT, KIND_GAPS_KEPT, KIND_GAPS_NEEDED, HybridServePolicy, ReuseGaps
-from hybridserve.sim.shapes import model_shape
-from hybridserve.sim.simulator import AccountingRun, SimConfig
-from tests.helpers.policy_pools import policy_and_pool, publish
+from hybridserve.cache.policy import GHOSTS_PER_SLOT, KIND_GAPS_KEPT, KIND_GAPS_NEEDED, ReuseGaps
+from tests.helpers.policy_pools import policy_and_pool, publish, replay_with_default
 
 
 def test_a_kind_gets_a_curve_after_enough_gaps_and_keeps_the_latest() -> None:
@@ -52,10 +50,7 @@ def test_an_end_idle_past_every_reuse_gap_goes_before_a_shallower_young_one() ->
 def test_a_continued_evicted_end_reaches_the_policy_through_the_manager() -> None:
     """Two-slot pool: a first turn's end is evicted by later requests' snapshots, then its next
     turn continues it; the manager reports the missed end and the policy counts its gap."""
-    shape = model_shape("builtin")
-    run = AccountingRun(SimConfig("hybridserve", 1 << 34, 2 * shape.cost.snapshot_bytes, 16, 256), shape)
-    policy = run.cache.policy
-    assert isinstance(policy, HybridServePolicy)
+    run, policy = replay_with_default(2, 256)
     first, output = list(range(100, 300)), [5, 6, 7]
     run.serve("0", first, output)
     for turn in range(1, 4):

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from hybridserve.cache.policy import GHOSTS_PER_SLOT, KIND_GAPS_NEEDED, HybridServePolicy, SiblingGaps
+from hybridserve.cache.policy import KIND_GAPS_NEEDED, HybridServePolicy, SiblingGaps
 from hybridserve.cache.snapshots import ReserveStatus, SnapshotPool
-from hybridserve.sim.shapes import model_shape
-from hybridserve.sim.simulator import AccountingRun, SimConfig
-from tests.helpers.policy_pools import policy_and_pool, publish
+from tests.helpers.policy_pools import policy_and_pool, publish, replay_with_default
 
 
 def test_an_end_is_held_while_idle_no_longer_than_the_median_sibling_gap() -> None:
@@ -25,19 +23,13 @@ def test_an_end_is_held_while_idle_no_longer_than_the_median_sibling_gap() -> No
     assert not gaps.holds(4.5)
 
 
-def test_a_covered_end_evicted_then_continued_is_a_gap_counted_once() -> None:
+def test_a_covered_end_evicted_then_continued_is_a_gap() -> None:
+    """(The ghosts' bounds are `Ghosts`', tested with the reuse curves.)"""
     gaps = SiblingGaps()
     gaps.evicted(b"end", last_use=100, num_slots=10)
+    gaps.missed(b"other", clock=130, num_slots=10)                     # never evicted here: no gap
     gaps.missed(b"end", clock=130, num_slots=10)                       # 3 turnovers after its last use
-    gaps.missed(b"end", clock=900, num_slots=10)
-    gaps.missed(b"other", clock=900, num_slots=10)                     # never evicted here: no gap
-    for _ in range(KIND_GAPS_NEEDED - 1):
-        gaps.restored(0.0)
-    assert gaps.holds(0.0) and not gaps.holds(0.1)                     # 15 gaps of 0 and one of 3
-    for index in range(GHOSTS_PER_SLOT + 1):                           # ghosts are bounded per slot
-        gaps.evicted(f"e{index}".encode(), last_use=0, num_slots=1)
-    gaps.missed(b"e0", clock=10, num_slots=1)
-    assert not gaps.holds(0.1)
+    assert gaps.gaps() == [3.0]
 
 
 def test_sibling_points_are_ends_restored_once_and_resumes_not_restored_yet() -> None:
@@ -82,10 +74,7 @@ def test_an_insurance_mark_passes_over_a_young_sibling_point_once_siblings_are_l
 def test_a_sibling_restore_reaches_the_policy_through_the_manager() -> None:
     """A turn, a continuation that restores its end (and covers it with its own snapshots), then a
     sibling continuation of the same turn: the second restore of the covered end is a sibling gap."""
-    shape = model_shape("builtin")
-    run = AccountingRun(SimConfig("hybridserve", 1 << 34, 16 * shape.cost.snapshot_bytes, 16, 64), shape)
-    policy = run.cache.policy
-    assert isinstance(policy, HybridServePolicy)
+    run, policy = replay_with_default(16, 64)
     first, output = list(range(100, 300)), [5, 6, 7]
     run.serve("0", first, output)
     run.serve("1", first + output + list(range(900, 1000)), [8])

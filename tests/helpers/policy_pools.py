@@ -6,6 +6,8 @@ from __future__ import annotations
 from hybridserve.cache.block_pool import BlockHash, BlockPool
 from hybridserve.cache.policy import HybridServePolicy, PrefixCost, make_policy
 from hybridserve.cache.snapshots import ReserveStatus, SnapshotPool
+from hybridserve.sim.shapes import model_shape
+from hybridserve.sim.simulator import AccountingRun, SimConfig
 
 COST = PrefixCost(1.0e6, 1.0, 64, 1000)
 
@@ -29,3 +31,13 @@ def publish(policy: HybridServePolicy, pool: SnapshotPool, kinds: dict[BlockHash
     pool.publish(reservation)
     policy.observe_publish(kind, key)
     return reservation.slot
+
+
+def replay_with_default(num_slots: int, interval: int) -> tuple[AccountingRun, HybridServePolicy]:
+    """A simulator replay of the built-in model's shape under `hybridserve` (`num_slots` snapshot
+    slots, block 16, KV plenty) and its policy: for tests of what the manager reports to it."""
+    shape = model_shape("builtin")
+    run = AccountingRun(SimConfig("hybridserve", 1 << 34, num_slots * shape.cost.snapshot_bytes, 16, interval), shape)
+    policy = run.cache.policy
+    assert isinstance(policy, HybridServePolicy)
+    return run, policy
