@@ -431,8 +431,8 @@ class HybridServePolicy(IntervalPolicy):
     every evictable snapshot is protected, a prompt mark or resume takes only a free or covered slot.
     A capture that takes only a free or covered slot passes over a covered request end restored
     once (or the resume captured where it was gone) while a sibling continuation of its turn may
-    still want it (`SiblingGaps`). A released
-    request's KV beyond its deepest snapshot is freed first."""
+    still want it (`SiblingGaps`). A released request's KV beyond its deepest snapshot is freed
+    first."""
 
     name = "hybridserve"
     capture_at_end = True
