@@ -518,17 +518,16 @@ class HybridServePolicy(IntervalPolicy):
 
     def observe_restore(self, kind: str | None, earlier_restores: int, key: BlockHash) -> None:
         self.kind_rates.restored(kind or "unknown", earlier_restores)
-        pool, idle = self.snapshot_pool, None
-        if earlier_restores == 0 and pool is not None:
-            ticks = pool.idle_ticks(key)
-            idle = None if ticks is None else ticks / max(pool.num_slots, 1)
-            if idle is not None:
-                self.reuse_gaps.add(kind or "unknown", idle)
-        self.protection.restored(kind == "branch", idle if kind == "branch" else None)
-        if SiblingGaps.is_sibling_point(kind, earlier_restores) and pool is not None and pool.is_covered(key):
-            ticks = pool.idle_ticks(key)
-            if ticks is not None:
-                self.sibling_gaps.restored(ticks / max(pool.num_slots, 1))
+        pool = self.snapshot_pool
+        ticks = pool.idle_ticks(key) if pool is not None else None
+        idle = None if pool is None or ticks is None else ticks / max(pool.num_slots, 1)
+        first_idle = idle if earlier_restores == 0 else None
+        if first_idle is not None:
+            self.reuse_gaps.add(kind or "unknown", first_idle)
+        self.protection.restored(kind == "branch", first_idle if kind == "branch" else None)
+        if (idle is not None and pool is not None and SiblingGaps.is_sibling_point(kind, earlier_restores)
+                and pool.is_covered(key)):
+            self.sibling_gaps.restored(idle)
 
     def observe_missed_end(self, key: BlockHash) -> None:
         pool = self.snapshot_pool
