@@ -204,8 +204,35 @@ def conversation_synthetic(num_requests: int, seed: int) -> list[GeneratedReques
                        lambda rng: rng.lognormvariate(math.log(gap_median), gap_sigma))
 
 
+MIXED_TENANTS = (agent, chat, conversation_synthetic)
+MIXED_INTERARRIVAL_MS = 60.0
+
+
+def mixed(num_requests: int, seed: int) -> list[GeneratedRequest]:
+    """One server shared by the other families at once: an agent, a chat and a document-conversation
+    tenant (each its own seeded stream), their requests drawn in a seeded random order with a share
+    per tenant that the seed sets. Each tenant keeps its own order and ids (none shared across
+    tenants), so its reuse distances stretch with the others' traffic and a candidate kind is worth
+    a different amount in each tenant's requests."""
+    setup = random.Random(seed ^ 0x313D)
+    shares = [setup.uniform(0.5, 1.5) for _ in MIXED_TENANTS]
+    streams = [tenant(num_requests, seed) for tenant in MIXED_TENANTS]
+    placed: list[list[int]] = [[] for _ in MIXED_TENANTS]  # tenant -> its requests' indices here
+    rng, clock = random.Random(seed), 0.0
+    requests: list[GeneratedRequest] = []
+    while len(requests) < num_requests:
+        tenant = rng.choices(range(len(MIXED_TENANTS)), shares)[0]
+        own = streams[tenant][len(placed[tenant])]
+        clock += rng.expovariate(1.0 / MIXED_INTERARRIVAL_MS)
+        parent = None if own.parent is None else placed[tenant][own.parent]
+        hash_ids = tuple(h * len(MIXED_TENANTS) + tenant for h in own.hash_ids)
+        placed[tenant].append(len(requests))
+        requests.append(GeneratedRequest(int(clock), own.input_length, own.output_length, hash_ids, parent))
+    return requests
+
+
 WORKLOADS: dict[str, Callable[[int, int], list[GeneratedRequest]]] = {
-    "agent": agent, "chat": chat, "conversation-synthetic": conversation_synthetic}
+    "agent": agent, "chat": chat, "conversation-synthetic": conversation_synthetic, "mixed": mixed}
 
 
 def generate(name: str, num_requests: int | None = None, seed: int = 0) -> list[GeneratedRequest]:

@@ -73,6 +73,22 @@ def test_conversation_synthetic_shares_one_system_block_and_documents() -> None:
     assert max(second_ids.values()) >= 2                           # a shared document opens several
 
 
+def test_mixed_interleaves_tenants_apart_and_in_order() -> None:
+    requests = generate("mixed", SIZE, seed=2)
+    tenants = [generate(name, SIZE, seed=2) for name in ("agent", "chat", "conversation-synthetic")]
+    placed: list[list[GeneratedRequest]] = [[], [], []]
+    for request in requests:
+        tenant = request.hash_ids[0] % 3                           # a tenant's ids stay its own
+        assert {h % 3 for h in request.hash_ids} == {tenant}
+        placed[tenant].append(request)
+        if request.parent is not None:
+            assert requests[request.parent].hash_ids[0] % 3 == tenant
+    for tenant, (own, stream) in enumerate(zip(placed, tenants)):
+        assert len(own) >= SIZE // 6                               # every tenant has its share
+        assert [r.hash_ids for r in own] == [tuple(h * 3 + tenant for h in r.hash_ids)
+                                             for r in stream[:len(own)]]  # in its own order
+
+
 def test_scaling_and_file_round_trip(tmp_path: Path) -> None:
     requests = generate("chat", 30, seed=5)
     path = tmp_path / "chat.jsonl"
