@@ -9,7 +9,7 @@ while it is promoted into the device pools, and its `Restore` names the tier and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -258,6 +258,8 @@ class JointCacheManager:
                 return None  # its restore is on its way from a lower tier; the others run
         lookup = None if bypass else self._lookup(seq)
         hit = lookup.hit if lookup is not None else PrefixHit(0, [], None)
+        if lookup is not None and self.policy is not None and self.policy.learns_from_paths:
+            self.policy.observe_missed_path(self._boundaries_beyond(seq, hit.num_tokens))
         num_hit_blocks = len(hit.block_ids)
         held = hit.block_ids + ([hit.tail_block] if hit.tail_block is not None else [])
         new_needed = blocks_for(seq.num_tokens, self.block_size) - num_hit_blocks
@@ -517,6 +519,14 @@ class JointCacheManager:
             if snapshots.key_of(slot) != lookup.key or snapshots.num_tokens_of(slot) != lookup.hit.num_tokens:
                 raise RuntimeError(f"snapshot slot {slot} does not hold the prefix its key names")
         return lookup
+
+    def _boundaries_beyond(self, seq: CacheSequence, depth: int) -> Iterator[BlockHash]:
+        """Keys of the sequence's boundaries deeper than `depth` whose KV is cached, deepest first."""
+        if self.prefix_cache is None:
+            return iter(())
+        hashes = self.block_hashes(seq, seq.num_tokens // self.block_size)
+        return self.prefix_cache.boundaries_beyond(hashes, seq.token_ids, self._extra_keys(seq), depth,
+                                                   self.block_hash)
 
     def grow(self, seq: CacheSequence, num_tokens: int) -> list[int] | None:
         """New blocks so the sequence covers `num_tokens`, or None (nothing taken) when the pool

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 from hybridserve.cache.block_pool import BlockHash, BlockPool
@@ -30,6 +30,9 @@ REUSE_GAPS_KEPT = 64  # branch-point reuses whose idle gaps set how long an idle
 GHOSTS_PER_SLOT = 64  # evicted branch points remembered by key, per slot (captured again: a reuse)
 KIND_GAPS_KEPT = 256  # first-reuse idle gaps kept per candidate kind (`ReuseGaps`)
 KIND_GAPS_NEEDED = 16  # gaps a kind needs before its own reuse curve replaces the age horizon
+# Where a conversation left off: later reuses of a restored one follow the conversation's turns
+# (a learned repeat curve), where a restored shared prefix's follow its popularity (the age horizon).
+CONTINUATION_KINDS = frozenset({"end", "resume"})
 
 
 class PrefixCost(NamedTuple):
@@ -78,6 +81,7 @@ class CachePolicy:
 
     name = "base"
     capture_at_end = False
+    learns_from_paths = False  # whether `observe_missed_path` is worth the manager's walk
 
     def __init__(self, block_size: int, cost: PrefixCost, interval: int) -> None:
         self.block_size = block_size
@@ -125,6 +129,10 @@ class CachePolicy:
     def observe_missed_end(self, key: BlockHash) -> None:
         """A request continues where an earlier request ended (`key`: that end's snapshot key), and
         the end's snapshot is gone: it was wanted after it was evicted."""
+
+    def observe_missed_path(self, keys: Iterable[BlockHash]) -> None:
+        """A request restored less deep than these boundaries of its path whose KV is cached (deepest
+        first, lazily): one of them may name a snapshot that was evicted and is wanted again."""
 
     def evict_kv_first(self, view: RequestView) -> int | None:
         """Released KV blocks starting at or after this position are evicted first (None: none)."""
@@ -252,23 +260,32 @@ class KindRates:
 
 
 class Ghosts:
-    """Keys evicted from the snapshot pool with their last use on the pool clock, GHOSTS_PER_SLOT per
-    slot (oldest forgotten first): when one is wanted again, the pool turnovers it was idle."""
+    """Keys evicted from the snapshot pool with their last use on the pool clock and a label (such as
+    the snapshot's kind), GHOSTS_PER_SLOT per slot (oldest forgotten first): when one is wanted
+    again, the pool turnovers it was idle."""
 
     def __init__(self) -> None:
-        self._last_use: OrderedDict[BlockHash, int] = OrderedDict()
+        self._last_use: OrderedDict[BlockHash, tuple[int, str]] = OrderedDict()
 
-    def remember(self, key: BlockHash, last_use: int, num_slots: int) -> None:
+    def remember(self, key: BlockHash, last_use: int, num_slots: int, label: str = "") -> None:
         """Remember an evicted `key` (its last use on the pool clock)."""
-        self._last_use[key] = last_use
+        self._last_use[key] = (last_use, label)
         self._last_use.move_to_end(key)
         while len(self._last_use) > GHOSTS_PER_SLOT * max(num_slots, 1):
             self._last_use.popitem(last=False)
 
     def wanted(self, key: BlockHash, clock: int, num_slots: int) -> float | None:
         """Pool turnovers since `key`'s last use if it is remembered (then forgotten), else None."""
-        last_use = self._last_use.pop(key, None)
-        return None if last_use is None else (clock - last_use) / max(num_slots, 1)
+        found = self.wanted_labelled(key, clock, num_slots)
+        return None if found is None else found[0]
+
+    def wanted_labelled(self, key: BlockHash, clock: int, num_slots: int) -> tuple[float, str] | None:
+        """`wanted`, with the label `key` was remembered with."""
+        remembered = self._last_use.pop(key, None)
+        if remembered is None:
+            return None
+        last_use, label = remembered
+        return (clock - last_use) / max(num_slots, 1), label
 
 
 class BranchProtection:
@@ -332,21 +349,43 @@ class GapCurve:
 
 
 class ReuseGaps:
-    """How long unreused snapshots of each candidate kind sat idle before they were first wanted, in
-    pool turnovers: the last KIND_GAPS_KEPT gaps per kind, from first restores and from request ends
-    wanted again after they were evicted (remembered by key, GHOSTS_PER_SLOT per slot). The
-    evicted ones matter: gaps seen only on restores are capped by how long the pool kept things, so
-    a curve learned from them alone would justify evicting ever younger snapshots. The share of a
-    kind's gaps (`curves`) longer than an unreused snapshot's idle time is how much of its chance of
-    reuse is still ahead of it."""
+    """How long snapshots of each candidate kind sat idle before they were wanted, in pool
+    turnovers: the last KIND_GAPS_KEPT gaps per kind before a first reuse, and as many before each
+    later reuse of one already restored (`add_repeat`). Gaps come from restores and from snapshots
+    wanted after they were evicted (remembered by key, GHOSTS_PER_SLOT per slot): an unreused
+    request end that a later request continued (`end_missed`), and a reused snapshot that a later
+    request's path passed beyond what it restored (`missed_on_path`). The evicted ones matter: gaps
+    seen only on restores are capped by how long the pool kept things, so a curve learned from them
+    alone would justify evicting ever younger snapshots. The share of a kind's gaps (`curves`,
+    `repeat_curves`) longer than a snapshot's idle time is how much of its chance of (another) reuse
+    is still ahead of it."""
 
     def __init__(self) -> None:
-        self._curves: dict[str, GapCurve] = {}  # kind -> its gaps
+        self._curves: dict[str, GapCurve] = {}  # kind -> its gaps before a first reuse
+        self._repeat: dict[str, GapCurve] = {}  # kind -> its gaps before a later reuse
         self._end_ghosts = Ghosts()  # evicted unreused request ends
+        self._reused_ghosts = Ghosts()  # evicted reused snapshots, labelled with their kind
 
     def add(self, kind: str, gap: float) -> None:
         """Count a first reuse of a `kind` snapshot after `gap` pool turnovers idle."""
         self._curves.setdefault(kind, GapCurve()).add(gap)
+
+    def add_repeat(self, kind: str, gap: float) -> None:
+        """Count a later reuse of a restored `kind` snapshot after `gap` pool turnovers idle."""
+        self._repeat.setdefault(kind, GapCurve()).add(gap)
+
+    def reused_evicted(self, kind: str, key: BlockHash, last_use: int, num_slots: int) -> None:
+        """Remember a restored snapshot of `kind` evicted from the pool (its last use on the pool clock)."""
+        self._reused_ghosts.remember(key, last_use, num_slots, kind)
+
+    def missed_on_path(self, keys: Iterable[BlockHash], clock: int, num_slots: int) -> None:
+        """A request passed these boundaries (deepest first) beyond the one it restored: the deepest
+        remembered reused snapshot among them was wanted again, and its idle time until now is a gap."""
+        for key in keys:
+            found = self._reused_ghosts.wanted_labelled(key, clock, num_slots)
+            if found is not None:
+                self.add_repeat(found[1], found[0])
+                return
 
     def end_evicted(self, key: BlockHash, last_use: int, num_slots: int) -> None:
         """Remember an unreused request end evicted from the pool (its last use on the pool clock)."""
@@ -358,15 +397,23 @@ class ReuseGaps:
         if gap is not None:
             self.add("end", gap)
 
-    def gaps(self, kind: str) -> list[float]:
-        """The gaps kept for `kind`, ascending."""
-        curve = self._curves.get(kind)
+    def gaps(self, kind: str, repeat: bool = False) -> list[float]:
+        """The gaps kept for `kind` before a first reuse (`repeat`: before a later one), ascending."""
+        curve = (self._repeat if repeat else self._curves).get(kind)
         return list(curve.ascending) if curve is not None else []
 
     def curves(self) -> dict[str, list[float]]:
-        """Each kind's gaps, ascending, for the kinds with at least KIND_GAPS_NEEDED of them."""
-        return {kind: curve.ascending for kind, curve in self._curves.items()
-                if len(curve.ascending) >= KIND_GAPS_NEEDED}
+        """Each kind's gaps before a first reuse, ascending, for the kinds with at least
+        KIND_GAPS_NEEDED of them."""
+        return _known(self._curves)
+
+    def repeat_curves(self) -> dict[str, list[float]]:
+        """The same for the gaps before a later reuse."""
+        return _known(self._repeat)
+
+
+def _known(curves: dict[str, GapCurve]) -> dict[str, list[float]]:
+    return {kind: curve.ascending for kind, curve in curves.items() if len(curve.ascending) >= KIND_GAPS_NEEDED}
 
 
 class SiblingGaps:
@@ -424,11 +471,12 @@ class HybridServePolicy(IntervalPolicy):
     covered by the request's own snapshots until resumes prove worth more than ends
     (`holds_as_branch`). Evicts, cheapest loss first: a snapshot whose KV is gone,
     then a covered one, then the lowest value = prefill FLOPs saved beyond the resident parent x
-    (prior + hits + extra paths) x the share of its reuse still ahead: for an unreused snapshot of a
-    kind whose idle gaps before reuse are known (`ReuseGaps`), the share of those gaps longer than
-    its idle time, else 1 / (1 + idle pool turnovers / AGE_TURNOVERS); taken from the unprotected
-    snapshots while protected branch points fill less than their share (`BranchProtection`). When
-    every evictable snapshot is protected, a prompt mark or resume takes only a free or covered slot.
+    (prior + hits + extra paths) x the share of its reuse still ahead: for a snapshot of a kind whose
+    idle gaps before a first reuse (unreused) or a later one (restored; `CONTINUATION_KINDS`) are known
+    (`ReuseGaps`), the share of those gaps longer than its idle time, else 1 / (1 + idle pool
+    turnovers / AGE_TURNOVERS); taken from the unprotected snapshots while protected branch points
+    fill less than their share (`BranchProtection`). When every evictable snapshot is protected, a
+    prompt mark or resume takes only a free or covered slot.
     A capture that takes only a free or covered slot passes over a covered request end restored
     once (or the resume captured where it was gone) while a sibling continuation of its turn may
     still want it (`SiblingGaps`). A released request's KV beyond its deepest snapshot is freed
@@ -436,6 +484,7 @@ class HybridServePolicy(IntervalPolicy):
 
     name = "hybridserve"
     capture_at_end = True
+    learns_from_paths = True
 
     def __init__(self, block_size: int, cost: PrefixCost, interval: int) -> None:
         super().__init__(block_size, cost, interval)
@@ -524,6 +573,8 @@ class HybridServePolicy(IntervalPolicy):
         first_idle = idle if earlier_restores == 0 else None
         if first_idle is not None:
             self.reuse_gaps.add(kind or "unknown", first_idle)
+        elif idle is not None and kind in CONTINUATION_KINDS:
+            self.reuse_gaps.add_repeat(kind, idle)
         self.protection.restored(kind == "branch", first_idle if kind == "branch" else None)
         if (idle is not None and pool is not None and SiblingGaps.is_sibling_point(kind, earlier_restores)
                 and pool.is_covered(key)):
@@ -534,6 +585,11 @@ class HybridServePolicy(IntervalPolicy):
         if pool is not None:
             self.reuse_gaps.end_missed(key, pool.clock, pool.num_slots)
             self.sibling_gaps.missed(key, pool.clock, pool.num_slots)
+
+    def observe_missed_path(self, keys: Iterable[BlockHash]) -> None:
+        pool = self.snapshot_pool
+        if pool is not None:
+            self.reuse_gaps.missed_on_path(keys, pool.clock, pool.num_slots)
 
     def choose_covered(self, pool: SnapshotPool) -> int | None:
         """The covered slot an opportunistic capture takes (None: it is skipped): the least recently
@@ -555,7 +611,7 @@ class HybridServePolicy(IntervalPolicy):
 
     def _note_eviction(self, pool: SnapshotPool, slot: int) -> None:
         """Remember what the policy learns from when it is evicted: a branch point, an unreused end, a
-        covered sibling point."""
+        covered sibling point, a reused snapshot."""
         key = pool.key_of(slot)
         ticks = pool.idle_ticks(key)
         if ticks is None:
@@ -567,6 +623,8 @@ class HybridServePolicy(IntervalPolicy):
             self.reuse_gaps.end_evicted(key, pool.clock - ticks, pool.num_slots)
         elif SiblingGaps.is_sibling_point(kind, hits) and pool.is_covered(key):
             self.sibling_gaps.evicted(key, pool.clock - ticks, pool.num_slots)
+        if hits > 0 and kind in CONTINUATION_KINDS:
+            self.reuse_gaps.reused_evicted(kind, key, pool.clock - ticks, pool.num_slots)
 
     def _lowest_value(self, pool: SnapshotPool) -> int | None:
         """The victim: a covered snapshot, one whose KV is gone, else the lowest value among the
@@ -581,17 +639,19 @@ class HybridServePolicy(IntervalPolicy):
         # An unproven snapshot is worth the restores per snapshot the pool has seen (at most one):
         # when slots are scarce and few snapshots are ever restored, proven ones outweigh deep guesses.
         prior = min(1.0, (pool.hits_total + 1.0) / (pool.published_total + 1.0))
-        curves, kinds, turnover = self.reuse_gaps.curves(), self.kinds, float(max(pool.num_slots, 1))
+        curves, repeats, kinds = self.reuse_gaps.curves(), self.reuse_gaps.repeat_curves(), self.kinds
+        turnover = float(max(pool.num_slots, 1))
         for slot, key, tokens, last_use, hits, paths, parent_tokens in pool.candidates(EVICTION_WINDOW):
             if not kv_present(key):
                 return slot
             # prefill_flops(tokens) - prefill_flops(parent_tokens), factored (this loop is the
             # simulator's hottest): what a hit saves beyond the parent, where a miss falls back.
             saved = (tokens - parent_tokens) * (linear + quadratic * (tokens + parent_tokens))
-            gaps = curves.get(kinds.get(key) or "unknown") if hits == 0 else None
+            kind = kinds.get(key) or "unknown"
+            gaps = curves.get(kind) if hits == 0 else repeats.get(kind)
             if gaps is None:
                 ahead = 1.0 / (1.0 + (clock - last_use) / horizon)
-            else:  # the share of this kind's reuse gaps longer than its idle time (one pseudo-gap)
+            else:  # the share of this kind's (later) reuse gaps longer than its idle time (one pseudo-gap)
                 ahead = (1.0 + len(gaps) - bisect.bisect_left(gaps, (clock - last_use) / turnover)) / (1.0 + len(gaps))
             value = saved * (prior + hits + (paths - 1 if paths > 1 else 0)) * ahead
             if value < best_value:
@@ -679,6 +739,7 @@ class AdaptiveHybridServePolicy(HybridServePolicy):
     horizon up if it was evicted for age (recency was overweighted) or down if not."""
 
     name = "hybridserve-adaptive"
+    learns_from_paths = False  # its eviction reads no reuse curves
 
     def __init__(self, block_size: int, cost: PrefixCost, interval: int) -> None:
         super().__init__(block_size, cost, interval)

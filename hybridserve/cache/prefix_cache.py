@@ -3,7 +3,7 @@ its hit/miss statistics; tensor-free."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 from hybridserve.cache.block_pool import BlockHash, BlockPool, HashAlgorithm, hash_tail
@@ -74,6 +74,27 @@ class PrefixCache:
                 kv_only = len(cached) * size > hit[0].num_tokens
                 return PrefixLookup(hit[0], hit[1], num_tokens, len(cached) * size, kv_only, snapshot_only)
         return PrefixLookup(PrefixHit(0, [], None), None, num_tokens, len(cached) * size, bool(cached), snapshot_only)
+
+    def boundaries_beyond(self, block_hashes: list[BlockHash], token_ids: Sequence[int],
+                          extra_keys: tuple[object, ...], depth: int,
+                          algorithm: HashAlgorithm = "xxh3_128") -> Iterator[BlockHash]:
+        """Keys of the boundaries deeper than `depth` (and <= len(token_ids) - 1) whose KV is cached,
+        deepest first, in `lookup`'s order: cached tails inside block j + 1, then the end of block j."""
+        size, limit = self.block_size, len(token_ids) - 1
+        cached = self.block_pool.longest_cached_prefix(block_hashes)
+        for blocks in range(len(cached), -1, -1):
+            first = blocks * size
+            if first + size <= depth:
+                return
+            parent = block_hashes[blocks - 1] if blocks else None
+            tails = self.block_pool.tails_after(parent)
+            for length in sorted(set(tails.values()), reverse=True):
+                if depth < first + length <= limit:
+                    tail = hash_tail(parent, token_ids[first:first + length], extra_keys, algorithm)
+                    if tail in tails:
+                        yield tail
+            if depth < first <= limit:
+                yield block_hashes[blocks - 1]
 
     def _tail_hit(self, parent: BlockHash | None, blocks: int, token_ids: Sequence[int],
                   keys: tuple[tuple[object, ...], HashAlgorithm], limit: int,

@@ -1,10 +1,15 @@
 """hybridserve learns, per candidate kind, how long unreused snapshots sit idle before they are first
-wanted (restored, or an evicted request end continued), and values an unreused snapshot by the
-share of those gaps still ahead of it."""
+wanted (restored, or an evicted request end continued) and how long restored ones sit idle before
+they are wanted again (restored, or passed on a later request's path after eviction), and values a
+snapshot by the share of those gaps still ahead of it."""
 
 from __future__ import annotations
 
-from hybridserve.cache.policy import GHOSTS_PER_SLOT, KIND_GAPS_KEPT, KIND_GAPS_NEEDED, ReuseGaps
+from collections.abc import Iterator
+
+from hybridserve import SamplingParams
+from hybridserve.cache.policy import CANDIDATE_KINDS, GHOSTS_PER_SLOT, KIND_GAPS_KEPT, KIND_GAPS_NEEDED, ReuseGaps
+from hybridserve.engine.request import Request
 from tests.helpers.policy_pools import policy_and_pool, publish, replay_with_default
 
 
@@ -54,9 +59,83 @@ def test_a_continued_evicted_end_reaches_the_policy_through_the_manager() -> Non
     first, output = list(range(100, 300)), [5, 6, 7]
     run.serve("0", first, output)
     for turn in range(1, 4):
-        run.serve(str(turn), [10_000 * turn + offset for offset in range(200)], [5, 6, 7])
+        run.serve(str(turn), [10_000 * turn + offset for offset in range(250)], [5, 6, 7])
     depths = [tokens for _, _, tokens, *_ in run.snapshots.candidates(8)]
-    assert len(first) + len(output) not in depths                      # the first turn's end is gone
+    assert len(first) + len(output) - 1 not in depths                  # the first turn's end is gone
     run.serve("4", first + output + list(range(900, 1000)), [8])
     assert len(policy.reuse_gaps.gaps("end")) == 1
     run.scheduler.check_integrity()
+
+
+def test_a_reused_snapshot_passed_on_a_later_path_is_a_repeat_gap() -> None:
+    gaps = ReuseGaps()
+    gaps.reused_evicted("resume", b"deep", last_use=100, num_slots=10)
+    gaps.reused_evicted("end", b"shallow", last_use=50, num_slots=10)
+
+    def path() -> Iterator[bytes]:
+        yield from (b"never evicted", b"deep")
+        raise AssertionError("walked past the deepest remembered snapshot")
+
+    gaps.missed_on_path(path(), clock=300, num_slots=10)                # only the deepest counts
+    assert gaps.gaps("resume", repeat=True) == [20.0]
+    assert gaps.gaps("end", repeat=True) == []
+    gaps.missed_on_path([b"deep", b"shallow"], clock=400, num_slots=10)  # "deep" is forgotten now
+    assert gaps.gaps("end", repeat=True) == [35.0]
+    assert gaps.gaps("resume") == gaps.gaps("end") == []                # first-reuse curves apart
+
+
+def test_a_reused_end_idle_past_every_repeat_gap_goes_before_a_shallower_young_one() -> None:
+    policy, pool, kinds = policy_and_pool(2)
+    old = publish(policy, pool, kinds, b"old", 2048, "end")
+    young = publish(policy, pool, kinds, b"young", 1024, "end")
+    for key in (b"old", b"young"):
+        pool.record_hit(key)
+    for _ in range(12):
+        pool.touch(b"young")                                           # "old" idle 6 turnovers
+    assert pool.choose_victim is not None
+    assert pool.choose_victim(pool) == young                           # by the age horizon: deeper wins
+    for _ in range(KIND_GAPS_NEEDED):
+        policy.reuse_gaps.add_repeat("end", 1.0)                       # reused ends return within a turnover
+    assert pool.choose_victim(pool) == old
+
+
+def test_a_reused_end_wanted_after_eviction_reaches_the_policy_through_the_manager() -> None:
+    """Two-slot pool: a first turn's end is restored by its next turn, evicted by later requests'
+    snapshots, then a second continuation of the first turn passes it: a repeat gap for ends."""
+    run, policy = replay_with_default(2, 256)
+    first, output = list(range(100, 300)), [5, 6, 7]
+    run.serve("0", first, output)
+    run.serve("1", first + output + list(range(900, 1000)), [8])      # restores the first end
+    assert policy.reuse_gaps.gaps("end", repeat=True) == []
+    for turn in range(2, 5):
+        run.serve(str(turn), [10_000 * turn + offset for offset in range(250)], [5, 6, 7])
+    depths = [tokens for _, _, tokens, *_ in run.snapshots.candidates(8)]
+    assert len(first) + len(output) - 1 not in depths                  # the first turn's end is gone
+    run.serve("5", first + output + list(range(2000, 2100)), [8])
+    assert len(policy.reuse_gaps.gaps("end", repeat=True)) == 1
+    run.scheduler.check_integrity()
+
+
+def test_the_walk_beyond_a_depth_yields_cached_boundaries_deepest_first() -> None:
+    """After a 203-token request (block 16; its end state is at 202, the last token is never fed), a
+    longer prompt through it passes the cached tail at 202, then the ends of full blocks, down to
+    (not including) the depth asked."""
+    run, _ = replay_with_default(2, 256)
+    first = list(range(100, 303))
+    run.serve("0", first[:200], first[200:])
+    probe = Request("probe", None, first + list(range(900, 1000)), SamplingParams(max_tokens=1))
+    hashes = run.cache.block_hashes(probe, len(probe.token_ids) // 16)
+    assert run.cache.prefix_cache is not None
+    walk = run.cache.prefix_cache.boundaries_beyond(hashes, probe.token_ids, (), 160, run.cache.block_hash)
+    assert list(walk) == [run.cache.boundary_key(probe, 202), hashes[11], hashes[10]]
+
+
+def test_only_where_a_conversation_left_off_learns_a_repeat_curve() -> None:
+    """A restored end or resume is wanted again as its conversation goes on; a restored shared
+    prefix (a mark, a branch point) as often as it is popular, which the age horizon weighs."""
+    policy, pool, kinds = policy_and_pool(4)
+    for key, kind in ((b"end", "end"), (b"resume", "resume"), (b"mark", "interval"), (b"branch", "branch")):
+        publish(policy, pool, kinds, key, 1024, kind)
+        policy.observe_restore(kind, 1, key)                           # a second restore
+    assert [kind for kind in CANDIDATE_KINDS + ("resume",) if policy.reuse_gaps.gaps(kind, repeat=True)] == [
+        "end", "resume"]
