@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import pytest
+
 from hybridserve import SamplingParams
 from hybridserve.cache.policy import CANDIDATE_KINDS, GHOSTS_PER_SLOT, KIND_GAPS_KEPT, KIND_GAPS_NEEDED, ReuseGaps
 from hybridserve.engine.request import Request
@@ -39,16 +41,23 @@ def test_an_evicted_end_continued_later_is_a_gap_counted_once() -> None:
     assert gaps.gaps("end") == [30.0]
 
 
-def test_an_end_idle_past_every_reuse_gap_goes_before_a_shallower_young_one() -> None:
+@pytest.mark.parametrize("restored", [False, True])
+def test_an_end_idle_past_every_reuse_gap_goes_before_a_shallower_young_one(restored: bool) -> None:
+    """Unreused ends are valued by the gaps before a first reuse, restored ones by those before a
+    later one (each curve alone: the other kind of gap does not move them)."""
     policy, pool, kinds = policy_and_pool(2)
     old = publish(policy, pool, kinds, b"old", 2048, "end")
     young = publish(policy, pool, kinds, b"young", 1024, "end")
+    for key in (b"old", b"young") if restored else ():
+        pool.record_hit(key)
     for _ in range(12):
-        pool.touch(b"young")                                           # "old" idle 6.5 turnovers
+        pool.touch(b"young")                                           # "old" idle 6 turnovers or more
     assert pool.choose_victim is not None
+    for _ in range(KIND_GAPS_NEEDED):                                  # the other curve: no effect
+        (policy.reuse_gaps.add if restored else policy.reuse_gaps.add_repeat)("end", 1.0)
     assert pool.choose_victim(pool) == young                           # by the age horizon: deeper wins
-    for _ in range(KIND_GAPS_NEEDED):
-        policy.reuse_gaps.add("end", 1.0)                              # ends are wanted within a turnover
+    for _ in range(KIND_GAPS_NEEDED):                                  # ends are wanted within a turnover
+        (policy.reuse_gaps.add_repeat if restored else policy.reuse_gaps.add)("end", 1.0)
     assert pool.choose_victim(pool) == old
 
 
@@ -82,21 +91,6 @@ def test_a_reused_snapshot_passed_on_a_later_path_is_a_repeat_gap() -> None:
     gaps.missed_on_path([b"deep", b"shallow"], clock=400, num_slots=10)  # "deep" is forgotten now
     assert gaps.gaps("end", repeat=True) == [35.0]
     assert gaps.gaps("resume") == gaps.gaps("end") == []                # first-reuse curves apart
-
-
-def test_a_reused_end_idle_past_every_repeat_gap_goes_before_a_shallower_young_one() -> None:
-    policy, pool, kinds = policy_and_pool(2)
-    old = publish(policy, pool, kinds, b"old", 2048, "end")
-    young = publish(policy, pool, kinds, b"young", 1024, "end")
-    for key in (b"old", b"young"):
-        pool.record_hit(key)
-    for _ in range(12):
-        pool.touch(b"young")                                           # "old" idle 6 turnovers
-    assert pool.choose_victim is not None
-    assert pool.choose_victim(pool) == young                           # by the age horizon: deeper wins
-    for _ in range(KIND_GAPS_NEEDED):
-        policy.reuse_gaps.add_repeat("end", 1.0)                       # reused ends return within a turnover
-    assert pool.choose_victim(pool) == old
 
 
 def test_a_reused_end_wanted_after_eviction_reaches_the_policy_through_the_manager() -> None:
