@@ -30,8 +30,8 @@ REUSE_GAPS_KEPT = 64  # branch-point reuses whose idle gaps set how long an idle
 GHOSTS_PER_SLOT = 64  # evicted branch points remembered by key, per slot (captured again: a reuse)
 KIND_GAPS_KEPT = 256  # first-reuse idle gaps kept per candidate kind (`ReuseGaps`)
 KIND_GAPS_NEEDED = 16  # gaps a kind needs before its own reuse curve replaces the age horizon
-# Where a conversation left off: later reuses of a restored one follow the conversation's turns
-# (a learned repeat curve), where a restored shared prefix's follow its popularity (the age horizon).
+# Where a conversation left off: a restored one is wanted again as the conversation's turns come (a
+# learned repeat curve); a restored shared prefix as often as it is popular (the age horizon).
 CONTINUATION_KINDS = frozenset({"end", "resume"})
 
 
@@ -611,7 +611,7 @@ class HybridServePolicy(IntervalPolicy):
 
     def _note_eviction(self, pool: SnapshotPool, slot: int) -> None:
         """Remember what the policy learns from when it is evicted: a branch point, an unreused end, a
-        covered sibling point, a reused snapshot."""
+        covered sibling point, a restored end or resume."""
         key = pool.key_of(slot)
         ticks = pool.idle_ticks(key)
         if ticks is None:
