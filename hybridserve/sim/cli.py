@@ -28,8 +28,9 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `hybridserve sim`."""
     parser.add_argument("--trace", default=str(default_trace_path()), help="Mooncake-format JSONL trace")
     parser.add_argument("--workload", default=None, metavar="NAME",
-                        help="replay a generated workload instead of --trace: agent, chat, conversation-synthetic "
-                             "or mixed (hybridserve/sim/workloads.py; --num-requests sets its size, default 2000)")
+                        help="replay a generated workload instead of --trace: agent, chat, chat-regenerate, "
+                             "conversation-synthetic or mixed (hybridserve/sim/workloads.py; --num-requests sets its "
+                             "size, default 2000)")
     parser.add_argument("--workload-seed", type=int, default=0, help="seed of the generated --workload")
     parser.add_argument("--num-requests", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--model-shape", default="qwen3.5-4b",

@@ -23,6 +23,7 @@ __all__ = ["WORKLOADS", "GeneratedRequest", "generate", "to_records", "workload_
 DEFAULT_NUM_REQUESTS = 2000
 BLOCK = TRACE_BLOCK_TOKENS
 SHARED_IDS_START = 1 << 40  # system prompt and document ids, apart from the stream's
+REGENERATED_SHARE = 0.2  # turns of `chat-regenerate` that users regenerate
 
 
 class GeneratedRequest(NamedTuple):
@@ -161,6 +162,16 @@ def agent(num_requests: int, seed: int) -> list[GeneratedRequest]:
 def chat(num_requests: int, seed: int) -> list[GeneratedRequest]:
     """Multi-turn chat: 3 shared system prompts, ~400 conversations open at once, 2-12 turns each,
     short user messages and answers of a few hundred tokens."""
+    return _chat(num_requests, seed, regenerate=False)
+
+
+def chat_regenerate(num_requests: int, seed: int) -> list[GeneratedRequest]:
+    """`chat` where users regenerate answers: one turn in REGENERATED_SHARE comes 2-3 times, each a
+    sibling continuation of the same conversation state (the conversation goes on from the last)."""
+    return _chat(num_requests, seed, regenerate=True)
+
+
+def _chat(num_requests: int, seed: int, regenerate: bool) -> list[GeneratedRequest]:
     setup = random.Random(seed ^ 0xC4A7)
     prompts_ids = _Ids(SHARED_IDS_START)
     prompts = _system_prompts(prompts_ids, setup, 3, 2, 6)
@@ -172,7 +183,8 @@ def chat(num_requests: int, seed: int) -> list[GeneratedRequest]:
             _lognormal(rng, 300, 0.8, 10, 2000), turns
 
     def next_turns(rng: random.Random, conversation: _Conversation) -> list[tuple[int, int]]:
-        return [(_lognormal(rng, 150, 1.0, 5, 4000), _lognormal(rng, 300, 0.8, 10, 2000))]
+        width = rng.randint(2, 3) if regenerate and rng.random() < REGENERATED_SHARE else 1
+        return [(_lognormal(rng, 150, 1.0, 5, 4000), _lognormal(rng, 300, 0.8, 10, 2000)) for _ in range(width)]
 
     return _interleave(num_requests, seed, 200.0, start, next_turns,
                        lambda rng: rng.expovariate(1 / open_conversations))
@@ -232,7 +244,8 @@ def mixed(num_requests: int, seed: int) -> list[GeneratedRequest]:
 
 
 WORKLOADS: dict[str, Callable[[int, int], list[GeneratedRequest]]] = {
-    "agent": agent, "chat": chat, "conversation-synthetic": conversation_synthetic, "mixed": mixed}
+    "agent": agent, "chat": chat, "chat-regenerate": chat_regenerate, "conversation-synthetic": conversation_synthetic,
+    "mixed": mixed}
 
 
 def generate(name: str, num_requests: int | None = None, seed: int = 0) -> list[GeneratedRequest]:

@@ -65,6 +65,15 @@ def test_chat_conversations_share_few_system_prompts() -> None:
     assert sum(r.parent is None for r in requests) >= 100
 
 
+def test_chat_regenerate_is_chat_with_sibling_turns() -> None:
+    requests = generate("chat-regenerate", SIZE, seed=2)
+    assert len({r.hash_ids[0] for r in requests}) <= 3
+    widths = Counter(_children(requests).values())
+    assert set(widths) <= {1, 2, 3} and widths[2] + widths[3] >= 5     # regenerated turns: 2-3 siblings
+    assert widths[1] > 2 * (widths[2] + widths[3])                     # most turns are not regenerated
+    assert generate("chat", 50, seed=2) != requests[:50]
+
+
 def test_conversation_synthetic_shares_one_system_block_and_documents() -> None:
     requests = generate("conversation-synthetic", SIZE, seed=2)
     assert len({r.hash_ids[0] for r in requests}) == 1
