@@ -166,8 +166,9 @@ def chat(num_requests: int, seed: int) -> list[GeneratedRequest]:
 
 
 def chat_regenerate(num_requests: int, seed: int) -> list[GeneratedRequest]:
-    """`chat` where users regenerate answers: one turn in REGENERATED_SHARE comes 2-3 times, each a
-    sibling continuation of the same conversation state (the conversation goes on from the last)."""
+    """`chat` where users regenerate answers: a share REGENERATED_SHARE of the later turns comes 2-3
+    times, each a sibling continuation of the same conversation state (the conversation goes on from
+    the last)."""
     return _chat(num_requests, seed, regenerate=True)
 
 
