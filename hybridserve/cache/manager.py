@@ -259,7 +259,7 @@ class JointCacheManager:
         lookup = None if bypass else self._lookup(seq)
         hit = lookup.hit if lookup is not None else PrefixHit(0, [], None)
         if lookup is not None and self.policy is not None and self.policy.learns_from_paths:
-            self.policy.observe_missed_path(self._boundaries_beyond(seq, hit.num_tokens))
+            self.policy.observe_missed_path(self._boundaries_beyond(seq, hit.num_tokens, lookup.kv_match_tokens))
         num_hit_blocks = len(hit.block_ids)
         held = hit.block_ids + ([hit.tail_block] if hit.tail_block is not None else [])
         new_needed = blocks_for(seq.num_tokens, self.block_size) - num_hit_blocks
@@ -520,13 +520,14 @@ class JointCacheManager:
                 raise RuntimeError(f"snapshot slot {slot} does not hold the prefix its key names")
         return lookup
 
-    def _boundaries_beyond(self, seq: CacheSequence, depth: int) -> Iterator[BlockHash]:
-        """Keys of the sequence's boundaries deeper than `depth` whose KV is cached, deepest first."""
+    def _boundaries_beyond(self, seq: CacheSequence, depth: int, kv_match_tokens: int) -> Iterator[BlockHash]:
+        """Keys of the sequence's boundaries deeper than `depth` whose KV is cached (full blocks up to
+        `kv_match_tokens`, as the lookup found), deepest first."""
         if self.prefix_cache is None:
             return iter(())
         hashes = self.block_hashes(seq, seq.num_tokens // self.block_size)
         return self.prefix_cache.boundaries_beyond(hashes, seq.token_ids, self._extra_keys(seq), depth,
-                                                   self.block_hash)
+                                                   kv_match_tokens, self.block_hash)
 
     def grow(self, seq: CacheSequence, num_tokens: int) -> list[int] | None:
         """New blocks so the sequence covers `num_tokens`, or None (nothing taken) when the pool

@@ -76,13 +76,13 @@ class PrefixCache:
         return PrefixLookup(PrefixHit(0, [], None), None, num_tokens, len(cached) * size, bool(cached), snapshot_only)
 
     def boundaries_beyond(self, block_hashes: list[BlockHash], token_ids: Sequence[int],
-                          extra_keys: tuple[object, ...], depth: int,
+                          extra_keys: tuple[object, ...], depth: int, kv_match_tokens: int,
                           algorithm: HashAlgorithm = "xxh3_128") -> Iterator[BlockHash]:
         """Keys of the boundaries deeper than `depth` (and <= len(token_ids) - 1) whose KV is cached,
-        deepest first, in `lookup`'s order: cached tails inside block j + 1, then the end of block j."""
+        deepest first, in `lookup`'s order: cached tails inside block j + 1, then the end of block j
+        (`kv_match_tokens`: the full blocks cached, as `lookup` found them)."""
         size, limit = self.block_size, len(token_ids) - 1
-        cached = self.block_pool.longest_cached_prefix(block_hashes)
-        for blocks in range(len(cached), -1, -1):
+        for blocks in range(kv_match_tokens // size, -1, -1):
             first = blocks * size
             if first + size <= depth:
                 return

@@ -120,7 +120,10 @@ def test_the_walk_beyond_a_depth_yields_cached_boundaries_deepest_first() -> Non
     probe = Request("probe", None, first + list(range(900, 1000)), SamplingParams(max_tokens=1))
     hashes = run.cache.block_hashes(probe, len(probe.token_ids) // 16)
     assert run.cache.prefix_cache is not None
-    walk = run.cache.prefix_cache.boundaries_beyond(hashes, probe.token_ids, (), 160, run.cache.block_hash)
+    kv_match = len(run.blocks.longest_cached_prefix(hashes)) * 16
+    assert kv_match == 192                                             # the first request's full blocks
+    walk = run.cache.prefix_cache.boundaries_beyond(hashes, probe.token_ids, (), 160, kv_match,
+                                                    run.cache.block_hash)
     assert list(walk) == [run.cache.boundary_key(probe, 202), hashes[11], hashes[10]]
 
 
