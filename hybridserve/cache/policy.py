@@ -33,6 +33,9 @@ KIND_GAPS_NEEDED = 16  # gaps a kind needs before its own reuse curve replaces t
 # Where a conversation left off: a restored one is wanted again as the conversation's turns come (a
 # learned repeat curve); a restored shared prefix as often as it is popular (the age horizon).
 CONTINUATION_KINDS = frozenset({"end", "resume"})
+# A snapshot wanted within this many pool turnovers of its last use would still be in a pool that
+# evicted the least recently used: if it was evicted, the eviction was premature.
+PREMATURE_TURNOVERS = 1.0
 
 
 class PrefixCost(NamedTuple):
@@ -358,13 +361,16 @@ class ReuseGaps:
     seen only on restores are capped by how long the pool kept things, so a curve learned from them
     alone would justify evicting ever younger snapshots. The share of a kind's gaps (`curves`,
     `repeat_curves`) longer than a snapshot's idle time is how much of its chance of (another) reuse
-    is still ahead of it."""
+    is still ahead of it. The walk also finds resumes evicted before any restore (`resume_evicted`)
+    and reports how long the deepest one passed was idle; the policy counts it as a missed restore
+    (`HybridServePolicy.observe_missed_path`), not as a gap."""
 
     def __init__(self) -> None:
         self._curves: dict[str, GapCurve] = {}  # kind -> its gaps before a first reuse
         self._repeat: dict[str, GapCurve] = {}  # kind -> its gaps before a later reuse
         self._end_ghosts = Ghosts()  # evicted unreused request ends
         self._reused_ghosts = Ghosts()  # evicted reused snapshots, labelled with their kind
+        self._resume_ghosts = Ghosts()  # evicted resumes never restored
 
     def add(self, kind: str, gap: float) -> None:
         """Count a first reuse of a `kind` snapshot after `gap` pool turnovers idle."""
@@ -378,14 +384,24 @@ class ReuseGaps:
         """Remember a restored snapshot of `kind` evicted from the pool (its last use on the pool clock)."""
         self._reused_ghosts.remember(key, last_use, num_slots, kind)
 
-    def missed_on_path(self, keys: Iterable[BlockHash], clock: int, num_slots: int) -> None:
+    def resume_evicted(self, key: BlockHash, last_use: int, num_slots: int) -> None:
+        """Remember a resume evicted before any restore (its last use on the pool clock)."""
+        self._resume_ghosts.remember(key, last_use, num_slots)
+
+    def missed_on_path(self, keys: Iterable[BlockHash], clock: int, num_slots: int) -> float | None:
         """A request passed these boundaries (deepest first) beyond the one it restored: the deepest
-        remembered reused snapshot among them was wanted again, and its idle time until now is a gap."""
+        remembered reused snapshot among them was wanted again, and its idle time until now is a gap.
+        Returns the pool turnovers that the deepest remembered never-restored resume deeper than it
+        had been idle (None if the walk passed none): that resume was wanted too."""
+        resume_idle = None
         for key in keys:
             found = self._reused_ghosts.wanted_labelled(key, clock, num_slots)
             if found is not None:
                 self.add_repeat(found[1], found[0])
-                return
+                return resume_idle
+            if resume_idle is None:
+                resume_idle = self._resume_ghosts.wanted(key, clock, num_slots)
+        return resume_idle
 
     def end_evicted(self, key: BlockHash, last_use: int, num_slots: int) -> None:
         """Remember an unreused request end evicted from the pool (its last use on the pool clock)."""
@@ -546,7 +562,8 @@ class HybridServePolicy(IntervalPolicy):
         restored no more per snapshot than request ends (resumes start at the ends' rate); once they
         are restored more (siblings and later turns fall back to them), each is a branch point. A
         resume captured again within a pool's worth of captures counts as a restore: it was wanted
-        again after it was evicted or skipped."""
+        again after it was evicted or skipped; so does one evicted too early that a later request's
+        path passed (`observe_missed_path`)."""
         if boundary != view.branch_point:
             return False
         if not view.resumes:
@@ -587,9 +604,16 @@ class HybridServePolicy(IntervalPolicy):
             self.sibling_gaps.missed(key, pool.clock, pool.num_slots)
 
     def observe_missed_path(self, keys: Iterable[BlockHash]) -> None:
+        """Learn repeat gaps from the path (`ReuseGaps.missed_on_path`). A resume evicted before any
+        restore and wanted within PREMATURE_TURNOVERS of its last use counts as a restore of resumes:
+        covered resumes go first, so without these their rate would show what the pool kept, not what
+        was wanted, and resumes once judged covered would stay so."""
         pool = self.snapshot_pool
-        if pool is not None:
-            self.reuse_gaps.missed_on_path(keys, pool.clock, pool.num_slots)
+        if pool is None:
+            return
+        resume_idle = self.reuse_gaps.missed_on_path(keys, pool.clock, pool.num_slots)
+        if resume_idle is not None and resume_idle <= PREMATURE_TURNOVERS:
+            self.kind_rates.restored("resume", 0)
 
     def choose_covered(self, pool: SnapshotPool) -> int | None:
         """The covered slot an opportunistic capture takes (None: it is skipped): the least recently
@@ -611,7 +635,7 @@ class HybridServePolicy(IntervalPolicy):
 
     def _note_eviction(self, pool: SnapshotPool, slot: int) -> None:
         """Remember what the policy learns from when it is evicted: a branch point, an unreused end, a
-        covered sibling point, a restored end or resume."""
+        covered sibling point, a restored end or resume, a resume never restored."""
         key = pool.key_of(slot)
         ticks = pool.idle_ticks(key)
         if ticks is None:
@@ -625,6 +649,8 @@ class HybridServePolicy(IntervalPolicy):
             self.sibling_gaps.evicted(key, pool.clock - ticks, pool.num_slots)
         if hits > 0 and kind in CONTINUATION_KINDS:
             self.reuse_gaps.reused_evicted(kind, key, pool.clock - ticks, pool.num_slots)
+        elif kind == "resume":
+            self.reuse_gaps.resume_evicted(key, pool.clock - ticks, pool.num_slots)
 
     def _lowest_value(self, pool: SnapshotPool) -> int | None:
         """The victim: a covered snapshot, one whose KV is gone, else the lowest value among the

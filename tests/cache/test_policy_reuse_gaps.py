@@ -10,7 +10,14 @@ from collections.abc import Iterator
 import pytest
 
 from hybridserve import SamplingParams
-from hybridserve.cache.policy import CANDIDATE_KINDS, GHOSTS_PER_SLOT, KIND_GAPS_KEPT, KIND_GAPS_NEEDED, ReuseGaps
+from hybridserve.cache.policy import (
+    CANDIDATE_KINDS,
+    GHOSTS_PER_SLOT,
+    KIND_GAPS_KEPT,
+    KIND_GAPS_NEEDED,
+    PREMATURE_TURNOVERS,
+    ReuseGaps,
+)
 from hybridserve.engine.request import Request
 from tests.helpers.policy_pools import policy_and_pool, publish, replay_with_default
 
@@ -136,3 +143,54 @@ def test_only_where_a_conversation_left_off_learns_a_repeat_curve() -> None:
         policy.observe_restore(kind, 1, key)                           # a second restore
     assert [kind for kind in CANDIDATE_KINDS + ("resume",) if policy.reuse_gaps.gaps(kind, repeat=True)] == [
         "end", "resume"]
+
+
+def test_the_walk_reports_a_never_restored_resume_deeper_than_the_reused_snapshot_it_stops_at() -> None:
+    gaps = ReuseGaps()
+    gaps.resume_evicted(b"fresh deep", last_use=280, num_slots=10)
+    gaps.reused_evicted("end", b"reused", last_use=100, num_slots=10)
+    gaps.resume_evicted(b"fresh shallow", last_use=290, num_slots=10)
+    found = gaps.missed_on_path([b"fresh deep", b"reused", b"fresh shallow"], clock=300, num_slots=10)
+    assert found == 2.0                                                # idle 2 turnovers; a resume is no gap
+    assert gaps.gaps("end", repeat=True) == [20.0]                     # the reused one still counts
+    assert gaps.gaps("resume") == gaps.gaps("resume", repeat=True) == []
+    assert gaps.missed_on_path([b"fresh shallow"], clock=300, num_slots=10) == 1.0  # not walked to before
+    assert gaps.missed_on_path([b"fresh deep", b"fresh shallow"], clock=300, num_slots=10) is None
+
+
+@pytest.mark.parametrize(("later_uses", "counted"), [(0, True), (1, False)])
+def test_a_resume_evicted_too_early_and_wanted_counts_as_a_restore_of_resumes(later_uses: int, counted: bool) -> None:
+    """A covered resume goes first, so resumes would never show the restores that would make them
+    branch points; one wanted on a later path within a pool turnover of its last use counts."""
+    policy, pool, kinds = policy_and_pool(1)
+    publish(policy, pool, kinds, b"resume", 1024, "resume")
+    publish(policy, pool, kinds, b"next", 2048, "end")                # one slot: the resume is evicted
+    for _ in range(later_uses):
+        pool.touch(b"next")                                            # one more tick: idle 2 turnovers
+    restores = policy.kind_rates.evidence("resume")[0]
+    policy.observe_missed_path(iter([b"not remembered", b"resume"]))
+    assert (1 + later_uses <= PREMATURE_TURNOVERS) == counted           # idle turnovers (one slot)
+    assert policy.kind_rates.evidence("resume")[0] == pytest.approx(restores + (1.0 if counted else 0.0))
+
+
+def _sibling_resume_restores(walk: bool) -> float:
+    """Two-slot pool: a turn's end is evicted, so its continuation captures a resume where it ended;
+    the continuation's own snapshots push that resume out; a sibling continuation then passes it.
+    The restores of resumes the policy counts by then."""
+    run, policy = replay_with_default(2, 256)
+    policy.learns_from_paths = walk
+    first, output = list(range(100, 300)), [5, 6, 7]
+    run.serve("0", first, output)
+    for turn in range(1, 4):
+        run.serve(str(turn), [10_000 * turn + offset for offset in range(250)], [5, 6, 7])
+    run.serve("4", first + output + list(range(900, 1000)), [8])
+    assert policy.kind_rates.evidence("resume")[1] > 0                 # the resume was captured
+    depths = [tokens for _, _, tokens, *_ in run.snapshots.candidates(8)]
+    assert 192 not in depths                                           # and is gone (block 16)
+    run.serve("5", first + output + list(range(2000, 2100)), [9])
+    run.scheduler.check_integrity()
+    return policy.kind_rates.evidence("resume")[0]
+
+
+def test_a_sibling_passing_an_evicted_resume_counts_a_restore_through_the_manager() -> None:
+    assert _sibling_resume_restores(walk=True) == pytest.approx(_sibling_resume_restores(walk=False) + 1.0, abs=0.01)
