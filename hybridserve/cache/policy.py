@@ -299,7 +299,8 @@ class BranchProtection:
     points: a first restore, or a capture again of one evicted before (remembered by key). So a
     workload whose shared prefixes return after long gaps keeps them that long, and one whose branch
     points are not reused lets them go at the age horizon. Protected snapshots fill at most the
-    share of the pool that branch points earn: their decayed share of all restores."""
+    share of the pool that branch points earn: their decayed share of all restored tokens (a
+    document restored once saves what many short conversation ends do)."""
 
     def __init__(self) -> None:
         self._gaps: deque[float] = deque(maxlen=REUSE_GAPS_KEPT)  # pool turnovers idle before a reuse
@@ -313,14 +314,15 @@ class BranchProtection:
         return max(self._gaps) if self._gaps else AGE_TURNOVERS
 
     def share(self) -> float:
-        """The most of the pool protected snapshots may fill (a fraction of its slots)."""
+        """The most of the pool protected snapshots may fill (a fraction of its slots): branch points'
+        share of the restored tokens."""
         return self._branch_restores / max(self._restores, 1.0)
 
-    def restored(self, branch: bool, idle_turnovers: float | None) -> None:
-        """Count a restore (of a branch point, or not); a branch point's first restore after `idle_turnovers`
-        idle is a reuse gap."""
-        self._restores = self._restores * self._decay + 1.0
-        self._branch_restores = self._branch_restores * self._decay + (1.0 if branch else 0.0)
+    def restored(self, branch: bool, idle_turnovers: float | None, num_tokens: int) -> None:
+        """Count a restore of `num_tokens` tokens (of a branch point, or not); a branch point's first
+        restore after `idle_turnovers` idle is a reuse gap."""
+        self._restores = self._restores * self._decay + num_tokens
+        self._branch_restores = self._branch_restores * self._decay + (num_tokens if branch else 0)
         if branch and idle_turnovers is not None:
             self._gaps.append(idle_turnovers)
 
@@ -592,7 +594,9 @@ class HybridServePolicy(IntervalPolicy):
             self.reuse_gaps.add(kind or "unknown", first_idle)
         elif idle is not None and kind in CONTINUATION_KINDS:
             self.reuse_gaps.add_repeat(kind, idle)
-        self.protection.restored(kind == "branch", first_idle if kind == "branch" else None)
+        slot = pool.lookup(key) if pool is not None else None
+        num_tokens = pool.num_tokens_of(slot) if pool is not None and slot is not None else 0
+        self.protection.restored(kind == "branch", first_idle if kind == "branch" else None, num_tokens)
         if (idle is not None and pool is not None and SiblingGaps.is_sibling_point(kind, earlier_restores)
                 and pool.is_covered(key)):
             self.sibling_gaps.restored(idle)

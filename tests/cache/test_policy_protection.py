@@ -1,6 +1,6 @@
 """hybridserve keeps branch points (shared prefixes such as documents) out of ordinary eviction while
 they have been idle no longer than branch points' reuses have shown, up to the share of the pool
-their restores earn; a prompt mark or resume then takes only free or covered slots."""
+their restored tokens earn; a prompt mark or resume then takes only free or covered slots."""
 
 from __future__ import annotations
 
@@ -24,18 +24,20 @@ VIEW = RequestView(num_prompt_tokens=700, num_tokens=700, branch_point=320, deep
 def test_the_horizon_is_the_longest_idle_gap_before_a_reuse() -> None:
     protection = BranchProtection()
     assert protection.horizon() == AGE_TURNOVERS and protection.share() == 0.0
-    protection.restored(True, 3.0)
-    protection.restored(True, 40.0)
-    protection.restored(False, None)
+    protection.restored(True, 3.0, 100)
+    protection.restored(True, 40.0, 100)
+    protection.restored(False, None, 100)
     assert protection.horizon() == 40.0
     assert protection.share() == pytest.approx(2 / 3, rel=0.01)
+    protection.restored(False, None, 1000)                             # a share of the restored tokens
+    assert protection.share() == pytest.approx(200 / 1300, rel=0.01)
     protection.evicted(b"doc", last_use=100, num_slots=10)
     protection.published(b"doc", clock=1100, num_slots=10)            # back 100 turnovers after its last use
     assert protection.horizon() == 100.0
     protection.published(b"doc", clock=5000, num_slots=10)            # a ghost counts once
     assert protection.horizon() == 100.0
     for _ in range(REUSE_GAPS_KEPT):                                   # old gaps age out
-        protection.restored(True, 1.0)
+        protection.restored(True, 1.0, 100)
     assert protection.horizon() == 1.0
 
 
@@ -53,12 +55,15 @@ def test_a_document_outlives_deeper_unproven_ends_while_branch_points_earn_resto
 
 
 def test_protected_snapshots_fill_at_most_their_share_of_the_pool() -> None:
+    """Branch points earn the share of the restored tokens they served: one 64-token document
+    restore against one 4,096-token end restore earns none of the four slots."""
     policy, pool, kinds = policy_and_pool(4)
     documents = [publish(policy, pool, kinds, f"doc{index}".encode(), 64, "branch") for index in range(3)]
     publish(policy, pool, kinds, b"end", 4096, "end")
     policy.observe_restore("branch", 0, b"doc0")
     assert pool.choose_victim is not None and pool.choose_victim(pool) not in documents
-    policy.observe_restore("end", 0, b"end")                           # share 1/2: 2 of 4 slots
+    policy.observe_restore("end", 0, b"end")
+    assert policy.protection.share() == pytest.approx(64 / (64 + 4096), rel=0.01)
     assert pool.choose_victim(pool) in documents
 
 
