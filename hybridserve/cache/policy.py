@@ -769,7 +769,9 @@ class AdaptiveHybridServePolicy(HybridServePolicy):
     horizon up if it was evicted for age (recency was overweighted) or down if not."""
 
     name = "hybridserve-adaptive"
-    learns_from_paths = False  # its eviction reads no reuse curves
+    # No path walk: its eviction reads no reuse curves, and its resume rule (inherited) keeps counting
+    # only restores and resumes captured again, as it was measured beside the default.
+    learns_from_paths = False
 
     def __init__(self, block_size: int, cost: PrefixCost, interval: int) -> None:
         super().__init__(block_size, cost, interval)
