@@ -173,6 +173,11 @@ class StoreMover:
         assert seq is not None
         return seq
 
+    def is_queued(self, seq: int) -> bool:
+        """Whether the put numbered `seq` is still queued (not started); it may start right after."""
+        with self._work:
+            return any(op.seq == seq and op.kind == "put" for submission in self._writes for op in submission)
+
     def replace_payload(self, seq: int, payload: Mapping[str, torch.Tensor]) -> bool:
         """Give the put numbered `seq` another payload (the caller's copy of what the first one
         viewed), if it is still queued; False once it has started or finished."""

@@ -585,6 +585,8 @@ class EngineTierMover:
         """Copy device object `index` into staging and hand it to the queued put `seq` in place of
         its views; False (nothing changed) when the put has started already."""
         pending = self._pending[tier][seq]
+        if not self.movers[tier].is_queued(seq):  # started: copying it now would be thrown away
+            return False
         copy = self.pools.read_many(kind, [index])
         if not self.movers[tier].replace_payload(seq, copy.payloads[0]):
             self.pools.release(copy.buffers)

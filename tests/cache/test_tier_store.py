@@ -785,7 +785,8 @@ def test_device_reads_reuse_staging_only_once_given_back() -> None:
 def test_a_kept_device_object_is_copied_before_the_slot_or_block_is_reused() -> None:
     """A write-through demotion into the host tier hands the store views of the CPU pools (no staged
     copy). `reusing` a slot or block that a queued put still reads gives that put a staged copy
-    instead (here while writes are held for a forward); a put already running is waited for. Either
+    instead (here while writes are held for a forward); a put already running is waited for (no copy
+    is made for it). Either
     way the host keeps what the device held when the snapshot was published. A write-back demotion
     (the device does not keep its copy) is staged at once: nothing to do."""
     from hybridserve.cache.tiers import DEVICE, KV, STATE, TierObject
@@ -830,8 +831,11 @@ def test_a_kept_device_object_is_copied_before_the_slot_or_block_is_reused() -> 
         mover.start_demotion(3, "host", [TierObject(STATE, "state-d4", 0, DEVICE, 4)], device_kept=True)
         assert entered.wait(5)  # the put of slot 4 is running
         threading.Timer(0.2, release.set).start()
-        mover.reusing(STATE, [4])  # too late to restage: waits for the put
-        assert (mover.restaged, mover.reuse_waits) == (4, 1)
+        copies: list[Sequence[int]] = []
+        read_many = pools.read_many
+        pools.read_many = lambda kind, indices: copies.append(indices) or read_many(kind, indices)  # type: ignore[method-assign]
+        mover.reusing(STATE, [4])  # too late to restage: waits for the put, and copies nothing
+        assert (mover.restaged, mover.reuse_waits) == (4, 1) and not copies
         snapshots.conv[:, 4] += 1
         done: list[tuple[int, bool]] = []
         while len(done) < 5:
