@@ -176,18 +176,22 @@ class StoreMover:
     def is_queued(self, seq: int) -> bool:
         """Whether the put numbered `seq` is still queued (not started); it may start right after."""
         with self._work:
-            return any(op.seq == seq and op.kind == "put" for submission in self._writes for op in submission)
+            return self._queued_put(seq) is not None
 
     def replace_payload(self, seq: int, payload: Mapping[str, torch.Tensor]) -> bool:
         """Give the put numbered `seq` another payload (the caller's copy of what the first one
         viewed), if it is still queued; False once it has started or finished."""
         with self._work:
-            for submission in self._writes:
-                for op in submission:
-                    if op.seq == seq and op.kind == "put":
-                        op.payload = payload
-                        return True
-        return False
+            op = self._queued_put(seq)
+            if op is None:
+                return False
+            op.payload = payload
+            return True
+
+    def _queued_put(self, seq: int) -> _Op | None:
+        """The queued put numbered `seq`, or None once it has started (caller holds `_work`)."""
+        return next((op for submission in self._writes for op in submission if op.seq == seq and op.kind == "put"),
+                    None)
 
     def hold_writes(self, held: bool) -> None:
         """While held, queued writes wait (reads still run) unless the queue is half full or the

@@ -786,9 +786,8 @@ def test_a_kept_device_object_is_copied_before_the_slot_or_block_is_reused() -> 
     """A write-through demotion into the host tier hands the store views of the CPU pools (no staged
     copy). `reusing` a slot or block that a queued put still reads gives that put a staged copy
     instead (here while writes are held for a forward); a put already running is waited for (no copy
-    is made for it). Either
-    way the host keeps what the device held when the snapshot was published. A write-back demotion
-    (the device does not keep its copy) is staged at once: nothing to do."""
+    is made for it). Either way the host keeps what the device held when the snapshot was published.
+    A write-back demotion (the device does not keep its copy) is staged at once: nothing to do."""
     from hybridserve.cache.tiers import DEVICE, KV, STATE, TierObject
     from hybridserve.engine.tier_mover import EngineTierMover
 
