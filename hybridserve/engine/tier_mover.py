@@ -147,6 +147,21 @@ class StagingBuffers:
                 self.kept += buffer.nbytes
 
 
+def upload_stacked(sources: Sequence[torch.Tensor], device: torch.device,
+                   staging: StagingBuffers) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`sources` (tensors of one shape and dtype) stacked along a new first dimension on `device`.
+    Host sources are stacked into a staging buffer (pinned where `staging` pins) and copied to
+    `device` in one asynchronous copy; returns the stacked tensor and that buffer, which the caller
+    gives back once the copy has completed (None: no buffer was used, the sources were on `device`)."""
+    if sources[0].device == device:
+        return torch.stack(list(sources)), None
+    shape = (len(sources), *sources[0].shape)
+    buffer = staging.take(math.prod(shape), sources[0].dtype)
+    host = buffer[:math.prod(shape)].view(shape)
+    torch.stack(list(sources), out=host)
+    return host.to(device, non_blocking=True), buffer
+
+
 class DeviceCopies(NamedTuple):
     """Host copies of device objects (`payloads`, views into `buffers`), and the staging buffers to
     give back (`DeviceCachePools.release`) once every reader of the payloads is done."""
@@ -214,12 +229,15 @@ class DeviceCachePools:
     def write_many(self, kind: str, indices: Sequence[int], payloads: Sequence[Mapping[str, torch.Tensor]]) -> None:
         """Copy verified payloads into these snapshot slots / KV blocks. On the CPU each object is
         copied straight into its place (stacking them first doubled the bytes moved); on CUDA the
-        objects are copied into one device buffer (asynchronously where a payload is in pinned
-        memory), then scattered with one `index_copy_` per tensor, all on the compute stream before
-        the next forward. (The CPU copies go as one `_foreach_copy_` per tensor: one call for every
-        object, not one per object.)"""
+        objects are stacked into a pinned staging buffer and copied up in one transfer per tensor
+        (`upload_stacked`: one copy from pinned memory instead of one synchronous copy from pageable
+        memory per object), then scattered with one `index_copy_` per tensor, all on the compute
+        stream before the next forward. (The CPU copies go as one `_foreach_copy_` per tensor: one
+        call for every object, not one per object.)"""
         if not indices:
             return
+        uploads: list[torch.Tensor] = []
+        device = None
         for name, tensor in self._stacked(kind).items():
             sources = [payload[name] for payload in payloads]
             if not tensor.is_cuda:
@@ -227,11 +245,16 @@ class DeviceCachePools:
                 # cost more than the copies)
                 torch._foreach_copy_([tensor.select(1, index) for index in indices], sources)
                 continue
-            staged = torch.empty((len(sources), *sources[0].shape), dtype=tensor.dtype, device=tensor.device)
-            for row, source in zip(staged, sources, strict=True):
-                row.copy_(source, non_blocking=True)
+            device = tensor.device
+            staged, buffer = upload_stacked(sources, device, self.staging)
+            if buffer is not None:
+                uploads.append(buffer)
             where = torch.tensor(indices, dtype=torch.int64, device=tensor.device)
             tensor.index_copy_(1, where, staged.transpose(0, 1))
+        if uploads:
+            # the next upload reuses these buffers: their copies must have left them first
+            torch.cuda.current_stream(device).synchronize()
+            self.staging.give_back(uploads)
 
     def matches(self, kind: str, payload: Mapping[str, torch.Tensor]) -> bool:
         """Whether `payload` has exactly the tensor names, shapes and dtypes of one `kind` object."""

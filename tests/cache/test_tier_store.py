@@ -782,6 +782,24 @@ def test_device_reads_reuse_staging_only_once_given_back() -> None:
     assert staging.take(17, torch.float32) is buffer and staging.kept == 0
 
 
+def test_uploads_stack_host_objects_into_one_staging_buffer() -> None:
+    """A promotion to another device stacks its host objects into one staging buffer (pinned on
+    CUDA) and copies that up once; the buffer is handed back to the caller for reuse. Objects
+    already on the target device are stacked there, with no buffer."""
+    from hybridserve.engine.tier_mover import StagingBuffers, upload_stacked
+
+    staging = StagingBuffers(limit=1 << 20)
+    sources = [torch.randn(2, 3, 4) for _ in range(5)]
+    staged, buffer = upload_stacked(sources, torch.device("meta"), staging)
+    assert staged.device.type == "meta" and staged.shape == (5, 2, 3, 4)
+    assert buffer is not None and torch.equal(buffer[:120].view(5, 2, 3, 4), torch.stack(sources))
+    staging.give_back([buffer])
+    again, reused = upload_stacked(sources[:4], torch.device("meta"), staging)
+    assert reused is buffer and again.shape == (4, 2, 3, 4)  # 96 elements fit the same 128
+    local, none = upload_stacked(sources, torch.device("cpu"), staging)
+    assert none is None and torch.equal(local, torch.stack(sources))
+
+
 def test_a_kept_device_object_is_copied_before_the_slot_or_block_is_reused() -> None:
     """A write-through demotion into the host tier hands the store views of the CPU pools (no staged
     copy). `reusing` a slot or block that a queued put still reads gives that put a staged copy
