@@ -30,6 +30,7 @@ REUSE_GAPS_KEPT = 64  # branch-point reuses whose idle gaps set how long an idle
 GHOSTS_PER_SLOT = 64  # evicted branch points remembered by key, per slot (captured again: a reuse)
 KIND_GAPS_KEPT = 256  # first-reuse idle gaps kept per candidate kind (`ReuseGaps`)
 KIND_GAPS_NEEDED = 16  # gaps a kind needs before its own reuse curve replaces the age horizon
+FIRST_RATE_MAX = 0.95  # at most this share of a kind's snapshots counts as wanted (`ReuseGaps.first_rate`)
 # Where a conversation left off: a restored one is wanted again as the conversation's turns come (a
 # learned repeat curve); a restored shared prefix as often as it is popular (the age horizon).
 CONTINUATION_KINDS = frozenset({"end", "resume"})
@@ -365,7 +366,8 @@ class ReuseGaps:
     `repeat_curves`) longer than a snapshot's idle time is how much of its chance of (another) reuse
     is still ahead of it. The walk also finds resumes evicted before any restore (`resume_evicted`)
     and reports how long the deepest one passed was idle; the policy counts it as a missed restore
-    (`HybridServePolicy.observe_missed_path`), not as a gap."""
+    (`HybridServePolicy.observe_missed_path`), not as a gap. Publications (`published`) against first
+    reuses give the share of a kind's snapshots that are ever wanted (`first_rate`)."""
 
     def __init__(self) -> None:
         self._curves: dict[str, GapCurve] = {}  # kind -> its gaps before a first reuse
@@ -373,10 +375,25 @@ class ReuseGaps:
         self._end_ghosts = Ghosts()  # evicted unreused request ends
         self._reused_ghosts = Ghosts()  # evicted reused snapshots, labelled with their kind
         self._resume_ghosts = Ghosts()  # evicted resumes never restored
+        self._fade = 0.5 ** (1.0 / KIND_HALF_LIFE)
+        self._wanted: dict[str, tuple[float, float]] = {}  # kind -> decayed (first reuses, publications)
 
     def add(self, kind: str, gap: float) -> None:
         """Count a first reuse of a `kind` snapshot after `gap` pool turnovers idle."""
         self._curves.setdefault(kind, GapCurve()).add(gap)
+        firsts, publications = self._wanted.get(kind, (0.0, 0.0))
+        self._wanted[kind] = (firsts + 1.0, publications)
+
+    def published(self, kind: str) -> None:
+        """Count a publication of a `kind` snapshot (older counts fade over KIND_HALF_LIFE of them)."""
+        firsts, publications = self._wanted.get(kind, (0.0, 0.0))
+        self._wanted[kind] = (firsts * self._fade, publications * self._fade + 1.0)
+
+    def first_rate(self, kind: str) -> float:
+        """The share of published `kind` snapshots wanted at least once (first reuses, evicted ends
+        continued included), at most FIRST_RATE_MAX; 0 before any publication."""
+        firsts, publications = self._wanted.get(kind, (0.0, 0.0))
+        return min(FIRST_RATE_MAX, firsts / publications) if publications > 0.0 else 0.0
 
     def add_repeat(self, kind: str, gap: float) -> None:
         """Count a later reuse of a restored `kind` snapshot after `gap` pool turnovers idle."""
@@ -491,7 +508,9 @@ class HybridServePolicy(IntervalPolicy):
     then a covered one, then the lowest value = prefill FLOPs saved beyond the resident parent x
     (prior + hits + extra paths) x the share of its reuse still ahead: for a snapshot of a kind whose
     idle gaps before a first reuse (unreused) or a later one (restored; `CONTINUATION_KINDS`) are known
-    (`ReuseGaps`), the share of those gaps longer than its idle time, else 1 / (1 + idle pool
+    (`ReuseGaps`), the share of those gaps longer than its idle time (for an unreused one, that share
+    s as the chance it is still wanted given that it has not been yet: s / (1 - p (1 - s)), p the
+    share of its kind ever wanted, `ReuseGaps.first_rate`), else 1 / (1 + idle pool
     turnovers / AGE_TURNOVERS); taken from the unprotected snapshots while protected branch points
     fill less than their share (`BranchProtection`). When every evictable snapshot is protected, a
     prompt mark or resume takes only a free or covered slot.
@@ -581,6 +600,7 @@ class HybridServePolicy(IntervalPolicy):
 
     def observe_publish(self, kind: str | None, key: BlockHash) -> None:
         self.kind_rates.published(kind or "unknown")
+        self.reuse_gaps.published(kind or "unknown")
         if kind == "branch" and self.snapshot_pool is not None:
             self.protection.published(key, self.snapshot_pool.clock, self.snapshot_pool.num_slots)
 
@@ -670,6 +690,7 @@ class HybridServePolicy(IntervalPolicy):
         # when slots are scarce and few snapshots are ever restored, proven ones outweigh deep guesses.
         prior = min(1.0, (pool.hits_total + 1.0) / (pool.published_total + 1.0))
         curves, repeats, kinds = self.reuse_gaps.curves(), self.reuse_gaps.repeat_curves(), self.kinds
+        wanted = {kind: self.reuse_gaps.first_rate(kind) for kind in curves}
         turnover = float(max(pool.num_slots, 1))
         for slot, key, tokens, last_use, hits, paths, parent_tokens in pool.candidates(EVICTION_WINDOW):
             if not kv_present(key):
@@ -683,6 +704,8 @@ class HybridServePolicy(IntervalPolicy):
                 ahead = 1.0 / (1.0 + (clock - last_use) / horizon)
             else:  # the share of this kind's (later) reuse gaps longer than its idle time (one pseudo-gap)
                 ahead = (1.0 + len(gaps) - bisect.bisect_left(gaps, (clock - last_use) / turnover)) / (1.0 + len(gaps))
+                if hits == 0:  # the chance it is still wanted, given that it has not been yet
+                    ahead /= 1.0 - wanted[kind] * (1.0 - ahead)
             value = saved * (prior + hits + (paths - 1 if paths > 1 else 0)) * ahead
             if value < best_value:
                 best_slot, best_value = slot, value

@@ -12,6 +12,7 @@ import pytest
 from hybridserve import SamplingParams
 from hybridserve.cache.policy import (
     CANDIDATE_KINDS,
+    FIRST_RATE_MAX,
     GHOSTS_PER_SLOT,
     KIND_GAPS_KEPT,
     KIND_GAPS_NEEDED,
@@ -51,10 +52,13 @@ def test_an_evicted_end_continued_later_is_a_gap_counted_once() -> None:
 @pytest.mark.parametrize("restored", [False, True])
 def test_an_end_idle_past_every_reuse_gap_goes_before_a_shallower_young_one(restored: bool) -> None:
     """Unreused ends are valued by the gaps before a first reuse, restored ones by those before a
-    later one (each curve alone: the other kind of gap does not move them)."""
+    later one (each curve alone: the other kind of gap does not move them). Few ends are ever
+    wanted here (see the next test for where nearly all are)."""
     policy, pool, kinds = policy_and_pool(2)
     old = publish(policy, pool, kinds, b"old", 2048, "end")
     young = publish(policy, pool, kinds, b"young", 1024, "end")
+    for _ in range(50 * KIND_GAPS_NEEDED):
+        policy.reuse_gaps.published("end")
     for key in (b"old", b"young") if restored else ():
         pool.record_hit(key)
     for _ in range(12):
@@ -66,6 +70,38 @@ def test_an_end_idle_past_every_reuse_gap_goes_before_a_shallower_young_one(rest
     for _ in range(KIND_GAPS_NEEDED):                                  # ends are wanted within a turnover
         (policy.reuse_gaps.add_repeat if restored else policy.reuse_gaps.add)("end", 1.0)
     assert pool.choose_victim(pool) == old
+
+
+def test_the_share_of_a_kind_ever_wanted_counts_first_reuses_over_publications() -> None:
+    gaps = ReuseGaps()
+    gaps.add("end", 0.5)
+    assert gaps.first_rate("end") == 0.0                               # nothing published yet
+    for _ in range(KIND_GAPS_NEEDED):
+        gaps.published("end")
+    assert gaps.first_rate("end") == pytest.approx(1 / KIND_GAPS_NEEDED, rel=1e-2)
+    for _ in range(2 * KIND_GAPS_NEEDED):
+        gaps.add("end", 0.5)
+    assert gaps.first_rate("end") == FIRST_RATE_MAX                   # more wants than publications: capped
+    assert gaps.first_rate("branch") == 0.0
+
+
+@pytest.mark.parametrize(("publications", "victim"), [(50 * KIND_GAPS_NEEDED, "old"), (KIND_GAPS_NEEDED, "young")])
+def test_an_idle_unreused_end_keeps_its_chance_where_nearly_every_end_is_wanted(publications: int,
+                                                                               victim: str) -> None:
+    """An unreused snapshot is valued by the chance that it is still wanted given that it has not
+    been yet. Where few ends are ever wanted, one idle past every gap seen is unlikely to be and
+    goes before a young shallower one; where nearly all are, it is still likely to be and stays."""
+    policy, pool, kinds = policy_and_pool(2)
+    slots = {"old": publish(policy, pool, kinds, b"old", 2048, "end"),
+             "young": publish(policy, pool, kinds, b"young", 1024, "end")}
+    for _ in range(12):
+        pool.touch(b"young")                                           # "old" idle 6 turnovers
+    for _ in range(publications - 2):
+        policy.reuse_gaps.published("end")
+    for _ in range(KIND_GAPS_NEEDED):
+        policy.reuse_gaps.add("end", 1.0)                              # ends are wanted within a turnover
+    assert pool.choose_victim is not None
+    assert pool.choose_victim(pool) == slots[victim]
 
 
 def test_a_continued_evicted_end_reaches_the_policy_through_the_manager() -> None:
