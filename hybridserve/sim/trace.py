@@ -2,7 +2,11 @@
 each hash id is a fixed pseudo-random block, so equal id prefixes give equal token prefixes. A
 request whose first k >= 2 ids are exactly an earlier request P's full blocks, and which is at
 least as long as P's prompt plus output, is P's next turn: its prompt starts with P's prompt and
-output. Outputs are synthetic unless a live replay supplies them (`TraceTokens.set_output`).
+output. Not when P's full blocks are a shared prompt and no more: P added no full block of its own
+and SHARED_PROMPT_BRANCHES or more different blocks have followed them (a tool prompt that hundreds
+of unrelated requests open with), since then nothing in the ids tells P's next turn from a sibling
+that happens to be longer. Outputs are synthetic unless a live replay supplies them
+(`TraceTokens.set_output`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import numpy as np
 
 TRACE_BLOCK_TOKENS = 512
 FIRST_TOKEN_ID = 300  # stay clear of byte and special ids of small tokenizers
+SHARED_PROMPT_BRANCHES = 8  # different next blocks after which a full-block prefix is a shared prompt
 
 
 class TraceRecord(NamedTuple):
@@ -103,6 +108,9 @@ class TraceTokens:
         self._prompts: dict[int, np.ndarray] = {}
         self._outputs: dict[int, np.ndarray] = {}
         self._predecessors: dict[int, int | None] = {}
+        self._seen_ids: set[int] = set()                  # every hash id of the requests built so far
+        self._adds_full_block: dict[int, bool] = {}        # request -> a full block of its own ids
+        self._next_ids: dict[tuple[int, ...], set[int]] = {}  # registered full blocks -> ids seen next
 
     def predecessor(self, index: int) -> int | None:
         """The earlier request this one continues (see the module docstring), or None."""
@@ -114,11 +122,17 @@ class TraceTokens:
         record = self.records[index]
         for depth in range(len(record.hash_ids), 1, -1):
             earlier = self._by_full_blocks.get(record.hash_ids[:depth])
-            if earlier is not None and earlier in self._outputs:
+            if earlier is not None and earlier in self._outputs and not self._only_shared(earlier, depth):
                 previous = self.records[earlier]
                 if record.input_length >= previous.input_length + previous.output_length:
                     return earlier
         return None
+
+    def _only_shared(self, earlier: int, depth: int) -> bool:
+        """Whether `earlier`'s full blocks (its first `depth` ids) are a shared prompt it added
+        nothing to (see the module docstring)."""
+        branches = self._next_ids.get(self.records[earlier].hash_ids[:depth], ())
+        return not self._adds_full_block[earlier] and len(branches) >= SHARED_PROMPT_BRANCHES
 
     def prompt(self, index: int) -> list[int]:
         """Prompt token ids of request `index`; every earlier request must have been built."""
@@ -163,5 +177,21 @@ class TraceTokens:
                 self._blocks[hash_id] = block
             tokens[position * size:(position + 1) * size] = block
         full = record.input_length // size
+        self._note_ids(index, full)
         self._by_full_blocks[record.hash_ids[:full]] = index
         return tokens[:record.input_length]
+
+    def _note_ids(self, index: int, full: int) -> None:
+        """Count request `index`'s next block after each registered full-block prefix it starts
+        with, and whether its full blocks go beyond the ids seen before it."""
+        ids = self.records[index].hash_ids
+        for depth in range(1, len(ids)):
+            branches = self._next_ids.get(ids[:depth])
+            if branches is not None:
+                branches.add(ids[depth])
+        seen = 0
+        while seen < len(ids) and ids[seen] in self._seen_ids:
+            seen += 1
+        self._adds_full_block[index] = full > seen
+        self._seen_ids.update(ids)
+        self._next_ids.setdefault(ids[:full], set())

@@ -33,6 +33,44 @@ def _branching_trace(path: Path) -> Path:
     return path
 
 
+def _built(records: list[TraceRecord], block_tokens: int = 16) -> TraceTokens:
+    tokens = TraceTokens(records, block_tokens, VOCAB)
+    for index in range(len(records)):
+        tokens.prompt(index)
+        tokens.output(index)
+    return tokens
+
+
+def test_a_turn_continues_the_request_whose_full_blocks_it_starts_with() -> None:
+    """A second turn starts with the first turn's prompt and output, also when the first turn added
+    less than a block of its own to what it shared (a chain of short turns)."""
+    records = [TraceRecord(0.0, 40, 4, (0, 1, 2)),       # full blocks (0, 1): its own
+               TraceRecord(1.0, 46, 4, (0, 1, 3)),       # adds 6 tokens: no full block of its own
+               TraceRecord(2.0, 52, 4, (0, 1, 4, 5))]
+    tokens = _built(records)
+    assert [tokens.predecessor(i) for i in range(3)] == [None, 0, 1]
+    assert tokens.prompt(2)[:50] == tokens.prompt(1) + tokens.output(1)
+
+
+def test_requests_that_share_only_a_long_prompt_are_not_turns_of_one_another() -> None:
+    """Requests that open with one shared multi-block prompt and add less than a block: once
+    SHARED_PROMPT_BRANCHES different blocks have followed that prompt, a longer one is not taken
+    for the previous one's next turn (nothing in the ids tells the two apart)."""
+    from hybridserve.sim.trace import SHARED_PROMPT_BRANCHES
+
+    prompt = (46, 47, 48)
+    records = [TraceRecord(float(i), 50 + i, 1, prompt + (100 + i,)) for i in range(SHARED_PROMPT_BRANCHES + 3)]
+    tokens = _built(records)
+    linked = [tokens.predecessor(i) for i in range(len(records))]
+    assert linked[1:SHARED_PROMPT_BRANCHES] == list(range(SHARED_PROMPT_BRANCHES - 1))  # few siblings yet
+    assert linked[SHARED_PROMPT_BRANCHES + 1:] == [None, None]
+    # Requests whose full blocks go beyond the shared prompt still continue each other.
+    own = prompt + (200, 201)
+    records += [TraceRecord(20.0, 70, 1, own), TraceRecord(21.0, 80, 1, own[:4] + (202,))]
+    tokens = _built(records)
+    assert tokens.predecessor(len(records) - 1) == len(records) - 2
+
+
 def test_slot_bound_charges_each_hit_its_stretch() -> None:
     """Six one-block prompts, each repeated three requests later: every hit holds a slot for three
     requests, so one slot over six requests pays for two hits of 15 tokens (input - 1)."""
