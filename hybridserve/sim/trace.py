@@ -108,7 +108,6 @@ class TraceTokens:
         self._prompts: dict[int, np.ndarray] = {}
         self._outputs: dict[int, np.ndarray] = {}
         self._predecessors: dict[int, int | None] = {}
-        self._seen_ids: set[int] = set()                  # every hash id of the requests built so far
         self._adds_full_block: dict[int, bool] = {}        # request -> a full block of its own ids
         self._next_ids: dict[tuple[int, ...], set[int]] = {}  # registered full blocks -> ids seen next
 
@@ -177,21 +176,20 @@ class TraceTokens:
                 self._blocks[hash_id] = block
             tokens[position * size:(position + 1) * size] = block
         full = record.input_length // size
-        self._note_ids(index, full)
+        unseen = set(new)  # ids no earlier request had: where this one's own content starts
+        shared = next((position for position, hash_id in enumerate(record.hash_ids) if hash_id in unseen),
+                      len(record.hash_ids))
+        self._note_ids(index, full, shared)
         self._by_full_blocks[record.hash_ids[:full]] = index
         return tokens[:record.input_length]
 
-    def _note_ids(self, index: int, full: int) -> None:
+    def _note_ids(self, index: int, full: int, shared: int) -> None:
         """Count request `index`'s next block after each registered full-block prefix it starts
-        with, and whether its full blocks go beyond the ids seen before it."""
+        with, and whether its `full` blocks go beyond its first `shared` ids, which earlier requests had."""
         ids = self.records[index].hash_ids
         for depth in range(1, len(ids)):
             branches = self._next_ids.get(ids[:depth])
             if branches is not None:
                 branches.add(ids[depth])
-        seen = 0
-        while seen < len(ids) and ids[seen] in self._seen_ids:
-            seen += 1
-        self._adds_full_block[index] = full > seen
-        self._seen_ids.update(ids)
+        self._adds_full_block[index] = full > shared
         self._next_ids.setdefault(ids[:full], set())
