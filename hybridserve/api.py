@@ -138,6 +138,12 @@ class LLM:
         """Per cache tier (the device first, then host and disk when on), its `TierStats`."""
         return self.llm_engine.tier_stats()
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_tiers: bool = False) -> bool:
+        """Forget every cached prefix (the device's; with `reset_tiers` the host and disk tiers' too),
+        so the next prompts compute whole; False, changing nothing, while requests run (unless
+        `reset_running_requests`). See `LLMEngine.reset_prefix_cache`."""
+        return self.llm_engine.reset_prefix_cache(reset_running_requests, reset_tiers)
+
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):

@@ -168,6 +168,7 @@ class JointCacheManager:
         self.tiers = tiers
         self._promotions: dict[int, _Promotion] = {}    # by ticket
         self._promotion_of: dict[int, int] = {}         # id(owner) -> ticket
+        self._discarded: dict[int, bool] = {}           # ticket in flight at a reset -> drop its tier entry too
         self.device_hits = self.device_hit_tokens = 0
         if snapshots is not None:
             snapshots.on_evict = self._on_snapshot_evicted
@@ -410,8 +411,11 @@ class JointCacheManager:
         assert self.tiers is not None
         promotion = self._promotions[ticket]
         joint = self.tiers.complete_promotion(ticket, ok)
-        if not ok:
+        discarded = self._discarded.pop(ticket, None)
+        if not ok or discarded is not None:
             self._drop_promotion(promotion)
+            if discarded:
+                self.tiers.forget(joint.key)
             return
         for index in range(promotion.num_cached, len(joint.blocks)):
             block, key = promotion.blocks[index], joint.blocks[index]
@@ -763,6 +767,33 @@ class JointCacheManager:
         if finished:
             self._sequences.pop(id(seq), None)
 
+    def reset_prefix_cache(self, lower_tiers: bool = False) -> bool:
+        """Forget every cached prefix: the hashes of free KV blocks, the device snapshots, the
+        promotions waiting sequences hold (one still in flight is dropped when it lands), and with
+        `lower_tiers` the entries of every lower tier (`TieredCache.reset`). Nothing is counted as an
+        eviction or demoted, and the policy learns nothing from it. False, changing nothing, while a
+        sequence holds blocks or a live slot (its prefix is in use)."""
+        if any(self.holds_resources(entry.owner) for entry in self._sequences.values()):
+            return False
+        for promotion in list(self._promotions.values()):
+            if promotion.owner is not None:
+                self._promotion_of.pop(id(promotion.owner), None)
+                promotion.owner = None
+            if promotion.done:
+                self._drop_promotion(promotion)
+            else:
+                self._discarded[promotion.ticket] = lower_tiers
+        if self.snapshots is not None:
+            self.snapshots.clear()
+            for key in [key for key in self._paths if self.snapshots.lookup(key) is None]:
+                del self._paths[key]
+            for key in [key for key in self._kinds if key not in self._paths and key not in self._reserved_paths]:
+                del self._kinds[key]  # in place: the policy reads this mapping
+        self.block_pool.evict_all_cached()
+        if lower_tiers and self.tiers is not None:
+            self.tiers.reset()
+        return True
+
     def _snapshot_pool(self) -> SnapshotPool:
         if self.snapshots is None:
             raise RuntimeError("the prefix cache is disabled")
@@ -822,6 +853,9 @@ class JointCacheManager:
                    for key in self._paths if (slot := pool.lookup(key)) is not None), "a prefix names another boundary"
         in_flight = {ticket for ticket, promotion in self._promotions.items() if not promotion.done}
         assert in_flight == set(self.tiers.pending_promotions()), "a promotion is dangling"
+        assert self._discarded.keys() <= in_flight, "a discarded promotion outlived its transfer"
+        assert all(self._promotions[ticket].owner is None for ticket in self._discarded), \
+            "a discarded promotion has an owner"
         waiting_ids = {id(seq) for seq in waiting}
         for ticket, promotion in self._promotions.items():
             owner = promotion.owner

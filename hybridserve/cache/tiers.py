@@ -804,10 +804,19 @@ class TieredCache:
         return [ticket for ticket, record in self._tickets.items() if record.promotion]
 
     def forget(self, key: BlockHash) -> int:
-        """Drop `key`'s entry from every tier that holds it unpinned (e.g. a reset); how many."""
+        """Drop `key`'s entry from every tier that holds it and no promotion reads; how many."""
+        return self._forget_where(lambda entry: entry == key)
+
+    def reset(self) -> int:
+        """Drop every entry no promotion reads, from every tier (`reset_prefix_cache`); how many. A
+        local tier's objects are deleted, behind the writes already queued to its store; a shared
+        tier's are only forgotten: other replicas may use them (discovery can find them again)."""
+        return self._forget_where(lambda entry: True)
+
+    def _forget_where(self, chosen: Callable[[BlockHash], bool]) -> int:
         dropped = 0
         for tier in self.tiers:
-            if key in tier.entries and not tier.pins[key]:
+            for key in [key for key in tier.entries if chosen(key) and not tier.pins[key]]:
                 self._discard(tier, tier.remove(key))
                 dropped += 1
         return dropped

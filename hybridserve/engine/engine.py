@@ -32,7 +32,7 @@ from hybridserve.engine.structured_output import GrammarCompiler, GrammarWaitlis
 from hybridserve.engine.threads import apply_process_settings
 from hybridserve.engine.tier_mover import DeviceCachePools, EngineTierMover, build_engine_tiers, tiers_requested
 from hybridserve.engine.worker import PlanResult, WorkerSpec
-from hybridserve.errors import EngineDeadError, QueueFullError
+from hybridserve.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from hybridserve.layers.attention import PagedKVCache
 from hybridserve.models.builtin import BUILTIN_MODEL_CONFIG, builtin_tokenizer
 from hybridserve.models.loader import read_model_config, resolve_model
@@ -655,6 +655,22 @@ class LLMEngine:
         while not request.is_finished:
             self.step()
         return torch.cat(request.prompt_logits)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_tiers: bool = False) -> bool:
+        """Forget every cached prefix, as vLLM's `reset_prefix_cache` does (`JointCacheManager.
+        reset_prefix_cache`): later requests compute their prompts whole until the cache fills again.
+        While requests run it changes nothing and returns False, unless `reset_running_requests`:
+        then they are preempted first and recompute their tokens. `reset_tiers` empties the host and
+        disk tiers too (a shared remote tier is only forgotten: other replicas use its store)."""
+        for name, value in (("reset_running_requests", reset_running_requests), ("reset_tiers", reset_tiers)):
+            if not isinstance(value, bool):
+                raise InvalidRequestError(f"reset_prefix_cache: {name} must be true or false, got {value!r}")
+        if self.scheduler.running:
+            if not reset_running_requests:
+                return False
+            self.scheduler.preempt_all()
+        self.cache.poll_tiers()  # settle what landed, so a finished promotion is not left behind
+        return self.cache.reset_prefix_cache(lower_tiers=reset_tiers)
 
     def prefix_cache_stats(self) -> PrefixCacheReport:
         """Joint prefix cache counters (all zero when the cache is disabled)."""

@@ -1,0 +1,115 @@
+"""`reset_prefix_cache` in the live engine (TP=1): the device forgets and later prompts are served
+from the host and disk tiers, or (with `reset_tiers`) computed whole, with outputs identical to the
+cache off; running requests refuse a reset or are preempted by one and finish as they would have."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.cache.tiers import TierStats
+from tests.helpers.targets import CPU
+
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def _tokens(length: int, seed: int) -> list[int]:
+    return torch.randint(0, 4000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _tier(llm: LLM, name: str) -> TierStats:
+    return next(stats for stats in llm.tier_stats() if stats.name == name)
+
+
+def _private_dir(path: Path) -> str:
+    path.mkdir(mode=0o700)
+    os.chmod(path, 0o700)
+    return str(path)
+
+
+def _run(llm: LLM, prompt: list[int]) -> tuple[list[int], int]:
+    out = llm.generate([prompt], PARAMS, use_tqdm=False)[0]
+    llm.llm_engine.check_integrity()
+    return out.outputs[0].token_ids, out.num_cached_tokens
+
+
+def test_reset_forgets_the_device_then_every_tier(tmp_path: Path) -> None:
+    directory = _private_dir(tmp_path / "tiers")
+    llm = LLM(**CPU.engine_kwargs(), kv_cache_mib=8, prefix_cache_mib=8, host_cache_memory="64MiB",  # type: ignore[arg-type]
+              disk_cache_dir=directory, disk_cache_size="64MiB")
+    prompt = _tokens(300, seed=3)
+    want, cached = _run(llm, prompt)
+    assert cached == 0
+    assert _run(llm, prompt) == (want, 288)  # the prompt mark, from the device
+
+    assert llm.reset_prefix_cache()
+    stats = llm.prefix_cache_stats()
+    assert llm.llm_engine.cache.snapshots is not None and llm.llm_engine.cache.snapshots.num_published == 0
+    tokens, cached = _run(llm, prompt)
+    assert tokens == want and cached == 288 and _tier(llm, "host").hits == 1  # the host tier kept it
+    assert llm.prefix_cache_stats().hits == stats.hits + 1
+
+    assert llm.reset_prefix_cache(reset_tiers=True)
+    assert _tier(llm, "host").entries == _tier(llm, "disk").entries == 0
+    engine = llm.llm_engine
+    assert engine.tier_mover is not None
+    engine.tier_mover.movers["disk"].close()  # drains the queued deletes
+    assert not list(Path(directory).glob("*/*.obj"))  # the disk tier's objects are deleted, not only forgotten
+    llm.llm_engine.shutdown()
+
+
+def test_reset_with_the_disk_tier_survives_a_restart_empty(tmp_path: Path) -> None:
+    directory = _private_dir(tmp_path / "tiers")
+    flags = {"kv_cache_mib": 8, "prefix_cache_mib": 8, "disk_cache_dir": directory, "disk_cache_size": "64MiB"}
+    prompt = _tokens(300, seed=4)
+    first = LLM(**CPU.engine_kwargs(), **flags)  # type: ignore[arg-type]
+    want, _ = _run(first, prompt)
+    assert first.reset_prefix_cache(reset_tiers=True)
+    first.llm_engine.shutdown()
+    restarted = LLM(**CPU.engine_kwargs(), **flags)  # type: ignore[arg-type]
+    assert _run(restarted, prompt) == (want, 0)
+    restarted.llm_engine.shutdown()
+
+
+def test_running_requests_refuse_a_reset_or_are_preempted_by_it() -> None:
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [_tokens(200, seed=5), _tokens(150, seed=6)]
+    reference = LLM(**CPU.engine_kwargs(), kv_cache_mib=8, prefix_cache_mib=0)  # type: ignore[arg-type]
+    want = [out.outputs[0].token_ids for out in reference.generate(prompts, params, use_tqdm=False)]
+    reference.llm_engine.shutdown()
+
+    llm = LLM(**CPU.engine_kwargs(), kv_cache_mib=8, prefix_cache_mib=8)  # type: ignore[arg-type]
+    engine = llm.llm_engine
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"r{index}", prompt, params)
+    got: dict[str, list[int]] = {}
+    for step in range(200):
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out.outputs[0].token_ids
+        if step == 3:
+            assert engine.num_running_requests > 0
+            published = engine.cache.snapshots.num_published  # type: ignore[union-attr]
+            assert not engine.reset_prefix_cache()
+            assert engine.cache.snapshots.num_published == published  # type: ignore[union-attr]
+        if step == 6:
+            assert engine.num_running_requests > 0
+            assert engine.reset_prefix_cache(reset_running_requests=True)
+            assert engine.num_running_requests == 0 and engine.scheduler.num_preemptions > 0
+        engine.check_integrity()
+        if not engine.has_unfinished_requests():
+            break
+    assert got == {"r0": want[0], "r1": want[1]}
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("argument", [{"reset_running_requests": "yes"}, {"reset_tiers": 1}])
+def test_reset_arguments_must_be_booleans(argument: dict[str, object]) -> None:
+    llm = LLM(**CPU.engine_kwargs(), kv_cache_mib=2, prefix_cache_mib=2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="true or false"):
+        llm.reset_prefix_cache(**argument)  # type: ignore[arg-type]
+    llm.llm_engine.shutdown()
