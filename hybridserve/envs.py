@@ -54,8 +54,14 @@ GRAMMAR_COMPILE_TIMEOUT_S = EnvVar(
     "seconds a structured-output request waits for its grammar to compile (off the step loop); "
     "past it the request is refused as an invalid grammar is (400)")
 
+SERVER_DEV_MODE = EnvVar(
+    "HYBRIDSERVE_SERVER_DEV_MODE", "bool", "0",
+    "serve the operator endpoints (`POST /reset_prefix_cache`), as vLLM's VLLM_SERVER_DEV_MODE does; "
+    "off: they answer 404 (any client could empty the cache for everyone)")
+
 ENVIRONMENT_VARIABLES: tuple[EnvVar, ...] = (NATIVE_KERNELS, AMX, ONE_CALL_STEP, HUGE_PAGES, SHM_ALLREDUCE, API_KEY,
-                                             BLOCK_HASH_SEED, GDN_KERNELS, GRAMMAR_COMPILE_TIMEOUT_S)
+                                             BLOCK_HASH_SEED, GDN_KERNELS, GRAMMAR_COMPILE_TIMEOUT_S,
+                                             SERVER_DEV_MODE)
 
 
 def read_flag(variable: EnvVar) -> bool:
@@ -90,6 +96,7 @@ amx = _switch(AMX)
 one_call_step = _switch(ONE_CALL_STEP)
 huge_pages = _switch(HUGE_PAGES)
 shm_allreduce = _switch(SHM_ALLREDUCE)
+server_dev_mode = _switch(SERVER_DEV_MODE)
 
 
 def api_key() -> str | None:

@@ -379,6 +379,10 @@ class CoreClient(abc.ABC):
         """Run the engine's pool integrity checks (raises AssertionError on a violation)."""
         await self.call("check_integrity")
 
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_tiers: bool = False) -> bool:
+        """`LLMEngine.reset_prefix_cache`, between steps."""
+        return bool(await self.call("reset_prefix_cache", reset_running_requests, reset_tiers))
+
     @property
     def dead_reason(self) -> str | None:
         """Why the engine stopped serving (None while it runs); `/health` reports it."""

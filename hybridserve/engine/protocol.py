@@ -75,6 +75,10 @@ class EngineClient(Protocol):
     async def check_integrity(self) -> None:
         """Run the engine's pool integrity checks (`AssertionError` on a violation)."""
 
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_tiers: bool = False) -> bool:
+        """Forget every cached prefix (`LLMEngine.reset_prefix_cache`; every replica's, behind a
+        router); False where requests ran and `reset_running_requests` was not given."""
+
 
 async def generate_outputs(client: EngineClient, request_id: str, prompt: str | list[int], params: SamplingParams,
                            cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:

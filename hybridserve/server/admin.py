@@ -1,5 +1,6 @@
 """The admin endpoints: models, tokenize, detokenize, version, the probes (`/health`: 503 naming
-the reason once the engine stopped; `/ready`: 503 until the engine serves) and Prometheus metrics."""
+the reason once the engine stopped; `/ready`: 503 until the engine serves), Prometheus metrics, and
+in dev mode the operator endpoints (`/reset_prefix_cache`)."""
 
 from __future__ import annotations
 
@@ -53,8 +54,8 @@ class AdminServing(OpenAIServing):
         return ModelCard(id=name, max_model_len=self.engine.max_model_len)
 
 
-def install_admin_routes(app: FastAPI, serving: AdminServing) -> None:
-    """Route the admin endpoints to `serving`."""
+def install_admin_routes(app: FastAPI, serving: AdminServing, dev_mode: bool = False) -> None:
+    """Route the admin endpoints to `serving` (with `dev_mode`, the operator endpoints too)."""
 
     @app.get("/v1/models")
     async def list_models() -> Response:
@@ -94,6 +95,9 @@ def install_admin_routes(app: FastAPI, serving: AdminServing) -> None:
         require_running()
         return Response(b'{"status":"ready"}', media_type="application/json")
 
+    if dev_mode:
+        install_operator_routes(app, serving)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         try:
@@ -102,3 +106,16 @@ def install_admin_routes(app: FastAPI, serving: AdminServing) -> None:
             stats = {}
         return Response(serving.metrics.render(stats), media_type=METRICS_CONTENT_TYPE)
 
+
+
+def install_operator_routes(app: FastAPI, serving: AdminServing) -> None:
+    """Route the operator endpoints (dev mode only, as in vLLM: HYBRIDSERVE_SERVER_DEV_MODE):
+    `POST /reset_prefix_cache?reset_running_requests=BOOL&reset_tiers=BOOL` answers `{"reset": true}`,
+    or 409 while requests run and `reset_running_requests` is not given."""
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(reset_running_requests: bool = False, reset_tiers: bool = False) -> Response:
+        if not await serving.engine.reset_prefix_cache(reset_running_requests, reset_tiers):
+            raise APIError(409, "requests are running: the prefix cache was not reset; retry when idle, or pass "
+                           "reset_running_requests=true to preempt them (they recompute)", code="requests_running")
+        return Response(b'{"reset":true}', media_type="application/json")

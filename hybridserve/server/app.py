@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from hybridserve import envs
 from hybridserve.engine.protocol import EngineClient
 from hybridserve.server.admin import AdminServing, install_admin_routes
 from hybridserve.server.auth import PUBLIC_PATHS, ApiKeyring, TenantAuthMiddleware
@@ -55,9 +56,10 @@ def _lifespan(engine: EngineClient, shutdown_engine: bool) -> Callable[[FastAPI]
 def build_app(engine: EngineClient, *, model_name: str | Sequence[str], api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_engine: bool = False,
               reasoning_parser: str | None = None, api_keys: Sequence[str] = (), stream_interval: int = 1,
-              limits: ServerLimits = DEFAULT_LIMITS) -> FastAPI:
+              limits: ServerLimits = DEFAULT_LIMITS, dev_mode: bool | None = None) -> FastAPI:
     """The HTTP app around an engine client, started with the app (`shutdown_engine`: stopped with it); the
-    options are `hybridserve serve`'s flags of the same names, `limits` bound each request (docs/serving.md)."""
+    options are `hybridserve serve`'s flags of the same names, `limits` bound each request (docs/serving.md),
+    `dev_mode` serves the operator endpoints (None: as HYBRIDSERVE_SERVER_DEV_MODE says)."""
     limits = dataclasses.replace(limits, max_body_bytes=max_body_bytes)  # checks the value too
     context = ServingContext.create(engine, model_name, reasoning_parser, stream_interval, limits)
     _preload_stream_backend()
@@ -67,7 +69,7 @@ def build_app(engine: EngineClient, *, model_name: str | Sequence[str], api_key:
     install_error_handlers(app)
     install_completion_routes(app, CompletionServing(context))
     install_chat_routes(app, ChatServing(context))
-    install_admin_routes(app, AdminServing(context))
+    install_admin_routes(app, AdminServing(context), envs.server_dev_mode() if dev_mode is None else dev_mode)
     install_docs_routes(app, swagger_ui_dir())
     # Added innermost first: request ids (outermost) see every answer, auth refuses before a body is read.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=limits.max_body_bytes)

@@ -156,9 +156,11 @@ def test_flags_are_read_when_called(monkeypatch: pytest.MonkeyPatch, value: str 
             monkeypatch.delenv(variable.name, raising=False)
         else:
             monkeypatch.setenv(variable.name, value)
-        assert envs.read_flag(variable) is expected
+        unset = value is None or not value.strip()
+        assert envs.read_flag(variable) is (variable.default == "1" if unset else expected)
     assert (envs.native_kernels(), envs.amx(), envs.one_call_step(), envs.huge_pages(),
             envs.shm_allreduce()) == (expected,) * 5
+    assert envs.server_dev_mode() is (expected and value not in (None, ""))  # the one switch off by default
 
 
 def test_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
