@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from hybridserve.engine.protocol import generate_outputs
-from hybridserve.errors import EngineDeadError, HybridServeError
+from hybridserve.errors import EngineDeadError, HybridServeError, InvalidRequestError
 from hybridserve.replicas.registry import active_routers
-from hybridserve.replicas.replica import ACCEPTED
+from hybridserve.replicas.replica import ACCEPTED, ELSEWHERE
 from hybridserve.sampling_params import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -206,3 +206,20 @@ class ReplicaEngineClient:
     async def check_integrity(self) -> None:
         """The integrity checks of one replica's engine."""
         await self.call("check_integrity")
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_tiers: bool = False) -> bool:
+        """Reset every replica's prefix cache (`LLMEngine.reset_prefix_cache`), each reached by name
+        through the joint router; True when every one reset. The router's view of what each holds
+        catches up with the replicas' next summaries."""
+        names = sorted({name for router in active_routers() for name in router.snapshot().replicas})
+        if not names:
+            raise InvalidRequestError("resetting the replicas' prefix caches needs the joint router "
+                                      "(--router joint), which reaches each replica by name")
+        args = ("reset_prefix_cache", reset_running_requests, reset_tiers)
+        try:
+            answers = await asyncio.gather(*(self._handle.call_on.remote(name, *args) for name in names))
+        except Exception as exc:
+            raise engine_error(exc) from exc
+        if any(answer == ELSEWHERE for answer in answers):
+            logger.warning("reset_prefix_cache: a replica left while it was reset; the others were")
+        return all(answer is True for answer in answers)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from hybridserve import envs
 from hybridserve.config import EngineConfig
 from hybridserve.server.middleware import DEFAULT_MAX_BODY_BYTES
 
@@ -96,9 +97,11 @@ def build_app(config: EngineConfig, *, num_replicas: int, model_name: str | Sequ
               api_keys: Sequence[str] = (), reasoning_parser: str | None = None, stream_interval: int = 1,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, engine_process: bool = False,
               max_waiting_requests: int | None = None, router: str = "joint",
-              router_config: dict[str, Any] | None = None, stats_period_s: float = DEFAULT_STATS_PERIOD_S) -> Any:
+              router_config: dict[str, Any] | None = None, stats_period_s: float = DEFAULT_STATS_PERIOD_S,
+              dev_mode: bool | None = None) -> Any:
     """The Ray Serve application of `num_replicas` engine replicas behind one ingress (docs/serving.md, Replicas
-    on Ray Serve). `router`: one of ROUTERS ("joint": `router_config` holds `RouterConfig` fields); the other
+    on Ray Serve). `router`: one of ROUTERS ("joint": `router_config` holds `RouterConfig` fields); `dev_mode`
+    serves the operator endpoints (None: as HYBRIDSERVE_SERVER_DEV_MODE says here, in the driver); the other
     options are `hybridserve serve`'s flags of the same names."""
     serve = import_serve()
     from hybridserve.replicas.ingress import Ingress
@@ -115,7 +118,8 @@ def build_app(config: EngineConfig, *, num_replicas: int, model_name: str | Sequ
     ingress = serve.deployment(Ingress, name="ingress", num_replicas=1, max_ongoing_requests=MAX_ONGOING_REQUESTS,
                                ray_actor_options={"num_cpus": 0})
     app_options = {"model_name": model_name, "api_keys": list(api_keys), "reasoning_parser": reasoning_parser,
-                   "stream_interval": stream_interval, "max_body_bytes": max_body_bytes}
+                   "stream_interval": stream_interval, "max_body_bytes": max_body_bytes,
+                   "dev_mode": envs.server_dev_mode() if dev_mode is None else dev_mode}
     return ingress.bind(engines.bind(config, engine_process, max_waiting_requests), app_options)
 
 

@@ -10,11 +10,12 @@ from typing import Any, NamedTuple, Protocol
 
 class RouterSnapshot(NamedTuple):
     """A copy of a router's state for metrics: decisions by reason, and per replica its last
-    published engine stats and the requests in flight to it."""
+    published engine stats and the requests in flight to it; the replicas' names."""
 
     decisions: dict[str, int]
     replica_stats: dict[str, dict[str, float]]
     in_flight: dict[str, int]
+    replicas: tuple[str, ...] = ()  # the replicas it routes to now, by name
 
 
 class SnapshotSource(Protocol):

@@ -16,6 +16,7 @@ from hybridserve.sampling_params import RequestOutput, SamplingParams
 logger = logging.getLogger(__name__)
 
 ACCEPTED = "accepted"  # the first item of a generate stream: the engine took the request
+ELSEWHERE = "elsewhere"  # a targeted call's answer on a replica it was not meant for (its target is gone)
 # engine stats a replica publishes with its summary (its load and its cache counters, for metrics)
 PUBLISHED_STATS = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "prefix_cache_queries",
                    "prefix_cache_hits", "prefix_cache_query_tokens", "prefix_cache_hit_tokens")
@@ -54,6 +55,15 @@ class EngineReplica:
 
     async def call(self, method: str, *args: Any) -> Any:
         """The engine's utility call."""
+        return await self.engine.call(method, *args)
+
+    async def call_on(self, target: str, method: str, *args: Any) -> Any:
+        """The engine's utility call on the replica named `target` (`JointCacheRouter` sends it
+        there, to reach every replica once); `ELSEWHERE` on any other (the target is gone)."""
+        from ray import serve
+
+        if str(serve.get_replica_context().replica_id.unique_id) != target:
+            return ELSEWHERE
         return await self.engine.call(method, *args)
 
     async def stats(self) -> dict[str, float]:

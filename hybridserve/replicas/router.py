@@ -23,6 +23,7 @@ from hybridserve.routing.policy import LOAD_HALF_LIFE_S, OutstandingWork, Router
 logger = logging.getLogger(__name__)
 
 GENERATE_METHOD = "generate"  # the replica method that carries a prompt (EngineReplica.generate)
+TARGETED_METHOD = "call_on"   # the replica method that names its replica first (EngineReplica.call_on)
 PROMPT_ARG, PARAMS_ARG, SALT_ARG = 1, 2, 3  # of generate(request_id, prompt_ids, params, cache_salt)
 REASON_RECENT = "recent_route"  # chosen for a prompt routed there lately, its summary not in yet
 
@@ -32,7 +33,8 @@ def replica_name(replica_id: ReplicaID) -> str:
 
 
 class JointCacheRouter(FIFOMixin, RequestRouter):
-    """Routes `generate` calls by joint-cache depth against load; other calls to the least loaded."""
+    """Routes `generate` calls by joint-cache depth against load, a targeted call (`call_on`) to the
+    replica it names, other calls to the least loaded."""
 
     def initialize_state(self, block_size: int = 16, block_hash: str = "xxh3_128",
                          block_hash_seed: int | None = None, router_config: dict[str, Any] | None = None,
@@ -55,6 +57,7 @@ class JointCacheRouter(FIFOMixin, RequestRouter):
         # internal id of a generate call being routed -> (reason, prompt hint hashes, work if uncached, depths)
         self._pending: dict[str, tuple[str, list[int], float, dict[str, int]]] = {}
         self._routed: dict[str, str] = {}  # internal id of a generate call in flight -> replica name
+        self._names: tuple[str, ...] = ()  # the replicas Serve gave it last
         registry.register(self)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -67,6 +70,8 @@ class JointCacheRouter(FIFOMixin, RequestRouter):
             self.index.add_replica(name)
             self._work.add_replica(name)
             self.take_stats(name, replica.routing_stats)
+        with self._lock:
+            self._names = tuple(sorted(names))
         for name in set(self._stats) | set(self.hints.replicas()):
             if name not in names:
                 self._forget(name)
@@ -113,6 +118,9 @@ class JointCacheRouter(FIFOMixin, RequestRouter):
         loads = self._loads(candidate_replicas)
         by_name = {replica_name(r.replica_id): r for r in candidate_replicas}
         by_load = sorted(candidate_replicas, key=lambda r: loads[replica_name(r.replica_id)])
+        target = _target_of(pending_request)
+        if target in by_name:
+            return [[by_name[target]]]
         prompt = _prompt_of(pending_request)
         if prompt is None:
             return [[replica] for replica in by_load]
@@ -166,7 +174,7 @@ class JointCacheRouter(FIFOMixin, RequestRouter):
         """A copy of the decisions and per-replica state, safe to read from another thread."""
         with self._lock:
             return registry.RouterSnapshot(dict(self._decisions), {k: dict(v) for k, v in self._stats.items()},
-                                           dict(self._in_flight))
+                                           dict(self._in_flight), self._names)
 
 
 def _prompt_of(pending_request: PendingRequest | None) -> tuple[list[int], str | None, int] | None:
@@ -179,3 +187,11 @@ def _prompt_of(pending_request: PendingRequest | None) -> tuple[list[int], str |
     salt = args[SALT_ARG]
     max_tokens = getattr(args[PARAMS_ARG], "max_tokens", None)
     return args[PROMPT_ARG], salt if isinstance(salt, str) else None, int(max_tokens or 0)
+
+
+def _target_of(pending_request: PendingRequest | None) -> str | None:
+    """The replica a targeted call names (None for any other call)."""
+    if pending_request is None or pending_request.metadata.call_method != TARGETED_METHOD:
+        return None
+    args = pending_request.args
+    return args[0] if args and isinstance(args[0], str) else None

@@ -36,7 +36,7 @@ AUTH = {"Authorization": f"Bearer {KEYS[0]}"}
 @pytest.fixture(scope="module")
 def endpoints() -> Iterator[tuple[str, str]]:
     """(the replicas' URL, the single engine's URL), for the whole module."""
-    with replica_cluster() as replicas, single_engine() as single:
+    with replica_cluster(dev_mode=True) as replicas, single_engine() as single:
         yield replicas, single
 
 
@@ -147,3 +147,18 @@ def test_many_conversations_keep_their_hits(endpoints: tuple[str, str]) -> None:
     assert [converse(replicas, seeds) for seeds in conversations] == expected
     health = httpx.get(f"{replicas}/health", timeout=30)
     assert health.status_code == 200
+
+
+def test_a_reset_reaches_every_replica(endpoints: tuple[str, str]) -> None:
+    """`POST /reset_prefix_cache` (dev mode) resets each replica, reached by name: conversations that
+    hit on both replicas before compute their prompts whole after it."""
+    replicas, _ = endpoints
+    conversations = [[{"role": "user", "content": user_text(seed)}] for seed in (500, 600, 700, 800)]
+    for messages in conversations:
+        chat(replicas, messages)
+    assert all(chat(replicas, messages)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+               for messages in conversations)
+    response = httpx.post(f"{replicas}/reset_prefix_cache", headers=AUTH, timeout=120)
+    assert response.status_code == 200 and response.json() == {"reset": True}, response.text
+    assert [chat(replicas, messages)["usage"]["prompt_tokens_details"]["cached_tokens"]
+            for messages in conversations] == [0] * len(conversations)

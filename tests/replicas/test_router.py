@@ -105,6 +105,38 @@ def test_router_follows_joint_hits_then_recent_routes_and_drops_dead_replicas() 
     assert _route(router, [replicas[0]], prompt, request_id="6") == "a"
 
 
+def test_a_targeted_call_goes_to_the_replica_it_names() -> None:
+    """`call_on(name, ...)` reaches that replica whatever the loads; a gone name falls back to the
+    least loaded (which answers that it is not the target). The router lists its replicas by name."""
+    router = _router()
+    replicas = [_replica("a"), _replica("b")]
+
+    async def choose(target: str) -> list[str]:
+        metadata = RequestMetadata(request_id="t", internal_request_id="t", call_method="call_on")
+        pending = PendingRequest(args=[target, "reset_prefix_cache", False, False], kwargs={}, metadata=metadata)
+        ranks = await router.choose_replicas(replicas, pending)  # type: ignore[arg-type]
+        return [str(rank[0].replica_id.unique_id) for rank in ranks]
+
+    assert asyncio.run(choose("b")) == ["b"] and asyncio.run(choose("a")) == ["a"]
+    assert sorted(asyncio.run(choose("gone"))) == ["a", "b"]
+    assert router.snapshot().replicas == ()  # none reported by Serve yet
+
+    class Running:
+        """The part of a Serve `RunningReplica` that `update_replicas` reads."""
+
+        def __init__(self, name: str) -> None:
+            self.replica_id, self.routing_stats, self.max_ongoing_requests = _replica(name).replica_id, None, 8
+
+        async def get_queue_len(self, *, deadline_s: float) -> int:
+            return 0
+
+    async def update() -> None:
+        router.update_replicas([Running("b"), Running("a")])  # type: ignore[list-item]
+
+    asyncio.run(update())
+    assert router.snapshot().replicas == ("a", "b")
+
+
 def test_router_tolerates_a_malformed_summary() -> None:
     router = _router()
     router.take_stats("a", {"summary": {"format": 99}, "stats": {"num_running": 1}})
