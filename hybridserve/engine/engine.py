@@ -665,6 +665,8 @@ class LLMEngine:
         for name, value in (("reset_running_requests", reset_running_requests), ("reset_tiers", reset_tiers)):
             if not isinstance(value, bool):
                 raise InvalidRequestError(f"reset_prefix_cache: {name} must be true or false, got {value!r}")
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
         if self.scheduler.running:
             if not reset_running_requests:
                 return False

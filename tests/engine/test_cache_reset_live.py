@@ -12,6 +12,7 @@ import torch
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.cache.tiers import TierStats
+from hybridserve.errors import EngineDeadError
 from tests.helpers.targets import CPU
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -113,3 +114,11 @@ def test_reset_arguments_must_be_booleans(argument: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="true or false"):
         llm.reset_prefix_cache(**argument)  # type: ignore[arg-type]
     llm.llm_engine.shutdown()
+
+
+def test_a_stopped_engine_refuses_a_reset() -> None:
+    """Its tier stores are closed: nothing may be queued to them."""
+    llm = LLM(**CPU.engine_kwargs(), kv_cache_mib=2, prefix_cache_mib=2, host_cache_memory="16MiB")  # type: ignore[arg-type]
+    llm.llm_engine.shutdown()
+    with pytest.raises(EngineDeadError):
+        llm.reset_prefix_cache()
