@@ -14,9 +14,22 @@ from hybridserve.cache.manager import JointCacheManager
 from hybridserve.cache.policy import make_policy
 from hybridserve.cache.snapshots import SnapshotPool
 from hybridserve.cache.state_slots import StateSlotPool
+from hybridserve.cache.tiers import TieredCache, TierSpec
 from hybridserve.config import POLICY_NAMES, SchedulerConfig
 from hybridserve.engine.scheduler import Scheduler
-from tests.cache.test_tiers import BLOCK, COST, SIZES, FakeDevice, FakeEngine, FakeMover, _request, _tiers, _workload
+from tests.cache.test_tiers import (
+    BLOCK,
+    COST,
+    SIZES,
+    FakeDevice,
+    FakeEngine,
+    FakeMover,
+    _entry,
+    _request,
+    _seed_device,
+    _tiers,
+    _workload,
+)
 
 
 def _engine(policy: str, mover: FakeMover, device: FakeDevice, write_through: bool) -> FakeEngine:
@@ -108,3 +121,21 @@ def test_a_promotion_in_flight_at_a_reset_is_dropped_when_it_lands() -> None:
     assert engine.hits["b"] == 0
     assert not manager.tiers.pending_promotions()
     assert manager.tiers.find(key) is None and manager.snapshots is not None and manager.snapshots.lookup(key) is None
+
+
+def test_a_reset_deletes_local_tier_objects_and_only_forgets_a_shared_tier() -> None:
+    """Every tier's books empty after `TieredCache.reset`; the host store's objects are deleted, the
+    shared store's stay (other replicas may use them)."""
+    device, tokens = FakeDevice(), list(range(48))
+    mover = FakeMover(device)
+    tiers = TieredCache([TierSpec("host", 10**6), TierSpec("remote", 10**6, shared=True)], SIZES, mover)
+    entry = _entry(tokens)
+    blocks = _seed_device(device, entry, tokens, 0)
+    tiers.publish(entry, 0, blocks.get)  # written through to the shared tier
+    tiers.demote(entry, 0, blocks.get)   # and demoted to the host tier
+    tiers.poll()
+    assert [stats.entries for stats in tiers.stats()] == [1, 1]
+    assert tiers.reset() == 2
+    assert [stats.entries for stats in tiers.stats()] == [0, 0]
+    assert mover.stores["host"] == {} and len(mover.stores["remote"]) == 4  # a state and three KV blocks
+    tiers.check_integrity()
