@@ -209,8 +209,8 @@ class ReplicaEngineClient:
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_tiers: bool = False) -> bool:
         """Reset every replica's prefix cache (`LLMEngine.reset_prefix_cache`), each reached by name
-        through the joint router; True when every one reset. The router's view of what each holds
-        catches up with the replicas' next summaries."""
+        through the joint router; True when every one reset or is gone. The router's view of what
+        each holds catches up with the replicas' next summaries."""
         names = sorted({name for router in active_routers() for name in router.snapshot().replicas})
         if not names:
             raise InvalidRequestError("resetting the replicas' prefix caches needs the joint router "
@@ -220,6 +220,7 @@ class ReplicaEngineClient:
             answers = await asyncio.gather(*(self._handle.call_on.remote(name, *args) for name in names))
         except Exception as exc:
             raise engine_error(exc) from exc
-        if any(answer == ELSEWHERE for answer in answers):
-            logger.warning("reset_prefix_cache: a replica left while it was reset; the others were")
-        return all(answer is True for answer in answers)
+        gone = [name for name, answer in zip(names, answers) if answer == ELSEWHERE]
+        if gone:  # its cache went with it
+            logger.info("reset_prefix_cache: replica(s) %s left before their reset", ", ".join(gone))
+        return all(answer is True or answer == ELSEWHERE for answer in answers)

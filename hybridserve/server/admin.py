@@ -116,6 +116,7 @@ def install_operator_routes(app: FastAPI, serving: AdminServing) -> None:
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(reset_running_requests: bool = False, reset_tiers: bool = False) -> Response:
         if not await serving.engine.reset_prefix_cache(reset_running_requests, reset_tiers):
-            raise APIError(409, "requests are running: the prefix cache was not reset; retry when idle, or pass "
-                           "reset_running_requests=true to preempt them (they recompute)", code="requests_running")
+            raise APIError(409, "requests are running: the prefix cache was not reset (behind replicas: not on "
+                           "every replica); retry when idle, or pass reset_running_requests=true to preempt them "
+                           "(they recompute)", code="requests_running")
         return Response(b'{"reset":true}', media_type="application/json")

@@ -279,3 +279,34 @@ def test_client_fails_a_stream_whose_replica_dies_with_engine_dead() -> None:
 
     asyncio.run(abort())
     assert running.cancelled
+
+
+def test_a_reset_is_sent_to_every_replica_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One targeted call per replica the router lists; True when each reset or is gone (`ELSEWHERE`),
+    False when one refused (its requests run); without the joint router, a clear error."""
+    from hybridserve.replicas import client as client_module
+    from hybridserve.replicas.replica import ELSEWHERE
+
+    client, _ = _client([])
+    sent: list[tuple[Any, ...]] = []
+
+    def targeted(answers: dict[str, Any]) -> Any:
+        class CallOn:
+            async def remote(self, name: str, *args: Any) -> Any:
+                sent.append((name, *args))
+                return answers[name]
+
+        return CallOn()
+
+    snapshot = RouterSnapshot({}, {}, {}, ("a", "b"))
+    monkeypatch.setattr(client_module, "active_routers", lambda: [type("R", (), {"snapshot": lambda self: snapshot})()])
+    client._handle.call_on = targeted({"a": True, "b": True})
+    assert asyncio.run(client.reset_prefix_cache(True, False))
+    assert sorted(sent) == [("a", "reset_prefix_cache", True, False), ("b", "reset_prefix_cache", True, False)]
+    client._handle.call_on = targeted({"a": True, "b": ELSEWHERE})
+    assert asyncio.run(client.reset_prefix_cache())
+    client._handle.call_on = targeted({"a": False, "b": True})
+    assert not asyncio.run(client.reset_prefix_cache())
+    monkeypatch.setattr(client_module, "active_routers", lambda: [])
+    with pytest.raises(InvalidRequestError, match="joint router"):
+        asyncio.run(client.reset_prefix_cache())
