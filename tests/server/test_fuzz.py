@@ -1,5 +1,5 @@
-"""Property-based HTTP fuzzing of the server from its own OpenAPI schema (schemathesis): no 5xx,
-no hang, every error in OpenAI's envelope. A bounded number of examples keeps it in the default
+"""Property-based HTTP fuzzing of the server from its own OpenAPI schema (schemathesis), the dev-mode
+routes included: no 5xx, no hang, every error in OpenAI's envelope. A bounded number of examples keeps it in the default
 suite; FUZZ_EXAMPLES raises it. CPU, float32, a 64-token context so every request is short."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def fuzz_engine() -> Iterator[AsyncLLMEngine]:
 
 @pytest.fixture(scope="module")
 def fuzz_server(fuzz_engine: AsyncLLMEngine) -> Iterator[ServerThread]:
-    with ServerThread(build_app(fuzz_engine, model_name="tiny", max_body_bytes=64 * 1024)) as server:
+    with ServerThread(build_app(fuzz_engine, model_name="tiny", max_body_bytes=64 * 1024, dev_mode=True)) as server:
         yield server
 
 
