@@ -1,6 +1,7 @@
 """Property-based HTTP fuzzing of the server from its own OpenAPI schema (schemathesis), the dev-mode
-routes included: no 5xx, no hang, every error in OpenAI's envelope. A bounded number of examples keeps it in the default
-suite; FUZZ_EXAMPLES raises it. CPU, float32, a 64-token context so every request is short."""
+routes included: no 5xx, no hang, every error in OpenAI's envelope. A bounded number of examples
+keeps it in the default suite; FUZZ_EXAMPLES raises it. CPU, float32, a 64-token context so every
+request is short."""
 
 from __future__ import annotations
 
