@@ -781,8 +781,8 @@ class JointCacheManager:
                 promotion.owner = None
             if promotion.done:
                 self._drop_promotion(promotion)
-            else:
-                self._discarded[promotion.ticket] = lower_tiers
+            else:  # a second reset before it lands keeps the first one's `lower_tiers`
+                self._discarded[promotion.ticket] = self._discarded.get(promotion.ticket, False) or lower_tiers
         if self.snapshots is not None:
             self.snapshots.clear()
             for key in [key for key in self._paths if self.snapshots.lookup(key) is None]:

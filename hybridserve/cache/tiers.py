@@ -805,13 +805,13 @@ class TieredCache:
 
     def forget(self, key: BlockHash) -> int:
         """Drop `key`'s entry from every tier that holds it and no promotion reads; how many."""
-        return self._forget_where(lambda entry: entry == key)
+        return self._forget_where(lambda candidate: candidate == key)
 
     def reset(self) -> int:
         """Drop every entry no promotion reads, from every tier (`reset_prefix_cache`); how many. A
         local tier's objects are deleted, behind the writes already queued to its store; a shared
         tier's are only forgotten: other replicas may use them (discovery can find them again)."""
-        return self._forget_where(lambda entry: True)
+        return self._forget_where(lambda candidate: True)
 
     def _forget_where(self, chosen: Callable[[BlockHash], bool]) -> int:
         dropped = 0

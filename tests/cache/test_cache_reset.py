@@ -115,6 +115,7 @@ def test_a_promotion_in_flight_at_a_reset_is_dropped_when_it_lands() -> None:
     assert pending, "the second turn should wait for its promotion"
     key = manager.tiers.ticket_entry(pending[0]).key
     assert manager.reset_prefix_cache(lower_tiers=True)
+    assert manager.reset_prefix_cache(lower_tiers=False)  # a second one before it lands keeps the first's scope
     scheduler.check_integrity()
     while scheduler.has_unfinished():
         engine.step()
