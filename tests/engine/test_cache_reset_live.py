@@ -1,6 +1,7 @@
-"""`reset_prefix_cache` in the live engine (TP=1): the device forgets and later prompts are served
-from the host and disk tiers, or (with `reset_tiers`) computed whole, with outputs identical to the
-cache off; running requests refuse a reset or are preempted by one and finish as they would have."""
+"""`reset_prefix_cache` in the live engine (TP=1): the device forgets and a later prompt is served
+from the host tier, or (with `reset_tiers`) computed whole, with the same output; a disk tier's
+objects are deleted and a restart finds none; running requests refuse a reset or are preempted by
+one and finish as they would have."""
 
 from __future__ import annotations
 
