@@ -273,13 +273,10 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def preempt_all(self) -> int:
-        """Preempt every running request, newest first, so each waits at the front in its old order;
-        how many."""
-        running = list(self.running)
-        for request in reversed(running):
+    def preempt_all(self) -> None:
+        """Preempt every running request, newest first, so each waits at the front in its old order."""
+        for request in reversed(list(self.running)):
             self._preempt(request)
-        return len(running)
 
     def check_integrity(self) -> None:
         """Pools consistent, and every block and slot reference held by exactly the running requests."""
