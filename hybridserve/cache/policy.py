@@ -301,11 +301,15 @@ class BranchProtection:
     workload whose shared prefixes return after long gaps keeps them that long, and one whose branch
     points are not reused lets them go at the age horizon. Protected snapshots fill at most the
     share of the pool that branch points earn: their decayed share of all restored tokens (a
-    document restored once saves what many short conversation ends do)."""
+    document restored once saves what many short conversation ends do). A branch point evicted and
+    captured again keeps the restores it had, and one more for the capture (`uses_carried`): eviction
+    counts them with its hits, so a shared prefix that keeps coming back (a tenant's system prompt)
+    outweighs a deeper one never wanted since."""
 
     def __init__(self) -> None:
         self._gaps: deque[float] = deque(maxlen=REUSE_GAPS_KEPT)  # pool turnovers idle before a reuse
         self._ghosts = Ghosts()  # evicted branch points
+        self._uses: OrderedDict[BlockHash, int] = OrderedDict()  # branch point -> uses before its current stay
         self._decay = 0.5 ** (1.0 / KIND_HALF_LIFE)
         self._branch_restores = 0.0
         self._restores = 0.0
@@ -327,15 +331,28 @@ class BranchProtection:
         if branch and idle_turnovers is not None:
             self._gaps.append(idle_turnovers)
 
-    def evicted(self, key: BlockHash, last_use: int, num_slots: int) -> None:
-        """Remember an evicted branch point (its last use on the pool clock)."""
+    def evicted(self, key: BlockHash, last_use: int, num_slots: int, restores: int) -> None:
+        """Remember an evicted branch point (its last use on the pool clock) and the uses it had: those
+        of earlier stays, and this stay's `restores`."""
         self._ghosts.remember(key, last_use, num_slots)
+        self._uses[key] = self._uses.pop(key, 0) + restores
+        while len(self._uses) > GHOSTS_PER_SLOT * max(num_slots, 1):
+            self._uses.popitem(last=False)
 
     def published(self, key: BlockHash, clock: int, num_slots: int) -> None:
-        """A branch point was published: if it was evicted before, its return is a reuse gap."""
+        """A branch point was published: if it was evicted before, its return is a reuse gap and one
+        more use that it carries."""
         gap = self._ghosts.wanted(key, clock, num_slots)
         if gap is not None:
             self._gaps.append(gap)
+        if key in self._uses:
+            self._uses[key] += 1
+            self._uses.move_to_end(key)
+
+    def uses_carried(self, key: BlockHash) -> int:
+        """The uses a branch point had before its current stay in the pool: restores in earlier stays,
+        and each capture again after an eviction (0 for one never evicted)."""
+        return self._uses.get(key, 0)
 
 
 class GapCurve:
@@ -506,7 +523,8 @@ class HybridServePolicy(IntervalPolicy):
     covered by the request's own snapshots until resumes prove worth more than ends
     (`holds_as_branch`). Evicts, cheapest loss first: a snapshot whose KV is gone,
     then a covered one, then the lowest value = prefill FLOPs saved beyond the resident parent x
-    (prior + hits + extra paths) x the share of its reuse still ahead: for a snapshot of a kind whose
+    (prior + hits + extra paths) x the share of its reuse still ahead (a branch point's hits include
+    the uses it carries from earlier stays, `BranchProtection.uses_carried`): for a snapshot of a kind whose
     idle gaps before a first reuse (unreused) or a later one (restored; `CONTINUATION_KINDS`) are known
     (`ReuseGaps`), the share of those gaps longer than its idle time (for an unreused one, that share
     s as the chance it is still wanted given that it has not been yet: s / (1 - p (1 - s)), p the
@@ -666,7 +684,7 @@ class HybridServePolicy(IntervalPolicy):
             return
         kind, hits = self.kinds.get(key), pool.num_hits(key)
         if kind == "branch":
-            self.protection.evicted(key, pool.clock - ticks, pool.num_slots)
+            self.protection.evicted(key, pool.clock - ticks, pool.num_slots, hits)
         elif kind == "end" and hits == 0:
             self.reuse_gaps.end_evicted(key, pool.clock - ticks, pool.num_slots)
         elif SiblingGaps.is_sibling_point(kind, hits) and pool.is_covered(key):
@@ -692,6 +710,7 @@ class HybridServePolicy(IntervalPolicy):
         curves, repeats, kinds = self.reuse_gaps.curves(), self.reuse_gaps.repeat_curves(), self.kinds
         wanted = {kind: self.reuse_gaps.first_rate(kind) for kind in curves}
         turnover = float(max(pool.num_slots, 1))
+        uses_carried = self.protection.uses_carried
         for slot, key, tokens, last_use, hits, paths, parent_tokens in pool.candidates(EVICTION_WINDOW):
             if not kv_present(key):
                 return slot
@@ -699,6 +718,8 @@ class HybridServePolicy(IntervalPolicy):
             # simulator's hottest): what a hit saves beyond the parent, where a miss falls back.
             saved = (tokens - parent_tokens) * (linear + quadratic * (tokens + parent_tokens))
             kind = kinds.get(key) or "unknown"
+            if kind == "branch":  # uses in earlier stays count as this stay's restores do
+                hits += uses_carried(key)
             gaps = curves.get(kind) if hits == 0 else repeats.get(kind)
             if gaps is None:
                 ahead = 1.0 / (1.0 + (clock - last_use) / horizon)

@@ -9,6 +9,7 @@ import pytest
 from hybridserve.cache.policy import (
     AGE_TURNOVERS,
     EVICTION_WINDOW,
+    GHOSTS_PER_SLOT,
     REUSE_GAPS_KEPT,
     BranchProtection,
     HybridServePolicy,
@@ -31,7 +32,7 @@ def test_the_horizon_is_the_longest_idle_gap_before_a_reuse() -> None:
     assert protection.share() == pytest.approx(2 / 3, rel=0.01)
     protection.restored(False, None, 1000)                             # a share of the restored tokens
     assert protection.share() == pytest.approx(200 / 1300, rel=0.01)
-    protection.evicted(b"doc", last_use=100, num_slots=10)
+    protection.evicted(b"doc", last_use=100, num_slots=10, restores=0)
     protection.published(b"doc", clock=1100, num_slots=10)            # back 100 turnovers after its last use
     assert protection.horizon() == 100.0
     protection.published(b"doc", clock=5000, num_slots=10)            # a ghost counts once
@@ -117,3 +118,42 @@ def test_conversations_sharing_documents_restore_them_through_the_manager() -> N
     policy = run.cache.policy
     assert isinstance(policy, HybridServePolicy) and policy.protection.share() > 0.5
     run.scheduler.check_integrity()
+
+
+def test_an_evicted_branch_point_captured_again_carries_its_uses() -> None:
+    protection = BranchProtection()
+    assert protection.uses_carried(b"doc") == 0
+    protection.evicted(b"doc", last_use=10, num_slots=4, restores=2)
+    assert protection.uses_carried(b"doc") == 2
+    protection.published(b"doc", clock=20, num_slots=4)               # captured again: one more use
+    assert protection.uses_carried(b"doc") == 3
+    protection.evicted(b"doc", last_use=30, num_slots=4, restores=1)
+    protection.published(b"doc", clock=40, num_slots=4)
+    assert protection.uses_carried(b"doc") == 5
+    protection.published(b"new", clock=41, num_slots=4)               # never evicted: nothing carried
+    assert protection.uses_carried(b"new") == 0
+    for index in range(GHOSTS_PER_SLOT * 4):                           # bounded, oldest forgotten first
+        protection.evicted(f"other{index}".encode(), last_use=50, num_slots=4, restores=0)
+    assert protection.uses_carried(b"doc") == 0
+
+
+def test_a_shared_prompt_that_keeps_coming_back_outweighs_a_deeper_branch_point_never_wanted_since() -> None:
+    """A tenant's system prompt evicted and captured again and again outlives a document's branch
+    point twice as deep that no request has restored; before it came back, the deeper one was worth
+    more."""
+    policy, pool, kinds = policy_and_pool(2)
+    publish(policy, pool, kinds, b"doc", 128, "branch")
+    publish(policy, pool, kinds, b"system", 64, "branch")
+
+    def victim_key() -> bytes:                                         # the policy notes the eviction
+        assert pool.choose_victim is not None
+        victim = pool.choose_victim(pool)
+        assert victim is not None
+        return pool.key_of(victim)
+
+    for uses in (1, 2):
+        assert victim_key() == b"system"
+        pool.evict(b"system")
+        publish(policy, pool, kinds, b"system", 64, "branch")         # wanted again
+        assert policy.protection.uses_carried(b"system") == uses
+    assert victim_key() == b"doc"
