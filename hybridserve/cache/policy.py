@@ -302,9 +302,10 @@ class BranchProtection:
     points are not reused lets them go at the age horizon. Protected snapshots fill at most the
     share of the pool that branch points earn: their decayed share of all restored tokens (a
     document restored once saves what many short conversation ends do). A branch point evicted and
-    captured again keeps the restores it had, and one more for the capture (`uses_carried`): eviction
-    counts them with its hits, so a shared prefix that keeps coming back (a tenant's system prompt)
-    outweighs a deeper one never wanted since."""
+    captured again keeps the uses it had (its restores, and one for each capture again), and
+    eviction counts them with its hits, weighted by how often branch points that came back were
+    restored in their new stays (`uses_carried`): so a shared prefix that keeps coming back and
+    serving (a tenant's system prompt) outweighs a deeper one never wanted since."""
 
     def __init__(self) -> None:
         self._gaps: deque[float] = deque(maxlen=REUSE_GAPS_KEPT)  # pool turnovers idle before a reuse
@@ -313,6 +314,8 @@ class BranchProtection:
         self._decay = 0.5 ** (1.0 / KIND_HALF_LIFE)
         self._branch_restores = 0.0
         self._restores = 0.0
+        self._returns = 0.0  # decayed: branch points captured again after an eviction
+        self._restores_after_return = 0.0  # decayed: their restores in the stays that followed
 
     def horizon(self) -> float:
         """Pool turnovers a branch point stays protected while idle."""
@@ -348,11 +351,27 @@ class BranchProtection:
         if key in self._uses:
             self._uses[key] += 1
             self._uses.move_to_end(key)
+            self._returns = self._returns * self._decay + 1.0
+            self._restores_after_return *= self._decay
 
-    def uses_carried(self, key: BlockHash) -> int:
+    def restored_after_return(self, key: BlockHash) -> None:
+        """Count a restore of branch point `key` if it is in a stay that followed a capture again."""
+        if self.uses(key) > 0:
+            self._restores_after_return += 1.0
+
+    def uses(self, key: BlockHash) -> int:
         """The uses a branch point had before its current stay in the pool: restores in earlier stays,
         and each capture again after an eviction (0 for one never evicted)."""
         return self._uses.get(key, 0)
+
+    def uses_carried(self, key: BlockHash) -> float:
+        """`uses`, each worth the restores per stay that branch points captured again have had
+        (decayed, one pseudo-stay with one restore; at most 1): where those that come back are not
+        restored again, coming back proves little."""
+        uses = self.uses(key)
+        if not uses:
+            return 0.0
+        return uses * min(1.0, (self._restores_after_return + 1.0) / (self._returns + 1.0))
 
 
 class GapCurve:
@@ -524,7 +543,7 @@ class HybridServePolicy(IntervalPolicy):
     (`holds_as_branch`). Evicts, cheapest loss first: a snapshot whose KV is gone,
     then a covered one, then the lowest value = prefill FLOPs saved beyond the resident parent x
     (prior + hits + extra paths) x the share of its reuse still ahead (a branch point's hits include
-    the uses it carries from earlier stays, `BranchProtection.uses_carried`): for a snapshot of a kind whose
+    the uses it carries from earlier stays, weighted, `BranchProtection.uses_carried`): for a snapshot of a kind whose
     idle gaps before a first reuse (unreused) or a later one (restored; `CONTINUATION_KINDS`) are known
     (`ReuseGaps`), the share of those gaps longer than its idle time (for an unreused one, that share
     s as the chance it is still wanted given that it has not been yet: s / (1 - p (1 - s)), p the
@@ -635,6 +654,8 @@ class HybridServePolicy(IntervalPolicy):
         slot = pool.lookup(key) if pool is not None else None
         num_tokens = pool.num_tokens_of(slot) if pool is not None and slot is not None else 0
         self.protection.restored(kind == "branch", first_idle if kind == "branch" else None, num_tokens)
+        if kind == "branch":
+            self.protection.restored_after_return(key)
         if (idle is not None and pool is not None and SiblingGaps.is_sibling_point(kind, earlier_restores)
                 and pool.is_covered(key)):
             self.sibling_gaps.restored(idle)
@@ -718,16 +739,16 @@ class HybridServePolicy(IntervalPolicy):
             # simulator's hottest): what a hit saves beyond the parent, where a miss falls back.
             saved = (tokens - parent_tokens) * (linear + quadratic * (tokens + parent_tokens))
             kind = kinds.get(key) or "unknown"
-            if kind == "branch":  # uses in earlier stays count as this stay's restores do
-                hits += uses_carried(key)
-            gaps = curves.get(kind) if hits == 0 else repeats.get(kind)
+            # A branch point's uses in earlier stays count (weighted) as this stay's restores do.
+            used = hits + uses_carried(key) if kind == "branch" else hits
+            gaps = curves.get(kind) if used == 0 else repeats.get(kind)
             if gaps is None:
                 ahead = 1.0 / (1.0 + (clock - last_use) / horizon)
             else:  # the share of this kind's (later) reuse gaps longer than its idle time (one pseudo-gap)
                 ahead = (1.0 + len(gaps) - bisect.bisect_left(gaps, (clock - last_use) / turnover)) / (1.0 + len(gaps))
-                if hits == 0:  # the chance it is still wanted, given that it has not been yet
+                if used == 0:  # the chance it is still wanted, given that it has not been yet
                     ahead /= 1.0 - wanted[kind] * (1.0 - ahead)
-            value = saved * (prior + hits + (paths - 1 if paths > 1 else 0)) * ahead
+            value = saved * (prior + used + (paths - 1 if paths > 1 else 0)) * ahead
             if value < best_value:
                 best_slot, best_value = slot, value
             if protected(key, last_use):

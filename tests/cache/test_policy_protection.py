@@ -122,25 +122,48 @@ def test_conversations_sharing_documents_restore_them_through_the_manager() -> N
 
 def test_an_evicted_branch_point_captured_again_carries_its_uses() -> None:
     protection = BranchProtection()
-    assert protection.uses_carried(b"doc") == 0
+    assert protection.uses(b"doc") == 0 and protection.uses_carried(b"doc") == 0.0
     protection.evicted(b"doc", last_use=10, num_slots=4, restores=2)
-    assert protection.uses_carried(b"doc") == 2
+    assert protection.uses(b"doc") == 2
     protection.published(b"doc", clock=20, num_slots=4)               # captured again: one more use
-    assert protection.uses_carried(b"doc") == 3
+    assert protection.uses(b"doc") == 3
     protection.evicted(b"doc", last_use=30, num_slots=4, restores=1)
     protection.published(b"doc", clock=40, num_slots=4)
-    assert protection.uses_carried(b"doc") == 5
+    assert protection.uses(b"doc") == 5
     protection.published(b"new", clock=41, num_slots=4)               # never evicted: nothing carried
-    assert protection.uses_carried(b"new") == 0
+    assert protection.uses(b"new") == 0
     for index in range(GHOSTS_PER_SLOT * 4):                           # bounded, oldest forgotten first
         protection.evicted(f"other{index}".encode(), last_use=50, num_slots=4, restores=0)
-    assert protection.uses_carried(b"doc") == 0
+    assert protection.uses(b"doc") == 0
 
 
-def test_a_shared_prompt_that_keeps_coming_back_outweighs_a_deeper_branch_point_never_wanted_since() -> None:
-    """A tenant's system prompt evicted and captured again and again outlives a document's branch
-    point twice as deep that no request has restored; before it came back, the deeper one was worth
-    more."""
+def test_carried_uses_are_worth_what_branch_points_that_came_back_were_restored() -> None:
+    """Each carried use is worth the restores per stay of branch points captured again (one
+    pseudo-stay with one restore, at most 1): where those that come back are not restored again,
+    coming back proves little."""
+    policy, _, _ = policy_and_pool(4)
+    protection = policy.protection
+    protection.evicted(b"doc", last_use=0, num_slots=4, restores=0)
+    protection.published(b"doc", clock=1, num_slots=4)                # one return, no restore yet
+    assert protection.uses_carried(b"doc") == pytest.approx(0.5)
+    policy.observe_restore("branch", 0, b"doc")                        # the policy counts the restore
+    assert protection.uses_carried(b"doc") == pytest.approx(1.0)
+    protection.restored_after_return(b"doc")                           # capped at one restore per stay
+    assert protection.uses_carried(b"doc") == pytest.approx(1.0)
+    protection.restored_after_return(b"fresh")                         # never evicted: not counted
+    for index in range(8):                                             # eight more return, none restored
+        protection.evicted(f"other{index}".encode(), last_use=2, num_slots=4, restores=0)
+        protection.published(f"other{index}".encode(), clock=3, num_slots=4)
+    assert protection.uses_carried(b"doc") == pytest.approx(3.0 / 10.0, rel=0.01)
+
+
+@pytest.mark.parametrize("served", [True, False])
+def test_a_shared_prompt_that_keeps_coming_back_outweighs_a_deeper_branch_point_never_wanted_since(
+        served: bool) -> None:
+    """A tenant's system prompt evicted and captured again twice outlives, with no restore in its
+    current stay, a document's branch point twice as deep that no request has restored, where the
+    branch points that came back were restored in their new stays (`served`); where they were not,
+    coming back proves little and the deeper one stays."""
     policy, pool, kinds = policy_and_pool(2)
     publish(policy, pool, kinds, b"doc", 128, "branch")
     publish(policy, pool, kinds, b"system", 64, "branch")
@@ -151,9 +174,13 @@ def test_a_shared_prompt_that_keeps_coming_back_outweighs_a_deeper_branch_point_
         assert victim is not None
         return pool.key_of(victim)
 
-    for uses in (1, 2):
-        assert victim_key() == b"system"
-        pool.evict(b"system")
-        publish(policy, pool, kinds, b"system", 64, "branch")         # wanted again
-        assert policy.protection.uses_carried(b"system") == uses
-    assert victim_key() == b"doc"
+    assert victim_key() == b"system"
+    pool.evict(b"system")
+    publish(policy, pool, kinds, b"system", 64, "branch")             # wanted again
+    if served:  # restored in its new stay (as `observe_restore` counts it; the full call would also
+        policy.protection.restored_after_return(b"system")  # protect the fresh one by its idle gap)
+    pool.evict(b"system")                                              # gone again, as eviction would
+    policy.protection.evicted(b"system", last_use=pool.clock, num_slots=2, restores=int(served))
+    publish(policy, pool, kinds, b"system", 64, "branch")             # and wanted again
+    assert policy.protection.uses(b"system") == 2 + int(served)
+    assert victim_key() == (b"doc" if served else b"system")
