@@ -553,8 +553,8 @@ class HybridServePolicy(IntervalPolicy):
     prompt mark or resume takes only a free or covered slot.
     A capture that takes only a free or covered slot passes over a covered request end restored
     once (or the resume captured where it was gone) while a sibling continuation of its turn may
-    still want it (`SiblingGaps`). A released request's KV beyond its deepest snapshot is freed
-    first."""
+    still want it (`SiblingGaps`); eviction takes such a one after the other covered slots. A
+    released request's KV beyond its deepest snapshot is freed first."""
 
     name = "hybridserve"
     capture_at_end = True
@@ -681,14 +681,29 @@ class HybridServePolicy(IntervalPolicy):
     def choose_covered(self, pool: SnapshotPool) -> int | None:
         """The covered slot an opportunistic capture takes (None: it is skipped): the least recently
         used, passing over sibling points that a sibling may still want (`SiblingGaps`)."""
-        turnover = float(max(pool.num_slots, 1))
+        slot, _ = self._covered_unheld(pool)
+        if slot is not None:
+            self._note_eviction(pool, slot)
+        return slot
+
+    def _covered_victim(self, pool: SnapshotPool) -> int | None:
+        """The covered slot an eviction takes first (None if none is covered): the least recently used,
+        passing over sibling points that a sibling may still want while another covered slot is
+        there to take. A covered snapshot costs nothing to evict, unless a sibling comes for it."""
+        slot, held = self._covered_unheld(pool)
+        return slot if slot is not None else held
+
+    def _covered_unheld(self, pool: SnapshotPool) -> tuple[int | None, int | None]:
+        """The least recently used covered slot that no sibling may still want, and the least recently
+        used one passed over because a sibling may (`SiblingGaps.holds`)."""
+        turnover, held = float(max(pool.num_slots, 1)), None
         for slot, key, _, last_use, hits, _, _ in pool.covered_candidates(EVICTION_WINDOW):
             idle = (pool.clock - last_use) / turnover
             if SiblingGaps.is_sibling_point(self.kinds.get(key), hits) and self.sibling_gaps.holds(idle):
+                held = slot if held is None else held
                 continue
-            self._note_eviction(pool, slot)
-            return slot
-        return None
+            return slot, held
+        return None, held
 
     def choose_victim(self, pool: SnapshotPool) -> int | None:
         slot = self._lowest_value(pool)
@@ -716,9 +731,10 @@ class HybridServePolicy(IntervalPolicy):
             self.reuse_gaps.resume_evicted(key, pool.clock - ticks, pool.num_slots)
 
     def _lowest_value(self, pool: SnapshotPool) -> int | None:
-        """The victim: a covered snapshot, one whose KV is gone, else the lowest value among the
-        unprotected while protected ones fill less than their share, else among all."""
-        for slot in pool.covered():
+        """The victim: a covered snapshot (`_covered_victim`), one whose KV is gone, else the lowest
+        value among the unprotected while protected ones fill less than their share, else among all."""
+        slot = self._covered_victim(pool)
+        if slot is not None:
             return slot
         best_slot, best_value = None, float("inf")
         open_slot, open_value, num_protected = None, float("inf"), 0

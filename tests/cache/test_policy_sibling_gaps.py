@@ -82,3 +82,24 @@ def test_a_sibling_restore_reaches_the_policy_through_the_manager() -> None:
     run.serve("2", first + output + list(range(2000, 2100)), [9])
     assert len(policy.sibling_gaps.gaps()) == 1
     run.scheduler.check_integrity()
+
+
+def test_an_eviction_takes_another_covered_slot_before_a_sibling_point_a_sibling_may_want() -> None:
+    """Covered snapshots go first, the oldest first; a sibling point that a sibling may still want
+    goes after the other covered ones, but still before anything that serves on its own."""
+    policy, pool, kinds = policy_and_pool(4)
+    end = _covered_end(policy, pool, kinds)                            # oldest: a covered sibling point
+    mark = publish(policy, pool, kinds, b"mark", 256, "interval")
+    under = pool.reserve(b"deeper", 512, parent=b"mark")
+    assert under.status is ReserveStatus.RESERVED
+    kinds[b"deeper"] = "end"
+    pool.publish(under)
+    assert pool.is_covered(b"mark") and pool.num_free_slots == 0
+    assert pool.choose_victim is not None
+    assert pool.choose_victim(pool) == end                             # nothing learned: the oldest covered
+    for _ in range(KIND_GAPS_NEEDED):
+        policy.sibling_gaps.restored(1.0)                              # siblings come within a turnover
+    assert pool.choose_victim(pool) == mark
+    assert pool.reserve(b"next", 2000).evicted_key == b"mark"
+    assert pool.choose_victim(pool) == end                             # the only covered slot left
+    pool.check_integrity()
