@@ -540,8 +540,8 @@ class HybridServePolicy(IntervalPolicy):
     whose kind is restored less than request ends takes only free or covered slots too, so it never
     pushes out the ends that serve more. A branch point that resumes an earlier request's end is
     covered by the request's own snapshots until resumes prove worth more than ends
-    (`holds_as_branch`). Evicts, cheapest loss first: a snapshot whose KV is gone,
-    then a covered one, then the lowest value = prefill FLOPs saved beyond the resident parent x
+    (`holds_as_branch`). Evicts, cheapest loss first: a covered snapshot, then one whose KV is
+    gone, then the lowest value = prefill FLOPs saved beyond the resident parent x
     (prior + hits + extra paths) x the share of its reuse still ahead (a branch point's hits include
     the uses it carries from earlier stays, weighted, `BranchProtection.uses_carried`): for a snapshot of a kind whose
     idle gaps before a first reuse (unreused) or a later one (restored; `CONTINUATION_KINDS`) are known
