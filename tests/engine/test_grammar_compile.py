@@ -172,9 +172,11 @@ def test_abort_while_compiling_cancels_a_queued_compile(engine: LLMEngine) -> No
 
 def test_compile_cache_is_bounded_and_shares_compiles() -> None:
     compiler, build = gated_compiler(cache_size=3)
-    build.gate.set()
     try:
+        # The gate opens only once all four have joined: an open gate lets the compile finish
+        # before the later submits, which then count as cache hits instead of joining it.
         shared = [compiler.submit(DIGITS) for _ in range(4)]  # one compile for all four
+        build.gate.set()
         assert all(pending.wait() is shared[0].wait() for pending in shared)
         for pending in shared:
             pending.release()
@@ -186,6 +188,7 @@ def test_compile_cache_is_bounded_and_shares_compiles() -> None:
         compiler.matcher(StructuredOutputsParams(regex="[a-z]{10}"))
         assert compiler.cache_info().hits == 1 and len(build.built) == 11
     finally:
+        build.gate.set()
         compiler.close()
 
 
